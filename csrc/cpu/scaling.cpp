@@ -1,0 +1,68 @@
+// CPU kernels of update_delayed_scaling and compute_scale_from_amax: the reference of the CUDA
+// ones (csrc/cuda/scaling.cu), column by column as fp8_common.h describes.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+
+namespace transformer_fp8 {
+namespace {
+
+// One column of a history [L, n] (stride n), its scale and scale_inv.
+void update_column(float* history, int64_t L, int64_t n, float* scale, float* scale_inv,
+                   float fp8_max, int margin, AmaxAlgo algo) {
+  const float cur = history[0];
+  if (cur == 0.0f) return;  // nothing recorded this step: keep the column as it is
+  float window_max = -INFINITY;
+  if (L >= 2) window_max = finite_max(window_max, history[n]);  // old row 1, dropped by the roll
+  for (int64_t r = 1; r + 1 < L; ++r) {
+    const float v = history[(r + 1) * n];
+    window_max = finite_max(window_max, v);
+    history[r * n] = v;
+  }
+  window_max = finite_max(window_max, cur);
+  if (L >= 2) history[(L - 1) * n] = cur;
+  history[0] = 0.0f;
+  const float amax = algo == AmaxAlgo::Max ? window_max : (finite_f32(cur) ? cur : -INFINITY);
+  if (amax_is_usable(amax)) *scale = scale_from_amax(amax, fp8_max, margin);
+  *scale_inv = 1.0f / *scale;
+}
+
+void update_delayed_scaling_cpu(at::TensorList amax_histories, at::TensorList scales,
+                                at::TensorList scale_invs, at::ArrayRef<double> fp8_maxes,
+                                int64_t margin, c10::string_view amax_compute_algo) {
+  check_delayed_scaling_args(amax_histories, scales, scale_invs, fp8_maxes, margin);
+  const AmaxAlgo algo = parse_amax_algo(amax_compute_algo);
+  for (size_t i = 0; i < amax_histories.size(); ++i) {
+    const at::Tensor& h = amax_histories[i];
+    const int64_t L = h.size(0), n = h.size(1);
+    float* hist = h.data_ptr<float>();
+    float* s = scales[i].data_ptr<float>();
+    float* si = scale_invs[i].data_ptr<float>();
+    for (int64_t c = 0; c < n; ++c)
+      update_column(hist + c, L, n, s + c, si + c, static_cast<float>(fp8_maxes[i]),
+                    static_cast<int>(margin), algo);
+  }
+}
+
+at::Tensor compute_scale_from_amax_cpu(const at::Tensor& amax, double fp8_max, int64_t margin) {
+  check_compute_scale_args(amax, fp8_max, margin);
+  const at::Tensor a = amax.contiguous();
+  at::Tensor scale = at::empty(amax.sizes(), amax.options());
+  const float* in = a.data_ptr<float>();
+  float* out = scale.data_ptr<float>();
+  for (int64_t i = 0; i < a.numel(); ++i)
+    out[i] = amax_is_usable(in[i])
+                 ? scale_from_amax(in[i], static_cast<float>(fp8_max), static_cast<int>(margin))
+                 : 1.0f;
+  return scale;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(transformer_fp8, CPU, m) {
+  m.impl("update_delayed_scaling", &update_delayed_scaling_cpu);
+  m.impl("compute_scale_from_amax", &compute_scale_from_amax_cpu);
+}
+
+}  // namespace transformer_fp8

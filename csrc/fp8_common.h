@@ -1,0 +1,70 @@
+// Numerics shared by the CPU and CUDA kernels: FP8 format limits and the delayed-scaling rule.
+// Everything here is plain C++ usable from host code and from CUDA device code, so both
+// backends compute the very same function.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define TFP8_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define TFP8_HOST_DEVICE inline
+#endif
+
+namespace transformer_fp8 {
+
+// FP8 formats the kernels produce. Values match torch.float8_e4m3fn / torch.float8_e5m2.
+enum class Fp8Format : int { E4M3 = 0, E5M2 = 1 };
+
+// Input / output element types that the raw kernels understand.
+enum class HpType : int { Float32 = 0, BFloat16 = 1, Float16 = 2 };
+
+constexpr float kE4M3Max = 448.0f;
+constexpr float kE5M2Max = 57344.0f;
+
+TFP8_HOST_DEVICE float fp8_max_of(Fp8Format f) {
+  return f == Fp8Format::E4M3 ? kE4M3Max : kE5M2Max;
+}
+
+TFP8_HOST_DEVICE bool finite_f32(float v) {
+#if defined(__CUDA_ARCH__)
+  return isfinite(v);
+#else
+  return std::isfinite(v);
+#endif
+}
+
+// max(|.|) accumulation that propagates NaN, like torch's amax.
+TFP8_HOST_DEVICE float nan_max(float acc, float v) {
+  return (v > acc || v != v) ? v : acc;
+}
+
+// max over the finite values only; the accumulator starts at -inf ("nothing finite yet").
+TFP8_HOST_DEVICE float finite_max(float acc, float v) {
+  return (finite_f32(v) && v > acc) ? v : acc;
+}
+
+// An amax gives a scale only when it is finite and positive.
+TFP8_HOST_DEVICE bool amax_is_usable(float amax) {
+  return finite_f32(amax) && amax > 0.0f;
+}
+
+// scale = fp8_max / amax / 2**margin. Computed in fp64 and rounded to fp32 once, so that a
+// tiny amax does not overflow halfway; an fp32 overflow is clamped to FLT_MAX so the scale stays
+// finite and scale_inv = 1/scale stays non-zero.
+TFP8_HOST_DEVICE float scale_from_amax(float amax, float fp8_max, int margin) {
+  const double s = ldexp(static_cast<double>(fp8_max) / static_cast<double>(amax), -margin);
+  return s > static_cast<double>(FLT_MAX) ? FLT_MAX : static_cast<float>(s);
+}
+
+// The delayed-scaling update of one column of an amax history [L, n] (row-major, stride n).
+// Used as-is by the CPU kernel; the CUDA kernel runs the same steps with a thread block.
+//   cur = history[0]; cur == 0 -> nothing recorded this step: leave everything untouched.
+//   Otherwise roll: rows 1..L-2 <- old rows 2..L-1, row L-1 <- cur, row 0 <- 0, and derive the
+//   amax from the window {old rows 1..L-1, cur} ("max") or from cur ("most_recent"), ignoring
+//   non-finite entries. A usable amax sets the scale; scale_inv is always 1/scale.
+enum class AmaxAlgo : int { Max = 0, MostRecent = 1 };
+
+}  // namespace transformer_fp8

@@ -1,0 +1,60 @@
+// Every operator schema of the transformer_fp8 namespace, in one place, and the Python module
+// that loads them. Kernels: csrc/cpu/*.cpp (CPU, also the executable reference) and
+// csrc/cuda/* (CUDA). Fake kernels for torch.compile live in transformer_fp8/ops.py.
+#include <torch/extension.h>
+
+#include <string>
+
+#include "build_config.h"  // written by setup.py into build/generated
+
+// Defaults for a build that did not say.
+#ifndef TRANSFORMER_FP8_CUDA_ARCHS
+#define TRANSFORMER_FP8_CUDA_ARCHS ""
+#endif
+#ifndef TRANSFORMER_FP8_CUDA_VERSION
+#define TRANSFORMER_FP8_CUDA_VERSION ""
+#endif
+#ifndef TRANSFORMER_FP8_TORCH_VERSION
+#define TRANSFORMER_FP8_TORCH_VERSION ""
+#endif
+
+TORCH_LIBRARY(transformer_fp8, m) {
+  // max |x| as a float32 0-dim tensor; NaN propagates; 0 for an empty x.
+  m.def("amax(Tensor x) -> Tensor");
+  // (x * scale) clamped to the FP8 range and rounded to nearest even; amax (if given) is
+  // updated in place to max(amax, max |x|) in the same pass.
+  m.def("cast_to_fp8(Tensor x, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax=None) -> Tensor");
+  // The same cast for a 2-D x, returning the FP8 tensor and its contiguous transpose.
+  m.def("cast_transpose_to_fp8(Tensor x, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax=None) -> (Tensor, Tensor)");
+  // x_fp8 * scale_inv in float32, rounded to dtype.
+  m.def("cast_from_fp8(Tensor x_fp8, Tensor scale_inv, ScalarType dtype) -> Tensor");
+  // Delayed scaling for many tensors at once (one kernel launch on CUDA), in place.
+  m.def("update_delayed_scaling(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, float[] fp8_maxes, int margin, str amax_compute_algo) -> ()");
+  // Current scaling: fp8_max / amax / 2**margin elementwise; 1.0 where amax is 0 or not finite.
+  m.def("compute_scale_from_amax(Tensor amax, float fp8_max, int margin) -> Tensor");
+  // out[M, N] = (a[M, K] * a_scale_inv) @ (b[N, K] * b_scale_inv)^T (+ bias[N]).
+  m.def("fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None, bool use_fast_accum=False) -> Tensor");
+}
+
+namespace {
+
+pybind11::dict build_info() {
+  pybind11::dict info;
+#ifdef TRANSFORMER_FP8_WITH_CUDA
+  info["cuda"] = true;
+  info["cuda_version"] = std::string(TRANSFORMER_FP8_CUDA_VERSION);
+#else
+  info["cuda"] = false;
+  info["cuda_version"] = pybind11::none();
+#endif
+  info["cuda_archs"] = std::string(TRANSFORMER_FP8_CUDA_ARCHS);
+  info["torch_version"] = std::string(TRANSFORMER_FP8_TORCH_VERSION);
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, module) {
+  module.doc() = "transformer_fp8 operators (registered under torch.ops.transformer_fp8)";
+  module.def("build_info", &build_info, "What this build of the extension contains.");
+}
