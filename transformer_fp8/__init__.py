@@ -1,1 +1,25 @@
+"""transformer_fp8: FP8 training for PyTorch.
 
+Importing this package loads the compiled operators (torch.ops.transformer_fp8) but never
+initialises CUDA.
+"""
+from . import ops, recipe
+from .recipe import DelayedScaling, Float8CurrentScaling, Format
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """What this build contains: {"cuda": bool, "cuda_archs": [...], "cuda_version": str|None,
+    "torch_version": str (built against), "torch_runtime_version": str}."""
+    import torch
+
+    from . import _C
+
+    info = dict(_C.build_info())
+    info["cuda_archs"] = [a for a in info["cuda_archs"].split(";") if a]
+    info["torch_runtime_version"] = torch.__version__
+    return info
+
+
+__all__ = ["DelayedScaling", "Float8CurrentScaling", "Format", "build_info", "ops", "recipe"]

@@ -1,0 +1,152 @@
+"""Typed wrappers over ``torch.ops.transformer_fp8`` and their fake kernels.
+
+Every operator has a CPU and a CUDA kernel (csrc/cpu, csrc/cuda) with the same numerics, and a
+fake kernel registered here so that torch.compile can trace it. Scales, scale_invs and amax
+slots are 1-element float32 tensors on the data's device: nothing here reads them on the host.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library and registers the operators)
+
+_ops = torch.ops.transformer_fp8
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 0-dim tensor; NaN propagates; 0 for an empty x."""
+    return _ops.amax(x)
+
+
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Saturating cast ``(x.float() * scale).clamp(-max, max).to(fp8_dtype)``, bit for bit.
+
+    x: float32, bfloat16 or float16, any shape, contiguous or not. Rounds to nearest even;
+    finite overflow and +-inf become +-448 (E4M3) or +-57344 (E5M2); NaN stays NaN.
+    If ``amax`` (1-element float32) is given it becomes max(amax, max |x|), in the same pass.
+    """
+    return _ops.cast_to_fp8(x, scale, fp8_dtype, amax)
+
+
+def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                          amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cast of a 2-D x and its contiguous transpose, from one read of x (amax fused)."""
+    return _ops.cast_transpose_to_fp8(x, scale, fp8_dtype, amax)
+
+
+def cast_from_fp8(x_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantise: ``(x_fp8.float() * scale_inv).to(dtype)``."""
+    return _ops.cast_from_fp8(x_fp8, scale_inv, dtype)
+
+
+def compute_scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
+    """Current scaling: ``fp8_max / amax / 2**margin`` elementwise (fp64 then rounded to fp32,
+    clamped to FLT_MAX); 1.0 where amax is 0, negative or not finite."""
+    return _ops.compute_scale_from_amax(amax, float(fp8_max), _check_margin(margin))
+
+
+def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+             b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+             bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False) -> torch.Tensor:
+    """``out[M, N] = (a[M, K] * a_scale_inv) @ (b[N, K] * b_scale_inv).T (+ bias[N])``.
+
+    Both operands are FP8 with K contiguous (the "TN" layout of Hopper's FP8 tensor cores);
+    E5M2 x E5M2 is refused. Accumulation in float32 (``use_fast_accum`` lets cuBLASLt skip the
+    periodic promotion of partial sums: faster, slightly less accurate). bias has out_dtype.
+    On CUDA, M, N and K must be multiples of 16.
+    """
+    return _ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum)
+
+
+def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                           scale_invs: Sequence[torch.Tensor], fp8_maxes: Sequence[float],
+                           margin: int = 0, amax_compute_algo: AmaxAlgo = "max",
+                           scaling_factor_compute_algo: Optional[Callable] = None,
+                           recipe=None) -> None:
+    """Delayed-scaling update of many tensors, in place (one kernel launch on CUDA).
+
+    Per column i of each history [L, n], with cur = history[0, i] (this step's amax, already
+    reduced across ranks):
+      * cur == 0: nothing was recorded; the column, its scale and scale_inv stay as they are;
+      * otherwise the history rolls (rows 1..L-1 hold the last L-1 amaxes, oldest first, cur in
+        row L-1; row 0 is reset to 0), amax = max of the finite values of the window
+        {old rows 1..L-1, cur} ("max") or cur ("most_recent"), and if that amax is finite and
+        positive, scale = fp8_max / amax / 2**margin (clamped to FLT_MAX); scale_inv = 1/scale.
+
+    Callables (as in Transformer Engine's recipe) run in Python with the same roll:
+    ``amax_compute_algo(window)`` gets the window [L, n] (oldest first, cur last) and returns
+    the amax [n]; ``scaling_factor_compute_algo(amax, scale, fp8_max, recipe)`` returns the new
+    scale [n]. Columns with cur == 0 are left untouched either way.
+    """
+    histories, scales, scale_invs = list(amax_histories), list(scales), list(scale_invs)
+    maxes = [float(m) for m in fp8_maxes]
+    margin = _check_margin(margin)
+    if isinstance(amax_compute_algo, str) and scaling_factor_compute_algo is None:
+        _ops.update_delayed_scaling(histories, scales, scale_invs, maxes, margin, amax_compute_algo)
+        return
+    if not (callable(amax_compute_algo) or amax_compute_algo in ("max", "most_recent")):
+        raise ValueError("amax_compute_algo must be 'max', 'most_recent' or a callable, "
+                         f"got {amax_compute_algo!r}")
+    if not (scaling_factor_compute_algo is None or callable(scaling_factor_compute_algo)):
+        raise TypeError("scaling_factor_compute_algo must be None or a callable, "
+                        f"got {type(scaling_factor_compute_algo).__name__}")
+    from .reference import check_delayed_scaling_lists, update_delayed_scaling_reference
+    check_delayed_scaling_lists(histories, scales, scale_invs, maxes)
+    for history, scale, scale_inv, fp8_max in zip(histories, scales, scale_invs, maxes):
+        update_delayed_scaling_reference(history, scale, scale_inv, fp8_max, margin,
+                                         amax_compute_algo, scaling_factor_compute_algo, recipe)
+
+
+def _check_margin(margin) -> int:
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 1000:
+        raise ValueError(f"margin must be an integer in [0, 1000], got {margin!r}")
+    return margin
+
+
+# Fake kernels: shapes and dtypes only, for torch.compile and meta tensors.
+
+@torch.library.register_fake("transformer_fp8::amax")
+def _amax_fake(x):
+    return x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.register_fake("transformer_fp8::cast_to_fp8")
+def _cast_to_fp8_fake(x, scale, fp8_dtype, amax=None):
+    return x.new_empty(x.shape, dtype=fp8_dtype)
+
+
+@torch.library.register_fake("transformer_fp8::cast_transpose_to_fp8")
+def _cast_transpose_to_fp8_fake(x, scale, fp8_dtype, amax=None):
+    torch._check(x.dim() == 2, lambda: f"cast_transpose_to_fp8 needs a 2-D x, got {x.dim()}-D")
+    rows, cols = x.shape
+    return x.new_empty((rows, cols), dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
+
+
+@torch.library.register_fake("transformer_fp8::cast_from_fp8")
+def _cast_from_fp8_fake(x_fp8, scale_inv, dtype):
+    return x_fp8.new_empty(x_fp8.shape, dtype=dtype)
+
+
+@torch.library.register_fake("transformer_fp8::update_delayed_scaling")
+def _update_delayed_scaling_fake(amax_histories, scales, scale_invs, fp8_maxes, margin,
+                                 amax_compute_algo):
+    return None
+
+
+@torch.library.register_fake("transformer_fp8::compute_scale_from_amax")
+def _compute_scale_from_amax_fake(amax, fp8_max, margin):
+    return torch.empty_like(amax, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("transformer_fp8::fp8_gemm")
+def _fp8_gemm_fake(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None, use_fast_accum=False):
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "fp8_gemm needs 2-D a and b")
+    torch._check(a.shape[1] == b.shape[1], lambda: "fp8_gemm: a [M, K] and b [N, K] must share K")
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)

@@ -1,0 +1,114 @@
+"""Pure-torch references of every operator: the numeric contract, executable.
+
+Tests compare the C++/CUDA kernels with these bit for bit (casts, scaling) or by SQNR (GEMM).
+They are written for clarity, not speed.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def amax_reference(x: torch.Tensor) -> torch.Tensor:
+    """max |x| in float32, NaN propagating, 0 for an empty x."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.float().abs().amax()
+
+
+def cast_to_fp8_reference(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                          amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Clamp first: torch's float->fp8 conversion (before 2.12) turns overflow into NaN."""
+    fp8_max = FP8_MAX[fp8_dtype]
+    out = (x.float() * scale.reshape(())).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    if amax is not None and x.numel() > 0:
+        amax.copy_(torch.maximum(amax, amax_reference(x).reshape(amax.shape)))
+    return out
+
+
+def cast_from_fp8_reference(x_fp8: torch.Tensor, scale_inv: torch.Tensor,
+                            dtype: torch.dtype) -> torch.Tensor:
+    return (x_fp8.float() * scale_inv.reshape(())).to(dtype)
+
+
+def scale_from_amax_reference(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    """fp8_max / amax / 2**margin in fp64, rounded once to fp32, overflow clamped to FLT_MAX.
+    Only meaningful where amax is finite and positive."""
+    scale = (fp8_max / amax.double() / 2.0 ** margin).float()
+    return torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+
+
+def compute_scale_from_amax_reference(amax: torch.Tensor, fp8_max: float,
+                                      margin: int = 0) -> torch.Tensor:
+    usable = torch.isfinite(amax) & (amax > 0)
+    return torch.where(usable, scale_from_amax_reference(amax, fp8_max, margin),
+                       torch.ones_like(amax))
+
+
+def update_delayed_scaling_reference(
+        history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fp8_max: float,
+        margin: int = 0,
+        amax_compute_algo: Union[str, Callable[[torch.Tensor], torch.Tensor]] = "max",
+        scaling_factor_compute_algo: Optional[Callable] = None, recipe=None) -> None:
+    """One history [L, n] with its scale [n] and scale_inv [n], in place (see ops.py)."""
+    cur = history[0].clone()
+    recorded = cur != 0  # NaN counts as recorded
+    # The window: old rows 1..L-1 (oldest first) and this step's amax last.
+    window = torch.cat([history[1:], cur[None]])
+    if callable(amax_compute_algo):
+        amax = amax_compute_algo(window)
+    elif amax_compute_algo == "max":
+        amax = torch.where(torch.isfinite(window), window, float("-inf")).amax(dim=0)
+    elif amax_compute_algo == "most_recent":
+        amax = torch.where(torch.isfinite(cur), cur, float("-inf"))
+    else:
+        raise ValueError(f"amax_compute_algo must be 'max', 'most_recent' or a callable, "
+                         f"got {amax_compute_algo!r}")
+    if scaling_factor_compute_algo is not None:
+        new_scale = scaling_factor_compute_algo(amax, scale, fp8_max, recipe).to(scale.dtype)
+    else:
+        usable = torch.isfinite(amax) & (amax > 0)
+        new_scale = torch.where(usable, scale_from_amax_reference(amax, fp8_max, margin), scale)
+    rolled = torch.cat([torch.zeros_like(cur)[None], window[1:]])
+    history.copy_(torch.where(recorded, rolled, history))
+    scale.copy_(torch.where(recorded, new_scale, scale))
+    scale_inv.copy_(torch.where(recorded, 1.0 / scale, scale_inv))
+
+
+def fp8_gemm_reference(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+                       b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Dequantise to float64, multiply, add the bias: the exact product, rounded to out_dtype."""
+    out = (a.double() * a_scale_inv.double().reshape(())) @ \
+          (b.double() * b_scale_inv.double().reshape(())).T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(out_dtype)
+
+
+def check_delayed_scaling_lists(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                                scale_invs: Sequence[torch.Tensor],
+                                fp8_maxes: Sequence[float]) -> None:
+    """The argument checks of the C++ operator, for the Python (callable) path."""
+    if len(histories) == 0:
+        raise ValueError("amax_histories must be a non-empty list, got an empty list")
+    if not len(histories) == len(scales) == len(scale_invs) == len(fp8_maxes):
+        raise ValueError("amax_histories, scales, scale_invs and fp8_maxes must have the same "
+                         f"length, got {len(histories)}, {len(scales)}, {len(scale_invs)} and "
+                         f"{len(fp8_maxes)}")
+    device = histories[0].device
+    for i, (h, s, si) in enumerate(zip(histories, scales, scale_invs)):
+        if h.dim() != 2 or h.shape[0] < 1 or h.dtype != torch.float32:
+            raise ValueError(f"amax_histories[{i}] must be a float32 tensor of shape [L >= 1, n], "
+                             f"got {h.dtype} of shape {tuple(h.shape)}")
+        for name, t in (("scales", s), ("scale_invs", si)):
+            if t.shape != (h.shape[1],) or t.dtype != torch.float32:
+                raise ValueError(f"{name}[{i}] must be a float32 tensor of shape "
+                                 f"[{h.shape[1]}], got {t.dtype} of shape {tuple(t.shape)}")
+        if not h.device == s.device == si.device == device:
+            raise ValueError(f"every tensor must be on {device}; at index {i} got "
+                             f"{h.device}, {s.device}, {si.device}")
