@@ -4,6 +4,8 @@ Importing this package loads the compiled operators (torch.ops.transformer_fp8) 
 initialises CUDA.
 """
 from . import ops, recipe
+from .autocast import fp8_autocast
+from .linear import Linear, convert_to_fp8, strip_fp8_state
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
 
 __version__ = "0.1.0"
@@ -22,4 +24,5 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["DelayedScaling", "Float8CurrentScaling", "Format", "build_info", "ops", "recipe"]
+__all__ = ["DelayedScaling", "Float8CurrentScaling", "Format", "Linear", "build_info",
+           "convert_to_fp8", "fp8_autocast", "ops", "recipe", "strip_fp8_state"]

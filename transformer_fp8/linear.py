@@ -1,0 +1,307 @@
+"""transformer_fp8.Linear: a drop-in torch.nn.Linear whose GEMMs run in FP8 inside fp8_autocast.
+
+FP8 state per layer (plain tensors in state_dict):
+  fp8_fwd_amax_history [L, 2]  amaxes of (input, weight), row 0 = this step
+  fp8_fwd_scale [2], fp8_fwd_scale_inv [2]
+  fp8_bwd_amax_history [L, 1]  amax of grad_output
+  fp8_bwd_scale [1], fp8_bwd_scale_inv [1]
+  fp8_recipe [4] int64         margin, format, amax_history_len, amax algo (-1: never used)
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import autocast as _autocast
+from . import ops
+from .recipe import DelayedScaling, Float8CurrentScaling, Format
+
+INPUT, WEIGHT = 0, 1  # columns of the forward state
+FP8_STATE_KEYS = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
+                  "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv", "fp8_recipe")
+_FORMAT_CODES = {Format.E4M3: 0, Format.E5M2: 1, Format.HYBRID: 2}
+_ALGO_CODES = {"max": 0, "most_recent": 1}
+_DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
+_ALIGN = 16  # FP8 GEMM dimensions must be multiples of 16
+
+
+def _recipe_code(recipe: DelayedScaling) -> list[int]:
+    algo = recipe.amax_compute_algo
+    return [recipe.margin, _FORMAT_CODES[recipe.fp8_format], recipe.amax_history_len,
+            _ALGO_CODES.get(algo, 2) if isinstance(algo, str) else 2]
+
+
+class _Fp8Cast:
+    """How one tensor role (input, weight, grad_output) is cast: its scale, where its amax goes,
+    and the scale_inv its FP8 copy is dequantised with."""
+
+    def __init__(self, dtype, scale, scale_inv, amax_slot, current_scaling_group=None,
+                 current_scaling=False):
+        self.dtype = dtype
+        self.scale = scale
+        self.scale_inv = scale_inv
+        self.amax_slot = amax_slot
+        self.current_scaling = current_scaling
+        self.group = current_scaling_group
+
+    def cast_transpose(self, x: torch.Tensor):
+        """(x_fp8, x_t_fp8, scale_inv used). Delayed: the stored scale, amax recorded in the same
+        pass. Current: the scale of this tensor's own amax (reduced across the group)."""
+        if self.current_scaling:
+            amax = ops.amax(x)
+            _autocast.all_reduce_max(amax, self.group)
+            fp8_max = torch.finfo(self.dtype).max
+            scale = ops.compute_scale_from_amax(amax.reshape(1), fp8_max)
+            x_fp8, x_t = ops.cast_transpose_to_fp8(x, scale, self.dtype)
+            return x_fp8, x_t, scale.reciprocal()
+        x_fp8, x_t = ops.cast_transpose_to_fp8(x, self.scale, self.dtype, self.amax_slot)
+        # A copy: the delayed update rewrites scale_inv in place before backward runs.
+        return x_fp8, x_t, self.scale_inv.clone()
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """Zero rows up to a multiple of 16: they change neither amax nor any product row kept."""
+    extra = (-x.shape[0]) % _ALIGN
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, weight, bias, module, input_cast, weight_cast, grad_cast, weight_fp8,
+                backward_step, is_first_module, out_dtype):
+        in_features = weight.shape[1]
+        lead_shape = inp.shape[:-1]
+        inp_2d = inp.reshape(-1, in_features)
+        rows = inp_2d.shape[0]
+        x_fp8, x_t_fp8, x_scale_inv = input_cast.cast_transpose(_pad_rows(inp_2d))
+        if weight_fp8 is None:
+            weight_fp8 = weight_cast.cast_transpose(weight)
+        w_fp8, w_t_fp8, w_scale_inv = weight_fp8
+        out = ops.fp8_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, out_dtype,
+                           bias=None if bias is None else bias.to(out_dtype), use_fast_accum=True)
+        # Backward needs only the FP8 copies: the high-precision input is not kept.
+        ctx.save_for_backward(x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv)
+        ctx.grad_cast = grad_cast
+        ctx.backward_step = backward_step
+        ctx.is_first_module = is_first_module
+        ctx.rows, ctx.lead_shape = rows, lead_shape
+        ctx.inp_dtype, ctx.weight_dtype = inp.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out[:rows].reshape(*lead_shape, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv = ctx.saved_tensors
+        out_features = w_t_fp8.shape[1]
+        g_2d = grad_out.reshape(-1, out_features)
+        g_fp8, g_t_fp8, g_scale_inv = ctx.grad_cast.cast_transpose(_pad_rows(g_2d))
+        grad_inp = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # dgrad [M, K] = grad_out [M, N] @ weight [N, K]; b operand = weight^T [K, N]
+            grad_inp = ops.fp8_gemm(g_fp8, g_scale_inv, w_t_fp8, w_scale_inv, ctx.inp_dtype)
+            grad_inp = grad_inp[:ctx.rows].reshape(*ctx.lead_shape, w_t_fp8.shape[0])
+        if ctx.needs_input_grad[1]:
+            # wgrad [N, K] = grad_out^T [N, M] @ input [M, K]; b operand = input^T [K, M]
+            grad_weight = ops.fp8_gemm(g_t_fp8, g_scale_inv, x_t_fp8, x_scale_inv,
+                                       ctx.weight_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = g_2d.sum(dim=0).to(ctx.bias_dtype)
+        if ctx.is_first_module and ctx.backward_step is not None:
+            ctx.backward_step.finish()
+        return grad_inp, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+class Linear(torch.nn.Linear):
+    """Drop-in for torch.nn.Linear (same parameters, initialisation and state_dict keys, plus the
+    FP8 state). Outside fp8_autocast, or with enabled=False, it computes what nn.Linear does.
+
+    Inside fp8_autocast: input and weight are cast to FP8 (E4M3 with HYBRID) and multiplied by a
+    cuBLASLt FP8 GEMM; backward casts grad_output (E5M2 with HYBRID) and runs dgrad and wgrad in
+    FP8. Layers whose in_features or out_features is not a multiple of 16 run in high precision
+    (with a one-time warning); any number of rows works.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 params_dtype: Optional[torch.dtype] = None, device=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=params_dtype)
+        self._register_fp8_state(self.weight.device)
+
+    # ---- FP8 state ---------------------------------------------------------------------------
+
+    def _register_fp8_state(self, device, history_len: int = _DEFAULT_HISTORY_LEN) -> None:
+        f32 = dict(dtype=torch.float32, device=device)
+        self.register_buffer("fp8_fwd_amax_history", torch.zeros(history_len, 2, **f32))
+        self.register_buffer("fp8_fwd_scale", torch.ones(2, **f32))
+        self.register_buffer("fp8_fwd_scale_inv", torch.ones(2, **f32))
+        self.register_buffer("fp8_bwd_amax_history", torch.zeros(history_len, 1, **f32))
+        self.register_buffer("fp8_bwd_scale", torch.ones(1, **f32))
+        self.register_buffer("fp8_bwd_scale_inv", torch.ones(1, **f32))
+        self.register_buffer("fp8_recipe", torch.full((4,), -1, dtype=torch.int64, device=device))
+        self._recipe_code: Optional[list[int]] = None
+        self._weight_cache = None
+        self._warned_high_precision = False
+
+    def reset_fp8_state(self) -> None:
+        """Fresh FP8 state: empty histories, unit scales (keeps the history length)."""
+        for name in ("fp8_fwd_amax_history", "fp8_bwd_amax_history"):
+            getattr(self, name).zero_()
+        for name in ("fp8_fwd_scale", "fp8_fwd_scale_inv", "fp8_bwd_scale", "fp8_bwd_scale_inv"):
+            getattr(self, name).fill_(1.0)
+        self.fp8_recipe.fill_(-1)
+        self._recipe_code = None
+        self._weight_cache = None
+
+    def _adopt_recipe(self, recipe: DelayedScaling) -> None:
+        """Match the history length to the recipe (a new length starts a fresh history; the
+        scales are kept) and record the recipe fields. Host work only when the recipe changes."""
+        code = _recipe_code(recipe)
+        if code == self._recipe_code:
+            return
+        for name in ("fp8_fwd_amax_history", "fp8_bwd_amax_history"):
+            history = getattr(self, name)
+            if history.shape[0] != recipe.amax_history_len:
+                # .data keeps the buffer object, so references (e.g. DDP's) stay valid.
+                history.data = history.new_zeros(recipe.amax_history_len, history.shape[1])
+        self.fp8_recipe.copy_(torch.tensor(code, dtype=torch.int64))
+        self._recipe_code = code
+
+    def _fwd_state(self):
+        return (self.fp8_fwd_amax_history, self.fp8_fwd_scale, self.fp8_fwd_scale_inv,
+                self._fwd_fp8_max)
+
+    def _bwd_state(self):
+        return (self.fp8_bwd_amax_history, self.fp8_bwd_scale, self.fp8_bwd_scale_inv,
+                self._bwd_fp8_max)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Histories of another length load as they are; a plain nn.Linear checkpoint (no FP8
+        # keys) loads with strict=True and leaves a fresh FP8 state.
+        present = [k for k in FP8_STATE_KEYS if prefix + k in state_dict]
+        for key in present:
+            incoming = state_dict[prefix + key]
+            buffer = getattr(self, key)
+            if isinstance(incoming, torch.Tensor) and incoming.shape != buffer.shape:
+                buffer.data = buffer.new_empty(incoming.shape)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if not present:
+            self.reset_fp8_state()
+        for key in FP8_STATE_KEYS:
+            if prefix + key not in present and prefix + key in missing_keys:
+                missing_keys.remove(prefix + key)
+        self._recipe_code = None  # re-read on the next FP8 forward
+        self._weight_cache = None
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        if inp.shape[-1:] != (self.in_features,):
+            raise ValueError(f"Linear: input must have shape [..., {self.in_features}], "
+                             f"got {tuple(inp.shape)}")
+        state = _autocast.current_state()
+        if state is None or not state.enabled:
+            return F.linear(inp, self.weight, self.bias)
+        if self.in_features % _ALIGN or self.out_features % _ALIGN:
+            if not self._warned_high_precision:
+                warnings.warn(f"transformer_fp8.Linear({self.in_features}, {self.out_features}): "
+                              "FP8 GEMMs need in_features and out_features to be multiples of "
+                              "16; this layer runs in high precision.", stacklevel=2)
+                self._warned_high_precision = True
+            return F.linear(inp, self.weight, self.bias)
+        return self._fp8_forward(inp, state, is_first_microbatch)
+
+    def _fp8_forward(self, inp, state, is_first_microbatch):
+        recipe = state.recipe
+        fmt = recipe.fp8_format
+        if fmt is Format.E5M2:
+            raise ValueError("Format.E5M2 cannot train a Linear layer: FP8 GEMMs take no E5M2 x "
+                             "E5M2 product; use Format.HYBRID or Format.E4M3")
+        self._fwd_fp8_max, self._bwd_fp8_max = fmt.max_fwd, fmt.max_bwd
+        out_dtype = (torch.get_autocast_dtype(inp.device.type)
+                     if torch.is_autocast_enabled(inp.device.type) else inp.dtype)
+        if isinstance(recipe, Float8CurrentScaling):
+            casts = [_Fp8Cast(dtype, None, None, None, state.group, current_scaling=True)
+                     for dtype in (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype)]
+            backward_step, is_first = None, False
+        else:
+            self._adopt_recipe(recipe)
+            fwd_h, fwd_s, fwd_si = (self.fp8_fwd_amax_history, self.fp8_fwd_scale,
+                                    self.fp8_fwd_scale_inv)
+            bwd_h, bwd_s, bwd_si = (self.fp8_bwd_amax_history, self.fp8_bwd_scale,
+                                    self.fp8_bwd_scale_inv)
+            casts = [
+                _Fp8Cast(fmt.fwd_dtype, fwd_s[INPUT:INPUT + 1], fwd_si[INPUT:INPUT + 1],
+                         fwd_h[0, INPUT:INPUT + 1]),
+                _Fp8Cast(fmt.fwd_dtype, fwd_s[WEIGHT:WEIGHT + 1], fwd_si[WEIGHT:WEIGHT + 1],
+                         fwd_h[0, WEIGHT:WEIGHT + 1]),
+                _Fp8Cast(fmt.bwd_dtype, bwd_s[0:1], bwd_si[0:1], bwd_h[0, 0:1]),
+            ]
+            backward_step, is_first = _autocast.record_forward(state, id(self), self._fwd_state,
+                                                               self._bwd_state)
+        weight_fp8 = self._weight_for_step(casts[WEIGHT], is_first_microbatch)
+        return _Fp8LinearFunction.apply(inp, self.weight, self.bias, self, casts[INPUT],
+                                        casts[WEIGHT], casts[2], weight_fp8, backward_step,
+                                        is_first, out_dtype)
+
+    def _weight_for_step(self, weight_cast, is_first_microbatch):
+        """None: cast the weight in this call. True: cast it now and keep it. False: reuse the
+        copy kept by the last True (gradient accumulation: the weight has not changed)."""
+        if is_first_microbatch is None:
+            self._weight_cache = None
+            return None
+        if is_first_microbatch or self._weight_cache is None:
+            with torch.no_grad():
+                self._weight_cache = weight_cast.cast_transpose(self.weight)
+        return self._weight_cache
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fp8=True"
+
+
+def strip_fp8_state(state_dict: dict) -> dict:
+    """A copy of a state_dict without the FP8 state, loadable into plain torch.nn.Linear
+    models with strict=True."""
+    return {k: v for k, v in state_dict.items() if k.rsplit(".", 1)[-1] not in FP8_STATE_KEYS}
+
+
+def _default_filter(module: torch.nn.Linear, name: str) -> bool:
+    return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+
+
+def convert_to_fp8(module: torch.nn.Module, filter_fn=None) -> torch.nn.Module:
+    """Replace, in place, every torch.nn.Linear in ``module`` by a transformer_fp8.Linear that
+    keeps the very same Parameter objects (so optimizers and DDP see no change).
+
+    filter_fn(linear, fully_qualified_name) -> bool chooses which layers; by default those whose
+    in_features and out_features are multiples of 16. Returns ``module`` (or its replacement if
+    ``module`` itself is a Linear).
+    """
+    filter_fn = filter_fn or _default_filter
+
+    def convert(linear: torch.nn.Linear, name: str):
+        if isinstance(linear, Linear) or type(linear) is not torch.nn.Linear:
+            return None
+        if not filter_fn(linear, name):
+            return None
+        new = Linear.__new__(Linear)
+        torch.nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._register_fp8_state(linear.weight.device)
+        new.train(linear.training)
+        return new
+
+    if isinstance(module, torch.nn.Linear):
+        return convert(module, "") or module
+    for name, parent in list(module.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full_name = f"{name}.{child_name}" if name else child_name
+            replacement = convert(child, full_name) if isinstance(child, torch.nn.Linear) else None
+            if replacement is not None:
+                setattr(parent, child_name, replacement)
+    return module
