@@ -1,0 +1,35 @@
+# transformer_fp8: two commands.
+#   make demo   installs whatever is missing, then runs examples/quickstart.py
+#   make test   installs whatever is missing, then runs the whole test suite
+# torch is installed (pinned below) only when it is not importable: an existing torch, such as
+# a user's own CUDA build, is used as it is and never reinstalled or upgraded.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+TORCH_PIN := torch==2.11.0
+TOOLS := setuptools wheel ninja pytest numpy matplotlib tqdm
+# Debian/Ubuntu mark their system Python as externally managed; let pip install there.
+export PIP_BREAK_SYSTEM_PACKAGES ?= 1
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/*/*.cuh)
+
+.PHONY: demo test install deps clean
+
+demo: install
+	$(PYTHON) examples/quickstart.py
+
+test: install
+	$(PYTHON) -m pytest tests -q
+
+deps:
+	@command -v c++ >/dev/null || { echo "A C++ compiler is needed: apt-get install g++ (or build-essential)"; exit 1; }
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_PIN)"
+	@$(PYTHON) -c "import setuptools, wheel, ninja, pytest, numpy, matplotlib, tqdm" 2>/dev/null || $(PIP) install $(TOOLS)
+
+# (Re)build the extension when a source changed or it does not import.
+install: deps
+	@if [ ! -f .build-stamp ] || [ -n "$$(find $(SOURCES) -newer .build-stamp)" ] || \
+	    ! $(PYTHON) -c "import transformer_fp8._C" 2>/dev/null; then \
+	  $(PIP) install --no-build-isolation --no-deps -e . && touch .build-stamp; \
+	else echo "transformer_fp8 is built and up to date"; fi
+
+clean:
+	rm -rf build *.egg-info transformer_fp8/*.so .build-stamp

@@ -1,0 +1,143 @@
+"""fp8_autocast: when amaxes are reduced and scales updated, and that state stays consistent."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import randn
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import DelayedScaling, fp8_autocast, ops
+
+RECIPE = DelayedScaling(amax_history_len=8)
+
+
+def make_model(gen, device, widths=(32, 48, 64, 16)):
+    layers = [tfp8.Linear(a, b, device=device) for a, b in zip(widths[:-1], widths[1:])]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(randn(gen, *layer.weight.shape, device=device) * 0.2)
+    return torch.nn.Sequential(*layers)
+
+
+def fp8_state(model):
+    return [t.clone() for layer in model for t in (
+        layer.fp8_fwd_amax_history, layer.fp8_fwd_scale, layer.fp8_fwd_scale_inv,
+        layer.fp8_bwd_amax_history, layer.fp8_bwd_scale, layer.fp8_bwd_scale_inv)]
+
+
+def assert_state_equal(before, after):
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.fixture
+def update_calls(monkeypatch):
+    """Counts ops.update_delayed_scaling calls (and the tensors each one updated)."""
+    calls = []
+    real = ops.update_delayed_scaling
+
+    def counting(histories, *args, **kwargs):
+        calls.append(len(histories))
+        return real(histories, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "update_delayed_scaling", counting)
+    return calls
+
+
+def test_one_update_per_step_forward_and_backward(gen, device, update_calls):
+    model = make_model(gen, device)
+    x = randn(gen, 16, 32, device=device)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        out = model(x)
+        assert update_calls == [], "nothing is updated before the context exits"
+    assert update_calls == [3], "one call for the forward states of the three layers"
+    out.sum().backward()
+    assert update_calls == [3, 3], "one call for the backward states, after the backward pass"
+    for layer in model:
+        assert not layer.fp8_bwd_amax_history[0].any()
+        assert layer.fp8_bwd_amax_history[-1].all()
+
+
+def test_nested_contexts_update_at_outermost_exit(gen, device, update_calls):
+    model = make_model(gen, device)
+    x = randn(gen, 16, 32, device=device)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        with fp8_autocast(fp8_recipe=RECIPE):
+            model(x)
+        assert update_calls == []
+        with fp8_autocast(enabled=False):
+            hp = model(x)  # the innermost context decides: high precision
+        assert not any(layer.fp8_fwd_amax_history[-1].any() for layer in model)
+    assert update_calls == [3]
+    assert torch.equal(hp, torch.nn.functional.linear(
+        torch.nn.functional.linear(torch.nn.functional.linear(
+            x, model[0].weight, model[0].bias), model[1].weight, model[1].bias),
+        model[2].weight, model[2].bias))
+
+
+def test_exception_inside_leaves_state_unchanged(gen, device):
+    model = make_model(gen, device)
+    x = randn(gen, 16, 32, device=device)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        model(x)  # a first step sets histories and scales
+    before = fp8_state(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with fp8_autocast(fp8_recipe=RECIPE):
+            model(x * 3)
+            raise RuntimeError("boom")
+    assert_state_equal(before, fp8_state(model))
+    with fp8_autocast(fp8_recipe=RECIPE):  # and the next step is a normal one
+        model(x)
+    assert torch.equal(model[0].fp8_fwd_amax_history[-1], model[0].fp8_fwd_amax_history[-2])
+
+
+def test_module_outside_any_context_touches_no_state(gen, device):
+    model = make_model(gen, device)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        model(randn(gen, 16, 32, device=device))
+    before = fp8_state(model)
+    model(randn(gen, 16, 32, device=device) * 5).sum().backward()
+    assert_state_equal(before, fp8_state(model))
+
+
+def test_module_called_twice_records_the_max(gen, device):
+    layer = tfp8.Linear(32, 32, device=device)
+    small, large = randn(gen, 16, 32, device=device), randn(gen, 16, 32, device=device) * 4
+    with fp8_autocast(fp8_recipe=RECIPE):
+        layer(small)
+        layer(large)
+        layer(small)
+    recorded = layer.fp8_fwd_amax_history[-1, 0].item()
+    assert recorded == large.abs().max().item()
+
+
+def test_invalid_arguments():
+    with pytest.raises(TypeError, match="fp8_recipe"):
+        with fp8_autocast(fp8_recipe="delayed"):
+            pass
+    with pytest.raises(TypeError, match="enabled"):
+        with fp8_autocast(enabled=1):
+            pass
+    with pytest.raises(TypeError, match="fp8_group"):
+        with fp8_autocast(fp8_group=3):
+            pass
+
+
+def test_callable_recipe_algorithms(gen, device):
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=lambda window: window[-1],
+                            scaling_factor_compute_algo=lambda amax, scale, fp8_max, r:
+                            torch.full_like(scale, 0.25))
+    layer = tfp8.Linear(32, 16, device=device)
+    with fp8_autocast(fp8_recipe=recipe):
+        layer(randn(gen, 16, 32, device=device))
+    assert torch.equal(layer.fp8_fwd_scale.cpu(), torch.tensor([0.25, 0.25]))
+    assert layer.fp8_fwd_amax_history[-1].all() and not layer.fp8_fwd_amax_history[0].any()
+
+
+def test_recipe_fields_are_recorded(gen):
+    layer = tfp8.Linear(16, 16)
+    assert layer.fp8_recipe.tolist() == [-1, -1, -1, -1]
+    with fp8_autocast(fp8_recipe=DelayedScaling(margin=2, amax_history_len=5,
+                                                amax_compute_algo="most_recent")):
+        layer(randn(gen, 4, 16))
+    assert layer.fp8_recipe.tolist() == [2, 2, 5, 1]  # margin, HYBRID, length, most_recent
+    assert layer.fp8_fwd_amax_history.shape == (5, 2)

@@ -1,0 +1,235 @@
+"""transformer_fp8.Linear: drop-in behaviour, FP8 numerics (SQNR), shapes, weight caching."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import randn, sqnr
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import DelayedScaling, Float8CurrentScaling, Format, fp8_autocast
+
+RECIPE = DelayedScaling(amax_history_len=16)
+
+
+def make_pair(gen, in_features, out_features, device, dtype=torch.float32, bias=True):
+    """A transformer_fp8.Linear and a torch.nn.Linear with the same weights."""
+    layer = tfp8.Linear(in_features, out_features, bias=bias, params_dtype=dtype, device=device)
+    with torch.no_grad():
+        layer.weight.copy_(randn(gen, out_features, in_features, device=device) / in_features**0.5)
+        if bias:
+            layer.bias.copy_(randn(gen, out_features, device=device))
+    ref = torch.nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+    ref.load_state_dict(tfp8.strip_fp8_state(layer.state_dict()))
+    return layer, ref
+
+
+def fp8_step(layer, x, grad, recipe=RECIPE):
+    """One forward in fp8_autocast and backward outside it; returns (out, d_input, d_weight)."""
+    x = x.detach().requires_grad_(True)
+    layer.zero_grad()
+    with fp8_autocast(fp8_recipe=recipe):
+        out = layer(x)
+    out.backward(grad)
+    return out.detach(), x.grad, layer.weight.grad.clone()
+
+
+def test_same_parameters_init_and_keys_as_nn_linear():
+    torch.manual_seed(7)
+    layer = tfp8.Linear(48, 32)
+    torch.manual_seed(7)
+    ref = torch.nn.Linear(48, 32)
+    assert torch.equal(layer.weight, ref.weight) and torch.equal(layer.bias, ref.bias)
+    assert isinstance(layer, torch.nn.Linear)
+    assert set(ref.state_dict()) <= set(layer.state_dict())
+    assert tfp8.Linear(16, 16, bias=False).bias is None
+
+
+@pytest.mark.parametrize("enabled", [None, False])
+def test_high_precision_outside_fp8(gen, device, enabled):
+    layer, ref = make_pair(gen, 64, 32, device)
+    x = randn(gen, 5, 3, 64, device=device)
+    if enabled is None:
+        out = layer(x)
+    else:
+        with fp8_autocast(enabled=False):
+            out = layer(x)
+    assert torch.equal(out, ref(x))
+    assert not layer.fp8_fwd_amax_history.any(), "no amax is recorded outside FP8"
+
+
+@pytest.mark.parametrize("recipe", [RECIPE, DelayedScaling(amax_history_len=16,
+                                                           fp8_format=Format.E4M3),
+                                    Float8CurrentScaling()], ids=["hybrid", "e4m3", "current"])
+def test_fp8_sqnr_against_float32(gen, device, recipe):
+    layer, ref = make_pair(gen, 128, 64, device)
+    x = randn(gen, 96, 128, device=device)
+    grad = randn(gen, 96, 64, device=device)
+    fp8_step(layer, x, grad, recipe)  # warm-up: sets the delayed scales
+    out, d_x, d_w = fp8_step(layer, x, grad, recipe)
+
+    x_ref = x.clone().requires_grad_(True)
+    out_ref = ref(x_ref)
+    out_ref.backward(grad)
+    assert sqnr(out_ref, out) >= 23
+    assert sqnr(x_ref.grad, d_x) >= 19
+    assert sqnr(ref.weight.grad, d_w) >= 19
+    assert torch.allclose(layer.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+
+    # For scale: bfloat16 nn.Linear on the same weights is more precise than FP8, but FP8 is
+    # within its documented distance.
+    ref_bf16 = torch.nn.Linear(128, 64, device=device, dtype=torch.bfloat16)
+    ref_bf16.load_state_dict(tfp8.strip_fp8_state(layer.state_dict()))
+    out_bf16 = ref_bf16(x.bfloat16())
+    assert sqnr(out_ref, out_bf16) > sqnr(out_ref, out) >= 23
+
+
+def test_bfloat16_params_and_input(gen, device):
+    layer, ref = make_pair(gen, 64, 48, device, dtype=torch.bfloat16)
+    x = randn(gen, 32, 64, dtype=torch.bfloat16, device=device)
+    grad = randn(gen, 32, 48, dtype=torch.bfloat16, device=device)
+    fp8_step(layer, x, grad)
+    out, d_x, d_w = fp8_step(layer, x, grad)
+    assert out.dtype == d_x.dtype == d_w.dtype == torch.bfloat16
+    ref32 = torch.nn.Linear(64, 48, device=device)
+    ref32.load_state_dict(tfp8.strip_fp8_state(layer.state_dict()))
+    assert sqnr(ref32(x.float()), out) >= 23
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 64), (10, 64), (1, 64), (17, 5, 64)])
+def test_any_leading_dims_and_row_counts(gen, device, shape):
+    layer, ref = make_pair(gen, 64, 32, device)
+    x = randn(gen, *shape, device=device)
+    grad = randn(gen, *shape[:-1], 32, device=device)
+    fp8_step(layer, x, grad)
+    out, d_x, d_w = fp8_step(layer, x, grad)
+    assert out.shape == (*shape[:-1], 32) and d_x.shape == x.shape
+    assert sqnr(ref(x), out) >= 23
+
+
+def test_unaligned_features_run_in_high_precision_with_one_warning(gen, device):
+    layer, ref = make_pair(gen, 20, 30, device)
+    x = randn(gen, 8, 20, device=device)
+    with pytest.warns(UserWarning, match="multiples of 16"):
+        with fp8_autocast(fp8_recipe=RECIPE):
+            out = layer(x)
+    assert torch.equal(out, ref(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fp8_autocast(fp8_recipe=RECIPE):
+            layer(x)
+
+
+def test_saves_fp8_input_not_high_precision(gen, device):
+    layer, _ = make_pair(gen, 64, 32, device)
+    x = randn(gen, 32, 64, device=device, ).requires_grad_(True)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fp8_autocast(fp8_recipe=RECIPE):
+            layer(x)
+    large = [dtype for dtype, numel in saved if numel > 1]
+    assert large and all(dtype == torch.float8_e4m3fn for dtype in large), saved
+
+
+def test_is_first_microbatch_caches_the_weight(gen, device):
+    layer, _ = make_pair(gen, 64, 32, device)
+    x1, x2 = randn(gen, 16, 64, device=device), randn(gen, 16, 64, device=device)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        layer(x1)  # warm-up
+    with fp8_autocast(fp8_recipe=RECIPE):
+        first = layer(x1, is_first_microbatch=True)
+        with torch.no_grad():
+            layer.weight.mul_(0.5)  # the cached FP8 weight must not see this
+        again = layer(x1, is_first_microbatch=False)
+        cached_x2 = layer(x2, is_first_microbatch=False)
+        recast_x2 = layer(x2, is_first_microbatch=None)
+    assert torch.equal(first, again), "False reuses the weight cast by True"
+    bias = layer.bias.detach()
+    # None casts the halved weight (with the old scale: no clipping): the product halves.
+    assert sqnr(0.5 * (cached_x2 - bias), recast_x2 - bias) >= 23
+    assert not torch.equal(cached_x2, recast_x2)
+
+
+def test_e5m2_format_is_refused(gen):
+    layer, _ = make_pair(gen, 32, 32, "cpu")
+    with pytest.raises(ValueError, match="E5M2"):
+        with fp8_autocast(fp8_recipe=DelayedScaling(fp8_format=Format.E5M2)):
+            layer(torch.randn(4, 32))
+
+
+def test_wrong_input_width_is_refused(gen):
+    layer, _ = make_pair(gen, 32, 16, "cpu")
+    with pytest.raises(ValueError, match=r"\[\.\.\., 32\]"):
+        layer(torch.randn(4, 31))
+
+
+def test_delayed_scaling_state_with_constant_inputs(gen, device):
+    """History and scales follow the rule of update_delayed_scaling, step by step."""
+    L = 4
+    recipe = DelayedScaling(amax_history_len=L, margin=1)
+    layer, _ = make_pair(gen, 32, 16, device)
+    x = randn(gen, 16, 32, device=device)
+    grad = randn(gen, 16, 16, device=device)
+    x_amax, w_amax, g_amax = (t.abs().max().item() for t in (x, layer.weight, grad))
+    for step in range(1, L + 2):
+        fp8_step(layer, x, grad, recipe)
+        hist = layer.fp8_fwd_amax_history.cpu()
+        filled = min(step, L - 1)
+        assert torch.all(hist[0] == 0)
+        assert torch.allclose(hist[L - filled:, 0], torch.full((filled,), x_amax))
+        assert torch.allclose(hist[L - filled:, 1], torch.full((filled,), w_amax))
+        assert torch.all(hist[1:L - filled] == 0)
+        expected = torch.tensor([448 / x_amax / 2, 448 / w_amax / 2])
+        assert torch.allclose(layer.fp8_fwd_scale.cpu(), expected, rtol=1e-6)
+        assert torch.allclose(layer.fp8_fwd_scale_inv.cpu(), 1 / expected, rtol=1e-6)
+        bwd = layer.fp8_bwd_amax_history.cpu()
+        assert torch.allclose(bwd[L - filled:, 0], torch.full((filled,), g_amax))
+        assert torch.allclose(layer.fp8_bwd_scale.cpu(), torch.tensor([57344 / g_amax / 2]),
+                              rtol=1e-6)
+
+
+def test_mlp_trains_like_bfloat16(device):
+    """200 steps of a small MLP: FP8 (HYBRID, delayed) ends within a few percent of bf16."""
+    def make_mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 16)).to(device)
+
+    torch.manual_seed(1)
+    teacher = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh()).to(device)
+    data = [torch.randn(64, 32, device=device) for _ in range(8)]
+    targets = [teacher(x).detach() for x in data]
+
+    def train(model, fp8: bool) -> float:
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        losses = []
+        for step in range(200):
+            x, y = data[step % 8], targets[step % 8]
+            if fp8:
+                with fp8_autocast(fp8_recipe=RECIPE):
+                    out = model(x)
+            else:
+                with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+                    out = model(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return sum(losses[-20:]) / 20
+
+    loss_bf16 = train(make_mlp(), fp8=False)
+    loss_fp8 = train(tfp8.convert_to_fp8(make_mlp()), fp8=True)
+    assert loss_fp8 < 0.2 * train_start_loss(targets)
+    assert abs(loss_fp8 - loss_bf16) <= 0.05 * loss_bf16 + 1e-3, (loss_fp8, loss_bf16)
+
+
+def train_start_loss(targets) -> float:
+    return sum(float((y**2).mean()) for y in targets) / len(targets)
