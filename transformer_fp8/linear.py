@@ -47,19 +47,23 @@ class _Fp8Cast:
         self.current_scaling = current_scaling
         self.group = current_scaling_group
 
-    def cast_transpose(self, x: torch.Tensor):
-        """(x_fp8, x_t_fp8, scale_inv used). Delayed: the stored scale, amax recorded in the same
-        pass. Current: the scale of this tensor's own amax (reduced across the group)."""
+    def cast(self, x: torch.Tensor, with_transpose: bool = True):
+        """(x_fp8, x_t_fp8 or None, scale_inv used). Delayed: the stored scale, amax recorded in
+        the same pass. Current: the scale of this tensor's own amax (reduced across the group).
+        The transpose is produced in the same pass, only when a backward GEMM needs it."""
         if self.current_scaling:
             amax = ops.amax(x)
             _autocast.all_reduce_max(amax, self.group)
-            fp8_max = torch.finfo(self.dtype).max
-            scale = ops.compute_scale_from_amax(amax.reshape(1), fp8_max)
-            x_fp8, x_t = ops.cast_transpose_to_fp8(x, scale, self.dtype)
-            return x_fp8, x_t, scale.reciprocal()
-        x_fp8, x_t = ops.cast_transpose_to_fp8(x, self.scale, self.dtype, self.amax_slot)
-        # A copy: the delayed update rewrites scale_inv in place before backward runs.
-        return x_fp8, x_t, self.scale_inv.clone()
+            scale = ops.compute_scale_from_amax(amax.reshape(1), torch.finfo(self.dtype).max)
+            scale_inv, amax_slot = scale.reciprocal(), None
+        else:
+            # A copy of scale_inv: the delayed update rewrites it in place before backward runs.
+            scale, scale_inv, amax_slot = self.scale, self.scale_inv.clone(), self.amax_slot
+        if with_transpose:
+            x_fp8, x_t_fp8 = ops.cast_transpose_to_fp8(x, scale, self.dtype, amax_slot)
+        else:
+            x_fp8, x_t_fp8 = ops.cast_to_fp8(x, scale, self.dtype, amax_slot), None
+        return x_fp8, x_t_fp8, scale_inv
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +80,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         lead_shape = inp.shape[:-1]
         inp_2d = inp.reshape(-1, in_features)
         rows = inp_2d.shape[0]
-        x_fp8, x_t_fp8, x_scale_inv = input_cast.cast_transpose(_pad_rows(inp_2d))
+        # The transposed copies feed wgrad (input^T) and dgrad (weight^T): made only if needed.
+        x_fp8, x_t_fp8, x_scale_inv = input_cast.cast(_pad_rows(inp_2d),
+                                                      with_transpose=ctx.needs_input_grad[1])
         if weight_fp8 is None:
-            weight_fp8 = weight_cast.cast_transpose(weight)
+            weight_fp8 = weight_cast.cast(weight, with_transpose=ctx.needs_input_grad[0])
         w_fp8, w_t_fp8, w_scale_inv = weight_fp8
         out = ops.fp8_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, out_dtype,
                            bias=None if bias is None else bias.to(out_dtype), use_fast_accum=True)
@@ -88,6 +94,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.backward_step = backward_step
         ctx.is_first_module = is_first_module
         ctx.rows, ctx.lead_shape = rows, lead_shape
+        ctx.in_features, ctx.out_features = in_features, weight.shape[0]
         ctx.inp_dtype, ctx.weight_dtype = inp.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out[:rows].reshape(*lead_shape, weight.shape[0])
@@ -95,14 +102,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv = ctx.saved_tensors
-        out_features = w_t_fp8.shape[1]
-        g_2d = grad_out.reshape(-1, out_features)
-        g_fp8, g_t_fp8, g_scale_inv = ctx.grad_cast.cast_transpose(_pad_rows(g_2d))
+        g_2d = grad_out.reshape(-1, ctx.out_features)
+        g_fp8, g_t_fp8, g_scale_inv = ctx.grad_cast.cast(_pad_rows(g_2d),
+                                                         with_transpose=ctx.needs_input_grad[1])
         grad_inp = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             # dgrad [M, K] = grad_out [M, N] @ weight [N, K]; b operand = weight^T [K, N]
             grad_inp = ops.fp8_gemm(g_fp8, g_scale_inv, w_t_fp8, w_scale_inv, ctx.inp_dtype)
-            grad_inp = grad_inp[:ctx.rows].reshape(*ctx.lead_shape, w_t_fp8.shape[0])
+            grad_inp = grad_inp[:ctx.rows].reshape(*ctx.lead_shape, ctx.in_features)
         if ctx.needs_input_grad[1]:
             # wgrad [N, K] = grad_out^T [N, M] @ input [M, K]; b operand = input^T [K, M]
             grad_weight = ops.fp8_gemm(g_t_fp8, g_scale_inv, x_t_fp8, x_scale_inv,
@@ -255,7 +262,7 @@ class Linear(torch.nn.Linear):
             return None
         if is_first_microbatch or self._weight_cache is None:
             with torch.no_grad():
-                self._weight_cache = weight_cast.cast_transpose(self.weight)
+                self._weight_cache = weight_cast.cast(self.weight, with_transpose=True)
         return self._weight_cache
 
     def extra_repr(self) -> str:

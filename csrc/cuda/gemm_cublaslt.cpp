@@ -91,6 +91,15 @@ cudaDataType_t cuda_type(at::ScalarType st) {
   }
 }
 
+// The largest power of two (<= 256) that divides the address: cuBLASLt's heuristic assumes
+// 256-byte aligned buffers unless told otherwise, and may pick a kernel a view cannot feed.
+uint32_t alignment_of(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
 // Owns the cuBLASLt descriptors of one call.
 struct LtDescriptors {
   cublasLtMatmulDesc_t op = nullptr;
@@ -174,6 +183,20 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
   TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
                         desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
                         sizeof(ws_bytes)), shapes);
+  const uint32_t align_a = alignment_of(b.data_ptr()), align_b = alignment_of(a.data_ptr()),
+                 align_d = alignment_of(out.data_ptr());
+  TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
+                        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                        sizeof(align_a)), shapes);
+  TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
+                        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                        sizeof(align_b)), shapes);
+  TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
+                        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
+                        sizeof(align_d)), shapes);
+  TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
+                        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
+                        sizeof(align_d)), shapes);
   cublasLtMatmulHeuristicResult_t heuristic = {};
   int found = 0;
   TFP8_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d,
