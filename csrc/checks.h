@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <unordered_set>
 
 #include "fp8_common.h"
 
@@ -145,6 +146,17 @@ inline void check_delayed_scaling_args(at::TensorList histories, at::TensorList 
     TORCH_CHECK(std::isfinite(fp8_maxes[i]) && fp8_maxes[i] > 0,
                 "transformer_fp8: argument 'fp8_maxes", idx, "' must be finite and positive, "
                 "got ", fp8_maxes[i]);
+  }
+  // Every tensor is updated in place exactly once: the same storage twice would be rolled
+  // twice (and, on CUDA, by two blocks at once).
+  std::unordered_set<const void*> seen;
+  for (at::TensorList list : {histories, scales, scale_invs}) {
+    for (size_t i = 0; i < count; ++i) {
+      if (list[i].numel() == 0) continue;
+      TORCH_CHECK(seen.insert(list[i].data_ptr()).second, "transformer_fp8: update_delayed_scaling "
+                  "got the same tensor memory twice (at index ", i, "); each history, scale and "
+                  "scale_inv must be a distinct tensor");
+    }
   }
 }
 

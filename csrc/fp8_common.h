@@ -54,8 +54,8 @@ TFP8_HOST_DEVICE bool amax_is_usable(float amax) {
 // scale = fp8_max / amax / 2**margin. Computed in fp64 and rounded to fp32 once, so that a
 // tiny amax does not overflow halfway; an fp32 overflow is clamped to FLT_MAX so the scale stays
 // finite and scale_inv = 1/scale stays non-zero.
-TFP8_HOST_DEVICE float scale_from_amax(float amax, float fp8_max, int margin) {
-  const double s = ldexp(static_cast<double>(fp8_max) / static_cast<double>(amax), -margin);
+TFP8_HOST_DEVICE float scale_from_amax(float amax, double fp8_max, int margin) {
+  const double s = ldexp(fp8_max / static_cast<double>(amax), -margin);
   return s > static_cast<double>(FLT_MAX) ? FLT_MAX : static_cast<float>(s);
 }
 

@@ -88,6 +88,8 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
     histories, scales, scale_invs = list(amax_histories), list(scales), list(scale_invs)
     maxes = [float(m) for m in fp8_maxes]
     margin = _check_margin(margin)
+    if not histories:  # the dispatcher needs a tensor to choose a kernel: check here
+        raise ValueError("amax_histories must be a non-empty list, got an empty list")
     if isinstance(amax_compute_algo, str) and scaling_factor_compute_algo is None:
         _ops.update_delayed_scaling(histories, scales, scale_invs, maxes, margin, amax_compute_algo)
         return

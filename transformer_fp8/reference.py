@@ -5,6 +5,7 @@ They are written for clarity, not speed.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -101,6 +102,9 @@ def check_delayed_scaling_lists(histories: Sequence[torch.Tensor], scales: Seque
                          f"length, got {len(histories)}, {len(scales)}, {len(scale_invs)} and "
                          f"{len(fp8_maxes)}")
     device = histories[0].device
+    for i, fp8_max in enumerate(fp8_maxes):
+        if not (math.isfinite(fp8_max) and fp8_max > 0):
+            raise ValueError(f"fp8_maxes[{i}] must be finite and positive, got {fp8_max}")
     for i, (h, s, si) in enumerate(zip(histories, scales, scale_invs)):
         if h.dim() != 2 or h.shape[0] < 1 or h.dtype != torch.float32:
             raise ValueError(f"amax_histories[{i}] must be a float32 tensor of shape [L >= 1, n], "

@@ -10,7 +10,7 @@ namespace {
 
 // One column of a history [L, n] (stride n), its scale and scale_inv.
 void update_column(float* history, int64_t L, int64_t n, float* scale, float* scale_inv,
-                   float fp8_max, int margin, AmaxAlgo algo) {
+                   double fp8_max, int margin, AmaxAlgo algo) {
   const float cur = history[0];
   if (cur == 0.0f) return;  // nothing recorded this step: keep the column as it is
   float window_max = -INFINITY;
@@ -40,7 +40,7 @@ void update_delayed_scaling_cpu(at::TensorList amax_histories, at::TensorList sc
     float* s = scales[i].data_ptr<float>();
     float* si = scale_invs[i].data_ptr<float>();
     for (int64_t c = 0; c < n; ++c)
-      update_column(hist + c, L, n, s + c, si + c, static_cast<float>(fp8_maxes[i]),
+      update_column(hist + c, L, n, s + c, si + c, fp8_maxes[i],
                     static_cast<int>(margin), algo);
   }
 }
@@ -53,7 +53,7 @@ at::Tensor compute_scale_from_amax_cpu(const at::Tensor& amax, double fp8_max, i
   float* out = scale.data_ptr<float>();
   for (int64_t i = 0; i < a.numel(); ++i)
     out[i] = amax_is_usable(in[i])
-                 ? scale_from_amax(in[i], static_cast<float>(fp8_max), static_cast<int>(margin))
+                 ? scale_from_amax(in[i], fp8_max, static_cast<int>(margin))
                  : 1.0f;
   return scale;
 }

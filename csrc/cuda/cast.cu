@@ -10,7 +10,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 8;  // elements per vector access
 
-int grid_for(int64_t work_items, int blocks_per_sm = 4) {
+int grid_for(int64_t work_items, int blocks_per_sm = 8) {
   const int64_t needed = (work_items + kThreads - 1) / kThreads;
   const int64_t cap = static_cast<int64_t>(multiprocessor_count()) * blocks_per_sm;
   return static_cast<int>(needed < 1 ? 1 : (needed < cap ? needed : cap));
@@ -46,23 +46,9 @@ __global__ void cast_kernel(const InT* __restrict__ x, int64_t n, bool vec_ok,
   const int64_t n_vec = vec_ok ? n / kVec : 0;
   for (int64_t v = tid; v < n_vec; v += stride) {
     const Pack8<InT> pack = reinterpret_cast<const Pack8<InT>*>(x)[v];
-    uint16_t pairs[kVec / 2];
-#pragma unroll
-    for (int j = 0; j < kVec; j += 2) {
-      const float a = to_float(pack.v[j]), b = to_float(pack.v[j + 1]);
-      local = nan_max(nan_max(local, fabsf(a)), fabsf(b));
-      pairs[j / 2] = cast_pair<F>(a * scale, b * scale);
-    }
-    uint2 bytes;
-    bytes.x = pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16);
-    bytes.y = pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16);
-    reinterpret_cast<uint2*>(out)[v] = bytes;
+    reinterpret_cast<uint2*>(out)[v] = cast_pack8<F>(pack, scale, local);
   }
-  for (int64_t i = n_vec * kVec + tid; i < n; i += stride) {
-    const float a = to_float(x[i]);
-    local = nan_max(local, fabsf(a));
-    out[i] = cast_one<F>(a * scale);
-  }
+  for (int64_t i = n_vec * kVec + tid; i < n; i += stride) out[i] = cast_one<F>(x[i], scale, local);
   commit_amax(amax, local);
 }
 
@@ -87,16 +73,7 @@ __global__ void cast_transpose_kernel(const InT* __restrict__ x, int64_t rows, i
       const int r = k / (kTile / kVec), cv = (k % (kTile / kVec)) * kVec;
       const int64_t offset = (r0 + r) * cols + c0 + cv;
       const Pack8<InT> pack = *reinterpret_cast<const Pack8<InT>*>(x + offset);
-      uint16_t pairs[kVec / 2];
-#pragma unroll
-      for (int j = 0; j < kVec; j += 2) {
-        const float a = to_float(pack.v[j]), b = to_float(pack.v[j + 1]);
-        local = nan_max(nan_max(local, fabsf(a)), fabsf(b));
-        pairs[j / 2] = cast_pair<F>(a * scale, b * scale);
-      }
-      uint2 bytes;
-      bytes.x = pairs[0] | (static_cast<uint32_t>(pairs[1]) << 16);
-      bytes.y = pairs[2] | (static_cast<uint32_t>(pairs[3]) << 16);
+      const uint2 bytes = cast_pack8<F>(pack, scale, local);
       *reinterpret_cast<uint2*>(out + offset) = bytes;
       *reinterpret_cast<uint2*>(&tile[r][cv]) = bytes;
     }
@@ -115,9 +92,7 @@ __global__ void cast_transpose_kernel(const InT* __restrict__ x, int64_t rows, i
     for (int k = threadIdx.x; k < kTile * kTile; k += blockDim.x) {
       const int r = k / kTile, c = k % kTile;
       if (r0 + r < rows && c0 + c < cols) {
-        const float a = to_float(x[(r0 + r) * cols + c0 + c]);
-        local = nan_max(local, fabsf(a));
-        const uint8_t byte = cast_one<F>(a * scale);
+        const uint8_t byte = cast_one<F>(x[(r0 + r) * cols + c0 + c], scale, local);
         out[(r0 + r) * cols + c0 + c] = byte;
         tile[r][c] = byte;
       }
@@ -140,17 +115,33 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// Every FP8 value is exact in half precision, and so in float32.
+template <Fp8Format F>
+__device__ __forceinline__ float fp8_to_float(uint8_t byte) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(byte, interpretation<F>())));
+}
+
 template <typename OutT, Fp8Format F>
-__global__ void cast_from_fp8_kernel(const uint8_t* __restrict__ x, int64_t n,
+__global__ void cast_from_fp8_kernel(const uint8_t* __restrict__ x, int64_t n, bool vec_ok,
                                      const float* __restrict__ scale_inv_ptr,
                                      OutT* __restrict__ out) {
   const float scale_inv = *scale_inv_ptr;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    // Every FP8 value is exact in half precision, and so in float32.
-    const __half_raw h = __nv_cvt_fp8_to_halfraw(x[i], interpretation<F>());
-    out[i] = from_float<OutT>(__half2float(__half(h)) * scale_inv);
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n_vec = vec_ok ? n / kVec : 0;
+  for (int64_t v = tid; v < n_vec; v += stride) {
+    const uint2 bytes = reinterpret_cast<const uint2*>(x)[v];
+    Pack8<OutT> pack;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const uint32_t word = j < 4 ? bytes.x : bytes.y;
+      const uint8_t byte = static_cast<uint8_t>(word >> (8 * (j % 4)));
+      pack.v[j] = from_float<OutT>(fp8_to_float<F>(byte) * scale_inv);
+    }
+    reinterpret_cast<Pack8<OutT>*>(out)[v] = pack;
   }
+  for (int64_t i = n_vec * kVec + tid; i < n; i += stride)
+    out[i] = from_float<OutT>(fp8_to_float<F>(x[i]) * scale_inv);
 }
 
 // Calls fn with a null pointer of the C++ type of t (float, __nv_bfloat16 or __half).
@@ -166,7 +157,7 @@ void with_hp_type(HpType t, Fn&& fn) {
 }  // namespace
 
 cudaError_t launch_amax(const void* x, HpType x_type, int64_t n, float* amax, cudaStream_t stream) {
-  if (n == 0) return cudaGetLastError();
+  if (n == 0) return cudaSuccess;
   with_hp_type(x_type, [&](auto* tag) {
     using InT = std::remove_pointer_t<decltype(tag)>;
     const bool vec_ok = aligned(x, sizeof(Pack8<InT>));
@@ -178,7 +169,7 @@ cudaError_t launch_amax(const void* x, HpType x_type, int64_t n, float* amax, cu
 
 cudaError_t launch_cast(const void* x, HpType x_type, int64_t n, const float* scale,
                         Fp8Format fmt, uint8_t* out, float* amax, cudaStream_t stream) {
-  if (n == 0) return cudaGetLastError();
+  if (n == 0) return cudaSuccess;
   with_hp_type(x_type, [&](auto* tag) {
     using InT = std::remove_pointer_t<decltype(tag)>;
     const bool vec_ok = aligned(x, sizeof(Pack8<InT>)) && aligned(out, 8);
@@ -195,7 +186,7 @@ cudaError_t launch_cast(const void* x, HpType x_type, int64_t n, const float* sc
 cudaError_t launch_cast_transpose(const void* x, HpType x_type, int64_t rows, int64_t cols,
                                   const float* scale, Fp8Format fmt, uint8_t* out,
                                   uint8_t* out_t, float* amax, cudaStream_t stream) {
-  if (rows == 0 || cols == 0) return cudaGetLastError();
+  if (rows == 0 || cols == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((rows + kTile - 1) / kTile),
                   static_cast<unsigned>((cols + kTile - 1) / kTile));
   with_hp_type(x_type, [&](auto* tag) {
@@ -216,31 +207,18 @@ cudaError_t launch_cast_transpose(const void* x, HpType x_type, int64_t rows, in
 cudaError_t launch_cast_from_fp8(const uint8_t* x, Fp8Format fmt, int64_t n,
                                  const float* scale_inv, void* out, HpType out_type,
                                  cudaStream_t stream) {
-  if (n == 0) return cudaGetLastError();
-  const int grid = grid_for(n);
+  if (n == 0) return cudaSuccess;
   with_hp_type(out_type, [&](auto* tag) {
     using OutT = std::remove_pointer_t<decltype(tag)>;
+    const bool vec_ok = aligned(x, 8) && aligned(out, sizeof(Pack8<OutT>));
+    const int grid = grid_for(vec_ok ? n / kVec + 1 : n);
     OutT* o = static_cast<OutT*>(out);
     if (fmt == Fp8Format::E4M3)
-      cast_from_fp8_kernel<OutT, Fp8Format::E4M3><<<grid, kThreads, 0, stream>>>(x, n, scale_inv, o);
+      cast_from_fp8_kernel<OutT, Fp8Format::E4M3><<<grid, kThreads, 0, stream>>>(x, n, vec_ok, scale_inv, o);
     else
-      cast_from_fp8_kernel<OutT, Fp8Format::E5M2><<<grid, kThreads, 0, stream>>>(x, n, scale_inv, o);
+      cast_from_fp8_kernel<OutT, Fp8Format::E5M2><<<grid, kThreads, 0, stream>>>(x, n, vec_ok, scale_inv, o);
   });
   return cudaGetLastError();
-}
-
-int multiprocessor_count() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {0};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 132;
-  if (cached[device] == 0) {
-    int count = 0;
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count <= 0)
-      count = 132;
-    cached[device] = count;
-  }
-  return cached[device];
 }
 
 }  // namespace cuda

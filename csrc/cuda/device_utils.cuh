@@ -23,27 +23,40 @@ constexpr __nv_fp8_interpretation_t interpretation() {
   return F == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
 }
 
-// NaN keeps its sign and becomes the all-ones pattern, as torch's conversion does.
-__device__ __forceinline__ uint8_t fp8_nan_like(float v) {
-  return static_cast<uint8_t>(((__float_as_uint(v) >> 24) & 0x80u) | 0x7Fu);
+// The sign bit of an input element, read from its own bits: converting a NaN to float (fp16)
+// or multiplying it may drop the sign on the GPU.
+__device__ __forceinline__ uint32_t sign_bit(float v) { return __float_as_uint(v) >> 31; }
+__device__ __forceinline__ uint32_t sign_bit(__nv_bfloat16 v) { return __bfloat16_as_ushort(v) >> 15; }
+__device__ __forceinline__ uint32_t sign_bit(__half v) { return __half_as_ushort(v) >> 15; }
+
+// The FP8 byte of a NaN product x * scale, with the sign the CPU (x86) gives: a NaN x keeps its
+// sign, a NaN scale gives its own, and inf * 0 gives the negative default NaN. All ones below.
+template <typename InT>
+__device__ __forceinline__ uint8_t fp8_nan_byte(InT x, float scale) {
+  const float xf = to_float(x);
+  const uint32_t sign = xf != xf ? sign_bit(x) : (scale != scale ? sign_bit(scale) : 1u);
+  return static_cast<uint8_t>((sign << 7) | 0x7Fu);
 }
 
-// Saturating cast of a pair (v0 in the low byte): clamp to +-fp8_max, then round to nearest
-// even in hardware (cvt.rn.satfinite). The clamp would turn NaN into fp8_max, so NaN lanes are
-// put back afterwards.
-template <Fp8Format F>
-__device__ __forceinline__ uint16_t cast_pair(float v0, float v1) {
+// Saturating cast of (x0 * scale, x1 * scale), x0 in the low byte: clamp to +-fp8_max, then
+// round to nearest even in hardware (cvt.rn.satfinite). The clamp turns NaN into fp8_max, so NaN
+// lanes are put back afterwards. Also folds |x0|, |x1| into amax (NaN propagating).
+template <Fp8Format F, typename InT>
+__device__ __forceinline__ uint16_t cast_pair(InT x0, InT x1, float scale, float& amax) {
   constexpr float kMax = F == Fp8Format::E4M3 ? kE4M3Max : kE5M2Max;
-  const float2 clamped = make_float2(fminf(fmaxf(v0, -kMax), kMax), fminf(fmaxf(v1, -kMax), kMax));
+  const float a = to_float(x0), b = to_float(x1);
+  amax = nan_max(nan_max(amax, fabsf(a)), fabsf(b));
+  const float pa = a * scale, pb = b * scale;
+  const float2 clamped = make_float2(fminf(fmaxf(pa, -kMax), kMax), fminf(fmaxf(pb, -kMax), kMax));
   uint16_t pair = __nv_cvt_float2_to_fp8x2(clamped, __NV_SATFINITE, interpretation<F>());
-  if (v0 != v0) pair = static_cast<uint16_t>((pair & 0xFF00u) | fp8_nan_like(v0));
-  if (v1 != v1) pair = static_cast<uint16_t>((pair & 0x00FFu) | (fp8_nan_like(v1) << 8));
+  if (pa != pa) pair = static_cast<uint16_t>((pair & 0xFF00u) | fp8_nan_byte(x0, scale));
+  if (pb != pb) pair = static_cast<uint16_t>((pair & 0x00FFu) | (fp8_nan_byte(x1, scale) << 8));
   return pair;
 }
 
-template <Fp8Format F>
-__device__ __forceinline__ uint8_t cast_one(float v) {
-  return static_cast<uint8_t>(cast_pair<F>(v, 0.0f) & 0xFFu);
+template <Fp8Format F, typename InT>
+__device__ __forceinline__ uint8_t cast_one(InT x, float scale, float& amax) {
+  return static_cast<uint8_t>(cast_pair<F>(x, x, scale, amax) & 0xFFu);
 }
 
 // Packs of 8 elements, loaded with 16-byte (or 2 x 16-byte) accesses.
@@ -51,6 +64,15 @@ template <typename T>
 struct alignas(8 * sizeof(T)) Pack8 {
   T v[8];
 };
+
+// Cast 8 elements to 8 FP8 bytes, packed little-endian (element 0 in the lowest byte).
+template <Fp8Format F, typename InT>
+__device__ __forceinline__ uint2 cast_pack8(const Pack8<InT>& pack, float scale, float& amax) {
+  uint32_t pairs[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) pairs[j] = cast_pair<F>(pack.v[2 * j], pack.v[2 * j + 1], scale, amax);
+  return make_uint2(pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16));
+}
 
 // Block-wide NaN-propagating max; the result is valid in thread 0. blockDim.x % 32 == 0.
 __device__ __forceinline__ float block_nan_max(float v) {
@@ -69,10 +91,18 @@ __device__ __forceinline__ float block_nan_max(float v) {
   return v;
 }
 
-// *slot = max(*slot, v) for v >= 0 or NaN (positive sign): on such floats the order of the bit
-// patterns read as int is the order of the values, with NaN above +inf, so NaN propagates.
+// *slot = nan_max(*slot, v), atomically: the same rule as the CPU kernel, whatever *slot holds
+// (a NaN slot stays NaN, -0.0 stays -0.0 against +0.0). One compare-and-swap loop per block.
 __device__ __forceinline__ void atomic_amax(float* slot, float v) {
-  atomicMax(reinterpret_cast<int*>(slot), __float_as_int(v));
+  int* address = reinterpret_cast<int*>(slot);
+  int observed = *address;
+  while (true) {
+    const int desired = __float_as_int(nan_max(__int_as_float(observed), v));
+    if (desired == observed) return;
+    const int previous = atomicCAS(address, observed, desired);
+    if (previous == observed) return;
+    observed = previous;
+  }
 }
 
 // Reduce a per-thread |x| maximum over the block and fold it into *amax (if not null).
@@ -82,7 +112,16 @@ __device__ __forceinline__ void commit_amax(float* amax, float local) {
   if (threadIdx.x == 0) atomic_amax(amax, block_max);
 }
 
-int multiprocessor_count();
+// Multiprocessors of the current device (cudaDeviceGetAttribute is a cheap query).
+inline int multiprocessor_count() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      count <= 0) {
+    return 132;
+  }
+  return count;
+}
 
 }  // namespace cuda
 }  // namespace transformer_fp8

@@ -135,7 +135,14 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
     if (bias.has_value()) out.add_(*bias);
     return out;
   }
-  const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  // cuBLASLt's FP8 kernels need 16-byte aligned operands; a fresh copy always is.
+  auto aligned16 = [](const at::Tensor& t) {
+    at::Tensor c = t.contiguous();
+    return alignment_of(c.data_ptr()) >= 16 ? c : c.clone();
+  };
+  const at::Tensor a = aligned16(a_in), b = aligned16(b_in);
+  const c10::optional<at::Tensor> bias_c =
+      bias.has_value() ? c10::optional<at::Tensor>(aligned16(*bias)) : c10::nullopt;
   const int device = a.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cublasLtHandle_t handle = handle_for(device);
@@ -164,7 +171,7 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
                                                    &lt_b_scale, sizeof(lt_b_scale)), shapes);
   if (bias_in_epilogue) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    const void* bias_ptr = bias->data_ptr();
+    const void* bias_ptr = bias_c->data_ptr();
     const cudaDataType_t bias_type = cuda_type(out_dtype);
     TFP8_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE,
                                                      &epilogue, sizeof(epilogue)), shapes);
@@ -210,7 +217,7 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
                                    desc.b, &beta, out.data_ptr(), desc.d, out.data_ptr(), desc.d,
                                    &heuristic.algo, workspace, kWorkspaceBytes, stream),
                     shapes);
-  if (bias.has_value() && !bias_in_epilogue) out.add_(*bias);
+  if (bias_c.has_value() && !bias_in_epilogue) out.add_(*bias_c);
   return out;
 }
 

@@ -38,13 +38,13 @@ struct DelayedScalingTensor {
   float* scale_inv;
   int64_t history_len;
   int64_t columns;
-  float fp8_max;
+  double fp8_max;  // as given: the scale is computed in fp64
 };
 
 cudaError_t launch_update_delayed_scaling(const DelayedScalingTensor* tensors, int64_t count,
                                           int margin, AmaxAlgo algo, cudaStream_t stream);
 
-cudaError_t launch_compute_scale_from_amax(const float* amax, int64_t n, float fp8_max,
+cudaError_t launch_compute_scale_from_amax(const float* amax, int64_t n, double fp8_max,
                                            int margin, float* scale, cudaStream_t stream);
 
 }  // namespace cuda

@@ -63,7 +63,7 @@ __global__ void update_delayed_scaling_kernel(const DelayedScalingTensor* __rest
   }
 }
 
-__global__ void compute_scale_kernel(const float* __restrict__ amax, int64_t n, float fp8_max,
+__global__ void compute_scale_kernel(const float* __restrict__ amax, int64_t n, double fp8_max,
                                      int margin, float* __restrict__ scale) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) scale[i] = amax_is_usable(amax[i]) ? scale_from_amax(amax[i], fp8_max, margin) : 1.0f;
@@ -73,15 +73,15 @@ __global__ void compute_scale_kernel(const float* __restrict__ amax, int64_t n, 
 
 cudaError_t launch_update_delayed_scaling(const DelayedScalingTensor* tensors, int64_t count,
                                           int margin, AmaxAlgo algo, cudaStream_t stream) {
-  if (count == 0) return cudaGetLastError();
+  if (count == 0) return cudaSuccess;
   update_delayed_scaling_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
       tensors, margin, algo);
   return cudaGetLastError();
 }
 
-cudaError_t launch_compute_scale_from_amax(const float* amax, int64_t n, float fp8_max,
+cudaError_t launch_compute_scale_from_amax(const float* amax, int64_t n, double fp8_max,
                                            int margin, float* scale, cudaStream_t stream) {
-  if (n == 0) return cudaGetLastError();
+  if (n == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>((n + kThreads - 1) / kThreads);
   compute_scale_kernel<<<grid, kThreads, 0, stream>>>(amax, n, fp8_max, margin, scale);
   return cudaGetLastError();

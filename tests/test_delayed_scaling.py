@@ -1,0 +1,311 @@
+"""update_delayed_scaling and compute_scale_from_amax against reference.py, bit for bit.
+
+The reference runs on CPU copies of the very same inputs; histories, scales and scale_invs are
+compared by their bits, so a NaN stored in a history must be the same NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import (DEVICE_PARAMS, FLT_MAX, assert_bitwise_equal, rand_positive)
+
+from transformer_fp8 import DelayedScaling, ops
+from transformer_fp8 import reference as ref
+
+INF, NAN = float("inf"), float("nan")
+CUR_KINDS = ["zero", "tiny", "normal", "inf", "nan", "mixed"]
+TINY_VALUES = [1e-40, 1e-45, 1e-38]  # subnormal (scale overflows -> FLT_MAX), and the edge
+
+
+def f32(value: float) -> float:
+    """``value`` rounded to float32 (as a Python float)."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+def pick(gen: torch.Generator, choices, n: int) -> list:
+    return [choices[i] for i in torch.randint(0, len(choices), (n,), generator=gen).tolist()]
+
+
+def cur_row(gen: torch.Generator, kind: str, n: int) -> torch.Tensor:
+    """This step's amax for n columns: all of one kind, or each column a random kind."""
+    kinds = pick(gen, CUR_KINDS[:-1], n) if kind == "mixed" else [kind] * n
+    normal = rand_positive(gen, n)
+    tiny = pick(gen, TINY_VALUES, n)
+    value = {"zero": lambda i: 0.0, "tiny": lambda i: tiny[i], "normal": lambda i: normal[i],
+             "inf": lambda i: INF, "nan": lambda i: NAN}
+    return torch.tensor([value[k](i) for i, k in enumerate(kinds)], dtype=torch.float32)
+
+
+def make_state(gen, L: int, n: int, cur_kind: str, history_specials: bool, device="cpu"):
+    """(history [L, n], scale [n], scale_inv [n]); rows 1.. of the history may hold inf/NaN/0."""
+    history = rand_positive(gen, L, n)
+    if history_specials and L > 1:
+        mask = torch.rand(L - 1, n, generator=gen) < 0.3
+        specials = torch.tensor(pick(gen, [INF, NAN, 0.0, 1e-40], (L - 1) * n)).view(L - 1, n)
+        history[1:] = torch.where(mask, specials, history[1:])
+    history[0] = cur_row(gen, cur_kind, n)
+    scale = rand_positive(gen, n)
+    return history.to(device), scale.to(device), (1.0 / scale).to(device)
+
+
+def clone_states(states, device="cpu"):
+    return [tuple(t.detach().to(device).clone() for t in state) for state in states]
+
+
+def run_op(states, fp8_maxes, **kwargs) -> None:
+    hs, ss, sis = zip(*states)
+    ops.update_delayed_scaling(list(hs), list(ss), list(sis), fp8_maxes, **kwargs)
+
+
+def run_reference(states, fp8_maxes, margin=0, amax_compute_algo="max") -> list:
+    expected = clone_states(states)
+    for (h, s, si), fp8_max in zip(expected, fp8_maxes):
+        ref.update_delayed_scaling_reference(h, s, si, fp8_max, margin, amax_compute_algo)
+    return expected
+
+
+def assert_states_equal(got, expected) -> None:
+    for i, (g, e) in enumerate(zip(got, expected)):
+        for name, gt, et in zip(("history", "scale", "scale_inv"), g, e):
+            assert_bitwise_equal(gt, et, f"tensor {i} {name}")
+
+
+# ----------------------------------------------------------------------------- C++ path
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("L", [1, 2, 31, 1024])
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+@pytest.mark.parametrize("cur_kind", CUR_KINDS)
+def test_matches_reference(device, gen, L, n, algo, margin, cur_kind):
+    fp8_max = 448.0 if (L + n) % 2 else 57344.0
+    states = [make_state(gen, L, n, cur_kind, history_specials=False, device=device)]
+    expected = run_reference(states, [fp8_max], margin, algo)
+    run_op(states, [fp8_max], margin=margin, amax_compute_algo=algo)
+    assert_states_equal(states, expected)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("L", [2, 3, 31, 1024])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("cur_kind", CUR_KINDS)
+def test_history_with_inf_and_nan(device, gen, L, algo, cur_kind):
+    states = [make_state(gen, L, 8, cur_kind, history_specials=True, device=device)]
+    expected = run_reference(states, [448.0], 1, algo)
+    run_op(states, [448.0], margin=1, amax_compute_algo=algo)
+    assert_states_equal(states, expected)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_many_tensors_in_one_call(device, gen, algo):
+    shapes = [(1, 3), (2, 1), (31, 2), (1024, 3), (5, 64), (16, 7), (300, 1), (1024, 1)]
+    states = [make_state(gen, L, n, "mixed", history_specials=i % 2 == 1, device=device)
+              for i, (L, n) in enumerate(shapes)]
+    fp8_maxes = [448.0 if i % 3 else 57344.0 for i in range(len(shapes))]
+    expected = run_reference(states, fp8_maxes, 2, algo)
+    run_op(states, fp8_maxes, margin=2, amax_compute_algo=algo)
+    assert_states_equal(states, expected)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("L", [1, 2, 31, 1024])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_unrecorded_columns_untouched(device, gen, L, algo):
+    history, scale, _ = make_state(gen, L, 6, "normal", history_specials=True, device=device)
+    history[0, ::2] = 0.0  # columns 0, 2, 4: nothing recorded this step
+    scale_inv = rand_positive(gen, 6).to(device)  # deliberately not 1/scale
+    before = clone_states([(history, scale, scale_inv)])[0]
+    run_op([(history, scale, scale_inv)], [448.0], amax_compute_algo=algo)
+    for got, old in zip((history, scale, scale_inv), before):
+        assert_bitwise_equal(got[..., ::2], old[..., ::2], "unrecorded columns")
+    assert (history[0] == 0).all()
+    assert_bitwise_equal(scale_inv[1::2], 1.0 / scale[1::2], "recorded scale_inv")
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_repeated_steps(device, gen):
+    """Several steps in a row (record, update) stay identical to the reference."""
+    states = [make_state(gen, 4, 3, "normal", False, device), make_state(gen, 1, 2, "nan", True,
+                                                                          device)]
+    expected = clone_states(states)
+    for _ in range(6):
+        for state, exp in zip(states, expected):
+            new = cur_row(gen, "mixed", state[0].shape[1])
+            state[0][0], exp[0][0] = new.to(device), new
+        run_op(states, [448.0, 57344.0], margin=0)
+        expected = run_reference(expected, [448.0, 57344.0], 0)
+        assert_states_equal(states, expected)
+
+
+# ----------------------------------------------------------------------------- hand-computed
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("algo,margin,expected_amax", [("max", 0, [5.0, 9.0]),
+                                                       ("most_recent", 0, [5.0, 2.0]),
+                                                       ("max", 2, [5.0, 9.0])])
+def test_hand_computed_example(device, algo, margin, expected_amax):
+    # Columns: 0 recorded 5 (window 2, 3, 5); 1 nothing recorded; 2 recorded 2 (window 9, inf, 2).
+    history = torch.tensor([[5.0, 0.0, 2.0],
+                            [2.0, 7.0, 9.0],
+                            [3.0, 1.0, INF]], device=device)
+    scale = torch.tensor([1.0, 0.5, 4.0], device=device)
+    scale_inv = torch.tensor([1.0, 3.0, 0.25], device=device)  # column 1 inconsistent on purpose
+    ops.update_delayed_scaling([history], [scale], [scale_inv], [448.0], margin=margin,
+                               amax_compute_algo=algo)
+    assert history.cpu().tolist() == [[0.0, 0.0, 0.0], [3.0, 7.0, INF], [5.0, 1.0, 2.0]]
+    expected_scale = torch.tensor([448.0 / expected_amax[0] / 2**margin, 0.5,
+                                   448.0 / expected_amax[1] / 2**margin], dtype=torch.float32)
+    expected_inv = 1.0 / expected_scale
+    expected_inv[1] = 3.0
+    assert_bitwise_equal(scale, expected_scale.to(device), "scale")
+    assert_bitwise_equal(scale_inv, expected_inv.to(device), "scale_inv")
+    if algo == "max" and margin == 0:
+        assert scale[0].item() == f32(89.6) and scale[2].item() == f32(448.0 / 9.0)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("cur,expected_scale", [(1e-40, FLT_MAX), (INF, 0.75), (NAN, 0.75),
+                                                (448.0, 1.0), (3.5, 128.0)])
+def test_single_slot_history(device, cur, expected_scale):
+    """L = 1: the window is cur alone; a subnormal amax overflows the scale to FLT_MAX; inf and
+    NaN keep the old scale (0.75) yet reset the history and refresh scale_inv."""
+    history = torch.tensor([[cur]], device=device)
+    scale, scale_inv = torch.tensor([0.75], device=device), torch.tensor([123.0], device=device)
+    ops.update_delayed_scaling([history], [scale], [scale_inv], [448.0])
+    assert history.item() == 0.0
+    assert scale.item() == expected_scale
+    expected_inv = 1.0 / torch.tensor([expected_scale], dtype=torch.float32)
+    assert_bitwise_equal(scale_inv, expected_inv.to(device), "scale_inv")
+    assert scale_inv.item() > 0.0  # 1/FLT_MAX is subnormal, not flushed to zero
+
+
+# ----------------------------------------------------------------------------- callables
+
+def finite_state(gen, L, n, device):
+    """A state whose window values are all finite (cur zero, tiny or normal)."""
+    history = rand_positive(gen, L, n)
+    history[0] = torch.tensor(pick(gen, [0.0, 1e-40, 0.5, 3.0, 200.0], n))
+    scale = rand_positive(gen, n)
+    return history.to(device), scale.to(device), (1.0 / scale).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("L", [1, 2, 31, 1024])
+@pytest.mark.parametrize("algo,fn", [("max", lambda w: w.amax(0)),
+                                     ("most_recent", lambda w: w[-1])],
+                         ids=["max", "most_recent"])
+def test_callable_amax_algo_equals_builtin(device, gen, L, algo, fn):
+    """On finite windows, w.amax(0) is "max" and w[-1] is "most_recent": same bits."""
+    states = [finite_state(gen, L, 5, device), finite_state(gen, max(1, L // 2), 2, device)]
+    python_path = clone_states(states, device)
+    run_op(states, [448.0, 57344.0], margin=1, amax_compute_algo=algo)
+    run_op(python_path, [448.0, 57344.0], margin=1, amax_compute_algo=fn)
+    assert_states_equal(python_path, states)
+
+
+def expected_scales(old_scale, amax, fp8_max, margin):
+    usable = torch.isfinite(amax) & (amax > 0)
+    return torch.where(usable, ops.compute_scale_from_amax(amax, fp8_max, margin), old_scale)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("L", [1, 2, 31])
+def test_callable_amax_algo_with_non_finite(device, gen, L):
+    """A NaN-propagating callable: the roll is the C++ one, the callable's amax is applied."""
+    state = make_state(gen, L, 12, "mixed", history_specials=True, device=device)
+    window = torch.cat([state[0][1:], state[0][:1]])
+    recorded = state[0][0] != 0
+    callable_amax = window.amax(0)  # NaN propagates: such columns keep their scale
+    (_, old_scale, old_scale_inv), = clone_states([state], device)
+    (cxx_history, _, _), = cxx_path = clone_states([state], device)
+    run_op(cxx_path, [448.0], margin=2)
+    run_op([state], [448.0], margin=2, amax_compute_algo=lambda w: w.amax(0))
+    history, scale, scale_inv = state
+    assert_bitwise_equal(history, cxx_history, "roll")
+    new_scale = torch.where(recorded, expected_scales(old_scale, callable_amax, 448.0, 2),
+                            old_scale)
+    assert_bitwise_equal(scale, new_scale, "scale")
+    assert_bitwise_equal(scale_inv, torch.where(recorded, 1.0 / new_scale, old_scale_inv),
+                         "scale_inv")
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("amax_algo", ["max", "most_recent", lambda w: w[-1]],
+                         ids=["max", "most_recent", "callable"])
+def test_callable_scaling_factor(device, gen, amax_algo):
+    states = [make_state(gen, L, 7, "mixed", history_specials=True, device=device)
+              for L in (1, 3, 31)]
+    cxx_path = clone_states(states, device)
+    before = clone_states(states, device)
+    recipe = DelayedScaling(margin=1)
+    calls = []
+
+    def two(amax, scale, fp8_max, recipe_arg):
+        calls.append((amax.clone(), scale.clone(), fp8_max, recipe_arg))
+        return torch.full_like(scale, 2.0)
+
+    algo_name = amax_algo if isinstance(amax_algo, str) else "most_recent"
+    run_op(cxx_path, [448.0] * 3, margin=1, amax_compute_algo=algo_name)
+    run_op(states, [448.0] * 3, margin=1, amax_compute_algo=amax_algo,
+           scaling_factor_compute_algo=two, recipe=recipe)
+    assert len(calls) == 3
+    for (h, s, si), (hc, _, _), (h0, s0, si0), call in zip(states, cxx_path, before, calls):
+        recorded = h0[0] != 0
+        assert_bitwise_equal(h, hc, "roll")
+        assert_bitwise_equal(s, torch.where(recorded, 2.0, s0), "scale")
+        assert_bitwise_equal(si, torch.where(recorded, 0.5, si0), "scale_inv")
+        amax, old_scale, fp8_max, recipe_arg = call
+        assert amax.shape == s.shape and fp8_max == 448.0 and recipe_arg is recipe
+        assert_bitwise_equal(old_scale, s0, "scale passed to the callable")
+
+
+# ----------------------------------------------------------------------------- current scaling
+
+AMAX_VALUES = [0.0, -0.0, -1.0, -INF, 1e-45, 1e-40, 1e-38, 1e-30, 2.0**-20, 0.37, 1.0, 3.3,
+               448.0, 57344.0, 1e30, FLT_MAX, INF, NAN]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
+@pytest.mark.parametrize("margin", [0, 3])
+def test_compute_scale_from_amax(device, gen, fp8_max, margin):
+    amax = torch.cat([torch.tensor(AMAX_VALUES), rand_positive(gen, 200)]).to(device)
+    out = ops.compute_scale_from_amax(amax, fp8_max, margin)
+    assert out.dtype == torch.float32 and out.shape == amax.shape
+    expected = ref.compute_scale_from_amax_reference(amax.cpu(), fp8_max, margin)
+    assert_bitwise_equal(out, expected)
+    # Independent spot checks: unusable amax -> 1.0; subnormal amax -> FLT_MAX.
+    values = out[: len(AMAX_VALUES)].cpu().tolist()
+    for a, s in zip(AMAX_VALUES, values):
+        if not (math.isfinite(a) and a > 0):
+            assert s == 1.0, a
+    assert values[AMAX_VALUES.index(1e-40)] == FLT_MAX
+    assert values[AMAX_VALUES.index(1.0)] == fp8_max / 2**margin
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_compute_scale_from_amax_shapes(device, gen):
+    base = rand_positive(gen, 6, 8).to(device)
+    for amax in (base, base.t(), base[::2, 1::3], base[0, 0], base[:0]):
+        out = ops.compute_scale_from_amax(amax, 448.0, 1)
+        assert out.shape == amax.shape
+        assert_bitwise_equal(out, ref.compute_scale_from_amax_reference(amax.cpu(), 448.0, 1))
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("fp8_max", [448.1, 0.1, 57344.0 * 0.9])
+def test_fp8_max_not_representable_in_float32(device, gen, fp8_max):
+    """fp8_max is a `float` (double) argument: the fp64 division must use it as given, like the
+    reference, not a float32 rounding of it."""
+    amax = rand_positive(gen, 1000).to(device)
+    assert_bitwise_equal(ops.compute_scale_from_amax(amax, fp8_max, 0),
+                         ref.compute_scale_from_amax_reference(amax.cpu(), fp8_max, 0),
+                         "compute_scale_from_amax")
+    states = [make_state(gen, 4, 64, "normal", history_specials=False, device=device)]
+    expected = run_reference(states, [fp8_max])
+    run_op(states, [fp8_max])
+    assert_states_equal(states, expected)
