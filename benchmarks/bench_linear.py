@@ -1,0 +1,135 @@
+"""One Linear layer's training step (forward + backward) in FP8 and in bf16.
+
+Measures y = layer(x); y.backward(g) with bf16 x [16384, 8192], weight [8192, 8192] and bias:
+torch.nn.Linear in bf16; transformer_fp8.Linear under fp8_autocast with DelayedScaling (the
+scale update at the context's exit included) and with Float8CurrentScaling; torchao's float8
+training (convert_to_float8_training + torch.compile) where torchao imports ('n/a' otherwise).
+The floor is the three FP8 GEMMs of the step alone (forward, dgrad, wgrad through fp8_gemm on
+ready FP8 operands), timed in the same run: '% of GEMM floor' = floor time / step time, the
+share of the step spent in the GEMMs rather than in casts, scaling and bookkeeping. Reported:
+time per step (CUDA events, median), TFLOP/s = 6 M K N / time, speedup over bf16 nn.Linear.
+
+    python benchmarks/bench_linear.py [--smoke] [--out DIR]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import transformer_fp8 as tf8  # noqa: E402
+from transformer_fp8 import ops  # noqa: E402
+
+NAME = "bench_linear"
+TITLE, WHAT = common.doc_summary(__doc__)
+SHAPE, SMOKE_SHAPE = (16384, 8192, 8192), (64, 128, 96)  # (M, K, N)
+TORCHAO = "torchao float8 + torch.compile"
+FLOOR = "3 x fp8_gemm only (floor)"
+BF16 = "torch.nn.Linear (bf16)"
+
+COLUMNS = [
+    ["impl", "implementation", "{}"],
+    ["shape", "M x K x N", "{}"],
+    ["time_ms", "fwd+bwd (ms)", "{:.3f}"],
+    ["tflops", "TFLOP/s", "{:.1f}"],
+    ["pct_floor", "% of GEMM floor", "{:.1f}"],
+    ["speedup", "speedup vs bf16", "{:.2f}x"],
+]
+
+
+def make_layers(k: int, n: int, device: torch.device) -> dict:
+    """name -> (module, fp8 recipe or None); every module holds the same bf16 weights."""
+    base = torch.nn.Linear(k, n, device=device, dtype=torch.bfloat16)
+    layers = {}
+    for name, recipe in common.precision_variants().items():
+        if recipe is None:
+            layers[BF16] = (base, None)
+            continue
+        layer = tf8.Linear(k, n, params_dtype=torch.bfloat16, device=device)
+        layer.load_state_dict(base.state_dict())  # an nn.Linear state_dict loads as it is
+        layers[f"transformer_fp8.Linear, {name.removeprefix('fp8 ')}"] = (layer, recipe)
+    return layers
+
+
+def torchao_layer(base: torch.nn.Linear):
+    """torchao's float8 training of a copy of ``base``, compiled; None with the reason printed
+    when torchao is missing or refuses."""
+    try:
+        import copy
+
+        from torchao.float8 import convert_to_float8_training
+        model = convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(base)))
+        return torch.compile(model)
+    except Exception as exc:
+        print(f"({TORCHAO}: n/a, {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+        return None
+
+
+def training_step(layer, recipe, x, g):
+    def step():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        with common.fp8_context(recipe):
+            y = layer(x)
+        y.backward(g)
+    return step
+
+
+def gemm_floor(m: int, k: int, n: int, device: torch.device):
+    """The step's three FP8 GEMMs on ready operands (E4M3 x, w; E5M2 grad), as the layer runs
+    them: fwd x[M,K]·w[N,K]ᵀ, dgrad g[M,N]·wᵀ[K,N]ᵀ, wgrad gᵀ[N,M]·xᵀ[K,M]ᵀ."""
+    one = torch.ones(1, device=device)
+
+    def fp8(rows, cols, dtype):
+        return torch.randn(rows, cols, device=device).to(dtype)
+
+    x, x_t = fp8(m, k, torch.float8_e4m3fn), fp8(k, m, torch.float8_e4m3fn)
+    w, w_t = fp8(n, k, torch.float8_e4m3fn), fp8(k, n, torch.float8_e4m3fn)
+    g, g_t = fp8(m, n, torch.float8_e5m2), fp8(n, m, torch.float8_e5m2)
+    bias = torch.zeros(n, device=device, dtype=torch.bfloat16)
+
+    def step():
+        ops.fp8_gemm(x, one, w, one, torch.bfloat16, bias=bias, use_fast_accum=True)
+        ops.fp8_gemm(g, one, w_t, one, torch.bfloat16)
+        ops.fp8_gemm(g_t, one, x_t, one, torch.bfloat16)
+    return step
+
+
+def plot(ax, payload):
+    rows = payload["rows"]
+    common.bar_plot(ax, [r["impl"] for r in rows], [r["tflops"] for r in rows], "TFLOP/s",
+                    f"Linear fwd+bwd, {rows[0]['shape']}")
+
+
+def main(argv=None) -> dict:
+    args = common.parse_args(TITLE, argv)
+    m, k, n = SMOKE_SHAPE if args.smoke else SHAPE
+    warmup, reps = (1, 2) if args.smoke else (5, 20)
+    x = torch.randn(m, k, device=args.device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device=args.device, dtype=torch.bfloat16)
+    layers = make_layers(k, n, args.device)
+    steps = {name: training_step(layer, recipe, x, g) for name, (layer, recipe) in layers.items()}
+    compiled = torchao_layer(layers[BF16][0]) if args.device.type == "cuda" else None
+    steps[TORCHAO] = training_step(compiled, None, x, g) if compiled is not None else None
+    steps[FLOOR] = gemm_floor(m, k, n, args.device)
+
+    seconds = {}
+    for name, step in steps.items():
+        t = common.time_fn(step, args.device, warmup=warmup, reps=reps) if step else None
+        seconds[name] = t.median_s if t else None
+    rows = [{"impl": name, "shape": f"{m}x{k}x{n}",
+             "time_ms": s * 1e3 if s else None,
+             "tflops": common.ratio(6 * m * k * n / 1e12, s),
+             "pct_floor": common.ratio(100 * seconds[FLOOR], s),
+             "speedup": common.ratio(seconds[BF16], s)} for name, s in seconds.items()]
+    notes = ["bf16 = torch.nn.Linear with bf16 parameters; FP8 recipes use Format.HYBRID "
+             "(E4M3 input and weight, E5M2 gradients); weights and bias are the same in every "
+             "layer", f"{TORCHAO}: only on CUDA and where torchao imports"]
+    return common.report(args, NAME, TITLE, WHAT, COLUMNS, rows, plot=plot, notes=notes)
+
+
+if __name__ == "__main__":
+    main()

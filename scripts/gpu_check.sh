@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: build the extension against the torch found there, run the
+# tests, run the benchmarks, print the results table last.
+#
+#   scripts/gpu_check.sh                      # from the repository root
+#   OUT=/some/dir scripts/gpu_check.sh        # where the logs and results go
+#                                             #   (default benchmarks/out)
+#
+# Needs no network. Writes at most 7 files, all directly under $OUT:
+#   env.txt build.log tests.log bench.log results.md results.json results.png
+# Exit status: 0 when the build, every test and every benchmark passed; non-zero otherwise
+# (a failed build stops the script; failed tests or benchmarks do not, they fail it at the end).
+#
+# Knobs, to split the work over several calls on a machine that keeps the build:
+#   GPU_CHECK_SKIP_BUILD=1   use the extension already built in place
+#   GPU_CHECK_SKIP_TESTS=1   no test run
+#   GPU_CHECK_BENCH_ARGS     extra arguments for benchmarks/run_all.py, e.g. "--only bench_gemm"
+#   PYTHON                   the interpreter (default python3)
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python3}
+OUT_DIR=${OUT:-benchmarks/out}
+mkdir -p "$OUT_DIR"
+# The repository itself on the path: an in-place build (the fallback below) is then importable
+# by the benchmarks too.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+section() { printf '\n===== %s\n' "$*"; }
+
+section "environment"
+{
+  nvidia-smi || echo "nvidia-smi failed"
+  "$PYTHON" - <<'EOF'
+import platform, torch
+print(f"python {platform.python_version()}, torch {torch.__version__}, "
+      f"torch.version.cuda {torch.version.cuda}, cuda available {torch.cuda.is_available()}")
+if torch.cuda.is_available():
+    print(f"device {torch.cuda.get_device_name()}, capability {torch.cuda.get_device_capability()}")
+from torch.utils.cpp_extension import CUDA_HOME
+print(f"CUDA_HOME {CUDA_HOME}")
+EOF
+  command -v nvcc >/dev/null && nvcc --version | tail -n 2 || echo "nvcc not on PATH"
+} 2>&1 | tee "$OUT_DIR/env.txt"
+
+section "build (log: $OUT_DIR/build.log)"
+build_failed() {
+  tail -n 60 "$OUT_DIR/build.log"
+  echo "BUILD FAILED: see $OUT_DIR/build.log"
+  exit 1
+}
+build_in_place() {
+  "$PYTHON" setup.py build_ext --inplace >>"$OUT_DIR/build.log" 2>&1 || build_failed
+}
+if [[ "${GPU_CHECK_SKIP_BUILD:-0}" == 1 ]]; then
+  echo "GPU_CHECK_SKIP_BUILD=1: using the extension as built" | tee "$OUT_DIR/build.log"
+else
+  export MAX_JOBS=16 TRANSFORMER_FP8_FORCE_CUDA=1 TRANSFORMER_FP8_CUDA_ARCHS=9.0
+  # pip's editable install needs setuptools and wheel already here (no network, no build
+  # isolation); without them, or when pip fails for want of them, build in place instead.
+  # (setuptools is imported first: importing pip before it trips setuptools' distutils check)
+  if "$PYTHON" -c "import setuptools, wheel" 2>/dev/null \
+      && "$PYTHON" -m pip --version >/dev/null 2>&1; then
+    if ! "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -e . \
+        >"$OUT_DIR/build.log" 2>&1; then
+      grep -qE "No module named '?(setuptools|wheel)|invalid command 'bdist_wheel'" \
+        "$OUT_DIR/build.log" || build_failed
+      echo "pip editable install failed for want of a build tool; building in place" \
+        | tee -a "$OUT_DIR/build.log"
+      build_in_place
+    fi
+  else
+    echo "pip, setuptools or wheel missing: $PYTHON setup.py build_ext --inplace" \
+      | tee "$OUT_DIR/build.log"
+    build_in_place
+  fi
+  grep -m1 "transformer_fp8 build:" "$OUT_DIR/build.log" || true
+fi
+"$PYTHON" -c "import transformer_fp8 as t; print('transformer_fp8', t.build_info())" \
+  | tee -a "$OUT_DIR/build.log"
+
+tests_rc=0 tests_status=passed
+section "tests (log: $OUT_DIR/tests.log)"
+if [[ "${GPU_CHECK_SKIP_TESTS:-0}" == 1 ]]; then
+  tests_status=skipped
+  echo "GPU_CHECK_SKIP_TESTS=1: no test run" | tee "$OUT_DIR/tests.log"
+elif ! "$PYTHON" -m pytest tests -q 2>&1 | tee "$OUT_DIR/tests.log"; then
+  tests_rc=1 tests_status=FAILED
+  echo "TESTS FAILED (continuing with the benchmarks)"
+fi
+
+bench_rc=0
+section "benchmarks (log: $OUT_DIR/bench.log)"
+# shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of words
+if ! "$PYTHON" benchmarks/run_all.py --out "$OUT_DIR" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT_DIR/bench.log"; then
+  bench_rc=1
+fi
+
+section "results ($OUT_DIR/results.md)"
+cat "$OUT_DIR/results.md" 2>/dev/null || echo "no results.md was written"
+section "summary"
+echo "tests: $tests_status," \
+     "benchmarks: $([[ $bench_rc == 0 ]] && echo completed || echo FAILED)"
+exit $(( tests_rc || bench_rc ))

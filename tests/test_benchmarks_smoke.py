@@ -1,0 +1,105 @@
+"""The benchmark scripts run: each main(["--smoke", ...]) on the CPU with tiny shapes.
+
+Smoke runs check that every script runs end to end and writes its JSON (rows with positive
+times) and plot; their numbers mean nothing. The real measurements run on a GPU through
+scripts/gpu_check.sh.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks")
+sys.path.insert(0, BENCH_DIR)
+
+BENCHMARKS = ["bench_cast", "bench_scaling", "bench_gemm", "bench_linear", "bench_gpt"]
+
+try:
+    import matplotlib  # noqa: F401
+    HAS_MATPLOTLIB = True
+except ImportError:
+    HAS_MATPLOTLIB = False
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes run faster, and far steadier on a loaded machine, with one CPU thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def check_payload(payload: dict, name: str) -> None:
+    assert payload["name"] == name and payload["smoke"] is True
+    assert payload["rows"], f"{name}: no rows"
+    keys = [column[0] for column in payload["columns"]]
+    for row in payload["rows"]:
+        assert set(row) >= {keys[0]}, f"{name}: row without its first column: {row}"
+        times = {k: v for k, v in row.items() if k.startswith("time_")}
+        assert times, f"{name}: row without a time: {row}"
+        for key, value in times.items():
+            assert value is None or value > 0, f"{name}: {key} = {value} in {row}"
+    assert any(v for row in payload["rows"] for k, v in row.items() if k.startswith("time_"))
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_benchmark_smoke(name, tmp_path):
+    payload = importlib.import_module(name).main(["--smoke", "--out", str(tmp_path)])
+    with open(tmp_path / f"{name}.json") as f:
+        written = json.load(f)
+    check_payload(written, name)
+    assert written["rows"] == json.loads(json.dumps(payload["rows"], default=str))
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_gpt_smoke_trains_every_precision(tmp_path):
+    """bf16 and both FP8 recipes each produce a finite loss per step."""
+    payload = importlib.import_module("bench_gpt").main(
+        ["--smoke", "--out", str(tmp_path), "--no-plot"])
+    losses = payload["extra"]["losses"]
+    assert set(losses) == {"bf16", "fp8 DelayedScaling", "fp8 Float8CurrentScaling"}
+    for name, curve in losses.items():
+        assert curve and all(torch.isfinite(torch.tensor(curve))), f"{name}: {curve}"
+    assert not (tmp_path / "bench_gpt.png").exists()
+
+
+def test_run_all_collects_one_results_file(tmp_path):
+    run_all = importlib.import_module("run_all")
+    status = run_all.main(["--smoke", "--out", str(tmp_path), "--only", "bench_cast,bench_gemm"])
+    assert status == 0
+    text = (tmp_path / "results.md").read_text()
+    assert text.startswith("# transformer_fp8 benchmark results")
+    for needle in ("- device:", "- torch:", "- CUDA:", "- date:", "Smoke run"):
+        assert needle in text
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(results["benchmarks"]) == ["bench_cast", "bench_gemm"]
+    assert results["failures"] == {}
+    for name, payload in results["benchmarks"].items():
+        check_payload(payload, name)
+    # Only the three collected files: the per-benchmark parts went to a temporary folder.
+    expected = {"results.md", "results.json"} | ({"results.png"} if HAS_MATPLOTLIB else set())
+    assert set(os.listdir(tmp_path)) == expected
+
+
+def test_run_all_reports_a_failing_benchmark(tmp_path, monkeypatch):
+    """A benchmark that raises is named in results.md, the others still run, status 1."""
+    run_all = importlib.import_module("run_all")
+    bench_cast = importlib.import_module("bench_cast")
+
+    def broken(argv):
+        raise RuntimeError("deliberate failure")
+
+    monkeypatch.setattr(bench_cast, "main", broken)
+    status = run_all.main(["--smoke", "--out", str(tmp_path), "--only", "bench_cast,bench_gemm"])
+    assert status == 1
+    text = (tmp_path / "results.md").read_text()
+    assert "bench_cast: FAILED" in text and "deliberate failure" in text
+    assert "FP8 GEMM throughput" in text
