@@ -133,6 +133,10 @@ def scaling_cases(gen):
             lambda: ops.update_delayed_scaling(hs, ss, sis, negative_third,
                                                amax_compute_algo=MAX_ALGO),
             r"fp8_maxes\[2\].* must be finite and positive"),
+        "same_history_twice": (
+            lambda: ops.update_delayed_scaling([hs[0], hs[0]], [ss[0], ss[0].clone()],
+                                               [sis[0], sis[0].clone()], maxes[:2]),
+            r"the same tensor memory twice"),
         "compute_scale_amax_float16": (
             lambda: ops.compute_scale_from_amax(ss[0].half(), 448.0),
             r"'amax' must be a float32 tensor, got Half"),
