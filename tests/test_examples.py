@@ -1,0 +1,68 @@
+"""The examples run end to end (in-process, reduced sizes): examples/quickstart.py and
+examples/train_gpt.py --tiny. On the GPU when there is one, else on the CPU (~30 s)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _finite(values) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def test_quickstart(capsys):
+    quickstart = _load("quickstart")
+    steps = 60
+    results = quickstart.main(["--steps", str(steps)])
+    out = capsys.readouterr().out
+    assert "relative difference FP8 vs BF16" in out
+
+    bf16, fp8 = results["bf16"], results["fp8"]
+    for r in (bf16, fp8):
+        assert len(r["losses"]) == steps
+        assert _finite(r["losses"]) and _finite([r["final_train_loss"], r["val_loss"]])
+        assert r["final_train_loss"] < 0.5 * r["initial_loss"], "the MLP did not learn"
+    # Same init, same batches: FP8 training tracks BF16 closely.
+    assert fp8["final_train_loss"] == pytest.approx(bf16["final_train_loss"], rel=0.2)
+    assert fp8["val_loss"] == pytest.approx(bf16["val_loss"], rel=0.2)
+    assert results["rel_diff_val"] < 0.2
+
+
+def test_train_gpt_tiny_both(tmp_path):
+    train_gpt = _load("train_gpt")
+    out = tmp_path / "out"
+    summary = train_gpt.main(["--tiny", "--precision", "both", "--out", str(out),
+                              "--no-progress"])
+    results = summary["results"]
+    steps = summary["config"]["steps"]
+    assert set(results) == {"bf16", "fp8"}
+    for name, r in results.items():
+        assert len(r["train_losses"]) == steps
+        assert _finite(r["train_losses"]) and _finite([r["final_train_loss"], r["val_loss"]])
+        # From ~ln(vocab) at init to clearly below it: the model learnt character statistics.
+        assert r["final_train_loss"] < 0.8 * r["train_losses"][0], name
+    assert len(results["fp8"]["fp8_layers"]) == 4 * summary["config"]["layers"]
+    assert "lm_head" not in results["fp8"]["fp8_layers"]
+    b, f = results["bf16"]["final_train_loss"], results["fp8"]["final_train_loss"]
+    assert f == pytest.approx(b, rel=0.1)
+    assert results["fp8"]["val_loss"] == pytest.approx(results["bf16"]["val_loss"], rel=0.1)
+
+    png, js = out / "loss_curves.png", out / "losses.json"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    record = json.loads(js.read_text())
+    assert record["config"]["precision"] == "both"
+    for name in ("bf16", "fp8"):
+        assert record[name]["train_losses"] == results[name]["train_losses"]
