@@ -30,6 +30,7 @@ install: deps
 	    ! $(PYTHON) -c "import transformer_fp8._C" 2>/dev/null; then \
 	  $(PIP) install --no-build-isolation --no-deps -e . && touch .build-stamp; \
 	else echo "transformer_fp8 is built and up to date"; fi
+	@$(PYTHON) -c "import transformer_fp8 as t; print('transformer_fp8 build:', t.build_info())"
 
 clean:
 	rm -rf build *.egg-info transformer_fp8/*.so .build-stamp
