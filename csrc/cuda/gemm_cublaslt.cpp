@@ -24,13 +24,6 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
 
-#define TFP8_CHECK_CUBLAS(call, shapes)                                                       \
-  do {                                                                                        \
-    const cublasStatus_t status_ = (call);                                                    \
-    TORCH_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "transformer_fp8: ", #call, " failed with ", \
-                cublasLt_status_name(status_), " for fp8_gemm ", shapes);                     \
-  } while (0)
-
 const char* cublasLt_status_name(cublasStatus_t s) {
   switch (s) {
     case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
@@ -63,7 +56,9 @@ cublasLtHandle_t handle_for(int device) {
   auto it = r.handles.find(device);
   if (it != r.handles.end()) return it->second;
   cublasLtHandle_t handle = nullptr;
-  TFP8_CHECK_CUBLAS(cublasLtCreate(&handle), "(creating the cuBLASLt handle)");
+  const cublasStatus_t status = cublasLtCreate(&handle);
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "transformer_fp8: cublasLtCreate failed with ",
+              cublasLt_status_name(status));
   r.handles.emplace(device, handle);
   return handle;
 }
@@ -153,70 +148,57 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
   const bool bias_in_epilogue = bias.has_value() && out_dtype != at::kFloat;
 
   LtDescriptors desc;
-  TFP8_CHECK_CUBLAS(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), shapes);
-  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-  TFP8_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a,
-                                                   sizeof(trans_a)), shapes);
-  TFP8_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b,
-                                                   sizeof(trans_b)), shapes);
-  const int8_t fast_accum = use_fast_accum ? 1 : 0;
-  TFP8_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
-                                                   &fast_accum, sizeof(fast_accum)), shapes);
-  // cuBLASLt's A is our b, its B is our a.
-  const void* lt_a_scale = b_scale_inv.data_ptr();
-  const void* lt_b_scale = a_scale_inv.data_ptr();
-  TFP8_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                   &lt_a_scale, sizeof(lt_a_scale)), shapes);
-  TFP8_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                   &lt_b_scale, sizeof(lt_b_scale)), shapes);
-  if (bias_in_epilogue) {
-    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    const void* bias_ptr = bias_c->data_ptr();
-    const cudaDataType_t bias_type = cuda_type(out_dtype);
-    TFP8_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE,
-                                                     &epilogue, sizeof(epilogue)), shapes);
-    TFP8_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                     &bias_ptr, sizeof(bias_ptr)), shapes);
-    TFP8_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
-                          desc.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
-                          sizeof(bias_type)), shapes);
-  }
-  TFP8_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&desc.a, cuda_type(b.scalar_type()), K, N, K), shapes);
-  TFP8_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&desc.b, cuda_type(a.scalar_type()), K, M, K), shapes);
-  TFP8_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&desc.d, cuda_type(out_dtype), N, M, N), shapes);
+  auto check = [&](cublasStatus_t status, const char* what) {
+    TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "transformer_fp8: ", what, " failed with ",
+                cublasLt_status_name(status), " for fp8_gemm ", shapes);
+  };
+  auto set_op = [&](cublasLtMatmulDescAttributes_t attribute, const char* name, const auto& value) {
+    check(cublasLtMatmulDescSetAttribute(desc.op, attribute, &value, sizeof(value)), name);
+  };
+  auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attribute, const char* name,
+                      const auto& value) {
+    check(cublasLtMatmulPreferenceSetAttribute(desc.pref, attribute, &value, sizeof(value)), name);
+  };
 
-  TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&desc.pref), shapes);
-  const size_t ws_bytes = kWorkspaceBytes;
-  TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
-                        desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                        sizeof(ws_bytes)), shapes);
-  const uint32_t align_a = alignment_of(b.data_ptr()), align_b = alignment_of(a.data_ptr()),
-                 align_d = alignment_of(out.data_ptr());
-  TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
-                        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
-                        sizeof(align_a)), shapes);
-  TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
-                        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
-                        sizeof(align_b)), shapes);
-  TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
-                        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
-                        sizeof(align_d)), shapes);
-  TFP8_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
-                        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
-                        sizeof(align_d)), shapes);
+  check(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  set_op(CUBLASLT_MATMUL_DESC_TRANSA, "TRANSA", CUBLAS_OP_T);
+  set_op(CUBLASLT_MATMUL_DESC_TRANSB, "TRANSB", CUBLAS_OP_N);
+  set_op(CUBLASLT_MATMUL_DESC_FAST_ACCUM, "FAST_ACCUM", static_cast<int8_t>(use_fast_accum));
+  // cuBLASLt's A is our b, its B is our a: the scale pointers swap accordingly.
+  set_op(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, "A_SCALE_POINTER",
+         static_cast<const void*>(b_scale_inv.data_ptr()));
+  set_op(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, "B_SCALE_POINTER",
+         static_cast<const void*>(a_scale_inv.data_ptr()));
+  if (bias_in_epilogue) {
+    set_op(CUBLASLT_MATMUL_DESC_EPILOGUE, "EPILOGUE", CUBLASLT_EPILOGUE_BIAS);
+    set_op(CUBLASLT_MATMUL_DESC_BIAS_POINTER, "BIAS_POINTER",
+           static_cast<const void*>(bias_c->data_ptr()));
+    set_op(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, "BIAS_DATA_TYPE", cuda_type(out_dtype));
+  }
+  check(cublasLtMatrixLayoutCreate(&desc.a, cuda_type(b.scalar_type()), K, N, K), "layout of b");
+  check(cublasLtMatrixLayoutCreate(&desc.b, cuda_type(a.scalar_type()), K, M, K), "layout of a");
+  check(cublasLtMatrixLayoutCreate(&desc.d, cuda_type(out_dtype), N, M, N), "layout of out");
+
+  check(cublasLtMatmulPreferenceCreate(&desc.pref), "cublasLtMatmulPreferenceCreate");
+  set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, "MAX_WORKSPACE_BYTES", kWorkspaceBytes);
+  const uint32_t align_out = alignment_of(out.data_ptr());
+  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, "MIN_ALIGNMENT_A", alignment_of(b.data_ptr()));
+  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, "MIN_ALIGNMENT_B", alignment_of(a.data_ptr()));
+  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, "MIN_ALIGNMENT_C", align_out);
+  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, "MIN_ALIGNMENT_D", align_out);
   cublasLtMatmulHeuristicResult_t heuristic = {};
   int found = 0;
-  TFP8_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d,
-                                                   desc.d, desc.pref, 1, &heuristic, &found),
-                    shapes);
+  check(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref,
+                                       1, &heuristic, &found),
+        "cublasLtMatmulAlgoGetHeuristic");
   TORCH_CHECK(found > 0, "transformer_fp8: cuBLASLt found no FP8 algorithm for fp8_gemm ", shapes,
               " and out_dtype ", c10::toString(out_dtype), " (FP8 GEMMs need sm_89 or newer)");
 
   const float alpha = 1.0f, beta = 0.0f;
-  TFP8_CHECK_CUBLAS(cublasLtMatmul(handle, desc.op, &alpha, b.data_ptr(), desc.a, a.data_ptr(),
-                                   desc.b, &beta, out.data_ptr(), desc.d, out.data_ptr(), desc.d,
-                                   &heuristic.algo, workspace, kWorkspaceBytes, stream),
-                    shapes);
+  check(cublasLtMatmul(handle, desc.op, &alpha, b.data_ptr(), desc.a, a.data_ptr(), desc.b, &beta,
+                       out.data_ptr(), desc.d, out.data_ptr(), desc.d, &heuristic.algo, workspace,
+                       kWorkspaceBytes, stream),
+        "cublasLtMatmul");
   if (bias_c.has_value() && !bias_in_epilogue) out.add_(*bias_c);
   return out;
 }
