@@ -19,7 +19,7 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162f
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
 template <Fp8Format F>
-constexpr __nv_fp8_interpretation_t interpretation() {
+__host__ __device__ constexpr __nv_fp8_interpretation_t interpretation() {
   return F == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
 }
 
