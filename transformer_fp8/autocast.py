@@ -3,20 +3,27 @@
 Inside the outermost context every FP8 module that runs with delayed scaling records the amax of
 its input and weight into row 0 of its forward history (in the same pass as the cast). When the
 outermost context exits, the recorded rows of all modules are all-reduced (MAX) across fp8_group
-in ONE collective, then ONE update_delayed_scaling call rolls every history and sets every scale.
-The backward amaxes (grad_output) go the same way, once per backward pass: when the backward of
-the first module of the forward pass finishes.
+in ONE collective, then ONE update_delayed_scaling call (per device) rolls every history and sets
+every scale. The backward amaxes (grad_output) go the same way, once per backward pass: at the
+end of each backward pass that ran through the modules of a forward pass.
+
+Every rank must run the same set of FP8 modules in a step (the reduced buffer is laid out by the
+modules' creation order, which is the same on every rank that built the same model).
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Iterator, Optional
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from . import ops
 from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+# What a module hands over for the update: () -> (history [L, n], scale [n], scale_inv [n], fp8_max)
+StateGetter = Callable[[], tuple]
 
 
 @dataclass(frozen=True)
@@ -40,22 +47,21 @@ def all_reduce_max(buffer: torch.Tensor, group) -> None:
         torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
 
 
-@dataclass
 class AmaxStep:
-    """The scaling states (history, scale, scale_inv) that recorded amaxes in one step, for one
-    (recipe, group): reduced and updated together."""
+    """The scaling states (history, scale, scale_inv) recorded under one (recipe, group), reduced
+    and updated together. Keys order the states identically on every rank."""
 
-    recipe: DelayedScaling
-    group: object
-    states: dict = field(default_factory=dict)  # id -> getter returning (history, scale, scale_inv, fp8_max)
+    def __init__(self, recipe: DelayedScaling, group):
+        self.recipe, self.group = recipe, group
+        self.states: dict[int, StateGetter] = {}
 
-    def add(self, key: int, getter) -> None:
+    def add(self, key: int, getter: StateGetter) -> None:
         self.states.setdefault(key, getter)
 
     def reduce_and_update(self) -> None:
         if not self.states:
             return
-        tensors = [get() for get in self.states.values()]
+        tensors = [self.states[key]() for key in sorted(self.states)]
         histories = [t[0] for t in tensors]
         if self.recipe.reduce_amax and _world_size(self.group) > 1:
             # One collective for the whole step: gather row 0 of every history, reduce, scatter.
@@ -63,92 +69,90 @@ class AmaxStep:
             all_reduce_max(recorded, self.group)
             torch._foreach_copy_([h[0] for h in histories],
                                  list(recorded.split([h.shape[1] for h in histories])))
-        ops.update_delayed_scaling(
-            histories, [t[1] for t in tensors], [t[2] for t in tensors], [t[3] for t in tensors],
-            margin=self.recipe.margin, amax_compute_algo=self.recipe.amax_compute_algo,
-            scaling_factor_compute_algo=self.recipe.scaling_factor_compute_algo,
-            recipe=self.recipe)
-        self.states.clear()
+        by_device: dict[torch.device, list] = {}
+        for t in tensors:
+            by_device.setdefault(t[0].device, []).append(t)
+        for group in by_device.values():  # one launch per device (one device in the usual case)
+            ops.update_delayed_scaling(
+                [t[0] for t in group], [t[1] for t in group], [t[2] for t in group],
+                [t[3] for t in group], margin=self.recipe.margin,
+                amax_compute_algo=self.recipe.amax_compute_algo,
+                scaling_factor_compute_algo=self.recipe.scaling_factor_compute_algo,
+                recipe=self.recipe)
 
     def discard(self) -> None:
-        """Forget this step's amaxes (after an exception): histories and scales stay as they
-        were before the step."""
+        """Forget the amaxes recorded since the last update (after an exception)."""
         for get in self.states.values():
             get()[0][0].zero_()
-        self.states.clear()
 
 
 class BackwardStep:
-    """The grad_output states of one forward pass; updated when the backward of the first
-    module of that forward pass has run."""
+    """The grad_output states of the modules of one forward pass. The first FP8 backward of a
+    backward pass queues the update for the end of that pass, so every backward pass (one per
+    microbatch, retain_graph, a frozen first layer...) is followed by exactly one update."""
 
     def __init__(self, recipe: DelayedScaling, group):
         self.step = AmaxStep(recipe, group)
+        self._queued = False
 
-    def add(self, key: int, getter) -> None:
+    def add(self, key: int, getter: StateGetter) -> None:
         self.step.add(key, getter)
 
-    def finish(self) -> None:
+    def on_backward(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _finish(self) -> None:
+        self._queued = False
         self.step.reduce_and_update()
 
 
-class _Autocast:
-    """The context stack and the steps recorded under the outermost context (module-level,
-    one per process; the contexts are not meant to be shared across threads)."""
+class _ThreadAutocast(threading.local):
+    """This thread's context stack and the steps recorded under its outermost context (the
+    stack is per thread, as torch.autocast's is)."""
 
     def __init__(self):
         self.stack: list[AutocastState] = []
         self.forward_steps: dict = {}
         self.backward_steps: dict = {}
 
-    def current(self) -> Optional[AutocastState]:
-        return self.stack[-1] if self.stack else None
 
-    def _key(self, state: AutocastState):
-        return (state.recipe, id(state.group))
-
-    def forward_step(self, state: AutocastState) -> AmaxStep:
-        key = self._key(state)
-        if key not in self.forward_steps:
-            self.forward_steps[key] = AmaxStep(state.recipe, state.group)
-        return self.forward_steps[key]
-
-    def backward_step(self, state: AutocastState) -> tuple[BackwardStep, bool]:
-        """The backward step of the current forward pass, and whether the caller is the first
-        module of it (the one whose backward finishes the step)."""
-        key = self._key(state)
-        is_first = key not in self.backward_steps
-        if is_first:
-            self.backward_steps[key] = BackwardStep(state.recipe, state.group)
-        return self.backward_steps[key], is_first
-
-    def exit_outermost(self, failed: bool) -> None:
-        steps = list(self.forward_steps.values())
-        self.forward_steps.clear()
-        self.backward_steps.clear()
-        for step in steps:
-            if failed:
-                step.discard()
-            else:
-                step.reduce_and_update()
+_LOCAL = _ThreadAutocast()
 
 
-_AUTOCAST = _Autocast()
+def _key(state: AutocastState):
+    return (state.recipe, id(state.group))
 
 
 def current_state() -> Optional[AutocastState]:
-    """The innermost active fp8_autocast, or None outside any."""
-    return _AUTOCAST.current()
+    """The innermost active fp8_autocast of this thread, or None outside any."""
+    return _LOCAL.stack[-1] if _LOCAL.stack else None
 
 
-def record_forward(state: AutocastState, key: int, fwd_getter, bwd_getter):
+def record_forward(state: AutocastState, key: int, fwd_getter: StateGetter,
+                   bwd_getter: StateGetter) -> BackwardStep:
     """Called by an FP8 module running with delayed scaling: registers its forward state for the
-    update at context exit and its backward state for the backward update. Returns
-    (backward_step, is_first_module)."""
-    _AUTOCAST.forward_step(state).add(key, fwd_getter)
-    backward_step, is_first = _AUTOCAST.backward_step(state)
-    backward_step.add(key, bwd_getter)
-    return backward_step, is_first
+    update at context exit and its backward state with the forward pass's BackwardStep, which
+    it returns (its backward calls on_backward())."""
+    k = _key(state)
+    if k not in _LOCAL.forward_steps:
+        _LOCAL.forward_steps[k] = AmaxStep(state.recipe, state.group)
+        _LOCAL.backward_steps[k] = BackwardStep(state.recipe, state.group)
+    _LOCAL.forward_steps[k].add(key, fwd_getter)
+    _LOCAL.backward_steps[k].add(key, bwd_getter)
+    return _LOCAL.backward_steps[k]
+
+
+def _exit_outermost(failed: bool) -> None:
+    steps = list(_LOCAL.forward_steps.values())
+    _LOCAL.forward_steps.clear()
+    _LOCAL.backward_steps.clear()
+    for step in steps:
+        if failed:
+            step.discard()
+        else:
+            step.reduce_and_update()
 
 
 @contextlib.contextmanager
@@ -160,8 +164,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
     fp8_recipe: DelayedScaling() by default, or Float8CurrentScaling().
     fp8_group: the process group whose ranks share amaxes (default: the whole world).
     Call backward outside the context. Nested contexts: the innermost one decides how modules
-    run; the outermost one's exit reduces and updates. If the block raises, the amaxes recorded
-    in it are discarded and no scale changes.
+    run; the outermost one's exit reduces and updates. If an exception leaves the outermost
+    context, the amaxes recorded in it are discarded and no scale changes.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
@@ -174,8 +178,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
                                       and isinstance(fp8_group, torch.distributed.ProcessGroup)):
         raise TypeError("fp8_group must be None or a torch.distributed.ProcessGroup, got "
                         f"{type(fp8_group).__name__}")
-    outermost = not _AUTOCAST.stack
-    _AUTOCAST.stack.append(AutocastState(enabled, fp8_recipe, fp8_group))
+    outermost = not _LOCAL.stack
+    _LOCAL.stack.append(AutocastState(enabled, fp8_recipe, fp8_group))
     failed = False
     try:
         yield
@@ -183,6 +187,6 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
         failed = True
         raise
     finally:
-        _AUTOCAST.stack.pop()
+        _LOCAL.stack.pop()
         if outermost:
-            _AUTOCAST.exit_outermost(failed)
+            _exit_outermost(failed)

@@ -1,6 +1,6 @@
 """transformer_fp8.Linear: a drop-in torch.nn.Linear whose GEMMs run in FP8 inside fp8_autocast.
 
-FP8 state per layer (plain tensors in state_dict):
+FP8 state per layer (plain float32 tensors in state_dict, kept float32 by .half() and the like):
   fp8_fwd_amax_history [L, 2]  amaxes of (input, weight), row 0 = this step
   fp8_fwd_scale [2], fp8_fwd_scale_inv [2]
   fp8_bwd_amax_history [L, 1]  amax of grad_output
@@ -9,7 +9,9 @@ FP8 state per layer (plain tensors in state_dict):
 """
 from __future__ import annotations
 
+import itertools
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,12 +22,18 @@ from . import ops
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
 
 INPUT, WEIGHT = 0, 1  # columns of the forward state
-FP8_STATE_KEYS = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
-                  "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv", "fp8_recipe")
+FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
+                   "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv")
+FP8_STATE_KEYS = FP8_FLOAT_STATE + ("fp8_recipe",)
+_HISTORIES = ("fp8_fwd_amax_history", "fp8_bwd_amax_history")
 _FORMAT_CODES = {Format.E4M3: 0, Format.E5M2: 1, Format.HYBRID: 2}
 _ALGO_CODES = {"max": 0, "most_recent": 1}
 _DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
 _ALIGN = 16  # FP8 GEMM dimensions must be multiples of 16
+_FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Creation order of FP8 layers: the same on every rank that builds the same model, so it lays
+# out the cross-rank amax reduction identically everywhere.
+_creation_index = itertools.count()
 
 
 def _recipe_code(recipe: DelayedScaling) -> list[int]:
@@ -35,23 +43,27 @@ def _recipe_code(recipe: DelayedScaling) -> list[int]:
 
 
 class _Fp8Cast:
-    """How one tensor role (input, weight, grad_output) is cast: its scale, where its amax goes,
-    and the scale_inv its FP8 copy is dequantised with."""
+    """How one tensor role (input, weight, grad_output) is cast to FP8."""
 
-    def __init__(self, dtype, scale, scale_inv, amax_slot, current_scaling_group=None,
-                 current_scaling=False):
+    def __init__(self, dtype, scale=None, scale_inv=None, amax_slot=None, group=None):
         self.dtype = dtype
-        self.scale = scale
-        self.scale_inv = scale_inv
-        self.amax_slot = amax_slot
-        self.current_scaling = current_scaling
-        self.group = current_scaling_group
+        self.scale, self.scale_inv, self.amax_slot = scale, scale_inv, amax_slot
+        self.group = group
+
+    @classmethod
+    def delayed(cls, dtype, scale, scale_inv, amax_slot):
+        """The stored scale; the amax goes to the history's row 0 in the same pass."""
+        return cls(dtype, scale, scale_inv, amax_slot)
+
+    @classmethod
+    def current(cls, dtype, group):
+        """The scale of the tensor's own amax, reduced across the group."""
+        return cls(dtype, group=group)
 
     def cast(self, x: torch.Tensor, with_transpose: bool = True):
-        """(x_fp8, x_t_fp8 or None, scale_inv used). Delayed: the stored scale, amax recorded in
-        the same pass. Current: the scale of this tensor's own amax (reduced across the group).
-        The transpose is produced in the same pass, only when a backward GEMM needs it."""
-        if self.current_scaling:
+        """(x_fp8, x_t_fp8 or None, scale_inv used). The transpose is produced in the same pass,
+        only when a backward GEMM needs it."""
+        if self.scale is None:  # current scaling
             amax = ops.amax(x)
             _autocast.all_reduce_max(amax, self.group)
             scale = ops.compute_scale_from_amax(amax.reshape(1), torch.finfo(self.dtype).max)
@@ -66,6 +78,18 @@ class _Fp8Cast:
         return x_fp8, x_t_fp8, scale_inv
 
 
+@dataclass
+class _Fp8Plan:
+    """Everything one FP8 forward/backward of a Linear needs besides the tensors."""
+
+    input_cast: _Fp8Cast
+    weight_cast: _Fp8Cast
+    grad_cast: _Fp8Cast
+    weight_fp8: Optional[tuple]  # cached (w_fp8, w_t_fp8, scale_inv), or None to cast now
+    backward_step: Optional[_autocast.BackwardStep]  # None with current scaling
+    out_dtype: torch.dtype
+
+
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     """Zero rows up to a multiple of 16: they change neither amax nor any product row kept."""
     extra = (-x.shape[0]) % _ALIGN
@@ -74,51 +98,50 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, bias, module, input_cast, weight_cast, grad_cast, weight_fp8,
-                backward_step, is_first_module, out_dtype):
-        in_features = weight.shape[1]
-        lead_shape = inp.shape[:-1]
+    def forward(ctx, inp, weight, bias, plan: _Fp8Plan):
+        needs_input_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        out_features, in_features = weight.shape
         inp_2d = inp.reshape(-1, in_features)
-        rows = inp_2d.shape[0]
         # The transposed copies feed wgrad (input^T) and dgrad (weight^T): made only if needed.
-        x_fp8, x_t_fp8, x_scale_inv = input_cast.cast(_pad_rows(inp_2d),
-                                                      with_transpose=ctx.needs_input_grad[1])
-        if weight_fp8 is None:
-            weight_fp8 = weight_cast.cast(weight, with_transpose=ctx.needs_input_grad[0])
-        w_fp8, w_t_fp8, w_scale_inv = weight_fp8
-        out = ops.fp8_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, out_dtype,
-                           bias=None if bias is None else bias.to(out_dtype), use_fast_accum=True)
+        x_fp8, x_t_fp8, x_scale_inv = plan.input_cast.cast(_pad_rows(inp_2d),
+                                                           with_transpose=needs_weight_grad)
+        w_fp8, w_t_fp8, w_scale_inv = (plan.weight_fp8 if plan.weight_fp8 is not None else
+                                       plan.weight_cast.cast(weight, needs_input_grad))
+        out = ops.fp8_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, plan.out_dtype,
+                           bias=None if bias is None else bias.to(plan.out_dtype),
+                           use_fast_accum=True)
         # Backward needs only the FP8 copies: the high-precision input is not kept.
         ctx.save_for_backward(x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv)
-        ctx.grad_cast = grad_cast
-        ctx.backward_step = backward_step
-        ctx.is_first_module = is_first_module
-        ctx.rows, ctx.lead_shape = rows, lead_shape
-        ctx.in_features, ctx.out_features = in_features, weight.shape[0]
+        ctx.plan = plan
+        ctx.rows, ctx.lead_shape = inp_2d.shape[0], inp.shape[:-1]
+        ctx.in_features, ctx.out_features = in_features, out_features
         ctx.inp_dtype, ctx.weight_dtype = inp.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return out[:rows].reshape(*lead_shape, weight.shape[0])
+        return out[:ctx.rows].reshape(*ctx.lead_shape, out_features)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv = ctx.saved_tensors
+        needs_input_grad, needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[:3]
+        plan = ctx.plan
+        if plan.backward_step is not None:
+            plan.backward_step.on_backward()  # the update runs when this backward pass ends
         g_2d = grad_out.reshape(-1, ctx.out_features)
-        g_fp8, g_t_fp8, g_scale_inv = ctx.grad_cast.cast(_pad_rows(g_2d),
-                                                         with_transpose=ctx.needs_input_grad[1])
+        g_fp8, g_t_fp8, g_scale_inv = plan.grad_cast.cast(_pad_rows(g_2d),
+                                                          with_transpose=needs_weight_grad)
         grad_inp = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            # dgrad [M, K] = grad_out [M, N] @ weight [N, K]; b operand = weight^T [K, N]
+        if needs_input_grad:
+            # dgrad [M, K] = grad_out [M, N] @ weight [N, K]; the b operand is weight^T [K, N]
             grad_inp = ops.fp8_gemm(g_fp8, g_scale_inv, w_t_fp8, w_scale_inv, ctx.inp_dtype)
             grad_inp = grad_inp[:ctx.rows].reshape(*ctx.lead_shape, ctx.in_features)
-        if ctx.needs_input_grad[1]:
-            # wgrad [N, K] = grad_out^T [N, M] @ input [M, K]; b operand = input^T [K, M]
+        if needs_weight_grad:
+            # wgrad [N, K] = grad_out^T [N, M] @ input [M, K]; the b operand is input^T [K, M]
             grad_weight = ops.fp8_gemm(g_t_fp8, g_scale_inv, x_t_fp8, x_scale_inv,
                                        ctx.weight_dtype)
-        if ctx.needs_input_grad[2]:
+        if needs_bias_grad:
             grad_bias = g_2d.sum(dim=0).to(ctx.bias_dtype)
-        if ctx.is_first_module and ctx.backward_step is not None:
-            ctx.backward_step.finish()
-        return grad_inp, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        return grad_inp, grad_weight, grad_bias, None
 
 
 class Linear(torch.nn.Linear):
@@ -127,8 +150,8 @@ class Linear(torch.nn.Linear):
 
     Inside fp8_autocast: input and weight are cast to FP8 (E4M3 with HYBRID) and multiplied by a
     cuBLASLt FP8 GEMM; backward casts grad_output (E5M2 with HYBRID) and runs dgrad and wgrad in
-    FP8. Layers whose in_features or out_features is not a multiple of 16 run in high precision
-    (with a one-time warning); any number of rows works.
+    FP8. Any number of rows works. Layers whose in_features or out_features is not a multiple of
+    16, and float64 inputs, run in high precision (with a one-time warning).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -147,19 +170,46 @@ class Linear(torch.nn.Linear):
         self.register_buffer("fp8_bwd_scale", torch.ones(1, **f32))
         self.register_buffer("fp8_bwd_scale_inv", torch.ones(1, **f32))
         self.register_buffer("fp8_recipe", torch.full((4,), -1, dtype=torch.int64, device=device))
+        self._fp8_index = next(_creation_index)
         self._recipe_code: Optional[list[int]] = None
+        self._fp8_maxes = (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd)
         self._weight_cache = None
         self._warned_high_precision = False
 
     def reset_fp8_state(self) -> None:
         """Fresh FP8 state: empty histories, unit scales (keeps the history length)."""
-        for name in ("fp8_fwd_amax_history", "fp8_bwd_amax_history"):
-            getattr(self, name).zero_()
-        for name in ("fp8_fwd_scale", "fp8_fwd_scale_inv", "fp8_bwd_scale", "fp8_bwd_scale_inv"):
-            getattr(self, name).fill_(1.0)
-        self.fp8_recipe.fill_(-1)
+        with torch.no_grad():
+            for name in _HISTORIES:
+                getattr(self, name).zero_()
+            for name in FP8_FLOAT_STATE:
+                if name not in _HISTORIES:
+                    getattr(self, name).fill_(1.0)
+            self.fp8_recipe.fill_(-1)
         self._recipe_code = None
         self._weight_cache = None
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "fp8_recipe"):  # nn.Linear.__init__ calls this before the state exists
+            self.reset_fp8_state()
+
+    def _apply(self, fn, recurse=True):
+        # Device moves apply to the FP8 state; dtype casts (.half(), .to(torch.bfloat16)) do
+        # not: the operators need float32 scales and histories.
+        order = list(self._buffers)
+        fp8_state = {name: self._buffers.pop(name) for name in FP8_FLOAT_STATE}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buffer in fp8_state.items():
+                self._buffers[name] = buffer
+            self._buffers = type(self._buffers)((name, self._buffers[name]) for name in order)
+        for name, buffer in fp8_state.items():
+            moved = fn(buffer)
+            self._buffers[name] = moved if moved.dtype == buffer.dtype else \
+                buffer.to(device=moved.device)
+        self._weight_cache = None
+        return self
 
     def _adopt_recipe(self, recipe: DelayedScaling) -> None:
         """Match the history length to the recipe (a new length starts a fresh history; the
@@ -167,7 +217,7 @@ class Linear(torch.nn.Linear):
         code = _recipe_code(recipe)
         if code == self._recipe_code:
             return
-        for name in ("fp8_fwd_amax_history", "fp8_bwd_amax_history"):
+        for name in _HISTORIES:
             history = getattr(self, name)
             if history.shape[0] != recipe.amax_history_len:
                 # .data keeps the buffer object, so references (e.g. DDP's) stay valid.
@@ -177,29 +227,30 @@ class Linear(torch.nn.Linear):
 
     def _fwd_state(self):
         return (self.fp8_fwd_amax_history, self.fp8_fwd_scale, self.fp8_fwd_scale_inv,
-                self._fwd_fp8_max)
+                self._fp8_maxes[0])
 
     def _bwd_state(self):
         return (self.fp8_bwd_amax_history, self.fp8_bwd_scale, self.fp8_bwd_scale_inv,
-                self._bwd_fp8_max)
+                self._fp8_maxes[1])
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # Histories of another length load as they are; a plain nn.Linear checkpoint (no FP8
-        # keys) loads with strict=True and leaves a fresh FP8 state.
+        # A history of another length loads as it is. A checkpoint with no FP8 key at all (a
+        # plain nn.Linear one) loads with strict=True and leaves a fresh FP8 state; one with
+        # only some FP8 keys is reported as incomplete.
         present = [k for k in FP8_STATE_KEYS if prefix + k in state_dict]
-        for key in present:
-            incoming = state_dict[prefix + key]
-            buffer = getattr(self, key)
-            if isinstance(incoming, torch.Tensor) and incoming.shape != buffer.shape:
-                buffer.data = buffer.new_empty(incoming.shape)
+        for key in _HISTORIES:
+            incoming, history = state_dict.get(prefix + key), getattr(self, key)
+            if (isinstance(incoming, torch.Tensor) and incoming.dim() == 2
+                    and incoming.shape[1] == history.shape[1]):
+                history.data = history.new_empty(incoming.shape)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         if not present:
             self.reset_fp8_state()
-        for key in FP8_STATE_KEYS:
-            if prefix + key not in present and prefix + key in missing_keys:
-                missing_keys.remove(prefix + key)
+            for key in FP8_STATE_KEYS:
+                if prefix + key in missing_keys:
+                    missing_keys.remove(prefix + key)
         self._recipe_code = None  # re-read on the next FP8 forward
         self._weight_cache = None
 
@@ -212,47 +263,53 @@ class Linear(torch.nn.Linear):
         state = _autocast.current_state()
         if state is None or not state.enabled:
             return F.linear(inp, self.weight, self.bias)
-        if self.in_features % _ALIGN or self.out_features % _ALIGN:
-            if not self._warned_high_precision:
-                warnings.warn(f"transformer_fp8.Linear({self.in_features}, {self.out_features}): "
-                              "FP8 GEMMs need in_features and out_features to be multiples of "
-                              "16; this layer runs in high precision.", stacklevel=2)
-                self._warned_high_precision = True
+        if (self.in_features % _ALIGN or self.out_features % _ALIGN
+                or inp.dtype not in _FP8_INPUT_DTYPES):
+            self._warn_high_precision(inp.dtype)
             return F.linear(inp, self.weight, self.bias)
         return self._fp8_forward(inp, state, is_first_microbatch)
 
+    def _warn_high_precision(self, dtype) -> None:
+        if not self._warned_high_precision:
+            warnings.warn(f"transformer_fp8.Linear({self.in_features}, {self.out_features}) with "
+                          f"{dtype} input runs in high precision: FP8 GEMMs need in_features "
+                          "and out_features to be multiples of 16 and a float32, bfloat16 or "
+                          "float16 input.", stacklevel=3)
+            self._warned_high_precision = True
+
+    # torch.compile runs this part eagerly: it reads and writes the FP8 state outside the graph.
+    @torch.compiler.disable
     def _fp8_forward(self, inp, state, is_first_microbatch):
         recipe = state.recipe
         fmt = recipe.fp8_format
         if fmt is Format.E5M2:
             raise ValueError("Format.E5M2 cannot train a Linear layer: FP8 GEMMs take no E5M2 x "
                              "E5M2 product; use Format.HYBRID or Format.E4M3")
-        self._fwd_fp8_max, self._bwd_fp8_max = fmt.max_fwd, fmt.max_bwd
         out_dtype = (torch.get_autocast_dtype(inp.device.type)
                      if torch.is_autocast_enabled(inp.device.type) else inp.dtype)
         if isinstance(recipe, Float8CurrentScaling):
-            casts = [_Fp8Cast(dtype, None, None, None, state.group, current_scaling=True)
-                     for dtype in (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype)]
-            backward_step, is_first = None, False
+            input_cast, weight_cast, grad_cast = (
+                _Fp8Cast.current(dtype, state.group)
+                for dtype in (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype))
+            backward_step = None
         else:
             self._adopt_recipe(recipe)
+            self._fp8_maxes = (fmt.max_fwd, fmt.max_bwd)
             fwd_h, fwd_s, fwd_si = (self.fp8_fwd_amax_history, self.fp8_fwd_scale,
                                     self.fp8_fwd_scale_inv)
             bwd_h, bwd_s, bwd_si = (self.fp8_bwd_amax_history, self.fp8_bwd_scale,
                                     self.fp8_bwd_scale_inv)
-            casts = [
-                _Fp8Cast(fmt.fwd_dtype, fwd_s[INPUT:INPUT + 1], fwd_si[INPUT:INPUT + 1],
-                         fwd_h[0, INPUT:INPUT + 1]),
-                _Fp8Cast(fmt.fwd_dtype, fwd_s[WEIGHT:WEIGHT + 1], fwd_si[WEIGHT:WEIGHT + 1],
-                         fwd_h[0, WEIGHT:WEIGHT + 1]),
-                _Fp8Cast(fmt.bwd_dtype, bwd_s[0:1], bwd_si[0:1], bwd_h[0, 0:1]),
-            ]
-            backward_step, is_first = _autocast.record_forward(state, id(self), self._fwd_state,
-                                                               self._bwd_state)
-        weight_fp8 = self._weight_for_step(casts[WEIGHT], is_first_microbatch)
-        return _Fp8LinearFunction.apply(inp, self.weight, self.bias, self, casts[INPUT],
-                                        casts[WEIGHT], casts[2], weight_fp8, backward_step,
-                                        is_first, out_dtype)
+            input_cast = _Fp8Cast.delayed(fmt.fwd_dtype, fwd_s[INPUT:INPUT + 1],
+                                          fwd_si[INPUT:INPUT + 1], fwd_h[0, INPUT:INPUT + 1])
+            weight_cast = _Fp8Cast.delayed(fmt.fwd_dtype, fwd_s[WEIGHT:WEIGHT + 1],
+                                           fwd_si[WEIGHT:WEIGHT + 1], fwd_h[0, WEIGHT:WEIGHT + 1])
+            grad_cast = _Fp8Cast.delayed(fmt.bwd_dtype, bwd_s[0:1], bwd_si[0:1], bwd_h[0, 0:1])
+            backward_step = _autocast.record_forward(state, self._fp8_index, self._fwd_state,
+                                                     self._bwd_state)
+        plan = _Fp8Plan(input_cast, weight_cast, grad_cast,
+                        self._weight_for_step(weight_cast, is_first_microbatch), backward_step,
+                        out_dtype)
+        return _Fp8LinearFunction.apply(inp, self.weight, self.bias, plan)
 
     def _weight_for_step(self, weight_cast, is_first_microbatch):
         """None: cast the weight in this call. True: cast it now and keep it. False: reuse the
@@ -280,35 +337,17 @@ def _default_filter(module: torch.nn.Linear, name: str) -> bool:
 
 
 def convert_to_fp8(module: torch.nn.Module, filter_fn=None) -> torch.nn.Module:
-    """Replace, in place, every torch.nn.Linear in ``module`` by a transformer_fp8.Linear that
-    keeps the very same Parameter objects (so optimizers and DDP see no change).
+    """Turn, in place, every torch.nn.Linear in ``module`` into a transformer_fp8.Linear.
 
-    filter_fn(linear, fully_qualified_name) -> bool chooses which layers; by default those whose
-    in_features and out_features are multiples of 16. Returns ``module`` (or its replacement if
-    ``module`` itself is a Linear).
+    The layers stay the same objects (their class changes and they gain the FP8 state), so
+    Parameters, hooks, attributes and shared uses are all kept, and optimizers and DDP see no
+    change. Subclasses of nn.Linear are left alone. filter_fn(linear, fully_qualified_name) ->
+    bool chooses which layers; by default those whose in_features and out_features are
+    multiples of 16. Returns ``module``.
     """
     filter_fn = filter_fn or _default_filter
-
-    def convert(linear: torch.nn.Linear, name: str):
-        if isinstance(linear, Linear) or type(linear) is not torch.nn.Linear:
-            return None
-        if not filter_fn(linear, name):
-            return None
-        new = Linear.__new__(Linear)
-        torch.nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new._register_fp8_state(linear.weight.device)
-        new.train(linear.training)
-        return new
-
-    if isinstance(module, torch.nn.Linear):
-        return convert(module, "") or module
-    for name, parent in list(module.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            full_name = f"{name}.{child_name}" if name else child_name
-            replacement = convert(child, full_name) if isinstance(child, torch.nn.Linear) else None
-            if replacement is not None:
-                setattr(parent, child_name, replacement)
+    for name, child in module.named_modules():
+        if type(child) is torch.nn.Linear and filter_fn(child, name):
+            child.__class__ = Linear
+            child._register_fp8_state(child.weight.device)
     return module

@@ -11,10 +11,9 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from . import _C  # noqa: F401  (loads the library and registers the operators)
+from .reference import FP8_MAX  # noqa: F401  (re-exported: the format maxima)
 
 _ops = torch.ops.transformer_fp8
-
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 
