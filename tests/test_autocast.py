@@ -64,14 +64,72 @@ def test_nested_contexts_update_at_outermost_exit(gen, device, update_calls):
         with fp8_autocast(fp8_recipe=RECIPE):
             model(x)
         assert update_calls == []
+        recorded = [layer.fp8_fwd_amax_history[0].clone() for layer in model]
         with fp8_autocast(enabled=False):
-            hp = model(x)  # the innermost context decides: high precision
-        assert not any(layer.fp8_fwd_amax_history[-1].any() for layer in model)
+            hp = model(x * 7)  # the innermost context decides: high precision, nothing recorded
+        for layer, before in zip(model, recorded):
+            assert torch.equal(layer.fp8_fwd_amax_history[0], before)
     assert update_calls == [3]
-    assert torch.equal(hp, torch.nn.functional.linear(
-        torch.nn.functional.linear(torch.nn.functional.linear(
-            x, model[0].weight, model[0].bias), model[1].weight, model[1].bias),
-        model[2].weight, model[2].bias))
+    expected = x * 7
+    for layer in model:
+        expected = torch.nn.functional.linear(expected, layer.weight, layer.bias)
+    assert torch.equal(hp, expected)
+
+
+def test_inner_exception_caught_inside_keeps_the_step(gen, device):
+    model = make_model(gen, device)
+    x = randn(gen, 16, 32, device=device)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        try:
+            with fp8_autocast(fp8_recipe=RECIPE):
+                model(x)
+                raise KeyError("handled")
+        except KeyError:
+            pass
+    assert model[0].fp8_fwd_amax_history[-1, 0] == x.abs().max()
+
+
+def test_every_backward_pass_updates_once(gen, device, update_calls):
+    """Microbatches: several forwards in one context, one backward pass each."""
+    model = make_model(gen, device)
+    xs = [randn(gen, 16, 32, device=device) * (i + 1) for i in range(3)]
+    with fp8_autocast(fp8_recipe=RECIPE):
+        outs = [model(x) for x in xs]
+    assert update_calls == [3]
+    for i, out in enumerate(outs):
+        out.square().mean().backward()
+        assert update_calls == [3] + [3] * (i + 1)
+        for layer in model:
+            assert not layer.fp8_bwd_amax_history[0].any(), "row 0 consumed by the update"
+    assert model[0].fp8_bwd_amax_history[-3:].all()
+
+
+def test_frozen_first_layer_still_updates_backward_state(gen, device):
+    model = make_model(gen, device)
+    model[0].requires_grad_(False)
+    x = randn(gen, 16, 32, device=device)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        model(x).sum().backward()
+    for layer in model[1:]:
+        assert layer.fp8_bwd_amax_history[-1].all() and not layer.fp8_bwd_amax_history[0].any()
+        assert layer.fp8_bwd_scale.item() != 1.0
+
+
+def test_contexts_are_per_thread(gen):
+    import threading
+    layer = tfp8.Linear(32, 16)
+    x = randn(gen, 8, 32)
+    seen = {}
+
+    def other_thread():
+        seen["out"] = layer(x)  # this thread entered no fp8_autocast: high precision
+
+    with fp8_autocast(fp8_recipe=RECIPE):
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        assert not layer.fp8_fwd_amax_history.any()
+    assert torch.equal(seen["out"], torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
 def test_exception_inside_leaves_state_unchanged(gen, device):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 from conftest import randn
 
@@ -49,7 +50,9 @@ def test_state_dict_is_plain_tensors():
 
 
 def test_resume_gives_bit_identical_losses(gen):
-    batches = [(randn(gen, 24, 32), randn(gen, 24, 16)) for _ in range(10)]
+    teacher = randn(gen, 32, 16) * 0.2
+    inputs = [randn(gen, 24, 32) for _ in range(10)]
+    batches = [(x, x @ teacher) for x in inputs]
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     train(model, opt, batches[:4])
@@ -61,6 +64,7 @@ def test_resume_gives_bit_identical_losses(gen):
     resumed.load_state_dict(checkpoint["model"], strict=True)
     resumed_opt.load_state_dict(checkpoint["opt"])
     assert train(resumed, resumed_opt, batches[4:]) == expected
+    assert expected[-1] < expected[0], "and the model was learning"
 
 
 def test_plain_linear_checkpoint_loads_strictly_with_fresh_fp8_state(gen):
@@ -92,3 +96,20 @@ def test_history_of_another_length_loads(gen):
     target.load_state_dict(source.state_dict())
     assert torch.equal(target.fp8_fwd_amax_history, source.fp8_fwd_amax_history)
     assert torch.equal(target.fp8_fwd_scale, source.fp8_fwd_scale)
+
+
+def test_partial_fp8_state_is_reported(gen):
+    layer = tfp8.Linear(32, 16)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        layer(randn(gen, 8, 32))
+    state = layer.state_dict()
+    del state["fp8_fwd_scale_inv"]
+    with pytest.raises(RuntimeError, match="fp8_fwd_scale_inv"):
+        tfp8.Linear(32, 16).load_state_dict(state, strict=True)
+
+
+def test_wrong_fp8_state_shape_is_reported():
+    state = tfp8.Linear(32, 16).state_dict()
+    state["fp8_fwd_scale"] = torch.ones(5)
+    with pytest.raises(RuntimeError, match="fp8_fwd_scale"):
+        tfp8.Linear(32, 16).load_state_dict(state)

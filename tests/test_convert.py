@@ -67,3 +67,25 @@ def test_converted_model_trains_under_fp8_autocast():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.3 * losses[0]
+
+
+def test_shared_layer_hooks_and_attributes_are_kept():
+    shared = torch.nn.Linear(32, 32)
+    shared.note = "kept"
+    calls = []
+    shared.register_forward_hook(lambda module, args, out: calls.append(1))
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+    tfp8.convert_to_fp8(model)
+    assert model[0] is model[2] is shared and type(shared) is tfp8.Linear
+    assert shared.note == "kept"
+    model(torch.randn(4, 32))
+    assert calls == [1, 1]
+
+
+def test_subclasses_are_left_alone():
+    class MyLinear(torch.nn.Linear):
+        pass
+
+    model = torch.nn.Sequential(MyLinear(32, 32))
+    tfp8.convert_to_fp8(model)
+    assert type(model[0]) is MyLinear

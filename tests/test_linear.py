@@ -94,7 +94,11 @@ def test_bfloat16_params_and_input(gen, device):
     assert out.dtype == d_x.dtype == d_w.dtype == torch.bfloat16
     ref32 = torch.nn.Linear(64, 48, device=device)
     ref32.load_state_dict(tfp8.strip_fp8_state(layer.state_dict()))
-    assert sqnr(ref32(x.float()), out) >= 23
+    x32 = x.float().requires_grad_(True)
+    out32 = ref32(x32)
+    out32.backward(grad.float())
+    assert sqnr(out32, out) >= 23
+    assert sqnr(x32.grad, d_x) >= 19 and sqnr(ref32.weight.grad, d_w) >= 19
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 64), (10, 64), (1, 64), (17, 5, 64)])
@@ -105,7 +109,11 @@ def test_any_leading_dims_and_row_counts(gen, device, shape):
     fp8_step(layer, x, grad)
     out, d_x, d_w = fp8_step(layer, x, grad)
     assert out.shape == (*shape[:-1], 32) and d_x.shape == x.shape
-    assert sqnr(ref(x), out) >= 23
+    x_ref = x.clone().requires_grad_(True)
+    out_ref = ref(x_ref)
+    out_ref.backward(grad)
+    assert sqnr(out_ref, out) >= 23
+    assert sqnr(x_ref.grad, d_x) >= 19 and sqnr(ref.weight.grad, d_w) >= 19
 
 
 def test_unaligned_features_run_in_high_precision_with_one_warning(gen, device):
@@ -259,3 +267,94 @@ def test_partial_gradients(gen, device, frozen):
         assert layer.weight.grad is None and sqnr(x_ref.grad, x_in.grad) >= 19
     else:
         assert x_in.grad is None and sqnr(ref.weight.grad, layer.weight.grad) >= 19
+
+
+def test_backward_uses_the_scale_of_its_forward(gen, device):
+    """The update at context exit rewrites scale_inv in place; backward must dequantise the
+    saved FP8 input with the scale_inv its forward used. most_recent makes the scale jump."""
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
+    layer, ref = make_pair(gen, 64, 32, device)
+    x, grad = randn(gen, 32, 64, device=device), randn(gen, 32, 32, device=device)
+    fp8_step(layer, x, grad, recipe)
+    scale_before = layer.fp8_fwd_scale.clone()
+    out, d_x, d_w = fp8_step(layer, x / 8, grad, recipe)
+    assert not torch.equal(layer.fp8_fwd_scale, scale_before), "the input scale changed"
+    x_ref = (x / 8).requires_grad_(True)
+    ref(x_ref).backward(grad)
+    assert sqnr(ref.weight.grad, d_w) >= 19
+    assert sqnr(x_ref.grad, d_x) >= 19
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16"])
+def test_dtype_casts_keep_fp8_state_float32(gen, cast):
+    layer, _ = make_pair(gen, 64, 32, "cpu")
+    fp8_step(layer, randn(gen, 16, 64), randn(gen, 16, 32))
+    scales = layer.fp8_fwd_scale.clone()
+    layer = layer.half() if cast == "half" else layer.to(torch.bfloat16)
+    dtype = layer.weight.dtype
+    assert all(getattr(layer, name).dtype == torch.float32
+               for name in tfp8.linear.FP8_FLOAT_STATE)
+    assert torch.equal(layer.fp8_fwd_scale, scales)
+    out, d_x, d_w = fp8_step(layer, randn(gen, 16, 64, dtype=dtype), randn(gen, 16, 32, dtype=dtype))
+    assert out.dtype == d_w.dtype == dtype and torch.isfinite(out).all()
+
+
+def test_meta_device_init_then_reset_gives_fresh_state(gen):
+    layer = tfp8.Linear(32, 16, device="meta").to_empty(device="cpu")
+    layer.reset_parameters()
+    assert torch.equal(layer.fp8_fwd_scale, torch.ones(2))
+    assert not layer.fp8_fwd_amax_history.any()
+
+
+def test_double_backward_is_refused(gen):
+    layer, _ = make_pair(gen, 32, 16, "cpu")
+    x = randn(gen, 8, 32).requires_grad_(True)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        out = layer(x)
+    (g,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+
+
+@pytest.mark.parametrize("shape", [(0, 32), (32,)], ids=["zero_rows", "1d"])
+def test_zero_rows_and_1d_input(gen, shape):
+    layer, ref = make_pair(gen, 32, 16, "cpu")
+    x = randn(gen, *shape)
+    grad = randn(gen, *shape[:-1], 16)
+    fp8_step(layer, randn(gen, 8, 32), randn(gen, 8, 16))
+    out, d_x, _ = fp8_step(layer, x, grad)
+    assert out.shape == (*shape[:-1], 16) and d_x.shape == x.shape
+    if x.numel():
+        assert sqnr(ref(x), out) >= 23
+
+
+def test_float64_input_runs_in_high_precision(gen):
+    layer, ref = make_pair(gen, 32, 16, "cpu", dtype=torch.float64)
+    x = randn(gen, 4, 32, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="high precision"):
+        with fp8_autocast(fp8_recipe=RECIPE):
+            out = layer(x)
+    assert torch.equal(out, ref(x))
+
+
+def test_torch_compile_matches_eager(gen):
+    """Compiled models run the FP8 part eagerly: outputs, gradients and FP8 state match."""
+    def make():
+        torch.manual_seed(0)
+        return tfp8.convert_to_fp8(torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)))
+
+    eager, compiled = make(), make()
+    compiled_fn = torch.compile(compiled)
+    recipe = DelayedScaling(amax_history_len=4)
+    for step in range(3):
+        x = randn(gen, 16, 32) * (step + 1)
+        results = []
+        for model, fn in ((eager, eager), (compiled, compiled_fn)):
+            with fp8_autocast(fp8_recipe=recipe):
+                out = fn(x)
+            out.square().mean().backward()
+            results.append((out.detach(), model[0].weight.grad.clone(),
+                            model[2].fp8_bwd_scale.clone()))
+        for a, b in zip(*results):
+            assert torch.equal(a, b), f"step {step}"
