@@ -304,3 +304,27 @@ def test_round_trip_sqnr(device, gen, fp8_dtype, min_db, hp_dtype):
     assert sqnr(x, back) >= min_db
     # The amax element saturates nowhere: |back| <= amax (up to the rounding of scale_inv).
     assert back.float().abs().max().item() <= amax_slot.item() * (1 + 2**-10)
+
+
+@pytest.mark.parametrize("hp_dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(2048, 1536), (1000, 1000)], ids=["tiled", "edges"])
+def test_large_tensors_many_blocks(device, gen, hp_dtype, shape):
+    """Large enough that the CUDA kernels loop over the grid and fill many tiles (one vectorised
+    case, one with edge tiles and an odd element count); fused amax across all blocks."""
+    x = with_specials(gen, randn(gen, *shape, dtype=hp_dtype, scale=50.0), [float("nan")])
+    x_dev, scale = x.to(device), scalar(5.0, device)
+    slot = scalar(0.0, device)
+    out, out_t = ops.cast_transpose_to_fp8(x_dev, scale, torch.float8_e4m3fn, slot)
+    expected = ref.cast_to_fp8_reference(x, scalar(5.0), torch.float8_e4m3fn)
+    assert_bitwise_equal(out, expected, "out")
+    assert_bitwise_equal(out_t, expected.t().contiguous(), "out_t")
+    assert torch.isnan(slot).all(), "a NaN in any block reaches the fused amax"
+    clean = x.nan_to_num(0.0)
+    flat_slot = scalar(0.0, device)
+    flat = ops.cast_to_fp8(clean.to(device).view(-1), scale, torch.float8_e5m2, flat_slot)
+    assert_bitwise_equal(flat, ref.cast_to_fp8_reference(clean.view(-1), scalar(5.0),
+                                                         torch.float8_e5m2), "flat")
+    assert flat_slot.item() == clean.float().abs().max().item()
+    back = ops.cast_from_fp8(flat, scalar(0.2, device), hp_dtype)
+    assert_bitwise_equal(back, ref.cast_from_fp8_reference(flat.cpu(), scalar(0.2), hp_dtype),
+                         "dequantised")
