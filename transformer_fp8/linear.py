@@ -213,7 +213,8 @@ class Linear(torch.nn.Linear):
 
     def _adopt_recipe(self, recipe: DelayedScaling) -> None:
         """Match the history length to the recipe (a new length starts a fresh history; the
-        scales are kept) and record the recipe fields. Host work only when the recipe changes."""
+        scales are kept), record the recipe fields and the format maxima the update uses. Host
+        work only when the recipe changes."""
         code = _recipe_code(recipe)
         if code == self._recipe_code:
             return
@@ -223,6 +224,7 @@ class Linear(torch.nn.Linear):
                 # .data keeps the buffer object, so references (e.g. DDP's) stay valid.
                 history.data = history.new_zeros(recipe.amax_history_len, history.shape[1])
         self.fp8_recipe.copy_(torch.tensor(code, dtype=torch.int64))
+        self._fp8_maxes = (recipe.fp8_format.max_fwd, recipe.fp8_format.max_bwd)
         self._recipe_code = code
 
     def _fwd_state(self):
@@ -294,7 +296,6 @@ class Linear(torch.nn.Linear):
             backward_step = None
         else:
             self._adopt_recipe(recipe)
-            self._fp8_maxes = (fmt.max_fwd, fmt.max_bwd)
             fwd_h, fwd_s, fwd_si = (self.fp8_fwd_amax_history, self.fp8_fwd_scale,
                                     self.fp8_fwd_scale_inv)
             bwd_h, bwd_s, bwd_si = (self.fp8_bwd_amax_history, self.fp8_bwd_scale,
