@@ -112,7 +112,6 @@ def copy_bandwidth(device: torch.device, nbytes: Optional[int] = None, reps: int
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     timing = time_fn(lambda: dst.copy_(src), device, warmup=2, reps=reps)
-    del src, dst
     return 2 * nbytes / timing.median_s / 1e9
 
 

@@ -37,12 +37,14 @@ const char* cublasLt_status_name(cublasStatus_t s) {
   }
 }
 
-// One handle per device, and one 32 MiB workspace per (device, stream) so that GEMMs on
-// different streams never share scratch memory. Both live until the process exits.
+// One handle per device, one 32 MiB workspace per (device, stream) so that GEMMs on different
+// streams never share scratch memory, and the algorithm cuBLASLt's heuristic chose for each
+// problem (asking costs host time on every call). All live until the process exits.
 struct LtResources {
   std::mutex mutex;
   std::map<int, cublasLtHandle_t> handles;
   std::map<std::pair<int, cudaStream_t>, at::Tensor> workspaces;
+  std::map<std::string, cublasLtMatmulAlgo_t> algorithms;
 };
 
 LtResources& resources() {
@@ -74,6 +76,21 @@ void* workspace_for(int device, cudaStream_t stream) {
     it = r.workspaces.emplace(key, ws).first;
   }
   return it->second.data_ptr();
+}
+
+// The algorithm chosen for a problem, or null if none was chosen yet.
+const cublasLtMatmulAlgo_t* cached_algorithm(const std::string& problem) {
+  auto& r = resources();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.algorithms.find(problem);
+  return it == r.algorithms.end() ? nullptr : &it->second;  // std::map entries never move
+}
+
+const cublasLtMatmulAlgo_t* remember_algorithm(const std::string& problem,
+                                               const cublasLtMatmulAlgo_t& algo) {
+  auto& r = resources();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return &r.algorithms.emplace(problem, algo).first->second;
 }
 
 cudaDataType_t cuda_type(at::ScalarType st) {
@@ -179,24 +196,36 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
   check(cublasLtMatrixLayoutCreate(&desc.b, cuda_type(a.scalar_type()), K, M, K), "layout of a");
   check(cublasLtMatrixLayoutCreate(&desc.d, cuda_type(out_dtype), N, M, N), "layout of out");
 
-  check(cublasLtMatmulPreferenceCreate(&desc.pref), "cublasLtMatmulPreferenceCreate");
-  set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, "MAX_WORKSPACE_BYTES", kWorkspaceBytes);
-  const uint32_t align_out = alignment_of(out.data_ptr());
-  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, "MIN_ALIGNMENT_A", alignment_of(b.data_ptr()));
-  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, "MIN_ALIGNMENT_B", alignment_of(a.data_ptr()));
-  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, "MIN_ALIGNMENT_C", align_out);
-  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, "MIN_ALIGNMENT_D", align_out);
-  cublasLtMatmulHeuristicResult_t heuristic = {};
-  int found = 0;
-  check(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref,
-                                       1, &heuristic, &found),
-        "cublasLtMatmulAlgoGetHeuristic");
-  TORCH_CHECK(found > 0, "transformer_fp8: cuBLASLt found no FP8 algorithm for fp8_gemm ", shapes,
-              " and out_dtype ", c10::toString(out_dtype), " (FP8 GEMMs need sm_89 or newer)");
+  // Everything the heuristic's choice depends on: shapes, types, epilogue, accumulation and
+  // the alignment of every buffer.
+  const uint32_t align_a = alignment_of(b.data_ptr()), align_b = alignment_of(a.data_ptr()),
+                 align_out = alignment_of(out.data_ptr());
+  const std::string problem =
+      c10::str(device, ":", M, "x", N, "x", K, ":", cuda_type(a.scalar_type()), ",",
+               cuda_type(b.scalar_type()), ",", cuda_type(out_dtype), ":", bias_in_epilogue,
+               use_fast_accum, ":", align_a, ",", align_b, ",", align_out);
+  const cublasLtMatmulAlgo_t* algo = cached_algorithm(problem);
+  if (algo == nullptr) {
+    check(cublasLtMatmulPreferenceCreate(&desc.pref), "cublasLtMatmulPreferenceCreate");
+    set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, "MAX_WORKSPACE_BYTES", kWorkspaceBytes);
+    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, "MIN_ALIGNMENT_A", align_a);
+    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, "MIN_ALIGNMENT_B", align_b);
+    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, "MIN_ALIGNMENT_C", align_out);
+    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, "MIN_ALIGNMENT_D", align_out);
+    cublasLtMatmulHeuristicResult_t heuristic = {};
+    int found = 0;
+    check(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d,
+                                         desc.pref, 1, &heuristic, &found),
+          "cublasLtMatmulAlgoGetHeuristic");
+    TORCH_CHECK(found > 0, "transformer_fp8: cuBLASLt found no FP8 algorithm for fp8_gemm ",
+                shapes, " and out_dtype ", c10::toString(out_dtype),
+                " (FP8 GEMMs need sm_89 or newer)");
+    algo = remember_algorithm(problem, heuristic.algo);
+  }
 
   const float alpha = 1.0f, beta = 0.0f;
   check(cublasLtMatmul(handle, desc.op, &alpha, b.data_ptr(), desc.a, a.data_ptr(), desc.b, &beta,
-                       out.data_ptr(), desc.d, out.data_ptr(), desc.d, &heuristic.algo, workspace,
+                       out.data_ptr(), desc.d, out.data_ptr(), desc.d, algo, workspace,
                        kWorkspaceBytes, stream),
         "cublasLtMatmul");
   if (bias_c.has_value() && !bias_in_epilogue) out.add_(*bias_c);
