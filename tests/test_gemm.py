@@ -152,3 +152,21 @@ def test_fp8_gemm_scale_invs_are_applied(device, gen):
     out = ops.fp8_gemm(a, a_si, b, b_si, torch.float32)
     out2 = ops.fp8_gemm(a, a_si * 2, b, b_si * 0.25, torch.float32)
     torch.testing.assert_close(out2, out * 0.5, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("offset", [0, 16, 8, 1], ids=lambda o: f"offset{o}")
+def test_operands_of_any_alignment(device, gen, offset):
+    """Views that start 16, 8 or 1 bytes into a buffer: the same shapes as an aligned call (so
+    a cached algorithm for aligned buffers must not be reused) and a correct product."""
+    M, N, K = 32, 48, 64
+    a, a_si, b, b_si = operands(gen, M, N, K, E4M3, E4M3, device)
+    bias = randn(gen, N + offset, dtype=torch.bfloat16, device=device)[offset:]
+    check_against_reference(a, a_si, b, b_si, torch.bfloat16, bias)  # aligned first
+    a_buffer = torch.empty(M * K + offset, dtype=torch.uint8, device=device)
+    b_buffer = torch.empty(N * K + offset, dtype=torch.uint8, device=device)
+    a_view = a_buffer[offset:].view(E4M3).view(M, K)
+    b_view = b_buffer[offset:].view(E4M3).view(N, K)
+    a_view.copy_(a)
+    b_view.copy_(b)
+    check_against_reference(a_view, a_si, b_view, b_si, torch.bfloat16, bias)
