@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import (DEVICE_PARAMS, FLT_MAX, assert_bitwise_equal, rand_positive)
+from conftest import CUDA_SKIP, DEVICE_PARAMS, FLT_MAX, assert_bitwise_equal, rand_positive
 
 from transformer_fp8 import DelayedScaling, ops
 from transformer_fp8 import reference as ref
@@ -309,3 +309,27 @@ def test_fp8_max_not_representable_in_float32(device, gen, fp8_max):
     expected = run_reference(states, [fp8_max])
     run_op(states, [fp8_max])
     assert_states_equal(states, expected)
+
+
+@CUDA_SKIP
+def test_one_kernel_launch_for_many_tensors(gen):
+    """300 tensors of L = 1024, updated every step: one kernel, and (the descriptors being cached
+    per tensor list) no copy after the first step."""
+    histories = [rand_positive(gen, 1024, 2).cuda() for _ in range(300)]
+    scales = [torch.ones(2, device="cuda") for _ in histories]
+    scale_invs = [torch.ones(2, device="cuda") for _ in histories]
+    maxes = [448.0] * len(histories)
+    ops.update_delayed_scaling(histories, scales, scale_invs, maxes)  # first step
+    for h in histories:
+        h[0].fill_(3.0)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ops.update_delayed_scaling(histories, scales, scale_invs, maxes,
+                                   amax_compute_algo="most_recent")
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [n for n in names if "update_delayed_scaling" in n]
+    assert len(kernels) == 1, names
+    assert not any("Memcpy" in n for n in names), names
+    expected = torch.full((2,), 448.0 / 3.0, device="cuda")
+    assert all(torch.equal(s, expected) for s in scales)
