@@ -24,11 +24,15 @@ deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_PIN)"
 	@$(PYTHON) -c "import setuptools, wheel, ninja, pytest, numpy, matplotlib, tqdm" 2>/dev/null || $(PIP) install $(TOOLS)
 
-# (Re)build the extension when a source changed or it does not import.
+# The build flags (README) in effect: a change of them rebuilds too.
+BUILD_FLAGS := archs=$(TRANSFORMER_FP8_CUDA_ARCHS) force_cuda=$(TRANSFORMER_FP8_FORCE_CUDA)
+
+# (Re)build the extension when a source or a build flag changed, or it does not import.
 install: deps
-	@if [ ! -f .build-stamp ] || [ -n "$$(find $(SOURCES) -newer .build-stamp)" ] || \
+	@if [ ! -f .build-stamp ] || [ "$$(cat .build-stamp)" != "$(BUILD_FLAGS)" ] || \
+	    [ -n "$$(find $(SOURCES) -newer .build-stamp)" ] || \
 	    ! $(PYTHON) -c "import transformer_fp8._C" 2>/dev/null; then \
-	  $(PIP) install --no-build-isolation --no-deps -e . && touch .build-stamp; \
+	  $(PIP) install --no-build-isolation --no-deps -e . && echo "$(BUILD_FLAGS)" > .build-stamp; \
 	else echo "transformer_fp8 is built and up to date"; fi
 	@$(PYTHON) -c "import transformer_fp8 as t; print('transformer_fp8 build:', t.build_info())"
 

@@ -15,7 +15,7 @@
 
 namespace transformer_fp8 {
 
-// FP8 formats the kernels produce. Values match torch.float8_e4m3fn / torch.float8_e5m2.
+// The FP8 formats the kernels produce: those of torch.float8_e4m3fn and torch.float8_e5m2.
 enum class Fp8Format : int { E4M3 = 0, E5M2 = 1 };
 
 // Input / output element types that the raw kernels understand.
@@ -23,10 +23,6 @@ enum class HpType : int { Float32 = 0, BFloat16 = 1, Float16 = 2 };
 
 constexpr float kE4M3Max = 448.0f;
 constexpr float kE5M2Max = 57344.0f;
-
-TFP8_HOST_DEVICE float fp8_max_of(Fp8Format f) {
-  return f == Fp8Format::E4M3 ? kE4M3Max : kE5M2Max;
-}
 
 TFP8_HOST_DEVICE bool finite_f32(float v) {
 #if defined(__CUDA_ARCH__)
@@ -59,12 +55,8 @@ TFP8_HOST_DEVICE float scale_from_amax(float amax, double fp8_max, int margin) {
   return s > static_cast<double>(FLT_MAX) ? FLT_MAX : static_cast<float>(s);
 }
 
-// The delayed-scaling update of one column of an amax history [L, n] (row-major, stride n).
-// Used as-is by the CPU kernel; the CUDA kernel runs the same steps with a thread block.
-//   cur = history[0]; cur == 0 -> nothing recorded this step: leave everything untouched.
-//   Otherwise roll: rows 1..L-2 <- old rows 2..L-1, row L-1 <- cur, row 0 <- 0, and derive the
-//   amax from the window {old rows 1..L-1, cur} ("max") or from cur ("most_recent"), ignoring
-//   non-finite entries. A usable amax sets the scale; scale_inv is always 1/scale.
+// How update_delayed_scaling derives the amax from the window (csrc/cpu/scaling.cpp's
+// update_column and csrc/cuda/scaling.cu run the rule, as transformer_fp8/ops.py states it).
 enum class AmaxAlgo : int { Max = 0, MostRecent = 1 };
 
 }  // namespace transformer_fp8

@@ -30,7 +30,7 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("cast_from_fp8(Tensor x_fp8, Tensor scale_inv, ScalarType dtype) -> Tensor");
   // Delayed scaling for many tensors at once (one kernel launch on CUDA), in place.
   m.def("update_delayed_scaling(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, float[] fp8_maxes, int margin, str amax_compute_algo) -> ()");
-  // Current scaling: fp8_max / amax / 2**margin elementwise; 1.0 where amax is 0 or not finite.
+  // Current scaling: fp8_max / amax / 2**margin elementwise; 1.0 where amax is <= 0 or not finite.
   m.def("compute_scale_from_amax(Tensor amax, float fp8_max, int margin) -> Tensor");
   // out[M, N] = (a[M, K] * a_scale_inv) @ (b[N, K] * b_scale_inv)^T (+ bias[N]).
   m.def("fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None, bool use_fast_accum=False) -> Tensor");

@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     print(f"transformer_fp8 {tf8.__version__}, torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
-             " (reference kernels: FP8 casts are exact, GEMMs dequantise to float32)"))
+             " (CPU kernels: the same FP8 casts bit for bit, GEMMs dequantise to float32)"))
     print()
     show_operators(device)
 

@@ -1,7 +1,7 @@
 """Shared helpers of the transformer_fp8 test suite.
 
-* ``devices`` / ``device``: every device-dependent test runs on "cpu" and, where a GPU exists,
-  "cuda"; the CUDA parameter is always collected and skipped with a reason otherwise.
+* ``device`` / ``DEVICE_PARAMS``: every device-dependent test runs on "cpu" and, where a GPU
+  exists, "cuda"; the CUDA parameter is always collected and skipped with a reason otherwise.
 * ``gen``: a fresh torch.Generator per test. Its seed comes from the session seed (random each
   run, printed in the pytest header; set TFP8_TEST_SEED to replay a run) and the test's id, so
   every test draws its own inputs and a failure can be reproduced.
@@ -21,7 +21,6 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-devices = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 CUDA_SKIP = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 DEVICE_PARAMS = [pytest.param("cpu", id="cpu"),

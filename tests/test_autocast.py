@@ -193,9 +193,22 @@ def test_callable_recipe_algorithms(gen, device):
 
 def test_recipe_fields_are_recorded(gen):
     layer = tfp8.Linear(16, 16)
-    assert layer.fp8_recipe.tolist() == [-1, -1, -1, -1]
+    assert layer.fp8_recipe_fields.tolist() == [-1, -1, -1, -1]
     with fp8_autocast(fp8_recipe=DelayedScaling(margin=2, amax_history_len=5,
                                                 amax_compute_algo="most_recent")):
         layer(randn(gen, 4, 16))
-    assert layer.fp8_recipe.tolist() == [2, 2, 5, 1]  # margin, HYBRID, length, most_recent
+    assert layer.fp8_recipe_fields.tolist() == [2, 2, 5, 1]  # margin, HYBRID, length, most_recent
     assert layer.fp8_fwd_amax_history.shape == (5, 2)
+
+
+def test_a_deep_copy_is_a_layer_of_its_own(gen):
+    import copy
+    layer = tfp8.Linear(32, 16)
+    twin = copy.deepcopy(layer)
+    x = randn(gen, 8, 32)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        layer(x)
+        twin(2 * x)
+    assert layer.fp8_fwd_amax_history[-1, 0] == x.abs().max()
+    assert twin.fp8_fwd_amax_history[-1, 0] == (2 * x).abs().max()
+    assert torch.equal(layer.fp8_fwd_scale[0] / twin.fp8_fwd_scale[0], torch.tensor(2.0))

@@ -89,6 +89,7 @@ def test_delayed_scaling_accepts_valid_values():
 @pytest.mark.parametrize("kwargs,field", [
     ({"margin": -1}, "margin"),
     ({"margin": 1.5}, "margin"),
+    ({"margin": 1001}, "margin"),
     ({"margin": True}, "margin"),
     ({"amax_history_len": 0}, "amax_history_len"),
     ({"amax_history_len": -4}, "amax_history_len"),

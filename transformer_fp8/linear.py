@@ -5,7 +5,8 @@ FP8 state per layer (plain float32 tensors in state_dict, kept float32 by .half(
   fp8_fwd_scale [2], fp8_fwd_scale_inv [2]
   fp8_bwd_amax_history [L, 1]  amax of grad_output
   fp8_bwd_scale [1], fp8_bwd_scale_inv [1]
-  fp8_recipe [4] int64         margin, format, amax_history_len, amax algo (-1: never used)
+  fp8_recipe_fields [4] int64  the recipe in use, as a record: margin, format, amax_history_len,
+                               amax algo (-1: never used)
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from .recipe import DelayedScaling, Float8CurrentScaling, Format
 INPUT, WEIGHT = 0, 1  # columns of the forward state
 FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
                    "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv")
-FP8_STATE_KEYS = FP8_FLOAT_STATE + ("fp8_recipe",)
+FP8_STATE_KEYS = FP8_FLOAT_STATE + ("fp8_recipe_fields",)
 _HISTORIES = ("fp8_fwd_amax_history", "fp8_bwd_amax_history")
 _FORMAT_CODES = {Format.E4M3: 0, Format.E5M2: 1, Format.HYBRID: 2}
 _ALGO_CODES = {"max": 0, "most_recent": 1}
@@ -169,7 +170,7 @@ class Linear(torch.nn.Linear):
         self.register_buffer("fp8_bwd_amax_history", torch.zeros(history_len, 1, **f32))
         self.register_buffer("fp8_bwd_scale", torch.ones(1, **f32))
         self.register_buffer("fp8_bwd_scale_inv", torch.ones(1, **f32))
-        self.register_buffer("fp8_recipe", torch.full((4,), -1, dtype=torch.int64, device=device))
+        self.register_buffer("fp8_recipe_fields", torch.full((4,), -1, dtype=torch.int64, device=device))
         self._fp8_index = next(_creation_index)
         self._recipe_code: Optional[list[int]] = None
         self._fp8_maxes = (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd)
@@ -184,14 +185,19 @@ class Linear(torch.nn.Linear):
             for name in FP8_FLOAT_STATE:
                 if name not in _HISTORIES:
                     getattr(self, name).fill_(1.0)
-            self.fp8_recipe.fill_(-1)
+            self.fp8_recipe_fields.fill_(-1)
         self._recipe_code = None
         self._weight_cache = None
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        if hasattr(self, "fp8_recipe"):  # nn.Linear.__init__ calls this before the state exists
+        if hasattr(self, "fp8_recipe_fields"):  # nn.Linear.__init__ calls this first
             self.reset_fp8_state()
+
+    def __setstate__(self, state):
+        # A copy (copy.deepcopy, unpickling) is a layer of its own in the amax reduction.
+        super().__setstate__(state)
+        self._fp8_index = next(_creation_index)
 
     def _apply(self, fn, recurse=True):
         # Device moves apply to the FP8 state; dtype casts (.half(), .to(torch.bfloat16)) do
@@ -223,7 +229,7 @@ class Linear(torch.nn.Linear):
             if history.shape[0] != recipe.amax_history_len:
                 # .data keeps the buffer object, so references (e.g. DDP's) stay valid.
                 history.data = history.new_zeros(recipe.amax_history_len, history.shape[1])
-        self.fp8_recipe.copy_(torch.tensor(code, dtype=torch.int64))
+        self.fp8_recipe_fields.copy_(torch.tensor(code, dtype=torch.int64))
         self._fp8_maxes = (recipe.fp8_format.max_fwd, recipe.fp8_format.max_bwd)
         self._recipe_code = code
 
@@ -253,7 +259,7 @@ class Linear(torch.nn.Linear):
             for key in FP8_STATE_KEYS:
                 if prefix + key in missing_keys:
                     missing_keys.remove(prefix + key)
-        self._recipe_code = None  # re-read on the next FP8 forward
+        self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
         self._weight_cache = None
 
     # ---- forward -------------------------------------------------------------------------------

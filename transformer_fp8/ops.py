@@ -6,16 +6,15 @@ slots are 1-element float32 tensors on the data's device: nothing here reads the
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from . import _C  # noqa: F401  (loads the library and registers the operators)
-from .reference import FP8_MAX  # noqa: F401  (re-exported: the format maxima)
+from .recipe import AmaxComputeAlgo
 
 _ops = torch.ops.transformer_fp8
 
-AmaxAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +65,7 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
 
 def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                            scale_invs: Sequence[torch.Tensor], fp8_maxes: Sequence[float],
-                           margin: int = 0, amax_compute_algo: AmaxAlgo = "max",
+                           margin: int = 0, amax_compute_algo: AmaxComputeAlgo = "max",
                            scaling_factor_compute_algo: Optional[Callable] = None,
                            recipe=None) -> None:
     """Delayed-scaling update of many tensors, in place (one kernel launch on CUDA).
@@ -98,6 +97,7 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
     if not (scaling_factor_compute_algo is None or callable(scaling_factor_compute_algo)):
         raise TypeError("scaling_factor_compute_algo must be None or a callable, "
                         f"got {type(scaling_factor_compute_algo).__name__}")
+    # The callable path is the pure-torch reference itself, with the operator's checks.
     from .reference import check_delayed_scaling_lists, update_delayed_scaling_reference
     check_delayed_scaling_lists(histories, scales, scale_invs, maxes)
     for history, scale, scale_inv, fp8_max in zip(histories, scales, scale_invs, maxes):

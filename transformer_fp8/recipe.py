@@ -11,8 +11,9 @@ import torch
 class Format(enum.Enum):
     """Which FP8 format each role uses.
 
-    E4M3: everything E4M3 (max 448). E5M2: everything E5M2 (max 57344). HYBRID: E4M3 for the
-    forward tensors (inputs, weights), E5M2 for gradients, which need range more than precision.
+    E4M3: everything E4M3 (max 448). E5M2: everything E5M2 (max 57344; Linear refuses it, as
+    FP8 GEMMs take no E5M2 x E5M2 product). HYBRID: E4M3 for the forward tensors (inputs,
+    weights), E5M2 for gradients, which need range more than precision.
     """
 
     E4M3 = "E4M3"
@@ -49,7 +50,7 @@ def _check_format(value) -> None:
 class DelayedScaling:
     """Delayed scaling: each tensor's scale comes from the amaxes of the last steps.
 
-    margin: scale = fp8_max / amax / 2**margin (an integer >= 0).
+    margin: scale = fp8_max / amax / 2**margin (an integer in [0, 1000]).
     amax_history_len: steps of amax kept per tensor (>= 1).
     amax_compute_algo: "max" (largest finite amax of the window), "most_recent", or a callable
         taking the window [L, n] (oldest first, this step's amax last) and returning amax [n].
@@ -65,8 +66,9 @@ class DelayedScaling:
     reduce_amax: bool = True
 
     def __post_init__(self):
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin must be an integer >= 0, got {self.margin!r}")
+        if (isinstance(self.margin, bool) or not isinstance(self.margin, int)
+                or not 0 <= self.margin <= 1000):
+            raise ValueError(f"margin must be an integer in [0, 1000], got {self.margin!r}")
         _check_format(self.fp8_format)
         if (isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int)
                 or self.amax_history_len < 1):

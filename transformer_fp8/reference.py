@@ -1,7 +1,8 @@
 """Pure-torch references of every operator: the numeric contract, executable.
 
 Tests compare the C++/CUDA kernels with these bit for bit (casts, scaling) or by SQNR (GEMM).
-They are written for clarity, not speed.
+They are written for clarity, not speed. update_delayed_scaling_reference (with
+check_delayed_scaling_lists) also serves recipes with callable algorithms, which run in Python.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def amax_reference(x: torch.Tensor) -> torch.Tensor:
 
 def cast_to_fp8_reference(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
                           amax: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Clamp first: torch's float->fp8 conversion (before 2.12) turns overflow into NaN."""
+    """Clamp first: torch's float->fp8 conversion does not saturate (overflow becomes NaN for
+    E4M3, inf for E5M2)."""
     fp8_max = FP8_MAX[fp8_dtype]
     out = (x.float() * scale.reshape(())).clamp(-fp8_max, fp8_max).to(fp8_dtype)
     if amax is not None and x.numel() > 0:

@@ -9,6 +9,10 @@ namespace transformer_fp8 {
 namespace {
 
 // One column of a history [L, n] (stride n), its scale and scale_inv.
+//   cur = history[0]; cur == 0 -> nothing recorded this step: leave everything untouched.
+//   Otherwise roll: rows 1..L-2 <- old rows 2..L-1, row L-1 <- cur, row 0 <- 0, and derive the
+//   amax from the window {old rows 1..L-1, cur} ("max") or from cur ("most_recent"), ignoring
+//   non-finite entries. A usable amax sets the scale; scale_inv is always 1/scale.
 void update_column(float* history, int64_t L, int64_t n, float* scale, float* scale_inv,
                    double fp8_max, int margin, AmaxAlgo algo) {
   const float cur = history[0];

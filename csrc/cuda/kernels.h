@@ -12,8 +12,7 @@
 namespace transformer_fp8 {
 namespace cuda {
 
-// amax: *amax = max(*amax, max |x|) over n contiguous elements (NaN propagating). *amax must be
-// >= 0 or NaN on entry.
+// amax: *amax = max(*amax, max |x|) over n contiguous elements (NaN propagating).
 cudaError_t launch_amax(const void* x, HpType x_type, int64_t n, float* amax, cudaStream_t stream);
 
 // out[i] = saturating fp8(x[i] * *scale); if amax is not null it is raised to max |x|.
