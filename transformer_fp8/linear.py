@@ -170,7 +170,8 @@ class Linear(torch.nn.Linear):
         self.register_buffer("fp8_bwd_amax_history", torch.zeros(history_len, 1, **f32))
         self.register_buffer("fp8_bwd_scale", torch.ones(1, **f32))
         self.register_buffer("fp8_bwd_scale_inv", torch.ones(1, **f32))
-        self.register_buffer("fp8_recipe_fields", torch.full((4,), -1, dtype=torch.int64, device=device))
+        self.register_buffer("fp8_recipe_fields",
+                             torch.full((4,), -1, dtype=torch.int64, device=device))
         self._fp8_index = next(_creation_index)
         self._recipe_code: Optional[list[int]] = None
         self._fp8_maxes = (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd)
@@ -250,6 +251,7 @@ class Linear(torch.nn.Linear):
         for key in _HISTORIES:
             incoming, history = state_dict.get(prefix + key), getattr(self, key)
             if (isinstance(incoming, torch.Tensor) and incoming.dim() == 2
+                    and incoming.shape[0] != history.shape[0]
                     and incoming.shape[1] == history.shape[1]):
                 history.data = history.new_empty(incoming.shape)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
