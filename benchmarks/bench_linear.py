@@ -1,6 +1,7 @@
 """One Linear layer's training step (forward + backward) in FP8 and in bf16.
 
-Measures y = layer(x); y.backward(g) with bf16 x [16384, 8192], weight [8192, 8192] and bias:
+Measures y = layer(x); y.backward(g) with bf16 x [16384, 8192], weight [8192, 8192] and bias
+(and the small and medium layers M = 2048, K = N = 1024 and 4096):
 torch.nn.Linear in bf16; transformer_fp8.Linear under fp8_autocast with DelayedScaling (the
 scale update at the context's exit included) and with Float8CurrentScaling; torchao's float8
 training (convert_to_float8_training + torch.compile) where torchao imports ('n/a' otherwise).
@@ -25,7 +26,9 @@ from transformer_fp8 import ops  # noqa: E402
 
 NAME = "bench_linear"
 TITLE, WHAT = common.doc_summary(__doc__)
-SHAPE, SMOKE_SHAPE = (16384, 8192, 8192), (64, 128, 96)  # (M, K, N)
+# (M, K, N): a large layer, and small and medium ones where host overhead and launches show.
+SHAPES = [(16384, 8192, 8192), (2048, 1024, 1024), (2048, 4096, 4096)]
+SMOKE_SHAPES = [(64, 128, 96)]
 TORCHAO = "torchao float8 + torch.compile"
 FLOOR = "3 x fp8_gemm only (floor)"
 BF16 = "torch.nn.Linear (bf16)"
@@ -99,15 +102,12 @@ def gemm_floor(m: int, k: int, n: int, device: torch.device):
 
 
 def plot(ax, payload):
-    rows = payload["rows"]
+    rows = [r for r in payload["rows"] if r["shape"] == payload["rows"][0]["shape"]]
     common.bar_plot(ax, [r["impl"] for r in rows], [r["tflops"] for r in rows], "TFLOP/s",
                     f"Linear fwd+bwd, {rows[0]['shape']}")
 
 
-def main(argv=None) -> dict:
-    args = common.parse_args(TITLE, argv)
-    m, k, n = SMOKE_SHAPE if args.smoke else SHAPE
-    warmup, reps = (1, 2) if args.smoke else (5, 20)
+def measure_shape(m: int, k: int, n: int, args, warmup: int, reps: int) -> list[dict]:
     x = torch.randn(m, k, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(m, n, device=args.device, dtype=torch.bfloat16)
     layers = make_layers(k, n, args.device)
@@ -120,11 +120,19 @@ def main(argv=None) -> dict:
     for name, step in steps.items():
         t = common.time_fn(step, args.device, warmup=warmup, reps=reps) if step else None
         seconds[name] = t.median_s if t else None
-    rows = [{"impl": name, "shape": f"{m}x{k}x{n}",
+    return [{"impl": name, "shape": f"{m}x{k}x{n}",
              "time_ms": s * 1e3 if s else None,
              "tflops": common.ratio(6 * m * k * n / 1e12, s),
              "pct_floor": common.ratio(100 * seconds[FLOOR], s),
              "speedup": common.ratio(seconds[BF16], s)} for name, s in seconds.items()]
+
+
+def main(argv=None) -> dict:
+    args = common.parse_args(TITLE, argv)
+    warmup, reps = (1, 2) if args.smoke else (5, 20)
+    rows = []
+    for m, k, n in SMOKE_SHAPES if args.smoke else SHAPES:
+        rows += measure_shape(m, k, n, args, warmup, reps)
     notes = ["bf16 = torch.nn.Linear with bf16 parameters; FP8 recipes use Format.HYBRID "
              "(E4M3 input and weight, E5M2 gradients); weights and bias are the same in every "
              "layer", f"{TORCHAO}: only on CUDA and where torchao imports"]

@@ -6,14 +6,17 @@
 #   OUT=/some/dir scripts/gpu_check.sh        # where the logs and results go
 #                                             #   (default benchmarks/out)
 #
-# Needs no network. Writes at most 7 files, all directly under $OUT:
-#   env.txt build.log tests.log bench.log results.md results.json results.png
+# Needs no network. Writes at most 8 files, all directly under $OUT:
+#   env.txt build.log tests.log sanitize.log bench.log results.md results.json results.png
 # Exit status: 0 when the build, every test and every benchmark passed; non-zero otherwise
 # (a failed build stops the script; failed tests or benchmarks do not, they fail it at the end).
 #
 # Knobs, to split the work over several calls on a machine that keeps the build:
 #   GPU_CHECK_SKIP_BUILD=1   use the extension already built in place
 #   GPU_CHECK_SKIP_TESTS=1   no test run
+#   GPU_CHECK_PYTEST_ARGS    extra pytest arguments, e.g. "-n 8" (pytest-xdist) or "-k cuda"
+#   GPU_CHECK_SKIP_SANITIZE=1  no compute-sanitizer run (memcheck, racecheck, synccheck)
+#   GPU_CHECK_SKIP_BENCH=1   no benchmark run
 #   GPU_CHECK_BENCH_ARGS     extra arguments for benchmarks/run_all.py, e.g. "--only bench_gemm"
 #   PYTHON                   the interpreter (default python3)
 set -euo pipefail
@@ -50,6 +53,13 @@ build_failed() {
   echo "BUILD FAILED: see $OUT_DIR/build.log"
   exit 1
 }
+links_libstdcxx_dynamically() {  # compiler: does a shared object it links need libstdc++.so?
+  local dir; dir=$(mktemp -d)
+  printf '#include <sstream>\nstd::string f(long x){std::ostringstream s; s << x; return s.str();}\n' \
+    >"$dir/t.cpp"
+  "$1" -shared -fPIC "$dir/t.cpp" -o "$dir/t.so" 2>/dev/null && grep -q "libstdc++.so" "$dir/t.so"
+  local rc=$?; rm -rf "$dir"; return $rc
+}
 build_in_place() {
   "$PYTHON" setup.py build_ext --inplace >>"$OUT_DIR/build.log" 2>&1 || build_failed
 }
@@ -57,6 +67,13 @@ if [[ "${GPU_CHECK_SKIP_BUILD:-0}" == 1 ]]; then
   echo "GPU_CHECK_SKIP_BUILD=1: using the extension as built" | tee "$OUT_DIR/build.log"
 else
   export MAX_JOBS=16 TRANSFORMER_FP8_FORCE_CUDA=1 TRANSFORMER_FP8_CUDA_ARCHS=9.0
+  # The extension must share the process's libstdc++: a compiler that links it statically
+  # (some images set CXX to such a toolchain) builds an extension that crashes at its first
+  # formatted number (seen: CXX=/opt/gcc/bin/g++). Then use the system's g++ instead.
+  if ! links_libstdcxx_dynamically "${CXX:-c++}"; then
+    echo "${CXX:-c++} links libstdc++ statically; building with $(command -v g++) instead"
+    export CXX=g++ CC=gcc CUDAHOSTCXX=g++
+  fi
   # pip's editable install needs setuptools and wheel already here (no network, no build
   # isolation); without them, or when pip fails for want of them, build in place instead.
   # (setuptools is imported first: importing pip before it trips setuptools' distutils check)
@@ -85,22 +102,45 @@ section "tests (log: $OUT_DIR/tests.log)"
 if [[ "${GPU_CHECK_SKIP_TESTS:-0}" == 1 ]]; then
   tests_status=skipped
   echo "GPU_CHECK_SKIP_TESTS=1: no test run" | tee "$OUT_DIR/tests.log"
-elif ! "$PYTHON" -m pytest tests -q 2>&1 | tee "$OUT_DIR/tests.log"; then
+# shellcheck disable=SC2086  # GPU_CHECK_PYTEST_ARGS is a list of words
+elif ! "$PYTHON" -m pytest tests -q -rfEs ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT_DIR/tests.log"; then
   tests_rc=1 tests_status=FAILED
   echo "TESTS FAILED (continuing with the benchmarks)"
 fi
 
-bench_rc=0
+sanitize_rc=0 sanitize_status=clean
+section "compute-sanitizer (log: $OUT_DIR/sanitize.log)"
+if [[ "${GPU_CHECK_SKIP_SANITIZE:-0}" == 1 ]]; then
+  sanitize_status=skipped
+  echo "GPU_CHECK_SKIP_SANITIZE=1: no sanitizer run" | tee "$OUT_DIR/sanitize.log"
+else
+  : >"$OUT_DIR/sanitize.log"
+  for tool in memcheck racecheck synccheck; do
+    echo "--- $tool" | tee -a "$OUT_DIR/sanitize.log"
+    if ! timeout "${GPU_CHECK_SANITIZE_TIMEOUT:-300}" \
+        compute-sanitizer --tool "$tool" --error-exitcode 1 \
+        "$PYTHON" scripts/sanitize_ops.py >>"$OUT_DIR/sanitize.log" 2>&1; then
+      sanitize_rc=1 sanitize_status=ERRORS
+      echo "$tool: ERRORS" | tee -a "$OUT_DIR/sanitize.log"
+    fi
+    tail -n 3 "$OUT_DIR/sanitize.log"
+  done
+fi
+
+bench_rc=0 bench_status=completed
 section "benchmarks (log: $OUT_DIR/bench.log)"
+if [[ "${GPU_CHECK_SKIP_BENCH:-0}" == 1 ]]; then
+  bench_status=skipped
+  echo "GPU_CHECK_SKIP_BENCH=1: no benchmark run" | tee "$OUT_DIR/bench.log"
 # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of words
-if ! "$PYTHON" benchmarks/run_all.py --out "$OUT_DIR" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 \
+elif ! "$PYTHON" benchmarks/run_all.py --out "$OUT_DIR" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 \
     | tee "$OUT_DIR/bench.log"; then
-  bench_rc=1
+  bench_rc=1 bench_status=FAILED
 fi
 
 section "results ($OUT_DIR/results.md)"
 cat "$OUT_DIR/results.md" 2>/dev/null || echo "no results.md was written"
 section "summary"
-echo "tests: $tests_status," \
-     "benchmarks: $([[ $bench_rc == 0 ]] && echo completed || echo FAILED)"
-exit $(( tests_rc || bench_rc ))
+echo "tests: $tests_status, sanitizers: $sanitize_status, benchmarks: $bench_status"
+exit $(( tests_rc || sanitize_rc || bench_rc ))

@@ -35,6 +35,16 @@ def test_built_against_the_running_torch():
     assert built.split(".")[:2] == torch.__version__.split(".")[:2], (built, torch.__version__)
 
 
+def test_extension_shares_the_process_libstdcxx():
+    """A compiler that links libstdc++ statically into the extension builds one whose own copy
+    of the C++ runtime crashes at the first number it formats (an error message, a cache key):
+    the extension must load libstdc++.so like torch does (see scripts/gpu_check.sh)."""
+    with open(transformer_fp8._C.__file__, "rb") as f:
+        needs = b"libstdc++.so" in f.read()
+    assert needs, (f"{transformer_fp8._C.__file__} does not link libstdc++.so dynamically; "
+                   "rebuild with a compiler that does (e.g. CXX=g++ CC=gcc CUDAHOSTCXX=g++)")
+
+
 def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
