@@ -4,8 +4,9 @@ Measures out[M, N] = a[M, K] @ b[N, K].T in bf16 output for M x K x N = 8192^3, 
 8192 and 16384 x 8192 x 28672: transformer_fp8's fp8_gemm (E4M3 x E4M3, with and without fast
 accumulation), torch.matmul on the bf16 tensors of the same shapes, and torch._scaled_mm on the
 very same FP8 operands and scales (fast accumulation; 'n/a' where it fails). Reported: time per
-GEMM (CUDA events, median), TFLOP/s = 2 M N K / time, and the speedups over bf16 and over
-torch._scaled_mm, all measured in the same run.
+GEMM (CUDA events, median; the implementations timed in turns over 4 rounds, so that the
+GPU's warming up weighs on all alike), TFLOP/s = 2 M N K / time, and the speedups over bf16
+and over torch._scaled_mm, all measured in the same run.
 
     python benchmarks/bench_gemm.py [--smoke] [--out DIR]
 """
@@ -64,14 +65,14 @@ def implementations(a_hp, b_hp, a_lp, a_scale_inv, b_lp, b_scale_inv):
     }
 
 
-def time_or_none(fn, args, reps):
-    """Timing, or None with the reason printed when the call fails (e.g. _scaled_mm)."""
+def works(fn) -> bool:
+    """False, with the reason printed, when the call fails (e.g. _scaled_mm)."""
     try:
         fn()
+        return True
     except Exception as exc:
         print(f"(not measured: {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
-        return None
-    return common.time_fn(fn, args.device, warmup=2 if args.smoke else 5, reps=reps)
+        return False
 
 
 def plot(ax, payload):
@@ -96,8 +97,10 @@ def main(argv=None) -> dict:
     rows = []
     for m, k, n in SMOKE_SHAPES if args.smoke else SHAPES:
         shape = f"{m}x{k}x{n}"
-        timings = {name: time_or_none(fn, args, reps) for name, fn in
-                   implementations(*operands(m, k, n, args.device)).items()}
+        fns = {name: fn if works(fn) else None for name, fn in
+               implementations(*operands(m, k, n, args.device)).items()}
+        timings = common.time_interleaved(fns, args.device, warmup=2 if args.smoke else 5,
+                                          reps=reps, rounds=1 if args.smoke else 4)
         seconds = {name: t.median_s if t else None for name, t in timings.items()}
         for name, s in seconds.items():
             rows.append({"shape": shape, "impl": name, "time_ms": s * 1e3 if s else None,

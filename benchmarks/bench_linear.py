@@ -8,7 +8,8 @@ training (convert_to_float8_training + torch.compile) where torchao imports ('n/
 The floor is the three FP8 GEMMs of the step alone (forward, dgrad, wgrad through fp8_gemm on
 ready FP8 operands), timed in the same run: '% of GEMM floor' = floor time / step time, the
 share of the step spent in the GEMMs rather than in casts, scaling and bookkeeping. Reported:
-time per step (CUDA events, median), TFLOP/s = 6 M K N / time, speedup over bf16 nn.Linear.
+time per step (CUDA events, median; the implementations timed in turns over 4 rounds), TFLOP/s =
+6 M K N / time, speedup over bf16 nn.Linear.
 
     python benchmarks/bench_linear.py [--smoke] [--out DIR]
 """
@@ -116,10 +117,9 @@ def measure_shape(m: int, k: int, n: int, args, warmup: int, reps: int) -> list[
     steps[TORCHAO] = training_step(compiled, None, x, g) if compiled is not None else None
     steps[FLOOR] = gemm_floor(m, k, n, args.device)
 
-    seconds = {}
-    for name, step in steps.items():
-        t = common.time_fn(step, args.device, warmup=warmup, reps=reps) if step else None
-        seconds[name] = t.median_s if t else None
+    timings = common.time_interleaved(steps, args.device, warmup=warmup, reps=reps,
+                                      rounds=1 if args.smoke else 4)
+    seconds = {name: t.median_s if t else None for name, t in timings.items()}
     return [{"impl": name, "shape": f"{m}x{k}x{n}",
              "time_ms": s * 1e3 if s else None,
              "tflops": common.ratio(6 * m * k * n / 1e12, s),

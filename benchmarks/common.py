@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import dataclasses
 import os
 import platform
 import statistics
@@ -57,6 +58,7 @@ class Timing:
     median_s: float
     min_s: float
     reps: int
+    samples: list = dataclasses.field(default_factory=list, repr=False)  # seconds per call
 
     @property
     def us(self) -> float:
@@ -100,7 +102,29 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
             for _ in range(inner):
                 fn()
             per_call.append((time.perf_counter() - start) / inner)
-    return Timing(statistics.median(per_call), min(per_call), reps)
+    return Timing(statistics.median(per_call), min(per_call), reps, per_call)
+
+
+def time_interleaved(fns: dict, device: torch.device, *, warmup: int = 3, reps: int = 20,
+                     rounds: int = 4) -> dict:
+    """{name: Timing} for several functions timed in turns: ``rounds`` rounds, each timing every
+    function for reps / rounds repetitions, so that clock and temperature drift during the run
+    (a GPU slows down as it heats up under a long GEMM) weighs on every function alike instead
+    of on whichever runs last. A function that is None stays None."""
+    per_call = {name: [] for name in fns}
+    for name, fn in fns.items():
+        if fn is not None:
+            for _ in range(warmup):
+                fn()
+    synchronize(device)
+    per_round = max(1, reps // rounds)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if fn is not None:
+                timing = time_fn(fn, device, warmup=0, reps=per_round)
+                per_call[name] += timing.samples
+    return {name: Timing(statistics.median(t), min(t), len(t)) if t else None
+            for name, t in per_call.items()}
 
 
 def copy_bandwidth(device: torch.device, nbytes: Optional[int] = None, reps: int = 10) -> float:

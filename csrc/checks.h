@@ -4,8 +4,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <string>
-#include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "fp8_common.h"
 
@@ -126,37 +128,43 @@ inline void check_delayed_scaling_args(at::TensorList histories, at::TensorList 
     const at::Tensor& h = histories[i];
     const at::Tensor& s = scales[i];
     const at::Tensor& si = scale_invs[i];
-    const std::string idx = "[" + std::to_string(i) + "]";
+    // The messages are built only when a check fails (TORCH_CHECK formats them lazily): this
+    // runs for every tensor of a training step.
     TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.scalar_type() == at::kFloat &&
-                h.is_contiguous(), "transformer_fp8: argument 'amax_histories", idx,
-                "' must be a contiguous float32 tensor of shape [L >= 1, n], got ", describe(h));
+                h.is_contiguous(), "transformer_fp8: argument 'amax_histories[", i,
+                "]' must be a contiguous float32 tensor of shape [L >= 1, n], got ", describe(h));
     const int64_t n = h.size(1);
     TORCH_CHECK(s.dim() == 1 && s.size(0) == n && s.scalar_type() == at::kFloat &&
-                s.is_contiguous(), "transformer_fp8: argument 'scales", idx,
-                "' must be a contiguous float32 tensor of shape [", n, "] to match "
-                "amax_histories", idx, ", got ", describe(s));
+                s.is_contiguous(), "transformer_fp8: argument 'scales[", i,
+                "]' must be a contiguous float32 tensor of shape [", n, "] to match "
+                "amax_histories[", i, "], got ", describe(s));
     TORCH_CHECK(si.dim() == 1 && si.size(0) == n && si.scalar_type() == at::kFloat &&
-                si.is_contiguous(), "transformer_fp8: argument 'scale_invs", idx,
-                "' must be a contiguous float32 tensor of shape [", n, "] to match "
-                "amax_histories", idx, ", got ", describe(si));
+                si.is_contiguous(), "transformer_fp8: argument 'scale_invs[", i,
+                "]' must be a contiguous float32 tensor of shape [", n, "] to match "
+                "amax_histories[", i, "], got ", describe(si));
     TORCH_CHECK(h.device() == device && s.device() == device && si.device() == device,
                 "transformer_fp8: every tensor of update_delayed_scaling must be on ", device,
                 "; at index ", i, " got amax_histories on ", h.device(), ", scales on ",
                 s.device(), ", scale_invs on ", si.device());
     TORCH_CHECK(std::isfinite(fp8_maxes[i]) && fp8_maxes[i] > 0,
-                "transformer_fp8: argument 'fp8_maxes", idx, "' must be finite and positive, "
+                "transformer_fp8: argument 'fp8_maxes[", i, "]' must be finite and positive, "
                 "got ", fp8_maxes[i]);
   }
   // Every tensor is updated in place exactly once: the same storage twice would be rolled
-  // twice (and, on CUDA, by two blocks at once).
-  std::unordered_set<const void*> seen;
+  // twice (and, on CUDA, by two blocks at once). Sorted addresses: equal ones are neighbours.
+  std::vector<std::pair<const void*, size_t>> addresses;
+  addresses.reserve(3 * count);
   for (at::TensorList list : {histories, scales, scale_invs}) {
     for (size_t i = 0; i < count; ++i) {
-      if (list[i].numel() == 0) continue;
-      TORCH_CHECK(seen.insert(list[i].data_ptr()).second, "transformer_fp8: update_delayed_scaling "
-                  "got the same tensor memory twice (at index ", i, "); each history, scale and "
-                  "scale_inv must be a distinct tensor");
+      if (list[i].numel() != 0) addresses.emplace_back(list[i].data_ptr(), i);
     }
+  }
+  std::sort(addresses.begin(), addresses.end());
+  for (size_t k = 1; k < addresses.size(); ++k) {
+    TORCH_CHECK(addresses[k].first != addresses[k - 1].first, "transformer_fp8: "
+                "update_delayed_scaling got the same tensor memory twice (at index ",
+                std::min(addresses[k].second, addresses[k - 1].second), "); each history, "
+                "scale and scale_inv must be a distinct tensor");
   }
 }
 

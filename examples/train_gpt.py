@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import transformer_fp8 as tf8
 
@@ -149,6 +148,34 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Training.
 
+class _NoBar:
+    """What the loop needs of a tqdm bar, for runs without one."""
+
+    def __init__(self, iterable):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def set_postfix(self, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress_bar(iterable, disable: bool, **kwargs):
+    """A tqdm bar, or a silent stand-in when disabled or tqdm is not installed (it is imported
+    only here, so that the module imports without it)."""
+    if disable:
+        return _NoBar(iterable)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar(iterable)
+    return tqdm(iterable, **kwargs)
+
+
 def lr_at(step: int, args) -> float:
     warmup = max(1, args.steps // 20)
     if step < warmup:
@@ -195,8 +222,8 @@ def train_one(precision: str, base: GPT, train_tokens, val_batches, args,
 
     losses = []
     t0 = time.perf_counter()
-    bar = tqdm(range(args.steps), desc=f"{precision:>4}", unit="step", dynamic_ncols=True,
-               disable=args.no_progress)
+    bar = progress_bar(range(args.steps), disable=args.no_progress, desc=f"{precision:>4}",
+                       unit="step", dynamic_ncols=True)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)

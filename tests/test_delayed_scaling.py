@@ -313,8 +313,8 @@ def test_fp8_max_not_representable_in_float32(device, gen, fp8_max):
 
 @CUDA_SKIP
 def test_one_kernel_launch_for_many_tensors(gen):
-    """300 tensors of L = 1024, updated every step: one kernel, and (the descriptors being cached
-    per tensor list) no copy after the first step."""
+    """300 tensors of L = 1024, updated every step: one kernel and no copy (the descriptors
+    travel as kernel parameters)."""
     histories = [rand_positive(gen, 1024, 2).cuda() for _ in range(300)]
     scales = [torch.ones(2, device="cuda") for _ in histories]
     scale_invs = [torch.ones(2, device="cuda") for _ in histories]
@@ -333,3 +333,47 @@ def test_one_kernel_launch_for_many_tensors(gen):
     assert not any("Memcpy" in n for n in names), names
     expected = torch.full((2,), 448.0 / 3.0, device="cuda")
     assert all(torch.equal(s, expected) for s in scales)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("count", [64, 65, 640, 641, 1300])
+def test_many_tensors_across_launch_batches(device, gen, count):
+    """The CUDA launcher passes at most 64 or 640 descriptors per launch: every tensor is
+    updated exactly once whatever the count (counts on both sides of each batch size)."""
+    states = [make_state(gen, 3, 1 + i % 3, "normal", history_specials=True, device=device)
+              for i in range(count)]
+    maxes = [448.0 if i % 2 else 57344.0 for i in range(count)]
+    expected = run_reference(states, maxes, margin=1)
+    run_op(states, maxes, margin=1)
+    assert_states_equal(states, expected)
+
+
+@CUDA_SKIP
+def test_update_replays_in_a_cuda_graph(gen):
+    """A captured update keeps its own descriptors: replays after other eager calls (with other
+    tensor lists) still update the captured tensors, like the eager op does."""
+    states = [make_state(gen, 8, 2, "normal", history_specials=False, device="cuda")
+              for _ in range(5)]
+    others = [make_state(gen, 8, 2, "normal", history_specials=False, device="cuda")
+              for _ in range(7)]
+    maxes = [448.0] * len(states)
+    eager = clone_states(states, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        capture_input = clone_states(states, "cuda")
+        with torch.cuda.graph(graph, stream=stream):
+            run_op(capture_input, maxes)
+    torch.cuda.current_stream().wait_stream(stream)
+    for step in range(3):
+        run_op(others, [448.0] * len(others))  # an eager call in between, other tensors
+        fresh = torch.rand(len(states), 2, generator=gen).add_(0.5).cuda()
+        for i, (h, _, _) in enumerate(capture_input):
+            h[0].copy_(fresh[i])
+        for i, (h, _, _) in enumerate(eager):
+            h[0].copy_(fresh[i])
+        graph.replay()
+        run_op(eager, maxes)
+        torch.cuda.synchronize()
+        assert_states_equal(capture_input, eager)

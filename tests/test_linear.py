@@ -358,3 +358,35 @@ def test_torch_compile_matches_eager(gen):
                             model[2].fp8_bwd_scale.clone()))
         for a, b in zip(*results):
             assert torch.equal(a, b), f"step {step}"
+
+
+@pytest.mark.parametrize("replace", ["assign_buffer", "load_state_dict_assign", "to_device"])
+def test_replaced_fp8_state_is_the_one_used(gen, device, replace):
+    """The delayed-scaling casts are built once per layer from views of its state; a state
+    tensor replaced afterwards (attribute assignment, load_state_dict(assign=True), a move) must
+    be the one the next forward reads and records into."""
+    recipe = DelayedScaling(amax_history_len=4)
+    layer, _ = make_pair(gen, 32, 16, device)
+    x = randn(gen, 16, 32, device=device)
+    grad = randn(gen, 16, 16, device=device)
+    fp8_step(layer, x, grad, recipe)  # builds the casts
+    new_history = torch.zeros(4, 2, device=device)
+    if replace == "assign_buffer":
+        layer.fp8_fwd_amax_history = new_history
+    elif replace == "load_state_dict_assign":
+        sd = {k: v.clone() for k, v in layer.state_dict().items()}
+        sd["fp8_fwd_amax_history"] = new_history
+        layer.load_state_dict(sd, assign=True)
+    else:
+        layer.to("meta").to_empty(device=device)
+        with torch.no_grad():
+            layer.weight.copy_(randn(gen, 16, 32, device=device))
+            layer.bias.zero_()
+        layer.reset_fp8_state()
+        new_history = layer.fp8_fwd_amax_history
+    with fp8_autocast(fp8_recipe=recipe):
+        layer(x)
+    # The exit update rolled this step's amaxes into the last row of the new history.
+    assert layer.fp8_fwd_amax_history is new_history
+    assert torch.equal(new_history[-1].cpu(),
+                       torch.stack([x.abs().max(), layer.weight.abs().max()]).float().cpu())

@@ -176,6 +176,7 @@ class Linear(torch.nn.Linear):
         self._recipe_code: Optional[list[int]] = None
         self._fp8_maxes = (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd)
         self._weight_cache = None
+        self._delayed_cast_cache = None  # see _delayed_casts
         self._warned_high_precision = False
 
     def reset_fp8_state(self) -> None:
@@ -189,6 +190,7 @@ class Linear(torch.nn.Linear):
             self.fp8_recipe_fields.fill_(-1)
         self._recipe_code = None
         self._weight_cache = None
+        self._delayed_cast_cache = None
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -199,6 +201,7 @@ class Linear(torch.nn.Linear):
         # A copy (copy.deepcopy, unpickling) is a layer of its own in the amax reduction.
         super().__setstate__(state)
         self._fp8_index = next(_creation_index)
+        self._delayed_cast_cache = None
 
     def _apply(self, fn, recurse=True):
         # Device moves apply to the FP8 state; dtype casts (.half(), .to(torch.bfloat16)) do
@@ -216,6 +219,7 @@ class Linear(torch.nn.Linear):
             self._buffers[name] = moved if moved.dtype == buffer.dtype else \
                 buffer.to(device=moved.device)
         self._weight_cache = None
+        self._delayed_cast_cache = None  # views of the old buffers
         return self
 
     def _adopt_recipe(self, recipe: DelayedScaling) -> None:
@@ -230,6 +234,7 @@ class Linear(torch.nn.Linear):
             if history.shape[0] != recipe.amax_history_len:
                 # .data keeps the buffer object, so references (e.g. DDP's) stay valid.
                 history.data = history.new_zeros(recipe.amax_history_len, history.shape[1])
+                self._delayed_cast_cache = None  # its views see the old storage
         self.fp8_recipe_fields.copy_(torch.tensor(code, dtype=torch.int64))
         self._fp8_maxes = (recipe.fp8_format.max_fwd, recipe.fp8_format.max_bwd)
         self._recipe_code = code
@@ -263,6 +268,7 @@ class Linear(torch.nn.Linear):
                     missing_keys.remove(prefix + key)
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
         self._weight_cache = None
+        self._delayed_cast_cache = None
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -304,21 +310,32 @@ class Linear(torch.nn.Linear):
             backward_step = None
         else:
             self._adopt_recipe(recipe)
-            fwd_h, fwd_s, fwd_si = (self.fp8_fwd_amax_history, self.fp8_fwd_scale,
-                                    self.fp8_fwd_scale_inv)
-            bwd_h, bwd_s, bwd_si = (self.fp8_bwd_amax_history, self.fp8_bwd_scale,
-                                    self.fp8_bwd_scale_inv)
-            input_cast = _Fp8Cast.delayed(fmt.fwd_dtype, fwd_s[INPUT:INPUT + 1],
-                                          fwd_si[INPUT:INPUT + 1], fwd_h[0, INPUT:INPUT + 1])
-            weight_cast = _Fp8Cast.delayed(fmt.fwd_dtype, fwd_s[WEIGHT:WEIGHT + 1],
-                                           fwd_si[WEIGHT:WEIGHT + 1], fwd_h[0, WEIGHT:WEIGHT + 1])
-            grad_cast = _Fp8Cast.delayed(fmt.bwd_dtype, bwd_s[0:1], bwd_si[0:1], bwd_h[0, 0:1])
+            input_cast, weight_cast, grad_cast = self._delayed_casts(fmt)
             backward_step = _autocast.record_forward(state, self._fp8_index, self._fwd_state,
                                                      self._bwd_state)
         plan = _Fp8Plan(input_cast, weight_cast, grad_cast,
                         self._weight_for_step(weight_cast, is_first_microbatch), backward_step,
                         out_dtype)
         return _Fp8LinearFunction.apply(inp, self.weight, self.bias, plan)
+
+    def _delayed_casts(self, fmt: Format) -> tuple:
+        """The (input, weight, grad_output) casts of delayed scaling: views of this layer's
+        scales, scale_invs and history row 0. Made once and reused while the state buffers are
+        the same tensors (slicing them on every forward costs more host time than the cast)."""
+        buffers = tuple(self._buffers[name] for name in FP8_FLOAT_STATE)
+        cached = self._delayed_cast_cache
+        if (cached is not None and cached[0] is fmt
+                and all(old is new for old, new in zip(cached[1], buffers))):
+            return cached[2]
+        fwd_h, fwd_s, fwd_si, bwd_h, bwd_s, bwd_si = buffers
+        casts = (
+            _Fp8Cast.delayed(fmt.fwd_dtype, fwd_s[INPUT:INPUT + 1], fwd_si[INPUT:INPUT + 1],
+                             fwd_h[0, INPUT:INPUT + 1]),
+            _Fp8Cast.delayed(fmt.fwd_dtype, fwd_s[WEIGHT:WEIGHT + 1], fwd_si[WEIGHT:WEIGHT + 1],
+                             fwd_h[0, WEIGHT:WEIGHT + 1]),
+            _Fp8Cast.delayed(fmt.bwd_dtype, bwd_s[0:1], bwd_si[0:1], bwd_h[0, 0:1]))
+        self._delayed_cast_cache = (fmt, buffers, casts)
+        return casts
 
     def _weight_for_step(self, weight_cast, is_first_microbatch):
         """None: cast the weight in this call. True: cast it now and keep it. False: reuse the

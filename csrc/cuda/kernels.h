@@ -30,7 +30,9 @@ cudaError_t launch_cast_from_fp8(const uint8_t* x, Fp8Format fmt, int64_t n,
                                  cudaStream_t stream);
 
 // One history [L, n] with its scale [n] and scale_inv [n]: what the update kernel reads per
-// tensor. An array of these lives in device memory, so one launch serves any number of tensors.
+// tensor. The launcher passes these to the kernel by value (kernel parameters, in batches), so
+// one launch serves hundreds of tensors with no copy to device memory, and a CUDA graph that
+// captures the launch keeps its own copy of them.
 struct DelayedScalingTensor {
   float* history;
   float* scale;
@@ -40,6 +42,7 @@ struct DelayedScalingTensor {
   double fp8_max;  // as given: the scale is computed in fp64
 };
 
+// tensors: a host array of count descriptors (read before the function returns).
 cudaError_t launch_update_delayed_scaling(const DelayedScalingTensor* tensors, int64_t count,
                                           int margin, AmaxAlgo algo, cudaStream_t stream);
 

@@ -9,6 +9,16 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// Up to kBatch descriptors as one kernel parameter. Kernel parameters may total 32764 bytes
+// (CUDA 12.1+, Volta and newer): 640 descriptors of 48 bytes fit; a small batch for the common
+// case of a few dozen tensors keeps the parameter copy short.
+template <int kBatch>
+struct DelayedScalingBatch {
+  DelayedScalingTensor tensors[kBatch];
+};
+constexpr int kSmallBatch = 64, kLargeBatch = 640;
+static_assert(sizeof(DelayedScalingBatch<kLargeBatch>) + 64 <= 32764, "kernel parameter limit");
+
 __device__ __forceinline__ float block_max_finite(float v) {
   __shared__ float warp_max[32];
   for (int offset = 16; offset > 0; offset >>= 1)
@@ -28,9 +38,10 @@ __device__ __forceinline__ float block_max_finite(float v) {
 // One block per tensor; its columns one after another. The roll moves rows up by one in place,
 // a chunk of blockDim.x rows at a time: every thread reads its row r + 1 before the barrier and
 // writes row r after it, so no row is overwritten before it has been read.
-__global__ void update_delayed_scaling_kernel(const DelayedScalingTensor* __restrict__ tensors,
+template <int kBatch>
+__global__ void update_delayed_scaling_kernel(const __grid_constant__ DelayedScalingBatch<kBatch> batch,
                                               int margin, AmaxAlgo algo) {
-  const DelayedScalingTensor t = tensors[blockIdx.x];
+  const DelayedScalingTensor t = batch.tensors[blockIdx.x];
   const int64_t L = t.history_len, n = t.columns;
   for (int64_t col = 0; col < n; ++col) {
     float* h = t.history + col;
@@ -69,14 +80,32 @@ __global__ void compute_scale_kernel(const float* __restrict__ amax, int64_t n, 
   if (i < n) scale[i] = amax_is_usable(amax[i]) ? scale_from_amax(amax[i], fp8_max, margin) : 1.0f;
 }
 
+template <int kBatch>
+cudaError_t launch_update_batch(const DelayedScalingTensor* tensors, int64_t count, int margin,
+                                AmaxAlgo algo, cudaStream_t stream) {
+  DelayedScalingBatch<kBatch> batch;
+  for (int64_t i = 0; i < count; ++i) batch.tensors[i] = tensors[i];
+  update_delayed_scaling_kernel<kBatch><<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
+      batch, margin, algo);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_update_delayed_scaling(const DelayedScalingTensor* tensors, int64_t count,
                                           int margin, AmaxAlgo algo, cudaStream_t stream) {
-  if (count == 0) return cudaSuccess;
-  update_delayed_scaling_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
-      tensors, margin, algo);
-  return cudaGetLastError();
+  if (count <= kSmallBatch) {
+    return count == 0 ? cudaSuccess
+                      : launch_update_batch<kSmallBatch>(tensors, count, margin, algo, stream);
+  }
+  // One launch per 640 tensors: more than most models have FP8 tensors.
+  for (int64_t start = 0; start < count; start += kLargeBatch) {
+    const int64_t n = count - start < kLargeBatch ? count - start : kLargeBatch;
+    const cudaError_t status =
+        launch_update_batch<kLargeBatch>(tensors + start, n, margin, algo, stream);
+    if (status != cudaSuccess) return status;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t launch_compute_scale_from_amax(const float* amax, int64_t n, double fp8_max,

@@ -4,11 +4,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstring>
-#include <mutex>
-#include <string>
-#include <unordered_map>
-#include <utility>
 #include <vector>
 
 #include "cuda_checks.h"
@@ -16,42 +11,6 @@
 
 namespace transformer_fp8 {
 namespace {
-
-// Device copies of descriptor arrays, keyed by (device, stream, descriptor bytes). A training
-// loop updates the same tensors every step, so after the first step no copy is made at all; the
-// pinned host copy is kept alongside, so that a call captured in a CUDA graph replays a copy of
-// memory that stays valid. Bounded: cleared when it grows past kMaxEntries.
-class DescriptorCache {
- public:
-  const cuda::DelayedScalingTensor* device_copy(const std::vector<cuda::DelayedScalingTensor>& desc,
-                                                const at::Device& device, cudaStream_t stream) {
-    const size_t bytes = desc.size() * sizeof(cuda::DelayedScalingTensor);
-    std::string key(reinterpret_cast<const char*>(desc.data()), bytes);
-    key += std::to_string(device.index()) + "/" + std::to_string(reinterpret_cast<uintptr_t>(stream));
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = entries_.find(key);
-    if (it == entries_.end()) {
-      if (entries_.size() >= kMaxEntries) entries_.clear();
-      at::Tensor host = at::empty({static_cast<int64_t>(bytes)},
-                                  at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-      std::memcpy(host.data_ptr(), desc.data(), bytes);
-      // Asynchronous on the current stream; the copy keeps the pinned block alive until it ran.
-      at::Tensor on_device = host.to(device, /*non_blocking=*/true);
-      it = entries_.emplace(std::move(key), std::make_pair(host, on_device)).first;
-    }
-    return reinterpret_cast<const cuda::DelayedScalingTensor*>(it->second.second.data_ptr());
-  }
-
- private:
-  static constexpr size_t kMaxEntries = 256;
-  std::mutex mutex_;
-  std::unordered_map<std::string, std::pair<at::Tensor, at::Tensor>> entries_;
-};
-
-DescriptorCache& descriptor_cache() {
-  static auto* cache = new DescriptorCache();  // never destroyed: CUDA may be gone at exit
-  return *cache;
-}
 
 void update_delayed_scaling_cuda(at::TensorList amax_histories, at::TensorList scales,
                                  at::TensorList scale_invs, at::ArrayRef<double> fp8_maxes,
@@ -67,10 +26,10 @@ void update_delayed_scaling_cuda(at::TensorList amax_histories, at::TensorList s
                scale_invs[i].data_ptr<float>(), amax_histories[i].size(0),
                amax_histories[i].size(1), fp8_maxes[i]};
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto* device_desc = descriptor_cache().device_copy(desc, amax_histories[0].device(), stream);
+  // The descriptors travel as kernel parameters: no device copy, nothing kept between calls.
   const auto status = cuda::launch_update_delayed_scaling(
-      device_desc, static_cast<int64_t>(desc.size()), static_cast<int>(margin), algo, stream);
+      desc.data(), static_cast<int64_t>(desc.size()), static_cast<int>(margin), algo,
+      c10::cuda::getCurrentCUDAStream());
   TFP8_CHECK_LAUNCH(status, "update_delayed_scaling");
 }
 
