@@ -104,6 +104,27 @@ def test_amax_non_contiguous_and_0dim(device, gen):
         assert_bitwise_equal(ops.amax(view), ref.amax_reference(view.cpu()))
 
 
+# Lengths for the split of the 1-D CUDA kernels (scalar head up to the first aligned element,
+# vectors, scalar tail): shorter than one vector, a few vectors, and longer than one pass of the
+# largest grid (about 4.3M 16-bit or 8.7M FP8 elements on an H100), so that the loop wraps.
+SPLIT_LENGTHS = [1, 6, 9, 8 * 257 + 5, 9_500_011]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("offset", [1, 3, 8])
+@pytest.mark.parametrize("length", SPLIT_LENGTHS)
+def test_amax_misaligned_start(device, gen, dtype, offset, length):
+    """x[offset:] (off the vector boundary for offsets 1 and 3): the scalar head reaches the
+    boundary, vectors and a scalar tail follow."""
+    base = randn(gen, offset + length, dtype=dtype, scale=100.0)
+    base[offset + (length - 1) * 2 // 3] = 1e4  # the maximum, in the vector part or the tail
+    x = base.to(device)[offset:]
+    assert_bitwise_equal(ops.amax(x), ref.amax_reference(base[offset:]))
+    base[offset] = float("nan")  # first element: in the scalar head unless offset is aligned
+    assert torch.isnan(ops.amax(base.to(device)[offset:])).item()
+
+
 # ----------------------------------------------------------------------------- cast_to_fp8
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -162,6 +183,29 @@ def test_cast_non_contiguous(device, gen, hp_dtype, fp8_dtype, layout):
 def test_cast_odd_shapes(device, gen, fp8_dtype, shape):
     check_cast(randn(gen, *shape, dtype=torch.bfloat16, scale=50.0), 0.37, fp8_dtype, device,
                amax_init=1.0)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("hp_dtype", HP_DTYPES)
+@pytest.mark.parametrize("offset", [1, 3, 8, 16])
+@pytest.mark.parametrize("length", SPLIT_LENGTHS)
+def test_cast_misaligned_start(device, gen, hp_dtype, offset, length):
+    """x[offset:] against a fresh (aligned) out: vectors where x's offset is a multiple of 8
+    elements, the scalar path otherwise; bit-exact either way, fused amax included."""
+    base = with_specials(gen, randn(gen, offset + length, dtype=hp_dtype, scale=300.0),
+                         [float("inf"), -0.0])
+    check_cast(base.to(device)[offset:], 0.37, torch.float8_e4m3fn, device, amax_init=0.5)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("out_dtype", HP_DTYPES)
+@pytest.mark.parametrize("offset", [1, 3, 8])
+@pytest.mark.parametrize("length", SPLIT_LENGTHS)
+def test_cast_from_fp8_misaligned_start(device, gen, out_dtype, offset, length):
+    codes = torch.randint(0, 256, (offset + length,), generator=gen, dtype=torch.int32)
+    x = codes.to(torch.uint8).view(torch.float8_e5m2)[offset:]
+    out = ops.cast_from_fp8(x.to(device), scalar(3.3, device), out_dtype)
+    assert_same_values(out.cpu(), ref.cast_from_fp8_reference(x, scalar(3.3), out_dtype))
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -243,6 +287,49 @@ def test_cast_transpose_non_contiguous_input(device, gen):
     out, out_t = ops.cast_transpose_to_fp8(x, scale, torch.float8_e4m3fn)
     assert_bitwise_equal(out, ops.cast_to_fp8(x, scale, torch.float8_e4m3fn))
     assert_bitwise_equal(out_t, ops.cast_to_fp8(x.t(), scale, torch.float8_e4m3fn))
+
+
+# Shapes around the CUDA kernel's 128 x 128 tiles: phase 1 (out) vectorises when cols % 8 == 0,
+# phase 2 (out_t) when rows % 16 == 0, each with partial edge tiles; otherwise element-wise.
+TRANSPOSE_EDGE_SHAPES = [
+    (16, 8), (128, 128), (256, 384),  # full tiles
+    (144, 200), (1040, 2056),         # both vectorised, edge tiles in both directions
+    (130, 136), (1, 64), (127, 1000), # out vectorised, out_t element-wise
+    (160, 100), (176, 131), (48, 3),  # out element-wise, out_t vectorised (partial word columns)
+    (129, 129), (17, 197), (100, 77),  # both element-wise
+]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", TRANSPOSE_EDGE_SHAPES)
+def test_cast_transpose_tile_edges(device, gen, hp_dtype, fp8_dtype, shape):
+    # 1e6 saturates (x 0.37 > 448) and is the amax of the blocks that hold it.
+    x = with_specials(gen, randn(gen, *shape, dtype=hp_dtype, scale=200.0), [1e6, -1e6, -0.0])
+    scale = scalar(0.37)
+    slot = scalar(0.25, device)
+    out, out_t = ops.cast_transpose_to_fp8(x.to(device), scale.to(device), fp8_dtype, slot)
+    expected = ref.cast_to_fp8_reference(x, scale, fp8_dtype)
+    assert_bitwise_equal(out, expected, "out")
+    assert_bitwise_equal(out_t, expected.t().contiguous(), "out_t")
+    assert_bitwise_equal(slot.cpu(), scalar(max(0.25, x.float().abs().max().item())), "amax")
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("offset", [1, 8])
+@pytest.mark.parametrize("shape", [(144, 200), (160, 96)])
+def test_cast_transpose_misaligned_start(device, gen, offset, shape):
+    """A contiguous x that starts off the 16-byte boundary: out goes element-wise (offset 1) or
+    by vectors (offset 8 bf16 elements = 16 bytes); out_t is unaffected."""
+    rows, cols = shape
+    base = randn(gen, offset + rows * cols, dtype=torch.bfloat16, scale=50.0)
+    x = base[offset:].view(rows, cols)
+    out, out_t = ops.cast_transpose_to_fp8(base.to(device)[offset:].view(rows, cols),
+                                           scalar(2.0, device), torch.float8_e5m2)
+    expected = ref.cast_to_fp8_reference(x, scalar(2.0), torch.float8_e5m2)
+    assert_bitwise_equal(out, expected, "out")
+    assert_bitwise_equal(out_t, expected.t().contiguous(), "out_t")
 
 
 # ----------------------------------------------------------------------------- cast_from_fp8

@@ -252,3 +252,15 @@ def test_device_mismatch(gen, case):
     call, message = cuda_mismatch_cases(gen)[case]
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+@CUDA_SKIP
+def test_cast_transpose_column_limit():
+    """Column tiles of 128 run along gridDim.y (at most 65535 blocks): 8388480 columns at most."""
+    s = scalar(1.0, "cuda")
+    x = torch.zeros(1, 65535 * 128 + 1, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"at most 8388480 columns, got .*\[1, 8388481\]"):
+        ops.cast_transpose_to_fp8(x, s, E4M3)
+    out, out_t = ops.cast_transpose_to_fp8(x[:, 1:], s, E4M3)
+    assert out.shape == (1, 8388480) and out_t.shape == (8388480, 1)
+    assert not out.float().any() and not out_t.float().any()

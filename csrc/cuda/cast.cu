@@ -7,12 +7,18 @@ namespace transformer_fp8 {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kVec = 8;  // elements per vector access
+constexpr int kThreads = 256;  // every kernel here is launched with kThreads threads per block
+constexpr int kVec = 8;        // elements per vector access
+// The 1-D kernels keep kBytesInFlight bytes of independent loads in flight per thread. With
+// kBlocksPerSm blocks resident per SM (__launch_bounds__ holds the kernels to the 64 registers
+// that allows) that is 64 KB per SM, well above the ~20 KB the HBM latency calls for.
+constexpr int kBytesInFlight = 64;
+constexpr int kBlocksPerSm = 4;
 
-int grid_for(int64_t work_items, int blocks_per_sm = 8) {
+// Blocks for a grid-stride kernel: enough for the work, at most one wave of resident blocks.
+int grid_for(int64_t work_items) {
   const int64_t needed = (work_items + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(multiprocessor_count()) * blocks_per_sm;
+  const int64_t cap = static_cast<int64_t>(multiprocessor_count()) * kBlocksPerSm;
   return static_cast<int>(needed < 1 ? 1 : (needed < cap ? needed : cap));
 }
 
@@ -20,89 +26,223 @@ bool aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-template <typename InT>
-__global__ void amax_kernel(const InT* __restrict__ x, int64_t n, bool vec_ok, float* amax) {
-  float local = 0.0f;
+// Elements from p to the first address aligned to vec_bytes (p is element-aligned).
+int64_t elements_to_alignment(const void* p, size_t elem_bytes, size_t vec_bytes) {
+  const size_t misalignment = reinterpret_cast<uintptr_t>(p) % vec_bytes;
+  return static_cast<int64_t>((vec_bytes - misalignment) % vec_bytes / elem_bytes);
+}
+
+// Split of n contiguous elements for the 1-D kernels: a scalar head of `head` elements, then
+// vectors of kVec elements from head on, then a scalar tail. The head aligns the input and the
+// output together; if they cannot both be aligned by the same head, everything is head (scalar).
+struct Split {
+  int64_t head;
+  int64_t n_vec;
+};
+
+Split split(int64_t n, int64_t in_head, int64_t out_head) {
+  if (in_head != out_head || in_head >= n) return {n, 0};
+  return {in_head, (n - in_head) / kVec};
+}
+
+// Calls fn(i) for the scalar elements of a split: [0, head) and the tail after the vectors.
+template <typename Fn>
+__device__ __forceinline__ void for_each_scalar(int64_t n, Split s, Fn&& fn) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t n_vec = vec_ok ? n / kVec : 0;
-  for (int64_t v = tid; v < n_vec; v += stride) {
-    const Pack8<InT> pack = reinterpret_cast<const Pack8<InT>*>(x)[v];
+  for (int64_t i = tid; i < s.head; i += stride) fn(i);
+  for (int64_t i = s.head + s.n_vec * kVec + tid; i < n; i += stride) fn(i);
+}
+
+// Calls fn(v, vec[v]) for v in [0, n_vec). Each thread first loads kUnroll vectors, kThreads
+// apart (every load instruction is coalesced over the warp), then uses them: kUnroll
+// independent loads in flight instead of one.
+template <int kUnroll, typename Vec, typename Fn>
+__device__ __forceinline__ void for_each_vector(const Vec* __restrict__ vec, int64_t n_vec, Fn&& fn) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x;
+       base < n_vec; base += step) {
+    Vec loaded[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * kThreads < n_vec) loaded[u] = vec[base + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * kThreads < n_vec) fn(base + u * kThreads, loaded[u]);
+  }
+}
+
+template <typename Vec>
+__host__ __device__ constexpr int unroll_for() {
+  return kBytesInFlight / sizeof(Vec);
+}
+
+template <typename InT>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+amax_kernel(const InT* __restrict__ x, int64_t n, Split s, float* amax) {
+  using Vec = Pack8<InT>;
+  float local = 0.0f;
+  for_each_scalar(n, s, [&](int64_t i) { local = nan_max(local, fabsf(to_float(x[i]))); });
+  const Vec* xv = reinterpret_cast<const Vec*>(x + s.head);
+  for_each_vector<unroll_for<Vec>()>(xv, s.n_vec, [&](int64_t, const Vec& pack) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) local = nan_max(local, fabsf(to_float(pack.v[j])));
-  }
-  for (int64_t i = n_vec * kVec + tid; i < n; i += stride) local = nan_max(local, fabsf(to_float(x[i])));
+  });
   commit_amax(amax, local);
 }
 
 template <typename InT, Fp8Format F>
-__global__ void cast_kernel(const InT* __restrict__ x, int64_t n, bool vec_ok,
-                            const float* __restrict__ scale_ptr, uint8_t* __restrict__ out,
-                            float* amax) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+cast_kernel(const InT* __restrict__ x, int64_t n, Split s, const float* __restrict__ scale_ptr,
+            uint8_t* __restrict__ out, float* amax) {
+  using Vec = Pack8<InT>;
   const float scale = *scale_ptr;
   float local = 0.0f;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t n_vec = vec_ok ? n / kVec : 0;
-  for (int64_t v = tid; v < n_vec; v += stride) {
-    const Pack8<InT> pack = reinterpret_cast<const Pack8<InT>*>(x)[v];
-    reinterpret_cast<uint2*>(out)[v] = cast_pack8<F>(pack, scale, local);
-  }
-  for (int64_t i = n_vec * kVec + tid; i < n; i += stride) out[i] = cast_one<F>(x[i], scale, local);
+  for_each_scalar(n, s, [&](int64_t i) { out[i] = cast_one<F>(x[i], scale, local); });
+  const Vec* xv = reinterpret_cast<const Vec*>(x + s.head);
+  uint2* outv = reinterpret_cast<uint2*>(out + s.head);
+  for_each_vector<unroll_for<Vec>()>(xv, s.n_vec, [&](int64_t v, const Vec& pack) {
+    outv[v] = cast_pack8<F>(pack, scale, local);
+  });
   commit_amax(amax, local);
 }
 
-// Tiles of 64 x 64: the tile is cast once, written row-major to out and, through shared
-// memory, column-major to out_t. Full tiles use 8-element vectors; edge tiles go element-wise.
-constexpr int kTile = 64;
-constexpr int kTilePitch = kTile + 8;  // keeps 8-byte alignment of each shared row
+// cast_transpose: one block of 256 threads per tile of 128 x 128 elements. Phase 1 reads the
+// tile by rows, casts it once, writes out and keeps the FP8 bytes in shared memory; phase 2
+// reads them back by columns and writes out_t. Each phase uses vectors where the shapes and
+// pointers allow (row_vec, col_vec), with per-vector bounds checks in edge tiles.
+constexpr int kTile = 128;
+constexpr int kTileWords = kTile / 4;               // 4 FP8 bytes per 32-bit shared word
+constexpr int kPacksPerThread = kTile * kTile / kVec / kThreads;  // phase 1: 8
+constexpr int kLoadBatch = 4;                       // phase 1 loads in flight per thread
+constexpr int kColRows = 16;                        // phase 2: rows per 16-byte out_t store
+
+// Shared word of (row r, word column w). Each row holds its 32 words in the order
+// w ^ (4 * (r / 16)). A phase-2 warp instruction reads word columns 4k..4k+3 of the rows
+// 16 i + j, i = 0..7: without the swizzle all 8 rows would hit the same 4 banks, with it they
+// hit 32 distinct banks. XOR with a multiple of 4 keeps phase 1's word pairs adjacent and
+// every row's 32 words on 32 banks.
+__device__ __forceinline__ int tile_word(int r, int w) { return r * kTileWords + (w ^ ((r >> 4) << 2)); }
+__device__ __forceinline__ int tile_byte(int r, int c) { return 4 * tile_word(r, c >> 2) + (c & 3); }
+
+// One tile as the phases see it: pointers to its first element in x, out and out_t, the row
+// pitch of x and out (cols), the row pitch of out_t (rows) and how many rows and columns of the
+// tile lie inside the tensor. Offsets inside a tile are 32-bit: r * pitch < 128 * 65535 * 128.
+template <typename InT>
+struct TileView {
+  const InT* __restrict__ x;
+  uint8_t* __restrict__ out;
+  uint8_t* __restrict__ out_t;
+  int pitch;
+  int64_t pitch_t;
+  int n_rows, n_cols;
+};
+
+// Phase 1, vectors (cols % 8 == 0): thread t takes packs t, t + 256, ... of the tile, 16 packs
+// per row; kLoadBatch loads are issued before the first is cast.
+template <Fp8Format F, typename InT>
+__device__ __forceinline__ void cast_tile_rows_vec(const TileView<InT>& v, float scale,
+                                                   uint32_t* tile, float& local) {
+  constexpr int kPacksPerRow = kTile / kVec;
+#pragma unroll
+  for (int b = 0; b < kPacksPerThread; b += kLoadBatch) {
+    Pack8<InT> packs[kLoadBatch];
+#pragma unroll
+    for (int u = 0; u < kLoadBatch; ++u) {
+      const int k = (b + u) * kThreads + threadIdx.x, r = k / kPacksPerRow, c = k % kPacksPerRow * kVec;
+      if (r < v.n_rows && c < v.n_cols) packs[u] = *reinterpret_cast<const Pack8<InT>*>(v.x + r * v.pitch + c);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadBatch; ++u) {
+      const int k = (b + u) * kThreads + threadIdx.x, r = k / kPacksPerRow, c = k % kPacksPerRow * kVec;
+      if (r < v.n_rows && c < v.n_cols) {
+        const uint2 bytes = cast_pack8<F>(packs[u], scale, local);
+        *reinterpret_cast<uint2*>(v.out + r * v.pitch + c) = bytes;
+        *reinterpret_cast<uint2*>(&tile[tile_word(r, c / 4)]) = bytes;
+      }
+    }
+  }
+}
+
+// Phase 1, element by element (any shape).
+template <Fp8Format F, typename InT>
+__device__ __forceinline__ void cast_tile_rows_scalar(const TileView<InT>& v, float scale,
+                                                      uint32_t* tile, float& local) {
+  uint8_t* tile_bytes = reinterpret_cast<uint8_t*>(tile);
+  for (int k = threadIdx.x; k < kTile * kTile; k += kThreads) {
+    const int r = k / kTile, c = k % kTile;
+    if (r < v.n_rows && c < v.n_cols) {
+      const uint8_t byte = cast_one<F>(v.x[r * v.pitch + c], scale, local);
+      v.out[r * v.pitch + c] = byte;
+      tile_bytes[tile_byte(r, c)] = byte;
+    }
+  }
+}
+
+// Phase 2, vectors (rows % 16 == 0): thread t reads rows 16 (t % 8) .. + 15 of word column
+// t / 8 (4 FP8 columns), transposes the 16 x 4 bytes in registers and writes 16 bytes to each
+// of the 4 out_t rows. A warp writes 4 out_t rows x 128 contiguous bytes per store.
+template <typename InT>
+__device__ __forceinline__ void write_tile_cols_vec(const TileView<InT>& v, const uint32_t* tile) {
+  const int r = (threadIdx.x % (kTile / kColRows)) * kColRows, w = threadIdx.x / (kTile / kColRows);
+  if (r >= v.n_rows) return;
+  uint32_t col[4][kColRows / 4];  // col[q][m]: column 4w + q, rows r + 4m .. r + 4m + 3
+#pragma unroll
+  for (int m = 0; m < kColRows / 4; ++m) {
+    const uint32_t a = tile[tile_word(r + 4 * m, w)], b = tile[tile_word(r + 4 * m + 1, w)];
+    const uint32_t c = tile[tile_word(r + 4 * m + 2, w)], d = tile[tile_word(r + 4 * m + 3, w)];
+    // 4 x 4 byte transpose: a word holds 4 columns of one row, low byte first.
+    const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+    const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+    col[0][m] = __byte_perm(ab_lo, cd_lo, 0x5410);
+    col[1][m] = __byte_perm(ab_lo, cd_lo, 0x7632);
+    col[2][m] = __byte_perm(ab_hi, cd_hi, 0x5410);
+    col[3][m] = __byte_perm(ab_hi, cd_hi, 0x7632);
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int c = 4 * w + q;
+    if (c < v.n_cols)
+      *reinterpret_cast<uint4*>(v.out_t + c * v.pitch_t + r) =
+          make_uint4(col[q][0], col[q][1], col[q][2], col[q][3]);
+  }
+}
+
+// Phase 2, element by element (any shape); consecutive threads take consecutive rows.
+template <typename InT>
+__device__ __forceinline__ void write_tile_cols_scalar(const TileView<InT>& v, const uint32_t* tile) {
+  const uint8_t* tile_bytes = reinterpret_cast<const uint8_t*>(tile);
+  for (int k = threadIdx.x; k < kTile * kTile; k += kThreads) {
+    const int c = k / kTile, r = k % kTile;
+    if (r < v.n_rows && c < v.n_cols) v.out_t[c * v.pitch_t + r] = tile_bytes[tile_byte(r, c)];
+  }
+}
 
 template <typename InT, Fp8Format F>
-__global__ void cast_transpose_kernel(const InT* __restrict__ x, int64_t rows, int64_t cols,
-                                      bool vec_ok, const float* __restrict__ scale_ptr,
-                                      uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
-                                      float* amax) {
-  __shared__ __align__(8) uint8_t tile[kTile][kTilePitch];
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+cast_transpose_kernel(const InT* __restrict__ x, int64_t rows, int64_t cols, bool row_vec,
+                      bool col_vec, const float* __restrict__ scale_ptr, uint8_t* __restrict__ out,
+                      uint8_t* __restrict__ out_t, float* amax) {
+  __shared__ uint32_t tile[kTile * kTileWords];
   const float scale = *scale_ptr;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const TileView<InT> v{x + r0 * cols + c0, out + r0 * cols + c0, out_t + c0 * rows + r0,
+                        static_cast<int>(cols), rows,
+                        static_cast<int>(rows - r0 < kTile ? rows - r0 : kTile),
+                        static_cast<int>(cols - c0 < kTile ? cols - c0 : kTile)};
   float local = 0.0f;
-  const bool full_tile = vec_ok && r0 + kTile <= rows && c0 + kTile <= cols;
-  if (full_tile) {
-    for (int k = threadIdx.x; k < kTile * kTile / kVec; k += blockDim.x) {
-      const int r = k / (kTile / kVec), cv = (k % (kTile / kVec)) * kVec;
-      const int64_t offset = (r0 + r) * cols + c0 + cv;
-      const Pack8<InT> pack = *reinterpret_cast<const Pack8<InT>*>(x + offset);
-      const uint2 bytes = cast_pack8<F>(pack, scale, local);
-      *reinterpret_cast<uint2*>(out + offset) = bytes;
-      *reinterpret_cast<uint2*>(&tile[r][cv]) = bytes;
-    }
-    __syncthreads();
-    for (int k = threadIdx.x; k < kTile * kTile / kVec; k += blockDim.x) {
-      const int c = k / (kTile / kVec), rv = (k % (kTile / kVec)) * kVec;
-      uint8_t b[kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) b[j] = tile[rv + j][c];
-      uint2 bytes;
-      bytes.x = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
-      bytes.y = b[4] | (b[5] << 8) | (b[6] << 16) | (static_cast<uint32_t>(b[7]) << 24);
-      *reinterpret_cast<uint2*>(out_t + (c0 + c) * rows + r0 + rv) = bytes;
-    }
-  } else {
-    for (int k = threadIdx.x; k < kTile * kTile; k += blockDim.x) {
-      const int r = k / kTile, c = k % kTile;
-      if (r0 + r < rows && c0 + c < cols) {
-        const uint8_t byte = cast_one<F>(x[(r0 + r) * cols + c0 + c], scale, local);
-        out[(r0 + r) * cols + c0 + c] = byte;
-        tile[r][c] = byte;
-      }
-    }
-    __syncthreads();
-    for (int k = threadIdx.x; k < kTile * kTile; k += blockDim.x) {
-      const int c = k / kTile, r = k % kTile;
-      if (r0 + r < rows && c0 + c < cols) out_t[(c0 + c) * rows + r0 + r] = tile[r][c];
-    }
-  }
+  if (row_vec)
+    cast_tile_rows_vec<F>(v, scale, tile, local);
+  else
+    cast_tile_rows_scalar<F>(v, scale, tile, local);
+  __syncthreads();
+  // With col_vec and cols % 4 != 0, the last word column of an edge tile holds bytes phase 1
+  // did not write; they are read but never stored.
+  if (col_vec)
+    write_tile_cols_vec(v, tile);
+  else
+    write_tile_cols_scalar(v, tile);
   commit_amax(amax, local);
 }
 
@@ -122,15 +262,14 @@ __device__ __forceinline__ float fp8_to_float(uint8_t byte) {
 }
 
 template <typename OutT, Fp8Format F>
-__global__ void cast_from_fp8_kernel(const uint8_t* __restrict__ x, int64_t n, bool vec_ok,
-                                     const float* __restrict__ scale_inv_ptr,
-                                     OutT* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+cast_from_fp8_kernel(const uint8_t* __restrict__ x, int64_t n, Split s,
+                     const float* __restrict__ scale_inv_ptr, OutT* __restrict__ out) {
   const float scale_inv = *scale_inv_ptr;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t n_vec = vec_ok ? n / kVec : 0;
-  for (int64_t v = tid; v < n_vec; v += stride) {
-    const uint2 bytes = reinterpret_cast<const uint2*>(x)[v];
+  for_each_scalar(n, s, [&](int64_t i) { out[i] = from_float<OutT>(fp8_to_float<F>(x[i]) * scale_inv); });
+  const uint2* xv = reinterpret_cast<const uint2*>(x + s.head);
+  Pack8<OutT>* outv = reinterpret_cast<Pack8<OutT>*>(out + s.head);
+  for_each_vector<unroll_for<uint2>()>(xv, s.n_vec, [&](int64_t v, const uint2& bytes) {
     Pack8<OutT> pack;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
@@ -138,10 +277,8 @@ __global__ void cast_from_fp8_kernel(const uint8_t* __restrict__ x, int64_t n, b
       const uint8_t byte = static_cast<uint8_t>(word >> (8 * (j % 4)));
       pack.v[j] = from_float<OutT>(fp8_to_float<F>(byte) * scale_inv);
     }
-    reinterpret_cast<Pack8<OutT>*>(out)[v] = pack;
-  }
-  for (int64_t i = n_vec * kVec + tid; i < n; i += stride)
-    out[i] = from_float<OutT>(fp8_to_float<F>(x[i]) * scale_inv);
+    outv[v] = pack;
+  });
 }
 
 // Calls fn with a null pointer of the C++ type of t (float, __nv_bfloat16 or __half).
@@ -160,9 +297,10 @@ cudaError_t launch_amax(const void* x, HpType x_type, int64_t n, float* amax, cu
   if (n == 0) return cudaSuccess;
   with_hp_type(x_type, [&](auto* tag) {
     using InT = std::remove_pointer_t<decltype(tag)>;
-    const bool vec_ok = aligned(x, sizeof(Pack8<InT>));
-    amax_kernel<InT><<<grid_for(vec_ok ? n / kVec + 1 : n), kThreads, 0, stream>>>(
-        static_cast<const InT*>(x), n, vec_ok, amax);
+    const int64_t head = elements_to_alignment(x, sizeof(InT), sizeof(Pack8<InT>));
+    const Split s = split(n, head, head);
+    const int grid = grid_for(s.n_vec > 0 ? s.n_vec / unroll_for<Pack8<InT>>() + 1 : n);
+    amax_kernel<InT><<<grid, kThreads, 0, stream>>>(static_cast<const InT*>(x), n, s, amax);
   });
   return cudaGetLastError();
 }
@@ -172,13 +310,14 @@ cudaError_t launch_cast(const void* x, HpType x_type, int64_t n, const float* sc
   if (n == 0) return cudaSuccess;
   with_hp_type(x_type, [&](auto* tag) {
     using InT = std::remove_pointer_t<decltype(tag)>;
-    const bool vec_ok = aligned(x, sizeof(Pack8<InT>)) && aligned(out, 8);
-    const int grid = grid_for(vec_ok ? n / kVec + 1 : n);
+    const Split s = split(n, elements_to_alignment(x, sizeof(InT), sizeof(Pack8<InT>)),
+                          elements_to_alignment(out, 1, sizeof(uint2)));
+    const int grid = grid_for(s.n_vec > 0 ? s.n_vec / unroll_for<Pack8<InT>>() + 1 : n);
     const InT* xt = static_cast<const InT*>(x);
     if (fmt == Fp8Format::E4M3)
-      cast_kernel<InT, Fp8Format::E4M3><<<grid, kThreads, 0, stream>>>(xt, n, vec_ok, scale, out, amax);
+      cast_kernel<InT, Fp8Format::E4M3><<<grid, kThreads, 0, stream>>>(xt, n, s, scale, out, amax);
     else
-      cast_kernel<InT, Fp8Format::E5M2><<<grid, kThreads, 0, stream>>>(xt, n, vec_ok, scale, out, amax);
+      cast_kernel<InT, Fp8Format::E5M2><<<grid, kThreads, 0, stream>>>(xt, n, s, scale, out, amax);
   });
   return cudaGetLastError();
 }
@@ -191,15 +330,17 @@ cudaError_t launch_cast_transpose(const void* x, HpType x_type, int64_t rows, in
                   static_cast<unsigned>((cols + kTile - 1) / kTile));
   with_hp_type(x_type, [&](auto* tag) {
     using InT = std::remove_pointer_t<decltype(tag)>;
-    const bool vec_ok = rows % kVec == 0 && cols % kVec == 0 &&
-                        aligned(x, sizeof(Pack8<InT>)) && aligned(out, 8) && aligned(out_t, 8);
+    // Every row of x and out starts aligned iff cols % 8 == 0 and the bases are; every out_t
+    // row (16-byte stores of 16 rows) iff rows % 16 == 0 and out_t is.
+    const bool row_vec = cols % kVec == 0 && aligned(x, sizeof(Pack8<InT>)) && aligned(out, 8);
+    const bool col_vec = rows % kColRows == 0 && aligned(out_t, 16);
     const InT* xt = static_cast<const InT*>(x);
     if (fmt == Fp8Format::E4M3)
       cast_transpose_kernel<InT, Fp8Format::E4M3><<<grid, kThreads, 0, stream>>>(
-          xt, rows, cols, vec_ok, scale, out, out_t, amax);
+          xt, rows, cols, row_vec, col_vec, scale, out, out_t, amax);
     else
       cast_transpose_kernel<InT, Fp8Format::E5M2><<<grid, kThreads, 0, stream>>>(
-          xt, rows, cols, vec_ok, scale, out, out_t, amax);
+          xt, rows, cols, row_vec, col_vec, scale, out, out_t, amax);
   });
   return cudaGetLastError();
 }
@@ -210,13 +351,14 @@ cudaError_t launch_cast_from_fp8(const uint8_t* x, Fp8Format fmt, int64_t n,
   if (n == 0) return cudaSuccess;
   with_hp_type(out_type, [&](auto* tag) {
     using OutT = std::remove_pointer_t<decltype(tag)>;
-    const bool vec_ok = aligned(x, 8) && aligned(out, sizeof(Pack8<OutT>));
-    const int grid = grid_for(vec_ok ? n / kVec + 1 : n);
+    const Split s = split(n, elements_to_alignment(x, 1, sizeof(uint2)),
+                          elements_to_alignment(out, sizeof(OutT), sizeof(Pack8<OutT>)));
+    const int grid = grid_for(s.n_vec > 0 ? s.n_vec / unroll_for<uint2>() + 1 : n);
     OutT* o = static_cast<OutT*>(out);
     if (fmt == Fp8Format::E4M3)
-      cast_from_fp8_kernel<OutT, Fp8Format::E4M3><<<grid, kThreads, 0, stream>>>(x, n, vec_ok, scale_inv, o);
+      cast_from_fp8_kernel<OutT, Fp8Format::E4M3><<<grid, kThreads, 0, stream>>>(x, n, s, scale_inv, o);
     else
-      cast_from_fp8_kernel<OutT, Fp8Format::E5M2><<<grid, kThreads, 0, stream>>>(x, n, vec_ok, scale_inv, o);
+      cast_from_fp8_kernel<OutT, Fp8Format::E5M2><<<grid, kThreads, 0, stream>>>(x, n, s, scale_inv, o);
   });
   return cudaGetLastError();
 }

@@ -51,9 +51,9 @@ std::tuple<at::Tensor, at::Tensor> cast_transpose_to_fp8_cuda(
   check_cuda_tensor(x, "x");
   TORCH_CHECK(x.dim() == 2, "transformer_fp8: argument 'x' of cast_transpose_to_fp8 must be "
               "2-D, got ", describe(x));
-  // Column tiles of 64 run along gridDim.y, which holds at most 65535 blocks.
-  TORCH_CHECK(x.size(1) <= 65535LL * 64, "transformer_fp8: argument 'x' of "
-              "cast_transpose_to_fp8 may have at most 4194240 columns, got ", describe(x));
+  // Column tiles of 128 run along gridDim.y, which holds at most 65535 blocks.
+  TORCH_CHECK(x.size(1) <= 65535LL * 128, "transformer_fp8: argument 'x' of "
+              "cast_transpose_to_fp8 may have at most 8388480 columns, got ", describe(x));
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
   const int64_t rows = x.size(0), cols = x.size(1);

@@ -7,6 +7,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "../fp8_common.h"
@@ -112,14 +113,20 @@ __device__ __forceinline__ void commit_amax(float* amax, float local) {
   if (threadIdx.x == 0) atomic_amax(amax, block_max);
 }
 
-// Multiprocessors of the current device (cudaDeviceGetAttribute is a cheap query).
+// Multiprocessors of the current device, queried once per device and cached (a race between
+// two first calls only stores the same value twice).
 inline int multiprocessor_count() {
+  constexpr int kMaxCached = 64;
+  static std::atomic<int> cached[kMaxCached];  // zero: not queried yet
   int device = 0, count = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+  if (cudaGetDevice(&device) != cudaSuccess) return 132;
+  if (device < kMaxCached && (count = cached[device].load(std::memory_order_relaxed)) > 0)
+    return count;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
       count <= 0) {
     return 132;
   }
+  if (device < kMaxCached) cached[device].store(count, std::memory_order_relaxed);
   return count;
 }
 
