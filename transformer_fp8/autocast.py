@@ -72,7 +72,7 @@ class AmaxStep:
         by_device: dict[torch.device, list] = {}
         for t in tensors:
             by_device.setdefault(t[0].device, []).append(t)
-        for group in by_device.values():  # one launch per device (one device in the usual case)
+        for group in by_device.values():  # one launch per device and 640 tensors
             ops.update_delayed_scaling(
                 [t[0] for t in group], [t[1] for t in group], [t[2] for t in group],
                 [t[3] for t in group], margin=self.recipe.margin,
