@@ -377,3 +377,41 @@ def test_update_replays_in_a_cuda_graph(gen):
         run_op(eager, maxes)
         torch.cuda.synchronize()
         assert_states_equal(capture_input, eager)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("bad", ["amax_scalar", "amax_whole_window", "amax_not_tensor",
+                                 "scale_wrong_shape", "amax_raises_on_second"])
+def test_bad_callable_is_named_and_changes_no_state(device, gen, bad):
+    """A recipe callable returning the wrong shape (or failing) for any tensor gives an error
+    naming the argument, and no history, scale or scale_inv changes, not even of the tensors
+    before it in the list."""
+    states = [make_state(gen, 4, 2, "normal", history_specials=False, device=device)
+              for _ in range(3)]
+    before = clone_states(states, device)
+    calls = []
+
+    def algo(window):
+        calls.append(window)
+        if bad == "amax_scalar":
+            return window.amax()
+        if bad == "amax_whole_window":
+            return window
+        if bad == "amax_not_tensor":
+            return 1.0
+        if bad == "amax_raises_on_second" and len(calls) == 2:
+            raise RuntimeError("user algorithm failed")
+        return window.amax(dim=0)
+
+    def scale_algo(amax, scale, fp8_max, recipe):
+        return torch.ones(5) if bad == "scale_wrong_shape" else fp8_max / amax
+
+    expected = {"amax_scalar": (ValueError, "amax_compute_algo must return"),
+                "amax_whole_window": (ValueError, "amax_compute_algo must return"),
+                "amax_not_tensor": (TypeError, "amax_compute_algo must return"),
+                "scale_wrong_shape": (ValueError, "scaling_factor_compute_algo must return"),
+                "amax_raises_on_second": (RuntimeError, "user algorithm failed")}[bad]
+    with pytest.raises(expected[0], match=expected[1]):
+        run_op(states, [448.0] * 3, amax_compute_algo=algo,
+               scaling_factor_compute_algo=scale_algo)
+    assert_states_equal(states, before)

@@ -306,6 +306,30 @@ def test_meta_device_init_then_reset_gives_fresh_state(gen):
     assert not layer.fp8_fwd_amax_history.any()
 
 
+@pytest.mark.parametrize("build", ["tfp8_linear", "convert_to_fp8"])
+def test_meta_device_init_without_reset_gives_valid_state(gen, device, build):
+    """The FSDP2 / large-model pattern: build on "meta", to_empty(), initialise the weights by
+    hand (no reset_parameters()). The FP8 state must be fresh, not uninitialised memory."""
+    if build == "tfp8_linear":
+        model = torch.nn.Sequential(tfp8.Linear(64, 32, device="meta"))
+    else:
+        model = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(64, 32, device="meta")))
+    model.to_empty(device=device)
+    layer = model[0]
+    with torch.no_grad():
+        layer.weight.copy_(randn(gen, 32, 64, device=device) / 8)
+        layer.bias.copy_(randn(gen, 32, device=device))
+    assert torch.equal(layer.fp8_fwd_scale.cpu(), torch.ones(2))
+    assert torch.equal(layer.fp8_bwd_scale_inv.cpu(), torch.ones(1))
+    assert not layer.fp8_fwd_amax_history.any() and not layer.fp8_bwd_amax_history.any()
+    assert torch.equal(layer.fp8_recipe_fields.cpu(), torch.full((4,), -1))
+    x = randn(gen, 16, 64, device=device)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        out = model(x)
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert sqnr(ref, out) > 20
+
+
 def test_double_backward_is_refused(gen):
     layer, _ = make_pair(gen, 32, 16, "cpu")
     x = randn(gen, 8, 32).requires_grad_(True)

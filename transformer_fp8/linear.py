@@ -206,6 +206,7 @@ class Linear(torch.nn.Linear):
     def _apply(self, fn, recurse=True):
         # Device moves apply to the FP8 state; dtype casts (.half(), .to(torch.bfloat16)) do
         # not: the operators need float32 scales and histories.
+        was_meta = self.fp8_fwd_scale.is_meta
         order = list(self._buffers)
         fp8_state = {name: self._buffers.pop(name) for name in FP8_FLOAT_STATE}
         try:
@@ -220,6 +221,10 @@ class Linear(torch.nn.Linear):
                 buffer.to(device=moved.device)
         self._weight_cache = None
         self._delayed_cast_cache = None  # views of the old buffers
+        if was_meta and not self.fp8_fwd_scale.is_meta:
+            # Out of "meta" (to_empty, the FSDP2 / large-model pattern): the new buffers hold
+            # uninitialised memory and nobody may call reset_parameters(): start a fresh state.
+            self.reset_fp8_state()
         return self
 
     def _adopt_recipe(self, recipe: DelayedScaling) -> None:

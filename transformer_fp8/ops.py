@@ -98,11 +98,18 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
         raise TypeError("scaling_factor_compute_algo must be None or a callable, "
                         f"got {type(scaling_factor_compute_algo).__name__}")
     # The callable path is the pure-torch reference itself, with the operator's checks.
-    from .reference import check_delayed_scaling_lists, update_delayed_scaling_reference
+    # Every result is computed before any state is written: a callable that fails or returns
+    # the wrong shape for one tensor leaves every state as it was.
+    from .reference import check_delayed_scaling_lists, delayed_scaling_result
     check_delayed_scaling_lists(histories, scales, scale_invs, maxes)
-    for history, scale, scale_inv, fp8_max in zip(histories, scales, scale_invs, maxes):
-        update_delayed_scaling_reference(history, scale, scale_inv, fp8_max, margin,
-                                         amax_compute_algo, scaling_factor_compute_algo, recipe)
+    results = [delayed_scaling_result(history, scale, scale_inv, fp8_max, margin,
+                                      amax_compute_algo, scaling_factor_compute_algo, recipe)
+               for history, scale, scale_inv, fp8_max in zip(histories, scales, scale_invs,
+                                                             maxes)]
+    with torch.no_grad():
+        for state, result in zip(zip(histories, scales, scale_invs), results):
+            for old, new in zip(state, result):
+                old.copy_(new)
 
 
 def _check_margin(margin) -> int:

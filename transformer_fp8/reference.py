@@ -58,12 +58,27 @@ def update_delayed_scaling_reference(
         amax_compute_algo: Union[str, Callable[[torch.Tensor], torch.Tensor]] = "max",
         scaling_factor_compute_algo: Optional[Callable] = None, recipe=None) -> None:
     """One history [L, n] with its scale [n] and scale_inv [n], in place (see ops.py)."""
+    new_state = delayed_scaling_result(history, scale, scale_inv, fp8_max, margin,
+                                       amax_compute_algo, scaling_factor_compute_algo, recipe)
+    for old, new in zip((history, scale, scale_inv), new_state):
+        old.copy_(new)
+
+
+def delayed_scaling_result(
+        history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fp8_max: float,
+        margin: int = 0,
+        amax_compute_algo: Union[str, Callable[[torch.Tensor], torch.Tensor]] = "max",
+        scaling_factor_compute_algo: Optional[Callable] = None,
+        recipe=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (history, scale, scale_inv) that the update makes of one state, as new tensors: the
+    state itself is untouched, so a callable that fails or returns the wrong shape changes
+    nothing."""
     cur = history[0].clone()
     recorded = cur != 0  # NaN counts as recorded
     # The window: old rows 1..L-1 (oldest first) and this step's amax last.
     window = torch.cat([history[1:], cur[None]])
     if callable(amax_compute_algo):
-        amax = amax_compute_algo(window)
+        amax = _checked_result(amax_compute_algo(window), "amax_compute_algo", cur)
     elif amax_compute_algo == "max":
         amax = torch.where(torch.isfinite(window), window, float("-inf")).amax(dim=0)
     elif amax_compute_algo == "most_recent":
@@ -72,14 +87,28 @@ def update_delayed_scaling_reference(
         raise ValueError(f"amax_compute_algo must be 'max', 'most_recent' or a callable, "
                          f"got {amax_compute_algo!r}")
     if scaling_factor_compute_algo is not None:
-        new_scale = scaling_factor_compute_algo(amax, scale, fp8_max, recipe).to(scale.dtype)
+        new_scale = _checked_result(
+            scaling_factor_compute_algo(amax.clone(), scale.clone(), fp8_max, recipe),
+            "scaling_factor_compute_algo", scale).to(scale.dtype)
     else:
         usable = torch.isfinite(amax) & (amax > 0)
         new_scale = torch.where(usable, scale_from_amax_reference(amax, fp8_max, margin), scale)
     rolled = torch.cat([torch.zeros_like(cur)[None], window[1:]])
-    history.copy_(torch.where(recorded, rolled, history))
-    scale.copy_(torch.where(recorded, new_scale, scale))
-    scale_inv.copy_(torch.where(recorded, 1.0 / scale, scale_inv))
+    new_scale = torch.where(recorded, new_scale, scale)
+    return (torch.where(recorded, rolled, history), new_scale,
+            torch.where(recorded, 1.0 / new_scale, scale_inv))
+
+
+def _checked_result(result, name: str, like: torch.Tensor) -> torch.Tensor:
+    """A recipe callable's result must be a floating tensor of the state's shape [n]."""
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"{name} must return a torch.Tensor of shape {list(like.shape)}, "
+                        f"got {type(result).__name__}")
+    if result.shape != like.shape or not result.is_floating_point():
+        raise ValueError(f"{name} must return a floating tensor of shape {list(like.shape)} "
+                         f"(one value per column of the amax history), got {result.dtype} of "
+                         f"shape {list(result.shape)}")
+    return result.to(like.device)
 
 
 def fp8_gemm_reference(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
