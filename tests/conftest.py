@@ -17,8 +17,15 @@ import os
 import random
 import zlib
 
-import pytest
-import torch
+# The bit-for-bit resume tests repeat CPU float32 matmuls (MKL) and compare the results. MKL
+# picks its thread count from the machine's load unless told not to, and without its
+# reproducibility mode the summation order may also depend on memory alignment: ask for a fixed
+# count and for reproducible results. Set before torch (and MKL) are loaded.
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 

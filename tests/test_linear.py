@@ -414,3 +414,58 @@ def test_replaced_fp8_state_is_the_one_used(gen, device, replace):
     assert layer.fp8_fwd_amax_history is new_history
     assert torch.equal(new_history[-1].cpu(),
                        torch.stack([x.abs().max(), layer.weight.abs().max()]).float().cpu())
+
+
+def test_dtype_and_params_dtype_arguments():
+    """nn.Linear's signature (in, out, bias, device, dtype) and Transformer Engine's params_dtype
+    both work; conflicting or misplaced arguments are refused with the argument named."""
+    assert tfp8.Linear(32, 16, dtype=torch.bfloat16).weight.dtype == torch.bfloat16
+    assert tfp8.Linear(32, 16, params_dtype=torch.bfloat16).weight.dtype == torch.bfloat16
+    assert tfp8.Linear(32, 16, True, "cpu", torch.float16).weight.dtype == torch.float16
+    assert tfp8.Linear(32, 16, dtype=torch.half, params_dtype=torch.half).bias.dtype == torch.half
+    with pytest.raises(ValueError, match="'dtype' .* and 'params_dtype' .* must agree"):
+        tfp8.Linear(32, 16, dtype=torch.bfloat16, params_dtype=torch.float16)
+    with pytest.raises(TypeError, match="argument 'device' must be a device"):
+        tfp8.Linear(32, 16, True, torch.bfloat16)
+    # The FP8 state stays float32 whatever the parameters' dtype.
+    assert tfp8.Linear(32, 16, dtype=torch.bfloat16).fp8_fwd_scale.dtype == torch.float32
+
+
+def test_dtype_mismatch_is_refused_as_nn_linear_does(gen):
+    """bf16 input, float32 weight, no torch.autocast: nn.Linear raises, and so must the FP8
+    path (it must not silently cast). Under torch.autocast the mismatch is fine."""
+    layer, ref = make_pair(gen, 32, 16, "cpu")
+    x = randn(gen, 8, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        ref(x)
+    history = layer.fp8_fwd_amax_history.clone()
+    with pytest.raises(RuntimeError, match="input dtype torch.bfloat16 differs from the weight"):
+        with fp8_autocast(fp8_recipe=RECIPE):
+            layer(x)
+    assert torch.equal(layer.fp8_fwd_amax_history, history), "a refused call records nothing"
+    with torch.autocast("cpu", dtype=torch.bfloat16), fp8_autocast(fp8_recipe=RECIPE):
+        assert layer(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("build", ["linear", "convert_to_fp8"])
+def test_layers_built_for_a_recipe_have_its_state_shapes(build):
+    """A layer built for a recipe has its final FP8 state shapes and recipe record at once, so
+    a checkpoint of trained layers loads into freshly built ones (torch.distributed.checkpoint
+    needs equal shapes; see test_dcp.py)."""
+    recipe = DelayedScaling(amax_history_len=16, margin=2)
+    if build == "linear":
+        layer = tfp8.Linear(32, 16, recipe=recipe)
+    else:
+        layer = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 16)),
+                                    recipe=recipe)[0]
+    assert layer.fp8_fwd_amax_history.shape == (16, 2)
+    assert layer.fp8_bwd_amax_history.shape == (16, 1)
+    assert layer.fp8_recipe_fields.tolist()[:3] == [2, 2, 16]  # margin, HYBRID, length
+    trained = tfp8.Linear(32, 16)
+    x = torch.randn(8, 32, requires_grad=True)
+    with fp8_autocast(fp8_recipe=recipe):
+        trained(x).sum().backward()
+    assert {k: v.shape for k, v in trained.state_dict().items()} == \
+        {k: v.shape for k, v in layer.state_dict().items()}
+    with pytest.raises(TypeError, match="recipe must be None, a DelayedScaling"):
+        tfp8.Linear(32, 16, recipe="delayed")

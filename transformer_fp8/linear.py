@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import autocast as _autocast
 from . import ops
-from .recipe import DelayedScaling, Float8CurrentScaling, Format
+from .recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 INPUT, WEIGHT = 0, 1  # columns of the forward state
 FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
@@ -145,6 +145,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_inp, grad_weight, grad_bias, None
 
 
+def _history_len_for(recipe) -> int:
+    """The amax history length a layer built for ``recipe`` starts with: the recipe's own for
+    DelayedScaling, so that its state_dict has its final shapes from the start (a checkpoint of
+    trained layers loads into freshly built ones, e.g. with torch.distributed.checkpoint)."""
+    if recipe is None or isinstance(recipe, Float8CurrentScaling):
+        return _DEFAULT_HISTORY_LEN
+    if isinstance(recipe, DelayedScaling):
+        return recipe.amax_history_len
+    raise TypeError("recipe must be None, a DelayedScaling or a Float8CurrentScaling, got "
+                    f"{type(recipe).__name__}")
+
+
 class Linear(torch.nn.Linear):
     """Drop-in for torch.nn.Linear (same parameters, initialisation and state_dict keys, plus the
     FP8 state). Outside fp8_autocast, or with enabled=False, it computes what nn.Linear does.
@@ -153,12 +165,27 @@ class Linear(torch.nn.Linear):
     cuBLASLt FP8 GEMM; backward casts grad_output (E5M2 with HYBRID) and runs dgrad and wgrad in
     FP8. Any number of rows works. Layers whose in_features or out_features is not a multiple of
     16, and float64 inputs, run in high precision (with a one-time warning).
+
+    Arguments as torch.nn.Linear's (in_features, out_features, bias, device, dtype), plus
+    params_dtype (Transformer Engine's name for dtype) and recipe: the recipe the layer will
+    train with, which sizes its amax histories now rather than at the first FP8 forward.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 params_dtype: Optional[torch.dtype] = None, device=None):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=params_dtype)
-        self._register_fp8_state(self.weight.device)
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype: Optional[torch.dtype] = None, *,
+                 params_dtype: Optional[torch.dtype] = None, recipe: Optional[Recipe] = None):
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"Linear: argument 'device' must be a device, got the dtype {device} "
+                            "(the fourth argument is device, as in torch.nn.Linear; pass the "
+                            "dtype as dtype= or params_dtype=)")
+        if dtype is not None and params_dtype is not None and dtype != params_dtype:
+            raise ValueError(f"Linear: 'dtype' ({dtype}) and 'params_dtype' ({params_dtype}) are "
+                             "two names for the parameters' dtype and must agree; pass one")
+        super().__init__(in_features, out_features, bias=bias, device=device,
+                         dtype=dtype if dtype is not None else params_dtype)
+        self._register_fp8_state(self.weight.device, _history_len_for(recipe))
+        if isinstance(recipe, DelayedScaling):
+            self._adopt_recipe(recipe)
 
     # ---- FP8 state ---------------------------------------------------------------------------
 
@@ -284,6 +311,12 @@ class Linear(torch.nn.Linear):
         state = _autocast.current_state()
         if state is None or not state.enabled:
             return F.linear(inp, self.weight, self.bias)
+        if inp.dtype != self.weight.dtype and not torch.is_autocast_enabled(inp.device.type):
+            # torch.nn.Linear refuses this (F.linear: "expected m1 and m2 to have the same
+            # dtype"); the FP8 path would accept it silently.
+            raise RuntimeError(f"Linear: input dtype {inp.dtype} differs from the weight's "
+                               f"{self.weight.dtype}, which torch.nn.Linear refuses too; cast "
+                               "the input or the module, or run under torch.autocast")
         if (self.in_features % _ALIGN or self.out_features % _ALIGN
                 or inp.dtype not in _FP8_INPUT_DTYPES):
             self._warn_high_precision(inp.dtype)
@@ -367,18 +400,23 @@ def _default_filter(module: torch.nn.Linear, name: str) -> bool:
     return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
 
 
-def convert_to_fp8(module: torch.nn.Module, filter_fn=None) -> torch.nn.Module:
+def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
+                   recipe: Optional[Recipe] = None) -> torch.nn.Module:
     """Turn, in place, every torch.nn.Linear in ``module`` into a transformer_fp8.Linear.
 
     The layers stay the same objects (their class changes and they gain the FP8 state), so
     Parameters, hooks, attributes and shared uses are all kept, and optimizers and DDP see no
     change. Subclasses of nn.Linear are left alone. filter_fn(linear, fully_qualified_name) ->
     bool chooses which layers; by default those whose in_features and out_features are
-    multiples of 16. Returns ``module``.
+    multiples of 16. recipe: the recipe the layers will train with, so that their FP8 state has
+    its final shapes from the start (see Linear). Returns ``module``.
     """
     filter_fn = filter_fn or _default_filter
+    history_len = _history_len_for(recipe)
     for name, child in module.named_modules():
         if type(child) is torch.nn.Linear and filter_fn(child, name):
             child.__class__ = Linear
-            child._register_fp8_state(child.weight.device)
+            child._register_fp8_state(child.weight.device, history_len)
+            if isinstance(recipe, DelayedScaling):
+                child._adopt_recipe(recipe)
     return module
