@@ -1,7 +1,11 @@
 """convert_to_fp8: in-place replacement keeping the very same Parameters."""
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
+from conftest import sqnr
 
 import transformer_fp8 as tfp8
 
@@ -89,3 +93,56 @@ def test_subclasses_are_left_alone():
     model = torch.nn.Sequential(MyLinear(32, 32))
     tfp8.convert_to_fp8(model)
     assert type(model[0]) is MyLinear
+
+
+class Conv1D(torch.nn.Module):
+    """transformers.pytorch_utils.Conv1D as GPT-2 uses it (transformers is not a dependency):
+    y = x @ weight + bias, weight [nx, nf]."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = torch.nn.Parameter(torch.empty(nx, nf))
+        self.bias = torch.nn.Parameter(torch.zeros(nf))
+        torch.nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+def test_transformers_conv1d_is_converted_and_trains_in_fp8():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Conv1D(96, 32), torch.nn.GELU(), Conv1D(32, 96))
+    reference = copy.deepcopy(model)
+    weight = model[0].weight
+    x = torch.randn(2, 8, 32)
+    summary = tfp8.convert_to_fp8(model, return_summary=True)
+    assert summary.converted == ["0", "2"] and not summary.skipped
+    assert type(model[0]) is tfp8.Conv1D and model[0].weight is weight
+    assert model[0].weight.shape == (32, 96), "the Parameter keeps transformers' layout"
+    assert model.state_dict().keys() >= reference.state_dict().keys()
+    assert torch.equal(model(x), reference(x)), "outside fp8_autocast: Conv1D's own forward"
+    with tfp8.fp8_autocast(fp8_recipe=tfp8.DelayedScaling()):
+        out = model(x)
+    out.square().sum().backward()
+    reference(x).square().sum().backward()
+    assert sqnr(reference(x), out) > 20
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.grad.shape == q.grad.shape and sqnr(q.grad, p.grad) > 15
+    assert model[0].fp8_fwd_amax_history[-1].all(), "the layer ran in FP8 and recorded amaxes"
+
+
+def test_skipped_layers_are_reported_with_reasons():
+    model = torch.nn.Sequential(Block(), Conv1D(10, 64), torch.nn.MultiheadAttention(32, 2))
+    with pytest.warns(UserWarning) as record:
+        summary = tfp8.convert_to_fp8(model, return_summary=True)
+    message = str(record[0].message)
+    assert "converted 2 of 5 linear layers" in message
+    assert set(summary.skipped) == {"0.head", "1", "2.out_proj"}
+    assert "in_features 64 and out_features 10 must be multiples of 16" in summary.skipped["0.head"]
+    assert "subclass of torch.nn.Linear" in summary.skipped["2.out_proj"]
+    assert type(model[1]) is Conv1D and not hasattr(model[1], "in_features"), "left as it was"
+    with pytest.warns(UserWarning, match="converted 0 of 1"):
+        tfp8.convert_to_fp8(torch.nn.Linear(8, 8))

@@ -5,7 +5,7 @@ initialises CUDA.
 """
 from . import ops, recipe
 from .autocast import fp8_autocast
-from .linear import Linear, convert_to_fp8, strip_fp8_state
+from .linear import Conv1D, ConversionSummary, Linear, convert_to_fp8, strip_fp8_state
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
 
 __version__ = "0.1.0"
@@ -24,5 +24,6 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["DelayedScaling", "Float8CurrentScaling", "Format", "Linear", "build_info",
-           "convert_to_fp8", "fp8_autocast", "ops", "recipe", "strip_fp8_state"]
+__all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "Float8CurrentScaling", "Format",
+           "Linear", "build_info", "convert_to_fp8", "fp8_autocast", "ops", "recipe",
+           "strip_fp8_state"]

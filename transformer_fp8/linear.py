@@ -187,6 +187,15 @@ class Linear(torch.nn.Linear):
         if isinstance(recipe, DelayedScaling):
             self._adopt_recipe(recipe)
 
+    def weight_nk(self) -> torch.Tensor:
+        """The weight as [out_features, in_features] (the Parameter itself here; a view in
+        Conv1D, which stores it transposed)."""
+        return self.weight
+
+    def _high_precision(self, inp: torch.Tensor) -> torch.Tensor:
+        """What the layer computes outside fp8_autocast: torch.nn.Linear's forward."""
+        return F.linear(inp, self.weight, self.bias)
+
     # ---- FP8 state ---------------------------------------------------------------------------
 
     def _register_fp8_state(self, device, history_len: int = _DEFAULT_HISTORY_LEN) -> None:
@@ -310,7 +319,7 @@ class Linear(torch.nn.Linear):
                              f"got {tuple(inp.shape)}")
         state = _autocast.current_state()
         if state is None or not state.enabled:
-            return F.linear(inp, self.weight, self.bias)
+            return self._high_precision(inp)
         if inp.dtype != self.weight.dtype and not torch.is_autocast_enabled(inp.device.type):
             # torch.nn.Linear refuses this (F.linear: "expected m1 and m2 to have the same
             # dtype"); the FP8 path would accept it silently.
@@ -320,7 +329,7 @@ class Linear(torch.nn.Linear):
         if (self.in_features % _ALIGN or self.out_features % _ALIGN
                 or inp.dtype not in _FP8_INPUT_DTYPES):
             self._warn_high_precision(inp.dtype)
-            return F.linear(inp, self.weight, self.bias)
+            return self._high_precision(inp)
         return self._fp8_forward(inp, state, is_first_microbatch)
 
     def _warn_high_precision(self, dtype) -> None:
@@ -354,7 +363,7 @@ class Linear(torch.nn.Linear):
         plan = _Fp8Plan(input_cast, weight_cast, grad_cast,
                         self._weight_for_step(weight_cast, is_first_microbatch), backward_step,
                         out_dtype)
-        return _Fp8LinearFunction.apply(inp, self.weight, self.bias, plan)
+        return _Fp8LinearFunction.apply(inp, self.weight_nk(), self.bias, plan)
 
     def _delayed_casts(self, fmt: Format) -> tuple:
         """The (input, weight, grad_output) casts of delayed scaling: views of this layer's
@@ -383,7 +392,7 @@ class Linear(torch.nn.Linear):
             return None
         if is_first_microbatch or self._weight_cache is None:
             with torch.no_grad():
-                self._weight_cache = weight_cast.cast(self.weight, with_transpose=True)
+                self._weight_cache = weight_cast.cast(self.weight_nk(), with_transpose=True)
         return self._weight_cache
 
     def extra_repr(self) -> str:
@@ -396,27 +405,114 @@ def strip_fp8_state(state_dict: dict) -> dict:
     return {k: v for k, v in state_dict.items() if k.rsplit(".", 1)[-1] not in FP8_STATE_KEYS}
 
 
+class Conv1D(Linear):
+    """The FP8 form of HuggingFace transformers' Conv1D (GPT-2 and relatives): a Linear whose
+    weight Parameter is stored transposed, [in_features, out_features], so that checkpoints,
+    Parameters and optimizers stay as they were. Made by convert_to_fp8 only. (nf and nx,
+    Conv1D's names for out_features and in_features, are kept.)"""
+
+    def weight_nk(self) -> torch.Tensor:
+        return self.weight.t()
+
+    def _high_precision(self, inp: torch.Tensor) -> torch.Tensor:
+        # transformers' Conv1D.forward, operation for operation.
+        out_shape = inp.shape[:-1] + (self.out_features,)
+        flat = inp.reshape(-1, inp.shape[-1])
+        out = flat @ self.weight if self.bias is None else torch.addmm(self.bias, flat,
+                                                                       self.weight)
+        return out.view(out_shape)
+
+    def reset_parameters(self) -> None:
+        # transformers' Conv1D initialisation: normal(std=0.02) weight, zero bias.
+        torch.nn.init.normal_(self.weight, std=0.02)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
+        if hasattr(self, "fp8_recipe_fields"):
+            self.reset_fp8_state()
+
+    def extra_repr(self) -> str:
+        return f"nf={self.out_features}, nx={self.in_features}, fp8=True"
+
+
+def _is_transformers_conv1d(module: torch.nn.Module) -> bool:
+    """transformers.pytorch_utils.Conv1D, recognised by shape (no import of transformers):
+    y = x @ weight + bias with weight [nx, nf]."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, torch.nn.Parameter)
+            and weight.dim() == 2 and tuple(weight.shape) == (getattr(module, "nx", None),
+                                                              getattr(module, "nf", None)))
+
+
 def _default_filter(module: torch.nn.Linear, name: str) -> bool:
     return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
 
 
+@dataclass
+class ConversionSummary:
+    """What convert_to_fp8 did: the qualified names converted, and those skipped with why."""
+
+    converted: list
+    skipped: dict  # name -> reason
+
+    def __str__(self) -> str:
+        total = len(self.converted) + len(self.skipped)
+        lines = [f"convert_to_fp8: converted {len(self.converted)} of {total} linear layers"]
+        lines += [f"  skipped {name or '(the module itself)'}: {reason}"
+                  for name, reason in self.skipped.items()]
+        return "\n".join(lines)
+
+
 def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
-                   recipe: Optional[Recipe] = None) -> torch.nn.Module:
-    """Turn, in place, every torch.nn.Linear in ``module`` into a transformer_fp8.Linear.
+                   recipe: Optional[Recipe] = None, return_summary: bool = False):
+    """Turn, in place, every torch.nn.Linear in ``module`` into a transformer_fp8.Linear, and
+    every HuggingFace transformers Conv1D (GPT-2's transposed linear layer) into a
+    transformer_fp8.Conv1D.
 
     The layers stay the same objects (their class changes and they gain the FP8 state), so
     Parameters, hooks, attributes and shared uses are all kept, and optimizers and DDP see no
-    change. Subclasses of nn.Linear are left alone. filter_fn(linear, fully_qualified_name) ->
+    change. Subclasses of nn.Linear are left alone (they may use their weight in their own
+    way, as nn.MultiheadAttention's out_proj does). filter_fn(layer, fully_qualified_name) ->
     bool chooses which layers; by default those whose in_features and out_features are
     multiples of 16. recipe: the recipe the layers will train with, so that their FP8 state has
-    its final shapes from the start (see Linear). Returns ``module``.
+    its final shapes from the start (see Linear).
+
+    Returns ``module``, or with return_summary=True a ConversionSummary. Layers left in high
+    precision are reported in one warning, with the reason for each.
     """
     filter_fn = filter_fn or _default_filter
     history_len = _history_len_for(recipe)
+    summary = ConversionSummary([], {})
     for name, child in module.named_modules():
-        if type(child) is torch.nn.Linear and filter_fn(child, name):
-            child.__class__ = Linear
-            child._register_fp8_state(child.weight.device, history_len)
-            if isinstance(recipe, DelayedScaling):
-                child._adopt_recipe(recipe)
-    return module
+        if isinstance(child, Linear):
+            summary.converted.append(name)  # converted before
+            continue
+        if _is_transformers_conv1d(child):
+            child.in_features, child.out_features = child.nx, child.nf  # as Linear names them
+            new_class = Conv1D
+        elif type(child) is torch.nn.Linear:
+            new_class = Linear
+        else:
+            if isinstance(child, torch.nn.Linear):
+                summary.skipped[name] = (f"{type(child).__name__} is a subclass of "
+                                         "torch.nn.Linear, which may use its weight its own way")
+            continue
+        if not filter_fn(child, name):
+            summary.skipped[name] = _skip_reason(child, filter_fn)
+            if new_class is Conv1D:
+                del child.in_features, child.out_features  # leave it as it was
+            continue
+        child.__class__ = new_class
+        child._register_fp8_state(child.weight.device, history_len)
+        if isinstance(recipe, DelayedScaling):
+            child._adopt_recipe(recipe)
+        summary.converted.append(name)
+    if summary.skipped or not summary.converted:
+        warnings.warn(str(summary), stacklevel=2)
+    return summary if return_summary else module
+
+
+def _skip_reason(layer, filter_fn) -> str:
+    if filter_fn is _default_filter:
+        return (f"in_features {layer.in_features} and out_features {layer.out_features} must be "
+                f"multiples of {_ALIGN} for FP8 GEMMs")
+    return "filter_fn returned False"
