@@ -13,6 +13,7 @@ modules' creation order, which is the same on every rank that built the same mod
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -116,9 +117,17 @@ class _ThreadAutocast(threading.local):
         self.stack: list[AutocastState] = []
         self.forward_steps: dict = {}
         self.backward_steps: dict = {}
+        self.pass_id = 0  # of the outermost context last entered (see forward_pass_id)
 
 
 _LOCAL = _ThreadAutocast()
+_pass_ids = itertools.count(1)
+
+
+def forward_pass_id() -> int:
+    """A number that identifies this thread's current (or last) outermost fp8_autocast, unique
+    across threads and increasing with time: the forward pass a module runs in."""
+    return _LOCAL.pass_id
 
 
 def _key(state: AutocastState):
@@ -179,6 +188,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
         raise TypeError("fp8_group must be None or a torch.distributed.ProcessGroup, got "
                         f"{type(fp8_group).__name__}")
     outermost = not _LOCAL.stack
+    if outermost:
+        _LOCAL.pass_id = next(_pass_ids)
     _LOCAL.stack.append(AutocastState(enabled, fp8_recipe, fp8_group))
     failed = False
     try:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import autocast as _autocast
-from . import ops
+from . import checkpointing, ops
 from .recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 INPUT, WEIGHT = 0, 1  # columns of the forward state
@@ -46,10 +46,12 @@ def _recipe_code(recipe: DelayedScaling) -> list[int]:
 class _Fp8Cast:
     """How one tensor role (input, weight, grad_output) is cast to FP8."""
 
-    def __init__(self, dtype, scale=None, scale_inv=None, amax_slot=None, group=None):
+    def __init__(self, dtype, scale=None, scale_inv=None, amax_slot=None, group=None,
+                 fixed=False):
         self.dtype = dtype
         self.scale, self.scale_inv, self.amax_slot = scale, scale_inv, amax_slot
         self.group = group
+        self.fixed = fixed
 
     @classmethod
     def delayed(cls, dtype, scale, scale_inv, amax_slot):
@@ -61,10 +63,18 @@ class _Fp8Cast:
         """The scale of the tensor's own amax, reduced across the group."""
         return cls(dtype, group=group)
 
+    @classmethod
+    def replay(cls, dtype, scale, scale_inv):
+        """Given scales that nothing else writes, recording no amax: the cast of an earlier
+        forward, repeated (activation checkpointing)."""
+        return cls(dtype, scale, scale_inv, fixed=True)
+
     def cast(self, x: torch.Tensor, with_transpose: bool = True):
-        """(x_fp8, x_t_fp8 or None, scale_inv used). The transpose is produced in the same pass,
-        only when a backward GEMM needs it."""
-        if self.scale is None:  # current scaling
+        """(x_fp8, x_t_fp8 or None, scale_inv used, scale used). The transpose is produced in
+        the same pass, only when a backward GEMM needs it."""
+        if self.fixed:
+            scale, scale_inv, amax_slot = self.scale, self.scale_inv, None
+        elif self.scale is None:  # current scaling
             amax = ops.amax(x)
             _autocast.all_reduce_max(amax, self.group)
             scale = ops.compute_scale_from_amax(amax.reshape(1), torch.finfo(self.dtype).max)
@@ -76,7 +86,7 @@ class _Fp8Cast:
             x_fp8, x_t_fp8 = ops.cast_transpose_to_fp8(x, scale, self.dtype, amax_slot)
         else:
             x_fp8, x_t_fp8 = ops.cast_to_fp8(x, scale, self.dtype, amax_slot), None
-        return x_fp8, x_t_fp8, scale_inv
+        return x_fp8, x_t_fp8, scale_inv, scale
 
 
 @dataclass
@@ -86,9 +96,11 @@ class _Fp8Plan:
     input_cast: _Fp8Cast
     weight_cast: _Fp8Cast
     grad_cast: _Fp8Cast
-    weight_fp8: Optional[tuple]  # cached (w_fp8, w_t_fp8, scale_inv), or None to cast now
+    weight_fp8: Optional[tuple]  # cached (w_fp8, w_t_fp8, scale_inv, scale), or None
     backward_step: Optional[_autocast.BackwardStep]  # None with current scaling
     out_dtype: torch.dtype
+    # Set by the forward: (input scale, input scale_inv, weight scale, weight scale_inv) used.
+    scales_used: Optional[tuple] = None
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +116,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         out_features, in_features = weight.shape
         inp_2d = inp.reshape(-1, in_features)
         # The transposed copies feed wgrad (input^T) and dgrad (weight^T): made only if needed.
-        x_fp8, x_t_fp8, x_scale_inv = plan.input_cast.cast(_pad_rows(inp_2d),
-                                                           with_transpose=needs_weight_grad)
-        w_fp8, w_t_fp8, w_scale_inv = (plan.weight_fp8 if plan.weight_fp8 is not None else
-                                       plan.weight_cast.cast(weight, needs_input_grad))
+        x_fp8, x_t_fp8, x_scale_inv, x_scale = plan.input_cast.cast(
+            _pad_rows(inp_2d), with_transpose=needs_weight_grad)
+        w_fp8, w_t_fp8, w_scale_inv, w_scale = (
+            plan.weight_fp8 if plan.weight_fp8 is not None else
+            plan.weight_cast.cast(weight, needs_input_grad))
+        plan.scales_used = (x_scale, x_scale_inv, w_scale, w_scale_inv)
         out = ops.fp8_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, plan.out_dtype,
                            bias=None if bias is None else bias.to(plan.out_dtype),
                            use_fast_accum=True)
@@ -129,8 +143,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if plan.backward_step is not None:
             plan.backward_step.on_backward()  # the update runs when this backward pass ends
         g_2d = grad_out.reshape(-1, ctx.out_features)
-        g_fp8, g_t_fp8, g_scale_inv = plan.grad_cast.cast(_pad_rows(g_2d),
-                                                          with_transpose=needs_weight_grad)
+        g_fp8, g_t_fp8, g_scale_inv, _ = plan.grad_cast.cast(_pad_rows(g_2d),
+                                                             with_transpose=needs_weight_grad)
         grad_inp = grad_weight = grad_bias = None
         if needs_input_grad:
             # dgrad [M, K] = grad_out [M, N] @ weight [N, K]; the b operand is weight^T [K, N]
@@ -213,6 +227,7 @@ class Linear(torch.nn.Linear):
         self._fp8_maxes = (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd)
         self._weight_cache = None
         self._delayed_cast_cache = None  # see _delayed_casts
+        self._replay_records = checkpointing.ReplayRecords()
         self._warned_high_precision = False
 
     def reset_fp8_state(self) -> None:
@@ -227,6 +242,7 @@ class Linear(torch.nn.Linear):
         self._recipe_code = None
         self._weight_cache = None
         self._delayed_cast_cache = None
+        self._replay_records.clear()
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -238,6 +254,13 @@ class Linear(torch.nn.Linear):
         super().__setstate__(state)
         self._fp8_index = next(_creation_index)
         self._delayed_cast_cache = None
+        self._replay_records = checkpointing.ReplayRecords()
+
+    def __getstate__(self):
+        # Replay records hold autograd bookkeeping of a step in flight: never copied or pickled.
+        state = dict(self.__dict__)
+        state["_replay_records"] = None
+        return state
 
     def _apply(self, fn, recurse=True):
         # Device moves apply to the FP8 state; dtype casts (.half(), .to(torch.bfloat16)) do
@@ -317,6 +340,8 @@ class Linear(torch.nn.Linear):
         if inp.shape[-1:] != (self.in_features,):
             raise ValueError(f"Linear: input must have shape [..., {self.in_features}], "
                              f"got {tuple(inp.shape)}")
+        if self._replay_records and checkpointing.phase() is checkpointing.Phase.RECOMPUTE:
+            return self._fp8_replay(inp)
         state = _autocast.current_state()
         if state is None or not state.enabled:
             return self._high_precision(inp)
@@ -363,7 +388,28 @@ class Linear(torch.nn.Linear):
         plan = _Fp8Plan(input_cast, weight_cast, grad_cast,
                         self._weight_for_step(weight_cast, is_first_microbatch), backward_step,
                         out_dtype)
-        return _Fp8LinearFunction.apply(inp, self.weight_nk(), self.bias, plan)
+        out = _Fp8LinearFunction.apply(inp, self.weight_nk(), self.bias, plan)
+        if (checkpointing.may_be_checkpointed()
+                and checkpointing.phase() is checkpointing.Phase.ORIGINAL):
+            self._keep_replay_record(plan, fmt)
+        return out
+
+    def _keep_replay_record(self, plan: _Fp8Plan, fmt: Format) -> None:
+        """This forward runs under torch.utils.checkpoint: keep what its recomputation needs to
+        repeat it exactly. The scales are copied: the delayed update changes them at the
+        context's exit, before the recomputation runs."""
+        x_scale, x_scale_inv, w_scale, w_scale_inv = plan.scales_used
+        self._replay_records.keep(_autocast.forward_pass_id(), _Fp8Plan(
+            _Fp8Cast.replay(fmt.fwd_dtype, x_scale.clone(), x_scale_inv),
+            _Fp8Cast.replay(fmt.fwd_dtype, w_scale.clone(), w_scale_inv),
+            plan.grad_cast, plan.weight_fp8, plan.backward_step, plan.out_dtype))
+
+    @torch.compiler.disable
+    def _fp8_replay(self, inp):
+        """The recomputation of a checkpointed FP8 forward: the same casts with the same
+        scales, no amax recorded; its backward casts and records grad_output as usual."""
+        return _Fp8LinearFunction.apply(inp, self.weight_nk(), self.bias,
+                                        self._replay_records.take())
 
     def _delayed_casts(self, fmt: Format) -> tuple:
         """The (input, weight, grad_output) casts of delayed scaling: views of this layer's

@@ -1,0 +1,84 @@
+"""Activation checkpointing (torch.utils.checkpoint, both modes) of FP8 layers.
+
+A checkpointed forward runs twice: once normally, and again during backward (the
+recomputation). By the time of the recomputation the fp8_autocast context has exited, the
+delayed scales have moved on, and the recomputation may even run outside any context. To give
+the same gradients as a run without checkpointing, the recomputation must repeat the original
+forward's FP8 casts exactly (same scales, same recipe) and record no amax a second time.
+
+So an FP8 layer whose forward runs under torch.utils.checkpoint keeps a replay record (the
+scales it used, its backward plan), and when the same layer runs inside a recomputation it
+takes a record and replays it: one of the oldest forward pass that has records left (forward
+passes are backpropagated in order, as in gradient accumulation and pipelines), and within that
+pass the latest (checkpointed regions are recomputed last first, which matters for a layer
+called more than once in a forward pass). The phases are told apart by the frames of
+torch/utils/checkpoint.py on the call stack: `CheckpointFunction.backward` (reentrant) and
+`recompute_fn` (non-reentrant) recompute; any other of its frames is an original forward.
+"""
+from __future__ import annotations
+
+import enum
+import sys
+
+import torch
+import torch.utils.checkpoint as _torch_checkpoint
+
+_CHECKPOINT_FILE = _torch_checkpoint.__file__
+_RECOMPUTE_FRAMES = frozenset({"backward", "recompute_fn"})
+_MAX_FRAMES = 200  # how far up the stack to look
+MAX_RECORDS_PER_LAYER = 1024  # replay records a layer keeps before dropping the oldest
+
+
+class Phase(enum.Enum):
+    NONE = 0  # not under torch.utils.checkpoint
+    ORIGINAL = 1  # the first forward of a checkpointed region
+    RECOMPUTE = 2  # its recomputation during backward
+
+
+def phase() -> Phase:
+    """Where the caller runs with respect to torch.utils.checkpoint (a walk up the stack)."""
+    frame, seen_checkpoint = sys._getframe(1), False
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        code = frame.f_code
+        if code.co_filename == _CHECKPOINT_FILE:
+            if code.co_name in _RECOMPUTE_FRAMES:
+                return Phase.RECOMPUTE
+            seen_checkpoint = True
+        frame = frame.f_back
+    return Phase.ORIGINAL if seen_checkpoint else Phase.NONE
+
+
+class ReplayRecords:
+    """One layer's replay records: (forward pass id, record) in the order they were kept."""
+
+    def __init__(self):
+        self._records: list = []
+
+    def __bool__(self) -> bool:
+        return bool(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def keep(self, pass_id: int, record) -> None:
+        if len(self._records) >= MAX_RECORDS_PER_LAYER:
+            del self._records[0]  # a forward whose backward never ran
+        self._records.append((pass_id, record))
+
+    def take(self):
+        """The record a recomputation replays (see the module docstring)."""
+        oldest = min(pass_id for pass_id, _ in self._records)
+        index = max(i for i, (pass_id, _) in enumerate(self._records) if pass_id == oldest)
+        return self._records.pop(index)[1]
+
+    def clear(self) -> None:
+        self._records.clear()
+
+
+def may_be_checkpointed() -> bool:
+    """Cheap pre-check before phase(): a checkpointed forward runs either with grad disabled
+    (reentrant) or under a saved-tensors hook (non-reentrant)."""
+    return (not torch.is_grad_enabled()
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
