@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import ops
+from . import checkpointing, ops
 from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 # What a module hands over for the update: () -> (history [L, n], scale [n], scale_inv [n], fp8_max)
@@ -90,7 +90,14 @@ class AmaxStep:
 class BackwardStep:
     """The grad_output states of the modules of one forward pass. The first FP8 backward of a
     backward pass queues the update for the end of that pass, so every backward pass (one per
-    microbatch, retain_graph, a frozen first layer...) is followed by exactly one update."""
+    microbatch, retain_graph, a frozen first layer...) is followed by exactly one update.
+
+    A reentrant activation checkpoint backpropagates its region in a nested backward pass; its
+    end is not the end of the step's backward (a layer called in two regions is still to run
+    its second backward), so the update waits: it runs at the next update of this step, or at
+    the next outermost fp8_autocast, or when a layer's state_dict is taken, whichever is first.
+    Until the next backward nothing reads the grad_output scales, so the numbers are the same.
+    """
 
     def __init__(self, recipe: DelayedScaling, group):
         self.step = AmaxStep(recipe, group)
@@ -106,7 +113,30 @@ class BackwardStep:
 
     def _finish(self) -> None:
         self._queued = False
+        if checkpointing.in_reentrant_backward():
+            with _PENDING_LOCK:
+                _PENDING_BACKWARD_STEPS[id(self)] = self
+            return
+        self.update()
+
+    def update(self) -> None:
+        with _PENDING_LOCK:
+            _PENDING_BACKWARD_STEPS.pop(id(self), None)
         self.step.reduce_and_update()
+
+
+# Backward updates held back at the end of a reentrant checkpoint's nested backward pass (they
+# may be recorded on autograd's worker threads, hence a lock rather than thread-local state).
+_PENDING_LOCK = threading.Lock()
+_PENDING_BACKWARD_STEPS: dict[int, BackwardStep] = {}
+
+
+def flush_pending_backward_updates() -> None:
+    """Run the backward updates held back (see BackwardStep), oldest first."""
+    with _PENDING_LOCK:
+        pending = list(_PENDING_BACKWARD_STEPS.values())
+    for step in pending:
+        step.update()
 
 
 class _ThreadAutocast(threading.local):
@@ -190,6 +220,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
     outermost = not _LOCAL.stack
     if outermost:
         _LOCAL.pass_id = next(_pass_ids)
+        if _PENDING_BACKWARD_STEPS:
+            flush_pending_backward_updates()
     _LOCAL.stack.append(AutocastState(enabled, fp8_recipe, fp8_group))
     failed = False
     try:

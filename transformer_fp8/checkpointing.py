@@ -77,6 +77,19 @@ class ReplayRecords:
         self._records.clear()
 
 
+def in_reentrant_backward() -> bool:
+    """Whether the caller runs inside the nested backward pass that a reentrant checkpoint
+    runs for its region (the frame of CheckpointFunction.backward is on the stack)."""
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename == _CHECKPOINT_FILE and frame.f_code.co_name == "backward":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def may_be_checkpointed() -> bool:
     """Cheap pre-check before phase(): a checkpointed forward runs either with grad disabled
     (reentrant) or under a saved-tensors hook (non-reentrant)."""

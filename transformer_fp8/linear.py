@@ -311,6 +311,13 @@ class Linear(torch.nn.Linear):
         return (self.fp8_bwd_amax_history, self.fp8_bwd_scale, self.fp8_bwd_scale_inv,
                 self._fp8_maxes[1])
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # A backward update held back by reentrant checkpointing (see autocast.BackwardStep)
+        # runs first, so that a checkpoint holds the state a run without it would hold.
+        if _autocast._PENDING_BACKWARD_STEPS:
+            _autocast.flush_pending_backward_updates()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # A history of another length loads as it is. A checkpoint with no FP8 key at all (a
