@@ -1,0 +1,66 @@
+"""A HuggingFace GPT-2 (transformers' Conv1D layers) built from a small config: converted to
+FP8 with every linear layer, trained with gradient_checkpointing_enable() bit-identically to
+training without it. Skipped where transformers is not installed (no weights are downloaded)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import DEVICE_PARAMS, assert_bitwise_equal
+
+import transformer_fp8 as tfp8
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2(device):
+    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).to(device)
+
+
+def train(model, device, steps=2):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    recipe = tfp8.DelayedScaling(amax_history_len=4)
+    record = []
+    for _ in range(steps):
+        ids = torch.randint(0, 128, (4, 32), generator=gen).to(device)
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        record.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad()
+    return record
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gpt2_converted_and_gradient_checkpointed(device, use_reentrant):
+    model = tiny_gpt2(device)
+    summary = tfp8.convert_to_fp8(model, return_summary=True)
+    # c_attn, c_proj, c_fc, mlp.c_proj per block are Conv1D; lm_head (vocab 128) is nn.Linear.
+    assert len(summary.converted) == 2 * 4 + 1 and not summary.skipped, summary
+    assert all(isinstance(m, tfp8.Conv1D) for m in model.transformer.h[0].mlp.children()
+               if not isinstance(m, torch.nn.Dropout) and hasattr(m, "weight"))
+    checkpointed = copy.deepcopy(model)
+    model.train()
+    checkpointed.train()
+    checkpointed.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    expected, got = train(model, device), train(checkpointed, device)
+    # The checkpointing did take place: a forward leaves replay records for the recomputation.
+    ids = torch.randint(0, 128, (2, 32)).to(device)
+    with tfp8.fp8_autocast(fp8_recipe=tfp8.DelayedScaling(amax_history_len=4)):
+        loss = checkpointed(input_ids=ids, labels=ids).loss
+    assert checkpointed.transformer.h[1].mlp.c_fc._replay_records
+    loss.backward()
+    assert not checkpointed.transformer.h[1].mlp.c_fc._replay_records
+    for step, ((loss_e, grads_e), (loss_g, grads_g)) in enumerate(zip(expected, got)):
+        assert_bitwise_equal(loss_g, loss_e, f"step {step} loss")
+        for i, (g, e) in enumerate(zip(grads_g, grads_e)):
+            assert_bitwise_equal(g, e, f"step {step} gradient {i}")
+    assert model.transformer.h[0].attn.c_attn.fp8_fwd_amax_history[-2:].all()
