@@ -100,3 +100,54 @@ def test_current_scaling_scales_agree_across_ranks(tmp_path):
     assert len(rank0["scales"]) == STEPS * 2 * 3  # input, weight, grad of two layers
     for a, b in zip(rank0["scales"], rank1["scales"]):
         assert torch.equal(a, b)
+
+
+def _moe_worker(rank, init_file, out_dir):
+    """Three expert layers; rank 0 runs experts 0 and 1, rank 1 runs experts 1 and 2."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    try:
+        recipe = tfp8.DelayedScaling(amax_history_len=4)
+        torch.manual_seed(0)
+        experts = torch.nn.ModuleList(tfp8.Linear(32, 32, recipe=recipe) for _ in range(3))
+        mine = [0, 1] if rank == 0 else [1, 2]
+        data = torch.Generator().manual_seed(2000 + rank)
+        states, amaxes = [], []
+        for _ in range(STEPS):
+            x = torch.randn(16, 32, generator=data) * (rank + 1)
+            grad = torch.randn(16, 32, generator=data)
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                outs = [experts[e](x) for e in mine]
+            torch.autograd.backward(outs, [grad] * len(outs))
+            amaxes.append((x.abs().max(), grad.abs().max()))
+            states.append(_fp8_tensors(experts))
+        torch.save({"states": states, "amaxes": amaxes,
+                    "weight_amax": [e.weight.abs().max() for e in experts]},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_running_different_experts_share_one_reduction(tmp_path):
+    """Mixture-of-experts routing: ranks run different subsets of the FP8 layers. The reduction
+    covers every layer on every rank (same layout everywhere), so each expert's history holds
+    the amax of the ranks that ran it, identically on both ranks."""
+    mp.spawn(_moe_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD,
+             join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+                    for r in range(WORLD))
+    for step in range(STEPS):
+        for a, b in zip(rank0["states"][step], rank1["states"][step]):
+            assert torch.equal(a, b), f"step {step}: ranks disagree"
+    last = rank0["states"][-1]
+    fwd_history = [last[6 * e] for e in range(3)]  # per expert: fwd history first
+    bwd_history = [last[6 * e + 3] for e in range(3)]
+    x0, g0 = rank0["amaxes"][-1]
+    x1, g1 = rank1["amaxes"][-1]
+    assert fwd_history[0][-1, 0] == x0, "expert 0: rank 0's input only"
+    assert fwd_history[2][-1, 0] == x1, "expert 2: rank 1's input only"
+    assert fwd_history[1][-1, 0] == max(x0, x1), "expert 1: both ranks"
+    assert bwd_history[0][-1, 0] == g0 and bwd_history[2][-1, 0] == g1
+    assert bwd_history[1][-1, 0] == max(g0, g1)
+    for e in range(3):
+        assert fwd_history[e][-1, 1] == rank0["weight_amax"][e]

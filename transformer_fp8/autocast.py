@@ -7,14 +7,15 @@ in ONE collective, then ONE update_delayed_scaling call (per device) rolls every
 every scale. The backward amaxes (grad_output) go the same way, once per backward pass: at the
 end of each backward pass that ran through the modules of a forward pass.
 
-Every rank must run the same set of FP8 modules in a step (the reduced buffer is laid out by the
-modules' creation order, which is the same on every rank that built the same model).
+The reduced buffer is laid out by the modules' creation order, which is the same on every rank
+that built the same model; ranks may run different subsets of the modules (see AmaxStep).
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -48,23 +49,51 @@ def all_reduce_max(buffer: torch.Tensor, group) -> None:
         torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
 
 
+# Every FP8 module of the process by creation index (weak references): the layout of the
+# cross-rank reduction, identical on every rank that built the same model.
+_MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+
+
+def register_module(index: int, module: torch.nn.Module) -> None:
+    """Called by an FP8 module for its creation index. The module provides
+    _state_for_step(recipe, role) -> StateGetter or None (see AmaxStep)."""
+    _MODULES[index] = module
+
+
 class AmaxStep:
     """The scaling states (history, scale, scale_inv) recorded under one (recipe, group), reduced
-    and updated together. Keys order the states identically on every rank."""
+    and updated together; role is "fwd" or "bwd". Keys (creation indices) order the states
+    identically on every rank.
 
-    def __init__(self, recipe: DelayedScaling, group):
-        self.recipe, self.group = recipe, group
+    Ranks may run different subsets of the modules in a step (mixture-of-experts routing): the
+    reduction then covers every module of the process that trains with this recipe, so that
+    every rank's buffer has the same layout; a module that ran on no rank keeps its state (the
+    update leaves a column with no recorded amax untouched)."""
+
+    def __init__(self, recipe: DelayedScaling, group, role: str = "fwd"):
+        self.recipe, self.group, self.role = recipe, group, role
         self.states: dict[int, StateGetter] = {}
 
     def add(self, key: int, getter: StateGetter) -> None:
         self.states.setdefault(key, getter)
 
+    def _add_modules_run_elsewhere(self) -> None:
+        devices = {get()[0].device for get in self.states.values()}
+        for index, module in sorted(_MODULES.items()):
+            if index not in self.states:
+                getter = module._state_for_step(self.recipe, self.role)
+                if getter is not None and getter()[0].device in devices:
+                    self.states[index] = getter
+
     def reduce_and_update(self) -> None:
         if not self.states:
             return
+        reduce = self.recipe.reduce_amax and _world_size(self.group) > 1
+        if reduce:
+            self._add_modules_run_elsewhere()
         tensors = [self.states[key]() for key in sorted(self.states)]
         histories = [t[0] for t in tensors]
-        if self.recipe.reduce_amax and _world_size(self.group) > 1:
+        if reduce:
             # One collective for the whole step: gather row 0 of every history, reduce, scatter.
             recorded = torch.cat([h[0] for h in histories])
             all_reduce_max(recorded, self.group)
@@ -100,7 +129,7 @@ class BackwardStep:
     """
 
     def __init__(self, recipe: DelayedScaling, group):
-        self.step = AmaxStep(recipe, group)
+        self.step = AmaxStep(recipe, group, role="bwd")
         self._queued = False
 
     def add(self, key: int, getter: StateGetter) -> None:
@@ -176,7 +205,7 @@ def record_forward(state: AutocastState, key: int, fwd_getter: StateGetter,
     it returns (its backward calls on_backward())."""
     k = _key(state)
     if k not in _LOCAL.forward_steps:
-        _LOCAL.forward_steps[k] = AmaxStep(state.recipe, state.group)
+        _LOCAL.forward_steps[k] = AmaxStep(state.recipe, state.group, role="fwd")
         _LOCAL.backward_steps[k] = BackwardStep(state.recipe, state.group)
     _LOCAL.forward_steps[k].add(key, fwd_getter)
     _LOCAL.backward_steps[k].add(key, bwd_getter)

@@ -223,6 +223,7 @@ class Linear(torch.nn.Linear):
         self.register_buffer("fp8_recipe_fields",
                              torch.full((4,), -1, dtype=torch.int64, device=device))
         self._fp8_index = next(_creation_index)
+        _autocast.register_module(self._fp8_index, self)
         self._recipe_code: Optional[list[int]] = None
         self._fp8_maxes = (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd)
         self._weight_cache = None
@@ -253,6 +254,7 @@ class Linear(torch.nn.Linear):
         # A copy (copy.deepcopy, unpickling) is a layer of its own in the amax reduction.
         super().__setstate__(state)
         self._fp8_index = next(_creation_index)
+        _autocast.register_module(self._fp8_index, self)
         self._delayed_cast_cache = None
         self._replay_records = checkpointing.ReplayRecords()
 
@@ -306,6 +308,15 @@ class Linear(torch.nn.Linear):
     def _fwd_state(self):
         return (self.fp8_fwd_amax_history, self.fp8_fwd_scale, self.fp8_fwd_scale_inv,
                 self._fp8_maxes[0])
+
+    def _state_for_step(self, recipe: DelayedScaling, role: str):
+        """The state getter with which a step under ``recipe`` that this layer did not run in
+        on this rank reduces and updates it (it may have run on another rank); None when the
+        layer trains with another recipe."""
+        if self._recipe_code is not None and self._recipe_code != _recipe_code(recipe):
+            return None
+        self._adopt_recipe(recipe)
+        return self._fwd_state if role == "fwd" else self._bwd_state
 
     def _bwd_state(self):
         return (self.fp8_bwd_amax_history, self.fp8_bwd_scale, self.fp8_bwd_scale_inv,
