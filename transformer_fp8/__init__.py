@@ -5,7 +5,8 @@ initialises CUDA.
 """
 from . import ops, recipe
 from .autocast import fp8_autocast
-from .linear import Conv1D, ConversionSummary, Linear, convert_to_fp8, strip_fp8_state
+from .convert import Conv1D, ConversionSummary, convert_to_fp8
+from .linear import Linear, strip_fp8_state
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
 
 __version__ = "0.1.0"

@@ -1,0 +1,129 @@
+"""convert_to_fp8: turning a model's linear layers into FP8 ones, in place.
+
+torch.nn.Linear becomes transformer_fp8.Linear, and HuggingFace transformers' Conv1D (GPT-2's
+transposed linear layer) becomes transformer_fp8.Conv1D; what stays in high precision is
+reported with its reason.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .linear import _ALIGN, Linear, _history_len_for
+from .recipe import DelayedScaling, Recipe
+
+
+class Conv1D(Linear):
+    """The FP8 form of HuggingFace transformers' Conv1D (GPT-2 and relatives): a Linear whose
+    weight Parameter is stored transposed, [in_features, out_features], so that checkpoints,
+    Parameters and optimizers stay as they were. Made by convert_to_fp8 only. (nf and nx,
+    Conv1D's names for out_features and in_features, are kept.)"""
+
+    def weight_nk(self) -> torch.Tensor:
+        return self.weight.t()
+
+    def _high_precision(self, inp: torch.Tensor) -> torch.Tensor:
+        # transformers' Conv1D.forward, operation for operation.
+        out_shape = inp.shape[:-1] + (self.out_features,)
+        flat = inp.reshape(-1, inp.shape[-1])
+        out = flat @ self.weight if self.bias is None else torch.addmm(self.bias, flat,
+                                                                       self.weight)
+        return out.view(out_shape)
+
+    def reset_parameters(self) -> None:
+        # transformers' Conv1D initialisation: normal(std=0.02) weight, zero bias.
+        torch.nn.init.normal_(self.weight, std=0.02)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
+        if hasattr(self, "fp8_recipe_fields"):
+            self.reset_fp8_state()
+
+    def extra_repr(self) -> str:
+        return f"nf={self.out_features}, nx={self.in_features}, fp8=True"
+
+
+def _is_transformers_conv1d(module: torch.nn.Module) -> bool:
+    """transformers.pytorch_utils.Conv1D, recognised by shape (no import of transformers):
+    y = x @ weight + bias with weight [nx, nf]."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, torch.nn.Parameter)
+            and weight.dim() == 2 and tuple(weight.shape) == (getattr(module, "nx", None),
+                                                              getattr(module, "nf", None)))
+
+
+def _default_filter(module: torch.nn.Linear, name: str) -> bool:
+    return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+
+
+@dataclass
+class ConversionSummary:
+    """What convert_to_fp8 did: the qualified names converted, and those skipped with why."""
+
+    converted: list
+    skipped: dict  # name -> reason
+
+    def __str__(self) -> str:
+        total = len(self.converted) + len(self.skipped)
+        lines = [f"convert_to_fp8: converted {len(self.converted)} of {total} linear layers"]
+        lines += [f"  skipped {name or '(the module itself)'}: {reason}"
+                  for name, reason in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
+                   recipe: Optional[Recipe] = None, return_summary: bool = False):
+    """Turn, in place, every torch.nn.Linear in ``module`` into a transformer_fp8.Linear, and
+    every HuggingFace transformers Conv1D (GPT-2's transposed linear layer) into a
+    transformer_fp8.Conv1D.
+
+    The layers stay the same objects (their class changes and they gain the FP8 state), so
+    Parameters, hooks, attributes and shared uses are all kept, and optimizers and DDP see no
+    change. Subclasses of nn.Linear are left alone (they may use their weight in their own
+    way, as nn.MultiheadAttention's out_proj does). filter_fn(layer, fully_qualified_name) ->
+    bool chooses which layers; by default those whose in_features and out_features are
+    multiples of 16. recipe: the recipe the layers will train with, so that their FP8 state has
+    its final shapes from the start (see Linear).
+
+    Returns ``module``, or with return_summary=True a ConversionSummary. Layers left in high
+    precision are reported in one warning, with the reason for each.
+    """
+    filter_fn = filter_fn or _default_filter
+    history_len = _history_len_for(recipe)
+    summary = ConversionSummary([], {})
+    for name, child in module.named_modules():
+        if isinstance(child, Linear):
+            summary.converted.append(name)  # converted before
+            continue
+        if _is_transformers_conv1d(child):
+            child.in_features, child.out_features = child.nx, child.nf  # as Linear names them
+            new_class = Conv1D
+        elif type(child) is torch.nn.Linear:
+            new_class = Linear
+        else:
+            if isinstance(child, torch.nn.Linear):
+                summary.skipped[name] = (f"{type(child).__name__} is a subclass of "
+                                         "torch.nn.Linear, which may use its weight its own way")
+            continue
+        if not filter_fn(child, name):
+            summary.skipped[name] = _skip_reason(child, filter_fn)
+            if new_class is Conv1D:
+                del child.in_features, child.out_features  # leave it as it was
+            continue
+        child.__class__ = new_class
+        child._register_fp8_state(child.weight.device, history_len)
+        if isinstance(recipe, DelayedScaling):
+            child._adopt_recipe(recipe)
+        summary.converted.append(name)
+    if summary.skipped or not summary.converted:
+        warnings.warn(str(summary), stacklevel=2)
+    return summary if return_summary else module
+
+
+def _skip_reason(layer, filter_fn) -> str:
+    if filter_fn is _default_filter:
+        return (f"in_features {layer.in_features} and out_features {layer.out_features} must be "
+                f"multiples of {_ALIGN} for FP8 GEMMs")
+    return "filter_fn returned False"
