@@ -8,8 +8,9 @@ training (convert_to_float8_training + torch.compile) where torchao imports ('n/
 The floor is the three FP8 GEMMs of the step alone (forward, dgrad, wgrad through fp8_gemm on
 ready FP8 operands), timed in the same run: '% of GEMM floor' = floor time / step time, the
 share of the step spent in the GEMMs rather than in casts, scaling and bookkeeping. Reported:
-time per step (CUDA events, median; the implementations timed in turns over 4 rounds), TFLOP/s =
-6 M K N / time, speedup over bf16 nn.Linear.
+time per step (CUDA events, median; the implementations timed in turns over 4 rounds), host time
+per step (the CPU's time to issue the step; when it reaches the step time, the step is
+host-bound), TFLOP/s = 6 M K N / time, speedup over bf16 nn.Linear.
 
     python benchmarks/bench_linear.py [--smoke] [--out DIR]
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -38,6 +40,7 @@ COLUMNS = [
     ["impl", "implementation", "{}"],
     ["shape", "M x K x N", "{}"],
     ["time_ms", "fwd+bwd (ms)", "{:.3f}"],
+    ["host_ms", "host time (ms)", "{:.3f}"],
     ["tflops", "TFLOP/s", "{:.1f}"],
     ["pct_floor", "% of GEMM floor", "{:.1f}"],
     ["speedup", "speedup vs bf16", "{:.2f}x"],
@@ -108,6 +111,18 @@ def plot(ax, payload):
                     f"Linear fwd+bwd, {rows[0]['shape']}")
 
 
+def host_seconds(step, device: torch.device, reps: int) -> float:
+    """Host time per step: the CPU's time to issue ``reps`` steps, not waiting for the device
+    (close to the step time when the step is host-bound)."""
+    common.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    seconds = (time.perf_counter() - start) / reps
+    common.synchronize(device)
+    return seconds
+
+
 def measure_shape(m: int, k: int, n: int, args, warmup: int, reps: int) -> list[dict]:
     x = torch.randn(m, k, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(m, n, device=args.device, dtype=torch.bfloat16)
@@ -120,8 +135,11 @@ def measure_shape(m: int, k: int, n: int, args, warmup: int, reps: int) -> list[
     timings = common.time_interleaved(steps, args.device, warmup=warmup, reps=reps,
                                       rounds=1 if args.smoke else 4)
     seconds = {name: t.median_s if t else None for name, t in timings.items()}
+    host = {name: host_seconds(step, args.device, reps) if step else None
+            for name, step in steps.items()}
     return [{"impl": name, "shape": f"{m}x{k}x{n}",
              "time_ms": s * 1e3 if s else None,
+             "host_ms": host[name] * 1e3 if host[name] else None,
              "tflops": common.ratio(6 * m * k * n / 1e12, s),
              "pct_floor": common.ratio(100 * seconds[FLOOR], s),
              "speedup": common.ratio(seconds[BF16], s)} for name, s in seconds.items()]
