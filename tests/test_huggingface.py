@@ -64,3 +64,41 @@ def test_gpt2_converted_and_gradient_checkpointed(device, use_reentrant):
         for i, (g, e) in enumerate(zip(grads_g, grads_e)):
             assert_bitwise_equal(g, e, f"step {step} gradient {i}")
     assert model.transformer.h[0].attn.c_attn.fp8_fwd_amax_history[-2:].all()
+
+
+def test_llama_compiles_fullgraph_without_recompiling():
+    """A HuggingFace Llama of FP8 layers under torch.compile(fullgraph=True): one graph for
+    every step (no graph break per layer, no recompilation) and the eager losses, bit for bit
+    (aot_eager runs the same kernels)."""
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(config)
+    recipe = tfp8.DelayedScaling(amax_history_len=4)
+    summary = tfp8.convert_to_fp8(eager, recipe=recipe, return_summary=True)
+    assert len(summary.converted) == 4 * 7 + 1 and not summary.skipped
+    compiled = copy.deepcopy(eager)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(compiled, fullgraph=True, backend=backend)
+    gen = torch.Generator().manual_seed(0)
+    losses = {"eager": [], "compiled": []}
+    for ids in [torch.randint(0, 128, (2, 32), generator=gen) for _ in range(3)]:
+        for name, model, fn in (("eager", eager, eager), ("compiled", compiled, compiled_fn)):
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                loss = fn(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses[name].append(loss.detach())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+    assert len(graphs) == 1, f"{len(graphs)} graphs"
+    for got, expected in zip(losses["compiled"], losses["eager"]):
+        assert_bitwise_equal(got, expected, "loss")

@@ -361,29 +361,6 @@ def test_float64_input_runs_in_high_precision(gen):
     assert torch.equal(out, ref(x))
 
 
-def test_torch_compile_matches_eager(gen):
-    """Compiled models run the FP8 part eagerly: outputs, gradients and FP8 state match."""
-    def make():
-        torch.manual_seed(0)
-        return tfp8.convert_to_fp8(torch.nn.Sequential(
-            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)))
-
-    eager, compiled = make(), make()
-    compiled_fn = torch.compile(compiled)
-    recipe = DelayedScaling(amax_history_len=4)
-    for step in range(3):
-        x = randn(gen, 16, 32) * (step + 1)
-        results = []
-        for model, fn in ((eager, eager), (compiled, compiled_fn)):
-            with fp8_autocast(fp8_recipe=recipe):
-                out = fn(x)
-            out.square().mean().backward()
-            results.append((out.detach(), model[0].weight.grad.clone(),
-                            model[2].fp8_bwd_scale.clone()))
-        for a, b in zip(*results):
-            assert torch.equal(a, b), f"step {step}"
-
-
 @pytest.mark.parametrize("replace", ["assign_buffer", "load_state_dict_assign", "to_device"])
 def test_replaced_fp8_state_is_the_one_used(gen, device, replace):
     """The delayed-scaling casts are built once per layer from views of its state; a state

@@ -160,11 +160,26 @@ _PENDING_LOCK = threading.Lock()
 _PENDING_BACKWARD_STEPS: dict[int, BackwardStep] = {}
 
 
+# The backward updates of compiled forwards, whose compiled backward cannot queue them: they
+# run at the next outermost fp8_autocast (appended from compiled code, which takes no lock).
+_HELD_BACKWARD_STEPS: list = []
+
+
+def hold_backward_update(step: BackwardStep) -> None:
+    _HELD_BACKWARD_STEPS.append(step)
+
+
+def has_pending_backward_updates() -> bool:
+    return bool(_PENDING_BACKWARD_STEPS or _HELD_BACKWARD_STEPS)
+
+
 def flush_pending_backward_updates() -> None:
     """Run the backward updates held back (see BackwardStep), oldest first."""
     with _PENDING_LOCK:
         pending = list(_PENDING_BACKWARD_STEPS.values())
-    for step in pending:
+        held = list(dict.fromkeys(_HELD_BACKWARD_STEPS))  # each step once, in order
+        _HELD_BACKWARD_STEPS.clear()
+    for step in pending + held:
         step.update()
 
 
@@ -190,7 +205,7 @@ def forward_pass_id() -> int:
 
 
 def _key(state: AutocastState):
-    return (state.recipe, id(state.group))
+    return (state.recipe, state.group)
 
 
 def current_state() -> Optional[AutocastState]:
@@ -223,6 +238,18 @@ def _exit_outermost(failed: bool) -> None:
             step.reduce_and_update()
 
 
+_STATES: dict = {}
+
+
+def _state_for(enabled: bool, recipe: Recipe, group) -> AutocastState:
+    """One AutocastState object per (enabled, recipe, group): torch.compile guards on the
+    object a compiled module reads, so a new one at every step would recompile every step."""
+    key = (enabled, recipe, group)
+    if key not in _STATES:
+        _STATES[key] = AutocastState(enabled, recipe, group)
+    return _STATES[key]
+
+
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
                  fp8_group=None) -> Iterator[None]:
@@ -249,9 +276,9 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
     outermost = not _LOCAL.stack
     if outermost:
         _LOCAL.pass_id = next(_pass_ids)
-        if _PENDING_BACKWARD_STEPS:
+        if has_pending_backward_updates():
             flush_pending_backward_updates()
-    _LOCAL.stack.append(AutocastState(enabled, fp8_recipe, fp8_group))
+    _LOCAL.stack.append(_state_for(enabled, fp8_recipe, fp8_group))
     failed = False
     try:
         yield

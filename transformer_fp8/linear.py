@@ -47,16 +47,18 @@ class _Fp8Cast:
     """How one tensor role (input, weight, grad_output) is cast to FP8."""
 
     def __init__(self, dtype, scale=None, scale_inv=None, amax_slot=None, group=None,
-                 fixed=False):
+                 fixed=False, history=None, column=0):
         self.dtype = dtype
         self.scale, self.scale_inv, self.amax_slot = scale, scale_inv, amax_slot
         self.group = group
         self.fixed = fixed
+        self.history, self.column = history, column  # amax_slot is history[0, column]
 
     @classmethod
-    def delayed(cls, dtype, scale, scale_inv, amax_slot):
+    def delayed(cls, dtype, history, scale, scale_inv, column):
         """The stored scale; the amax goes to the history's row 0 in the same pass."""
-        return cls(dtype, scale, scale_inv, amax_slot)
+        return cls(dtype, scale[column:column + 1], scale_inv[column:column + 1],
+                   history[0, column:column + 1], history=history, column=column)
 
     @classmethod
     def current(cls, dtype, group):
@@ -82,10 +84,18 @@ class _Fp8Cast:
         else:
             # A copy of scale_inv: the delayed update rewrites it in place before backward runs.
             scale, scale_inv, amax_slot = self.scale, self.scale_inv.clone(), self.amax_slot
+        traced_amax = amax_slot is not None and torch.compiler.is_compiling()
+        if traced_amax:
+            # Under torch.compile the amax goes to a fresh tensor and an operator that declares
+            # its mutation folds it into the history (a mutated view of a module buffer, made in
+            # a traced backward, is more than AOTAutograd can partition). Same max, same bits.
+            amax_slot = torch.zeros(1, dtype=torch.float32, device=x.device)
         if with_transpose:
             x_fp8, x_t_fp8 = ops.cast_transpose_to_fp8(x, scale, self.dtype, amax_slot)
         else:
             x_fp8, x_t_fp8 = ops.cast_to_fp8(x, scale, self.dtype, amax_slot), None
+        if traced_amax:
+            ops.record_amax(self.history, amax_slot, self.column)
         return x_fp8, x_t_fp8, scale_inv, scale
 
 
@@ -121,7 +131,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_fp8, w_t_fp8, w_scale_inv, w_scale = (
             plan.weight_fp8 if plan.weight_fp8 is not None else
             plan.weight_cast.cast(weight, needs_input_grad))
-        plan.scales_used = (x_scale, x_scale_inv, w_scale, w_scale_inv)
+        if not torch.compiler.is_compiling():  # for checkpoint replay, which runs eagerly
+            plan.scales_used = (x_scale, x_scale_inv, w_scale, w_scale_inv)
         out = ops.fp8_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, plan.out_dtype,
                            bias=None if bias is None else bias.to(plan.out_dtype),
                            use_fast_accum=True)
@@ -140,7 +151,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv = ctx.saved_tensors
         needs_input_grad, needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[:3]
         plan = ctx.plan
-        if plan.backward_step is not None:
+        if plan.backward_step is not None and not torch.compiler.is_compiling():
             plan.backward_step.on_backward()  # the update runs when this backward pass ends
         g_2d = grad_out.reshape(-1, ctx.out_features)
         g_fp8, g_t_fp8, g_scale_inv, _ = plan.grad_cast.cast(_pad_rows(g_2d),
@@ -297,6 +308,12 @@ class Linear(torch.nn.Linear):
             return
         for name in _HISTORIES:
             history = getattr(self, name)
+            if history.shape[0] != recipe.amax_history_len and torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"Linear: under torch.compile the amax history (length {history.shape[0]}) "
+                    f"cannot be resized to the recipe's {recipe.amax_history_len}; build the "
+                    "layer for its recipe (Linear(..., recipe=...) or convert_to_fp8(model, "
+                    "recipe=...)) or run one step eagerly first")
             if history.shape[0] != recipe.amax_history_len:
                 # .data keeps the buffer object, so references (e.g. DDP's) stay valid.
                 history.data = history.new_zeros(recipe.amax_history_len, history.shape[1])
@@ -325,7 +342,7 @@ class Linear(torch.nn.Linear):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A backward update held back by reentrant checkpointing (see autocast.BackwardStep)
         # runs first, so that a checkpoint holds the state a run without it would hold.
-        if _autocast._PENDING_BACKWARD_STEPS:
+        if _autocast.has_pending_backward_updates():
             _autocast.flush_pending_backward_updates()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
@@ -383,8 +400,6 @@ class Linear(torch.nn.Linear):
                           "float16 input.", stacklevel=3)
             self._warned_high_precision = True
 
-    # torch.compile runs this part eagerly: it reads and writes the FP8 state outside the graph.
-    @torch.compiler.disable
     def _fp8_forward(self, inp, state, is_first_microbatch):
         recipe = state.recipe
         fmt = recipe.fp8_format
@@ -403,11 +418,15 @@ class Linear(torch.nn.Linear):
             input_cast, weight_cast, grad_cast = self._delayed_casts(fmt)
             backward_step = _autocast.record_forward(state, self._fp8_index, self._fwd_state,
                                                      self._bwd_state)
+            if torch.compiler.is_compiling():
+                # A compiled backward cannot queue the end-of-backward update: it runs at the
+                # next outermost fp8_autocast (or state_dict) instead.
+                _autocast.hold_backward_update(backward_step)
         plan = _Fp8Plan(input_cast, weight_cast, grad_cast,
                         self._weight_for_step(weight_cast, is_first_microbatch), backward_step,
                         out_dtype)
         out = _Fp8LinearFunction.apply(inp, self.weight_nk(), self.bias, plan)
-        if (checkpointing.may_be_checkpointed()
+        if (not torch.compiler.is_compiling() and checkpointing.may_be_checkpointed()
                 and checkpointing.phase() is checkpointing.Phase.ORIGINAL):
             self._keep_replay_record(plan, fmt)
         return out
@@ -434,17 +453,20 @@ class Linear(torch.nn.Linear):
         scales, scale_invs and history row 0. Made once and reused while the state buffers are
         the same tensors (slicing them on every forward costs more host time than the cast)."""
         buffers = tuple(self._buffers[name] for name in FP8_FLOAT_STATE)
+        fwd_h, fwd_s, fwd_si, bwd_h, bwd_s, bwd_si = buffers
+
+        def make():
+            return (_Fp8Cast.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, INPUT),
+                    _Fp8Cast.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, WEIGHT),
+                    _Fp8Cast.delayed(fmt.bwd_dtype, bwd_h, bwd_s, bwd_si, 0))
+
+        if torch.compiler.is_compiling():
+            return make()  # traced once: the slicing is part of the graph
         cached = self._delayed_cast_cache
         if (cached is not None and cached[0] is fmt
                 and all(old is new for old, new in zip(cached[1], buffers))):
             return cached[2]
-        fwd_h, fwd_s, fwd_si, bwd_h, bwd_s, bwd_si = buffers
-        casts = (
-            _Fp8Cast.delayed(fmt.fwd_dtype, fwd_s[INPUT:INPUT + 1], fwd_si[INPUT:INPUT + 1],
-                             fwd_h[0, INPUT:INPUT + 1]),
-            _Fp8Cast.delayed(fmt.fwd_dtype, fwd_s[WEIGHT:WEIGHT + 1], fwd_si[WEIGHT:WEIGHT + 1],
-                             fwd_h[0, WEIGHT:WEIGHT + 1]),
-            _Fp8Cast.delayed(fmt.bwd_dtype, bwd_s[0:1], bwd_si[0:1], bwd_h[0, 0:1]))
+        casts = make()
         self._delayed_cast_cache = (fmt, buffers, casts)
         return casts
 

@@ -112,6 +112,19 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
                 old.copy_(new)
 
 
+@torch.library.custom_op("transformer_fp8::record_amax", mutates_args=("history",))
+def record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
+    """history[0, column] = max(history[0, column], amax), NaN propagating: how a traced (torch.
+    compile) cast records its amax (eager casts fold it into the slot in their own kernel)."""
+    slot = history[0, column:column + 1]
+    slot.copy_(torch.maximum(slot, amax.reshape(1)))
+
+
+@record_amax.register_fake
+def _record_amax_fake(history, amax, column):
+    return None
+
+
 def _check_margin(margin) -> int:
     if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 1000:
         raise ValueError(f"margin must be an integer in [0, 1000], got {margin!r}")
