@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from conftest import DEVICE_PARAMS, assert_bitwise_equal
+from conftest import DEVICE_PARAMS, assert_bitwise_equal, assert_same_training
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
@@ -74,13 +74,7 @@ def test_checkpointed_training_is_bit_identical(device, mode, recipe):
     checkpointed = copy.deepcopy(plain)
     checkpointed.checkpoint = mode
     expected, got = train(plain, recipe, device), train(checkpointed, recipe, device)
-    for step, ((loss_e, grads_e, state_e), (loss_g, grads_g, state_g)) in enumerate(
-            zip(expected, got)):
-        assert_bitwise_equal(loss_g, loss_e, f"step {step} loss")
-        for i, (g, e) in enumerate(zip(grads_g, grads_e)):
-            assert_bitwise_equal(g, e, f"step {step} gradient {i}")
-        for i, (g, e) in enumerate(zip(state_g, state_e)):
-            assert_bitwise_equal(g, e, f"step {step} FP8 state tensor {i}")
+    assert_same_training(got, expected)
     if isinstance(recipe, DelayedScaling):
         history = checkpointed.blocks[0].fc1.fp8_fwd_amax_history
         assert history[-3:].all() and not history[:1].any(), "one amax per step, rolled"

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import DEVICE_PARAMS, assert_bitwise_equal
+from conftest import DEVICE_PARAMS, assert_same_training, counting_aot_eager
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
@@ -46,24 +46,13 @@ def train(model, fn, recipe, device):
 def test_fullgraph_compile_is_bit_identical_to_eager(device, recipe):
     eager = make_model(recipe, device)
     compiled = copy.deepcopy(eager)
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
-
+    backend, graphs = counting_aot_eager()
     torch._dynamo.reset()
-    compiled_fn = torch.compile(compiled, fullgraph=True, backend=counting_backend)
+    compiled_fn = torch.compile(compiled, fullgraph=True, backend=backend)
     expected = train(eager, eager, recipe, device)
     got = train(compiled, compiled_fn, recipe, device)
     assert len(graphs) == 1, f"compiled {len(graphs)} times: recompiled between steps"
-    for step, ((loss_e, grads_e, state_e), (loss_g, grads_g, state_g)) in enumerate(
-            zip(expected, got)):
-        assert_bitwise_equal(loss_g, loss_e, f"step {step} loss")
-        for i, (g, e) in enumerate(zip(grads_g, grads_e)):
-            assert_bitwise_equal(g, e, f"step {step} gradient {i}")
-        for i, (g, e) in enumerate(zip(state_g, state_e)):
-            assert_bitwise_equal(g, e, f"step {step} FP8 state tensor {i}")
+    assert_same_training(got, expected)
     if isinstance(recipe, DelayedScaling):
         assert compiled[0].fp8_fwd_amax_history[-3:].all(), "amaxes recorded in the graph"
 

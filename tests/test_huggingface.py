@@ -7,7 +7,8 @@ import copy
 
 import pytest
 import torch
-from conftest import DEVICE_PARAMS, assert_bitwise_equal
+from conftest import (DEVICE_PARAMS, assert_bitwise_equal, assert_same_training,
+                      counting_aot_eager)
 
 import transformer_fp8 as tfp8
 
@@ -59,10 +60,7 @@ def test_gpt2_converted_and_gradient_checkpointed(device, use_reentrant):
     assert checkpointed.transformer.h[1].mlp.c_fc._replay_records
     loss.backward()
     assert not checkpointed.transformer.h[1].mlp.c_fc._replay_records
-    for step, ((loss_e, grads_e), (loss_g, grads_g)) in enumerate(zip(expected, got)):
-        assert_bitwise_equal(loss_g, loss_e, f"step {step} loss")
-        for i, (g, e) in enumerate(zip(grads_g, grads_e)):
-            assert_bitwise_equal(g, e, f"step {step} gradient {i}")
+    assert_same_training(got, expected)
     assert model.transformer.h[0].attn.c_attn.fp8_fwd_amax_history[-2:].all()
 
 
@@ -79,12 +77,7 @@ def test_llama_compiles_fullgraph_without_recompiling():
     summary = tfp8.convert_to_fp8(eager, recipe=recipe, return_summary=True)
     assert len(summary.converted) == 4 * 7 + 1 and not summary.skipped
     compiled = copy.deepcopy(eager)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
-
+    backend, graphs = counting_aot_eager()
     torch._dynamo.reset()
     compiled_fn = torch.compile(compiled, fullgraph=True, backend=backend)
     gen = torch.Generator().manual_seed(0)
