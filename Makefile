@@ -6,7 +6,8 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_PIN := torch==2.11.0
-TOOLS := setuptools wheel ninja pytest numpy matplotlib tqdm
+# Test and example tools; transformers (pinned) for the HuggingFace model tests.
+TOOLS := setuptools wheel ninja pytest numpy matplotlib tqdm transformers==5.23.0
 # Debian/Ubuntu mark their system Python as externally managed; let pip install there.
 export PIP_BREAK_SYSTEM_PACKAGES ?= 1
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/*/*.cuh)
@@ -22,7 +23,7 @@ test: install
 deps:
 	@command -v c++ >/dev/null || { echo "A C++ compiler is needed: apt-get install g++ (or build-essential)"; exit 1; }
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_PIN)"
-	@$(PYTHON) -c "import setuptools, wheel, ninja, pytest, numpy, matplotlib, tqdm" 2>/dev/null || $(PIP) install $(TOOLS)
+	@$(PYTHON) -c "import setuptools, wheel, ninja, pytest, numpy, matplotlib, tqdm, transformers" 2>/dev/null || $(PIP) install $(TOOLS)
 
 # The build flags (README) in effect: a change of them rebuilds too.
 BUILD_FLAGS := archs=$(TRANSFORMER_FP8_CUDA_ARCHS) force_cuda=$(TRANSFORMER_FP8_FORCE_CUDA)
