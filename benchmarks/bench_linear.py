@@ -3,8 +3,9 @@
 Measures y = layer(x); y.backward(g) with bf16 x [16384, 8192], weight [8192, 8192] and bias
 (and the small and medium layers M = 2048, K = N = 1024 and 4096):
 torch.nn.Linear in bf16; transformer_fp8.Linear under fp8_autocast with DelayedScaling (the
-scale update at the context's exit included) and with Float8CurrentScaling; torchao's float8
-training (convert_to_float8_training + torch.compile) where torchao imports ('n/a' otherwise).
+scale update at the context's exit included), the same under torch.compile(fullgraph=True)
+(on CUDA), and with Float8CurrentScaling; torchao's float8 training
+(convert_to_float8_training + torch.compile) where torchao imports ('n/a' otherwise).
 The floor is the three FP8 GEMMs of the step alone (forward, dgrad, wgrad through fp8_gemm on
 ready FP8 operands), timed in the same run: '% of GEMM floor' = floor time / step time, the
 share of the step spent in the GEMMs rather than in casts, scaling and bookkeeping. Reported:
@@ -33,6 +34,7 @@ TITLE, WHAT = common.doc_summary(__doc__)
 SHAPES = [(16384, 8192, 8192), (2048, 1024, 1024), (2048, 4096, 4096)]
 SMOKE_SHAPES = [(64, 128, 96)]
 TORCHAO = "torchao float8 + torch.compile"
+COMPILED = "transformer_fp8.Linear, DelayedScaling + torch.compile"
 FLOOR = "3 x fp8_gemm only (floor)"
 BF16 = "torch.nn.Linear (bf16)"
 
@@ -73,6 +75,25 @@ def torchao_layer(base: torch.nn.Linear):
     except Exception as exc:
         print(f"({TORCHAO}: n/a, {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
         return None
+
+
+def compiled_step(layers: dict, x, g):
+    """A training step of a copy of the DelayedScaling layer under torch.compile(fullgraph=True),
+    tried once here; None with the reason printed when it fails."""
+    import copy
+
+    name = next(n for n, (_, recipe) in layers.items()
+                if isinstance(recipe, tf8.DelayedScaling))
+    layer, recipe = layers[name]
+    layer = copy.deepcopy(layer)
+    training_step(layer, recipe, x, g)()  # one eager step: the state takes the recipe's shapes
+    step = training_step(torch.compile(layer, fullgraph=True), recipe, x, g)
+    try:
+        step()
+    except Exception as exc:
+        print(f"({COMPILED}: n/a, {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+        return None
+    return step
 
 
 def training_step(layer, recipe, x, g):
@@ -130,6 +151,7 @@ def measure_shape(m: int, k: int, n: int, args, warmup: int, reps: int) -> list[
     steps = {name: training_step(layer, recipe, x, g) for name, (layer, recipe) in layers.items()}
     compiled = torchao_layer(layers[BF16][0]) if args.device.type == "cuda" else None
     steps[TORCHAO] = training_step(compiled, None, x, g) if compiled is not None else None
+    steps[COMPILED] = compiled_step(layers, x, g) if args.device.type == "cuda" else None
     steps[FLOOR] = gemm_floor(m, k, n, args.device)
 
     timings = common.time_interleaved(steps, args.device, warmup=warmup, reps=reps,
