@@ -37,6 +37,8 @@ class Model(torch.nn.Module):
         for block in self.blocks:
             if self.checkpoint is None:
                 x = block(x)
+            elif self.checkpoint == "te_checkpoint":  # Transformer Engine's signature
+                x = tfp8.checkpoint(block, x)
             else:
                 x = torch_checkpoint.checkpoint(
                     block, x, use_reentrant=self.checkpoint == "reentrant")
@@ -65,7 +67,7 @@ def train(model, recipe, device, steps=3):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant", "te_checkpoint"])
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
                          ids=["delayed", "current"])
 def test_checkpointed_training_is_bit_identical(device, mode, recipe):
@@ -174,3 +176,14 @@ def test_forward_passes_backpropagated_in_order_pipeline_style():
         grads[name] = [p.grad.clone() for p in model.parameters()]
     for i, (g, e) in enumerate(zip(grads["checkpointed"], grads["plain"])):
         assert_bitwise_equal(g, e, f"gradient {i}")
+
+
+def test_te_checkpoint_refuses_tensor_parallel_options():
+    block = Block(32)
+    x = torch.randn(4, 32, requires_grad=True)
+    with pytest.raises(ValueError, match="distribute_saved_activations"):
+        tfp8.checkpoint(block, x, distribute_saved_activations=True)
+    with pytest.raises(ValueError, match="get_rng_state_tracker"):
+        tfp8.checkpoint(block, x, get_rng_state_tracker=lambda: None)
+    out = tfp8.checkpoint(block, x, use_reentrant=False)
+    assert torch.equal(out, block(x))

@@ -4,7 +4,8 @@ Importing this package loads the compiled operators (torch.ops.transformer_fp8) 
 initialises CUDA.
 """
 from . import ops, recipe
-from .autocast import fp8_autocast
+from .fp8_context import autocast, fp8_autocast, fp8_model_init, quantized_model_init
+from .checkpointing import checkpoint
 from .convert import Conv1D, ConversionSummary, convert_to_fp8
 from .linear import Linear, strip_fp8_state
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
@@ -25,6 +26,23 @@ def build_info() -> dict:
     return info
 
 
+def is_fp8_available() -> tuple[bool, str]:
+    """(True, "") when FP8 training can run on the current CUDA device with this build, else
+    (False, the reason). The CPU kernels (an exact emulation) always run, whatever this says."""
+    import torch
+
+    if not build_info()["cuda"]:
+        return False, "transformer_fp8 was built without its CUDA kernels (CPU only)"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is available"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return False, (f"{torch.cuda.get_device_name()} has compute capability {major}.{minor}; "
+                       "FP8 tensor cores need 8.9 (Ada) or 9.0 (Hopper) or newer")
+    return True, ""
+
+
 __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "Float8CurrentScaling", "Format",
-           "Linear", "build_info", "convert_to_fp8", "fp8_autocast", "ops", "recipe",
+           "Linear", "autocast", "build_info", "checkpoint", "convert_to_fp8", "fp8_autocast",
+           "fp8_model_init", "is_fp8_available", "ops", "quantized_model_init", "recipe",
            "strip_fp8_state"]

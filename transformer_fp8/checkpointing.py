@@ -95,3 +95,22 @@ def may_be_checkpointed() -> bool:
     (reentrant) or under a saved-tensors hook (non-reentrant)."""
     return (not torch.is_grad_enabled()
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+
+
+def checkpoint(function, *args, distribute_saved_activations: bool = False,
+               get_rng_state_tracker=None, tp_group=None, use_reentrant: bool = True, **kwargs):
+    """Transformer Engine's ``checkpoint`` signature over torch.utils.checkpoint.checkpoint:
+    run ``function(*args, **kwargs)`` without keeping its activations, recomputing them in
+    backward (FP8 layers inside replay their casts exactly, as with torch's own function).
+
+    distribute_saved_activations and get_rng_state_tracker serve Transformer Engine's tensor
+    parallelism, which this library does not have: they are refused rather than ignored.
+    """
+    if distribute_saved_activations:
+        raise ValueError("checkpoint: distribute_saved_activations=True (sharding saved "
+                         "activations over a tensor-parallel group) is not supported")
+    if get_rng_state_tracker is not None:
+        raise ValueError("checkpoint: get_rng_state_tracker (a tensor-parallel RNG tracker) is "
+                         "not supported; torch's checkpoint restores the RNG state itself")
+    del tp_group  # only meaningful with distribute_saved_activations
+    return _torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)

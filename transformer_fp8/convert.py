@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from . import fp8_context
 from .linear import _ALIGN, Linear, _history_len_for
 from .recipe import DelayedScaling, Recipe
 
@@ -91,6 +92,8 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     precision are reported in one warning, with the reason for each.
     """
     filter_fn = filter_fn or _default_filter
+    if recipe is None:
+        recipe = fp8_context.init_recipe()  # from quantized_model_init, if any
     history_len = _history_len_for(recipe)
     summary = ConversionSummary([], {})
     for name, child in module.named_modules():

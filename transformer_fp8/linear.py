@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import autocast as _autocast
+from . import fp8_context as _autocast
 from . import checkpointing, ops
 from .recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 
@@ -208,6 +208,8 @@ class Linear(torch.nn.Linear):
                              "two names for the parameters' dtype and must agree; pass one")
         super().__init__(in_features, out_features, bias=bias, device=device,
                          dtype=dtype if dtype is not None else params_dtype)
+        if recipe is None:
+            recipe = _autocast.init_recipe()  # from quantized_model_init, if any
         self._register_fp8_state(self.weight.device, _history_len_for(recipe))
         if isinstance(recipe, DelayedScaling):
             self._adopt_recipe(recipe)

@@ -1,4 +1,5 @@
-"""fp8_autocast: where FP8 modules record their amaxes and where delayed scales get updated.
+"""fp8_autocast (TE 2.x: autocast): where FP8 modules record their amaxes and where delayed scales
+get updated; quantized_model_init: building FP8 modules for a recipe.
 
 Inside the outermost context every FP8 module that runs with delayed scaling records the amax of
 its input and weight into row 0 of its forward history (in the same pass as the cast). When the
@@ -289,3 +290,50 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
         _LOCAL.stack.pop()
         if outermost:
             _exit_outermost(failed)
+
+
+def autocast(enabled: bool = True, recipe: Optional[Recipe] = None,
+             amax_reduction_group=None):
+    """Transformer Engine 2.x's spelling of fp8_autocast, with its argument names:
+    ``autocast(enabled, recipe, amax_reduction_group)`` is ``fp8_autocast(enabled, fp8_recipe,
+    fp8_group)``."""
+    return fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=amax_reduction_group)
+
+
+class _InitRecipe(threading.local):
+    def __init__(self):
+        self.stack: list = []
+
+
+_INIT = _InitRecipe()
+
+
+def init_recipe() -> Optional[Recipe]:
+    """The recipe of the innermost quantized_model_init of this thread, or None."""
+    return _INIT.stack[-1] if _INIT.stack else None
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                         preserve_high_precision_init_val: bool = False) -> Iterator[None]:
+    """FP8 modules built inside (transformer_fp8.Linear, convert_to_fp8) are built for
+    ``recipe`` (default DelayedScaling()): their FP8 state has the recipe's shapes from the start,
+    as with their own ``recipe=`` argument, which takes precedence.
+
+    Transformer Engine's context of this name also stores the weights in FP8 only; here the
+    parameters always stay in their high-precision dtype (so preserve_high_precision_init_val,
+    accepted for the signature's sake, changes nothing). enabled=False builds as outside.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError("recipe must be None, a DelayedScaling or a Float8CurrentScaling, got "
+                        f"{type(recipe).__name__}")
+    _INIT.stack.append((recipe or DelayedScaling()) if enabled else None)
+    try:
+        yield
+    finally:
+        _INIT.stack.pop()
+
+
+fp8_model_init = quantized_model_init  # Transformer Engine 1.x's name
