@@ -249,7 +249,7 @@ def train_one(precision: str, base: GPT, train_tokens, val_batches, args,
             "fp8_layers": converted, "model": model}
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, model_name: str = "char-level GPT") -> None:
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
     fig = Figure(figsize=(7, 4.2), dpi=120)
@@ -267,8 +267,8 @@ def plot(results: dict, path: Path) -> None:
                 label=f"{name}: final {r['final_train_loss']:.3f}, val {r['val_loss']:.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (cross-entropy, nats/char)")
-    ax.set_title("char-level GPT: FP8 vs BF16" if len(results) > 1 else
-                 f"char-level GPT: {next(iter(results))}")
+    ax.set_title(f"{model_name}: FP8 vs BF16" if len(results) > 1 else
+                 f"{model_name}: {next(iter(results))}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -1,5 +1,6 @@
-"""The examples run end to end (in-process, reduced sizes): examples/quickstart.py and
-examples/train_gpt.py --tiny. On the GPU when there is one, else on the CPU (~30 s)."""
+"""The examples run end to end (in-process, reduced sizes): examples/quickstart.py,
+examples/train_gpt.py --tiny and (where transformers is installed) examples/train_llama.py
+--tiny. On the GPU when there is one, else on the CPU (~30 s)."""
 from __future__ import annotations
 
 import importlib.util
@@ -66,3 +67,24 @@ def test_train_gpt_tiny_both(tmp_path):
     assert record["config"]["precision"] == "both"
     for name in ("bf16", "fp8"):
         assert record[name]["train_losses"] == results[name]["train_losses"]
+
+
+def test_train_llama_tiny_resume_is_exact(tmp_path):
+    """examples/train_llama.py (a transformers Llama from a config): it learns in both
+    precisions, FP8 tracks bf16, and a run checkpointed and resumed halfway has the losses of
+    an uninterrupted one, bit for bit."""
+    pytest.importorskip("transformers", reason="examples/train_llama.py needs transformers")
+    train_llama = _load("train_llama")
+    resumed = train_llama.main(["--tiny", "--out", str(tmp_path / "a"), "--no-progress"])
+    straight = train_llama.main(["--tiny", "--out", str(tmp_path / "b"), "--no-progress",
+                                 "--resume-at", "0"])
+    assert resumed["config"]["resume_at"] == resumed["config"]["steps"] // 2 > 0
+    for name in ("bf16", "fp8"):
+        losses = resumed["results"][name]["train_losses"]
+        assert losses == straight["results"][name]["train_losses"], name
+        assert _finite(losses) and losses[-1] < 0.9 * losses[0], name
+    assert (tmp_path / "a" / "llama_fp8_checkpoint.pt").exists()
+    b, f = (resumed["results"][n]["final_train_loss"] for n in ("bf16", "fp8"))
+    assert f == pytest.approx(b, rel=0.1)
+    png = tmp_path / "a" / "llama_loss_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
