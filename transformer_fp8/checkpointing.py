@@ -35,18 +35,23 @@ class Phase(enum.Enum):
     RECOMPUTE = 2  # its recomputation during backward
 
 
-def phase() -> Phase:
-    """Where the caller runs with respect to torch.utils.checkpoint (a walk up the stack)."""
-    frame, seen_checkpoint = sys._getframe(1), False
+def _checkpoint_frames(frame):
+    """The names of the functions of torch/utils/checkpoint.py on the stack above ``frame``."""
     for _ in range(_MAX_FRAMES):
         if frame is None:
-            break
-        code = frame.f_code
-        if code.co_filename == _CHECKPOINT_FILE:
-            if code.co_name in _RECOMPUTE_FRAMES:
-                return Phase.RECOMPUTE
-            seen_checkpoint = True
+            return
+        if frame.f_code.co_filename == _CHECKPOINT_FILE:
+            yield frame.f_code.co_name
         frame = frame.f_back
+
+
+def phase() -> Phase:
+    """Where the caller runs with respect to torch.utils.checkpoint (a walk up the stack)."""
+    seen_checkpoint = False
+    for name in _checkpoint_frames(sys._getframe(1)):
+        if name in _RECOMPUTE_FRAMES:
+            return Phase.RECOMPUTE
+        seen_checkpoint = True
     return Phase.ORIGINAL if seen_checkpoint else Phase.NONE
 
 
@@ -80,14 +85,7 @@ class ReplayRecords:
 def in_reentrant_backward() -> bool:
     """Whether the caller runs inside the nested backward pass that a reentrant checkpoint
     runs for its region (the frame of CheckpointFunction.backward is on the stack)."""
-    frame = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return False
-        if frame.f_code.co_filename == _CHECKPOINT_FILE and frame.f_code.co_name == "backward":
-            return True
-        frame = frame.f_back
-    return False
+    return "backward" in _checkpoint_frames(sys._getframe(1))
 
 
 def may_be_checkpointed() -> bool:
