@@ -103,3 +103,154 @@ def test_whole_training_step_replays_in_a_cuda_graph(recipe):
             assert_bitwise_equal(p.grad, q.grad, f"replay {i}: gradient of {name}")
         for (name, t), u in zip(graphed.state_dict().items(), eager.state_dict().values()):
             assert_bitwise_equal(t, u, f"replay {i}: {name}")
+
+
+# ---- make_graphed_callables ------------------------------------------------------------------
+# What a graphed module runs is its forward inside an isolated fp8_autocast (the outermost for
+# that module alone). On the CPU: that forward, run eagerly, gives exactly the numbers of an
+# eager step with its own fp8_autocast around the module, whatever context surrounds it.
+
+def _two_stage_models(device, recipe):
+    torch.manual_seed(0)
+    first = tfp8.Linear(64, 64, recipe=recipe).to(device)  # runs in the caller's context
+    block = make_model(device, recipe)  # the module that gets graphed
+    return first, block
+
+
+def _reference_step(first, block, x, g, recipe):
+    """Eager: the caller's context around `first`, an fp8_autocast of its own around `block`."""
+    with fp8_autocast(fp8_recipe=recipe):
+        h = first(x)
+    with fp8_autocast(fp8_recipe=recipe):
+        out = block(h)
+    out.backward(g)
+    return out
+
+
+def _assert_same_models(got, expected, what):
+    for (name, p), q in zip(got.named_parameters(), expected.parameters()):
+        assert_bitwise_equal(p.grad, q.grad, f"{what}: gradient of {name}")
+    for (name, t), u in zip(got.state_dict().items(), expected.state_dict().values()):
+        assert_bitwise_equal(t, u, f"{what}: {name}")
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_isolated_forward_of_a_graphed_module_matches_eager_steps(recipe, gen):
+    from transformer_fp8.cuda_graphs import _Fp8Callable
+
+    first, block = _two_stage_models("cpu", recipe)
+    ref_first, ref_block = copy.deepcopy(first), copy.deepcopy(block)
+    isolated = _Fp8Callable(block, True, recipe, None)
+    other = DelayedScaling(amax_history_len=4, margin=1)  # the caller's context differs
+    for i in range(4):
+        x = torch.randn(32, 64, generator=gen)
+        g = torch.randn(32, 64, generator=gen)
+        for model in (first, block, ref_first, ref_block):
+            model.zero_grad(set_to_none=True)
+        with fp8_autocast(fp8_recipe=other):
+            out = isolated(first(x))
+        out.backward(g)
+        with fp8_autocast(fp8_recipe=other):
+            h = ref_first(x)
+        with fp8_autocast(fp8_recipe=recipe):
+            ref_out = ref_block(h)
+        ref_out.backward(g)
+        assert_bitwise_equal(out, ref_out, f"step {i}: output")
+        _assert_same_models(first, ref_first, f"step {i}, first")
+        _assert_same_models(block, ref_block, f"step {i}, block")
+    if isinstance(recipe, DelayedScaling):  # the scales did move
+        assert not torch.equal(block[0].fp8_fwd_scale, torch.ones(2))
+
+
+def test_make_graphed_callables_refuses_what_it_cannot_graph():
+    block = make_model("cpu", DelayedScaling())
+    sample = (torch.randn(32, 64),)
+    with pytest.raises(TypeError, match="modules"):
+        tfp8.make_graphed_callables(lambda x: x, sample, fp8_enabled=True)
+    with pytest.raises(ValueError, match=r"sample_args\[0\].*CUDA"):
+        tfp8.make_graphed_callables(block, sample, fp8_enabled=True)
+    with pytest.raises(ValueError, match="sample_args must hold one tuple"):
+        tfp8.make_graphed_callables((block, block), (sample,), fp8_enabled=True)
+    with pytest.raises(TypeError, match=r"sample_args\[0\] must be a tuple of tensors"):
+        tfp8.make_graphed_callables(block, (1.0,), fp8_enabled=True)
+    with pytest.raises(ValueError, match="fp8_weight_caching"):
+        tfp8.make_graphed_callables(block, sample, fp8_enabled=True, fp8_weight_caching=True)
+    with pytest.raises(ValueError, match="fp8_calibrating"):
+        tfp8.make_graphed_callables(block, sample, fp8_calibrating=True)
+    with pytest.raises(ValueError, match="sample_kwargs"):
+        tfp8.make_graphed_callables(block, sample, sample_kwargs=({"x": 1},))
+    with pytest.raises(TypeError, match="fp8_recipe"):
+        tfp8.make_graphed_callables(block, sample, fp8_enabled=True, fp8_recipe="delayed")
+    with pytest.raises(TypeError, match="fp8_enabled"):
+        tfp8.make_graphed_callables(block, sample, fp8_enabled=1)
+    with pytest.raises(ValueError, match="fp8_recipe and recipe"):
+        tfp8.make_graphed_callables(block, sample, fp8_recipe=DelayedScaling(),
+                                    recipe=Float8CurrentScaling())
+    # Nothing was changed by a refused call.
+    assert block[0].forward.__func__ is tfp8.Linear.forward
+
+
+@CUDA_SKIP
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_make_graphed_callables_replays_like_eager_steps(recipe):
+    first, block = _two_stage_models("cuda", recipe)
+    ref_first, ref_block = copy.deepcopy(first), copy.deepcopy(block)
+    sample = (torch.randn(32, 64, device="cuda", requires_grad=True),)
+    graphed = tfp8.make_graphed_callables(block, sample, fp8_enabled=True, fp8_recipe=recipe)
+    assert graphed is block
+    torch.cuda.synchronize()
+    # The warm-up steps are undone: the state is the one before graphing.
+    for (name, t), u in zip(block.state_dict().items(), ref_block.state_dict().values()):
+        assert_bitwise_equal(t, u, f"after graphing: {name}")
+    gen = torch.Generator().manual_seed(1)
+    for i in range(5):
+        x = torch.randn(32, 64, generator=gen).cuda()
+        g = torch.randn(32, 64, generator=gen).cuda()
+        for model in (first, block, ref_first, ref_block):
+            model.zero_grad(set_to_none=True)
+        with fp8_autocast(fp8_recipe=recipe):
+            out = block(first(x))
+        out.backward(g)
+        ref_out = _reference_step(ref_first, ref_block, x, g, recipe)
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, ref_out, f"replay {i}: output")
+        _assert_same_models(first, ref_first, f"replay {i}, first")
+        _assert_same_models(block, ref_block, f"replay {i}, block")
+    # In eval mode (not the captured mode) the module runs eagerly, still under the recipe.
+    block.eval()
+    ref_block.eval()
+    with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+        h = first(x)
+    with torch.no_grad():
+        got = block(h)
+    with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+        expected = ref_block(h)
+    assert_bitwise_equal(got, expected, "eval forward")
+
+
+@CUDA_SKIP
+def test_make_graphed_callables_takes_several_modules_in_order():
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    stages = (make_model("cuda", recipe), make_model("cuda", recipe))
+    refs = copy.deepcopy(stages)
+    samples = tuple((torch.randn(32, 64, device="cuda", requires_grad=True),) for _ in stages)
+    graphed = tfp8.make_graphed_callables(stages, samples, fp8_enabled=True, fp8_recipe=recipe)
+    assert graphed == stages
+    gen = torch.Generator().manual_seed(2)
+    for i in range(4):
+        x = torch.randn(32, 64, generator=gen).cuda().requires_grad_(True)
+        g = torch.randn(32, 64, generator=gen).cuda()
+        for model in stages + refs:
+            model.zero_grad(set_to_none=True)
+        stages[1](stages[0](x)).backward(g)
+        x_ref = x.detach().clone().requires_grad_(True)
+        with fp8_autocast(fp8_recipe=recipe):
+            h = refs[0](x_ref)
+        with fp8_autocast(fp8_recipe=recipe):
+            out = refs[1](h)
+        out.backward(g)
+        torch.cuda.synchronize()
+        assert_bitwise_equal(x.grad, x_ref.grad, f"replay {i}: input gradient")
+        for stage, ref in zip(stages, refs):
+            _assert_same_models(stage, ref, f"replay {i}")

@@ -7,6 +7,7 @@ from . import ops, recipe
 from .fp8_context import autocast, fp8_autocast, fp8_model_init, quantized_model_init
 from .checkpointing import checkpoint
 from .convert import Conv1D, ConversionSummary, convert_to_fp8
+from .cuda_graphs import make_graphed_callables
 from .linear import Linear, strip_fp8_state
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
 
@@ -44,5 +45,5 @@ def is_fp8_available() -> tuple[bool, str]:
 
 __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "Float8CurrentScaling", "Format",
            "Linear", "autocast", "build_info", "checkpoint", "convert_to_fp8", "fp8_autocast",
-           "fp8_model_init", "is_fp8_available", "ops", "quantized_model_init", "recipe",
-           "strip_fp8_state"]
+           "fp8_model_init", "is_fp8_available", "make_graphed_callables", "ops",
+           "quantized_model_init", "recipe", "strip_fp8_state"]

@@ -71,8 +71,12 @@ class AmaxStep:
     every rank's buffer has the same layout; a module that ran on no rank keeps its state (the
     update leaves a column with no recorded amax untouched)."""
 
-    def __init__(self, recipe: DelayedScaling, group, role: str = "fwd"):
+    def __init__(self, recipe: DelayedScaling, group, role: str = "fwd",
+                 include_unrecorded: bool = True):
         self.recipe, self.group, self.role = recipe, group, role
+        # False in a graphed callable (see isolated_fp8_autocast): the step covers exactly the
+        # modules that recorded, which are the same on every rank (a graph is static).
+        self.include_unrecorded = include_unrecorded
         self.states: dict[int, StateGetter] = {}
 
     def add(self, key: int, getter: StateGetter) -> None:
@@ -90,7 +94,7 @@ class AmaxStep:
         if not self.states:
             return
         reduce = self.recipe.reduce_amax and _world_size(self.group) > 1
-        if reduce:
+        if reduce and self.include_unrecorded:
             self._add_modules_run_elsewhere()
         tensors = [self.states[key]() for key in sorted(self.states)]
         histories = [t[0] for t in tensors]
@@ -129,8 +133,8 @@ class BackwardStep:
     Until the next backward nothing reads the grad_output scales, so the numbers are the same.
     """
 
-    def __init__(self, recipe: DelayedScaling, group):
-        self.step = AmaxStep(recipe, group, role="bwd")
+    def __init__(self, recipe: DelayedScaling, group, include_unrecorded: bool = True):
+        self.step = AmaxStep(recipe, group, role="bwd", include_unrecorded=include_unrecorded)
         self._queued = False
 
     def add(self, key: int, getter: StateGetter) -> None:
@@ -193,6 +197,7 @@ class _ThreadAutocast(threading.local):
         self.forward_steps: dict = {}
         self.backward_steps: dict = {}
         self.pass_id = 0  # of the outermost context last entered (see forward_pass_id)
+        self.isolated = False  # inside isolated_fp8_autocast
 
 
 _LOCAL = _ThreadAutocast()
@@ -221,8 +226,11 @@ def record_forward(state: AutocastState, key: int, fwd_getter: StateGetter,
     it returns (its backward calls on_backward())."""
     k = _key(state)
     if k not in _LOCAL.forward_steps:
-        _LOCAL.forward_steps[k] = AmaxStep(state.recipe, state.group, role="fwd")
-        _LOCAL.backward_steps[k] = BackwardStep(state.recipe, state.group)
+        everywhere = not _LOCAL.isolated
+        _LOCAL.forward_steps[k] = AmaxStep(state.recipe, state.group, role="fwd",
+                                           include_unrecorded=everywhere)
+        _LOCAL.backward_steps[k] = BackwardStep(state.recipe, state.group,
+                                                include_unrecorded=everywhere)
     _LOCAL.forward_steps[k].add(key, fwd_getter)
     _LOCAL.backward_steps[k].add(key, bwd_getter)
     return _LOCAL.backward_steps[k]
@@ -277,7 +285,9 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
     outermost = not _LOCAL.stack
     if outermost:
         _LOCAL.pass_id = next(_pass_ids)
-        if has_pending_backward_updates():
+        # (Not in an isolated context, which a graph may be capturing: the held updates
+        # belong to the surrounding step and run at its next outermost context.)
+        if has_pending_backward_updates() and not _LOCAL.isolated:
             flush_pending_backward_updates()
     _LOCAL.stack.append(_state_for(enabled, fp8_recipe, fp8_group))
     failed = False
@@ -290,6 +300,25 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
         _LOCAL.stack.pop()
         if outermost:
             _exit_outermost(failed)
+
+
+@contextlib.contextmanager
+def isolated_fp8_autocast(enabled: bool, fp8_recipe: Optional[Recipe], fp8_group) -> Iterator[None]:
+    """fp8_autocast as the outermost context, whatever contexts surround it: the modules run
+    inside are reduced and updated at its exit, and their backward pass updates at its end, on
+    their own. What a graphed callable captures (see cuda_graphs.py): its forward graph then
+    holds the forward update and its backward graph the backward update, so every replay does
+    what an eager step does. The surrounding contexts are restored afterwards."""
+    saved = (_LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps, _LOCAL.pass_id,
+             _LOCAL.isolated)
+    _LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps = [], {}, {}
+    _LOCAL.isolated = True
+    try:
+        with fp8_autocast(enabled, fp8_recipe, fp8_group):
+            yield
+    finally:
+        (_LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps, _LOCAL.pass_id,
+         _LOCAL.isolated) = saved
 
 
 def autocast(enabled: bool = True, recipe: Optional[Recipe] = None,

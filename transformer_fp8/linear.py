@@ -258,6 +258,15 @@ class Linear(torch.nn.Linear):
         self._delayed_cast_cache = None
         self._replay_records.clear()
 
+    def fp8_state_tensors(self) -> list[torch.Tensor]:
+        """The float32 FP8 state (histories, scales, scale_invs), as the update writes it."""
+        return [self._buffers[name] for name in FP8_FLOAT_STATE]
+
+    def prepare_fp8_recipe(self, recipe: Recipe) -> None:
+        """Size the FP8 state for ``recipe`` now, as the first FP8 forward under it would."""
+        if isinstance(recipe, DelayedScaling):
+            self._adopt_recipe(recipe)
+
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if hasattr(self, "fp8_recipe_fields"):  # nn.Linear.__init__ calls this first

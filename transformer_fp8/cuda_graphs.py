@@ -1,0 +1,151 @@
+"""make_graphed_callables: torch.cuda.make_graphed_callables for modules with FP8 layers, with
+Transformer Engine's signature.
+
+torch's own function replays the captured kernels and nothing else. An FP8 layer's forward also
+does Python work that a replay skips: it registers its amax slots with the enclosing
+fp8_autocast, which then reduces them and updates the scales, and its backward queues the
+grad_output update. Replayed under torch's function alone, the amaxes keep accumulating in the
+histories and the scales never move.
+
+Here each module runs, while it is warmed up and captured, inside an isolated fp8_autocast
+(fp8_context.isolated_fp8_autocast): the outermost context for that module alone, whatever the
+caller's contexts are. Its forward graph then ends with the forward amax reduction and update,
+and its backward graph with the grad_output ones, exactly the kernels an eager step with
+``fp8_autocast`` around that module runs, on the same state buffers. The warm-up steps (run on
+torch's sample gradients, which are uninitialised memory) do not count: the FP8 state is put
+back afterwards, in place, so the graphs read the buffers the module owns.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from . import fp8_context
+from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+
+def _fp8_layers(module: torch.nn.Module) -> list:
+    return [m for m in module.modules() if hasattr(m, "fp8_state_tensors")]
+
+
+class _Fp8Callable(torch.nn.Module):
+    """The callable handed to torch: the module's own forward inside an isolated
+    fp8_autocast. Its parameters are the module's (torch makes them graph inputs)."""
+
+    def __init__(self, module: torch.nn.Module, enabled: bool, recipe: Recipe, group):
+        super().__init__()
+        self.module = module
+        self._module_forward = module.forward  # before torch (or we) replace module.forward
+        self._autocast_args = (enabled, recipe, group)
+        self.train(module.training)
+
+    def forward(self, *args):
+        with fp8_context.isolated_fp8_autocast(*self._autocast_args):
+            return self._module_forward(*args)
+
+
+def _check_sample_args(sample_args, count: int, single: bool) -> tuple:
+    per_module = (sample_args,) if single else sample_args
+    if not isinstance(per_module, (tuple, list)) or len(per_module) != count:
+        raise ValueError(f"sample_args must hold one tuple of tensors per module ({count}), got "
+                         f"{type(sample_args).__name__} of length "
+                         f"{len(sample_args) if hasattr(sample_args, '__len__') else '?'}")
+    for i, args in enumerate(per_module):
+        if not isinstance(args, (tuple, list)) or not all(
+                isinstance(a, torch.Tensor) for a in args):
+            raise TypeError(f"sample_args[{i}] must be a tuple of tensors, got {args!r:.80}")
+        if not all(a.is_cuda for a in args):
+            raise ValueError(f"sample_args[{i}]: CUDA graphs need CUDA tensors, got devices "
+                             f"{[str(a.device) for a in args]}")
+    return tuple(tuple(args) for args in per_module)
+
+
+def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
+                           allow_unused_input: bool = False, sample_kwargs=None,
+                           fp8_enabled: bool = False, fp8_calibrating: bool = False,
+                           fp8_recipe: Optional[Recipe] = None, fp8_group=None,
+                           fp8_weight_caching: bool = False, pool=None, *,
+                           enabled: Optional[bool] = None, recipe: Optional[Recipe] = None,
+                           amax_reduction_group=None) -> Union[torch.nn.Module, tuple]:
+    """CUDA-graph the forward and backward of each module (an nn.Module or a tuple of them, with
+    one tuple of sample tensors each, as torch.cuda.make_graphed_callables takes), FP8 layers
+    included. Returns the modules, whose forward now replays the graphs in the training mode
+    they were captured in (and runs eagerly in the other).
+
+    fp8_enabled / fp8_recipe / fp8_group (Transformer Engine's names; also enabled / recipe /
+    amax_reduction_group): how the FP8 layers run in the graphs, whatever fp8_autocast
+    surrounds the call later. Each replay does what an eager step with ``fp8_autocast`` around
+    the module does, the scale updates included: bit for bit the same numbers. With
+    DelayedScaling the amax reduction across the group covers the graphed module's own layers,
+    in its graph; every rank must replay the same graphs (as collectives in graphs require).
+
+    Not supported (refused): fp8_calibrating, fp8_weight_caching, sample_kwargs.
+    """
+    fp8_enabled = _merge("fp8_enabled", fp8_enabled, False, "enabled", enabled)
+    fp8_recipe = _merge("fp8_recipe", fp8_recipe, None, "recipe", recipe)
+    fp8_group = _merge("fp8_group", fp8_group, None, "amax_reduction_group", amax_reduction_group)
+    if not isinstance(fp8_enabled, bool):
+        raise TypeError(f"fp8_enabled must be True or False, got {type(fp8_enabled).__name__}")
+    if fp8_recipe is None:
+        fp8_recipe = DelayedScaling()
+    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError("fp8_recipe must be None, a DelayedScaling or a Float8CurrentScaling, "
+                        f"got {type(fp8_recipe).__name__}")
+    for name, value in (("fp8_calibrating", fp8_calibrating),
+                        ("fp8_weight_caching", fp8_weight_caching)):
+        if value is not False:
+            raise ValueError(f"{name} is not supported by transformer_fp8's "
+                             f"make_graphed_callables; pass False, got {value!r}")
+    if sample_kwargs:
+        raise ValueError("sample_kwargs is not supported: the graphed forward takes tensors as "
+                         "positional arguments only (as torch.cuda.make_graphed_callables)")
+    single = isinstance(modules, torch.nn.Module)
+    module_list = (modules,) if single else modules
+    if not isinstance(module_list, (tuple, list)) or not all(
+            isinstance(m, torch.nn.Module) for m in module_list):
+        raise TypeError("modules must be an nn.Module or a tuple of nn.Modules, got "
+                        f"{type(modules).__name__}")
+    module_list = tuple(module_list)
+    per_module_args = _check_sample_args(sample_args, len(module_list), single)
+
+    layers = [layer for m in module_list for layer in _fp8_layers(m)]
+    if fp8_enabled:
+        for layer in layers:  # the state gets its final shapes before it is captured
+            layer.prepare_fp8_recipe(fp8_recipe)
+    with torch.no_grad():
+        saved = [[t.clone() for t in layer.fp8_state_tensors()] for layer in layers]
+
+    callables = tuple(_Fp8Callable(m, fp8_enabled, fp8_recipe, fp8_group) for m in module_list)
+    graphed = torch.cuda.make_graphed_callables(
+        callables, per_module_args, num_warmup_iters=num_warmup_iters,
+        allow_unused_input=allow_unused_input, pool=pool)
+
+    # Undo the warm-up's updates, in place: the graphs read and write these very tensors.
+    with torch.no_grad():
+        for layer, tensors in zip(layers, saved):
+            for current, before in zip(layer.fp8_state_tensors(), tensors):
+                current.copy_(before)
+    for module, wrapper in zip(module_list, graphed):
+        module.forward = _graphed_forward(module, wrapper)
+    return module_list[0] if single else module_list
+
+
+def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable):
+    replay_or_eager = wrapper.forward  # torch's: replays in the captured training mode
+
+    def forward(*args):
+        wrapper.training = module.training  # the mode the caller set on the module
+        return replay_or_eager(*args)
+
+    return forward
+
+
+def _merge(old_name, old_value, old_default, new_name, new_value):
+    """Transformer Engine 1.x and 2.x spell some arguments differently; accept either."""
+    if new_value is None:
+        return old_value
+    if old_value is not old_default and old_value != new_value:
+        raise ValueError(f"{old_name} and {new_name} are two names for the same argument and "
+                         f"must agree; pass one (got {old_value!r} and {new_value!r})")
+    return new_value
