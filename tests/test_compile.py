@@ -62,7 +62,7 @@ def test_compile_refuses_a_layer_not_built_for_its_recipe():
     model = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 16)))  # length 1024
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="build the layer for its recipe"):
+    with pytest.raises(Exception, match="build the module for its recipe"):
         with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=8)):
             compiled(torch.randn(4, 32))
 

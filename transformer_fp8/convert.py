@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from . import fp8_context
-from .linear import _ALIGN, Linear, _history_len_for
+from .fp8_state import ALIGN, history_len_for
+from .linear import Linear
 from .recipe import DelayedScaling, Recipe
 
 
@@ -56,7 +57,7 @@ def _is_transformers_conv1d(module: torch.nn.Module) -> bool:
 
 
 def _default_filter(module: torch.nn.Linear, name: str) -> bool:
-    return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+    return module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
 
 
 @dataclass
@@ -94,7 +95,7 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     filter_fn = filter_fn or _default_filter
     if recipe is None:
         recipe = fp8_context.init_recipe()  # from quantized_model_init, if any
-    history_len = _history_len_for(recipe)
+    history_len = history_len_for(recipe)
     summary = ConversionSummary([], {})
     for name, child in module.named_modules():
         if isinstance(child, Linear):
@@ -128,5 +129,5 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
 def _skip_reason(layer, filter_fn) -> str:
     if filter_fn is _default_filter:
         return (f"in_features {layer.in_features} and out_features {layer.out_features} must be "
-                f"multiples of {_ALIGN} for FP8 GEMMs")
+                f"multiples of {ALIGN} for FP8 GEMMs")
     return "filter_fn returned False"

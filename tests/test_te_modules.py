@@ -1,0 +1,371 @@
+"""Transformer Engine's modules: LayerNorm, RMSNorm, LayerNormLinear, LayerNormMLP.
+
+Outside fp8_autocast each computes exactly its torch composition; inside, its GEMMs run in FP8
+(the norm and the activation emitting FP8 directly) within the SQNR bounds of Linear, with each
+GEMM's own scales in the one update; checkpointing, torch.compile, microbatching and meta
+init work as for Linear."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_bitwise_equal, assert_same_training, counting_aot_eager, randn, sqnr
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
+from transformer_fp8.activations import ACTIVATIONS, activation_hp
+
+RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
+RECIPE_IDS = ["delayed", "current"]
+NORMS = ["LayerNorm", "RMSNorm"]
+
+
+def norm_ref(x, kind, weight, bias, eps=1e-5, zero_centered_gamma=False):
+    gamma = weight + 1 if zero_centered_gamma else weight
+    if kind == "LayerNorm":
+        return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
+    return F.rms_norm(x, (x.shape[-1],), gamma, eps)
+
+
+def float32_copy(module):
+    return copy.deepcopy(module).float()
+
+
+def mlp_ref(m, x):
+    """LayerNormMLP's composition in float32 from its parameters."""
+    ln = norm_ref(x, m.normalization, m.layer_norm_weight, m.layer_norm_bias, m.eps,
+                  m.zero_centered_gamma)
+    return F.linear(activation_hp(F.linear(ln, m.fc1_weight, m.fc1_bias), m.activation),
+                    m.fc2_weight, m.fc2_bias)
+
+
+def lnl_ref(m, x):
+    ln = norm_ref(x, m.normalization, m.layer_norm_weight, m.layer_norm_bias, m.eps,
+                  m.zero_centered_gamma)
+    return F.linear(ln, m.weight, m.bias)
+
+
+def randomize(module, gen, scale=0.1):
+    """Non-trivial norm parameters (the defaults are ones and zeros)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.startswith("layer_norm"):
+                p.copy_(randn(gen, *p.shape, device=p.device) * scale
+                        + (0 if "bias" in name or module.zero_centered_gamma else 1))
+
+
+# ---- construction ------------------------------------------------------------------------------
+
+def test_parameter_names_and_shapes_follow_transformer_engine():
+    m = tfp8.LayerNormMLP(64, 96, activation="swiglu")
+    assert {n: tuple(p.shape) for n, p in m.named_parameters()} == {
+        "layer_norm_weight": (64,), "layer_norm_bias": (64,), "fc1_weight": (192, 64),
+        "fc1_bias": (192,), "fc2_weight": (64, 96), "fc2_bias": (64,)}
+    m = tfp8.LayerNormLinear(64, 32, normalization="RMSNorm", bias=False)
+    assert {n: tuple(p.shape) for n, p in m.named_parameters()} == {
+        "layer_norm_weight": (64,), "weight": (32, 64)}
+    assert {n for n, _ in tfp8.LayerNorm(8).named_parameters()} == {"weight", "bias"}
+    assert {n for n, _ in tfp8.RMSNorm(8).named_parameters()} == {"weight"}
+    zc = tfp8.LayerNormLinear(16, 16, zero_centered_gamma=True)
+    assert torch.equal(zc.layer_norm_weight, torch.zeros(16))
+    assert tfp8.LayerNormMLP(16, 16, params_dtype=torch.bfloat16).fc1_weight.dtype == \
+        torch.bfloat16
+    # Transformer Engine's initialisation: normal(0, 0.023) weights, zero biases.
+    big = tfp8.LayerNormLinear(512, 512)
+    assert abs(big.weight.std().item() - 0.023) < 0.002 and torch.equal(big.bias,
+                                                                          torch.zeros(512))
+    # Sizes the state for the GEMMs: two columns per GEMM forward, one backward.
+    mlp = tfp8.LayerNormMLP(32, 64, recipe=DelayedScaling(amax_history_len=8))
+    assert mlp.fp8_fwd_amax_history.shape == (8, 4) and mlp.fp8_bwd_amax_history.shape == (8, 2)
+
+
+def test_bad_arguments_are_refused_with_their_names():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        tfp8.LayerNormMLP(16, 16, activation="tanh")
+    with pytest.raises(ValueError, match="normalization must be one of"):
+        tfp8.LayerNormLinear(16, 16, normalization="BatchNorm")
+    with pytest.raises(ValueError, match="eps must be a number >= 0"):
+        tfp8.LayerNormLinear(16, 16, eps=-1.0)
+    with pytest.raises(ValueError, match="ffn_hidden_size must be a positive integer"):
+        tfp8.LayerNormMLP(16, 0)
+    with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
+        tfp8.RMSNorm(-3)
+    with pytest.raises(ValueError, match="sequence_parallel=True is not supported"):
+        tfp8.LayerNormLinear(16, 16, sequence_parallel=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        tfp8.LayerNormMLP(16, 16, bogus=1)
+    with pytest.raises(ValueError, match="'dtype'.*'params_dtype'"):
+        tfp8.LayerNormLinear(16, 16, dtype=torch.float32, params_dtype=torch.bfloat16)
+    # Transformer Engine's parallelism options at their defaults are accepted.
+    tfp8.LayerNormMLP(16, 16, sequence_parallel=False, tp_group=None, tp_size=1,
+                      set_parallel_mode=False, fuse_wgrad_accumulation=False,
+                      ub_overlap_rs=False, name="mlp")
+    m = tfp8.LayerNormLinear(16, 16)
+    with pytest.raises(ValueError, match=r"input must have shape \[\.\.\., 16\]"):
+        m(torch.randn(4, 8))
+
+
+# ---- high precision: exactly the torch composition ---------------------------------------------
+
+@pytest.mark.parametrize("enabled", [None, False], ids=["outside", "disabled"])
+@pytest.mark.parametrize("normalization", NORMS)
+def test_high_precision_is_exactly_the_composition(gen, device, enabled, normalization):
+    torch.manual_seed(0)
+    mlp = tfp8.LayerNormMLP(32, 48, normalization=normalization, activation="geglu",
+                            zero_centered_gamma=True, device=device)
+    lnl = tfp8.LayerNormLinear(32, 16, normalization=normalization, device=device)
+    randomize(mlp, gen)
+    randomize(lnl, gen)
+    x = randn(gen, 2, 5, 32, device=device)
+    ctx = fp8_autocast(enabled=False) if enabled is False else torch.no_grad()
+    with ctx:
+        assert_bitwise_equal(mlp(x), mlp_ref(mlp, x), "LayerNormMLP")
+        assert_bitwise_equal(lnl(x), lnl_ref(lnl, x), "LayerNormLinear")
+        norm = (tfp8.LayerNorm if normalization == "LayerNorm" else tfp8.RMSNorm)(
+            32, eps=1e-3, zero_centered_gamma=True, device=device)
+        randomize(norm, gen)
+        assert_bitwise_equal(norm(x), norm_ref(x, normalization, norm.weight, norm.bias, 1e-3,
+                                               True), normalization)
+
+
+def test_norm_modules_keep_the_input_dtype(gen):
+    x = randn(gen, 4, 16, dtype=torch.bfloat16)
+    for cls in (tfp8.LayerNorm, tfp8.RMSNorm):
+        out = cls(16)(x)
+        assert out.dtype == torch.bfloat16
+
+
+# ---- FP8 numerics -------------------------------------------------------------------------------
+
+def _fp8_step(module, x, g, recipe):
+    with fp8_autocast(fp8_recipe=recipe):
+        out = module(x)
+    out.backward(g)
+    return out
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_layernorm_mlp_fp8_sqnr_against_float32(gen, device, recipe, normalization, activation):
+    torch.manual_seed(1)
+    m = tfp8.LayerNormMLP(64, 128, normalization=normalization, activation=activation,
+                          device=device)
+    randomize(m, gen)
+    ref = float32_copy(m)
+    x = randn(gen, 3, 37, 64, device=device)  # 111 rows: padded to 112 inside
+    g = randn(gen, 3, 37, 64, device=device)
+    for _ in range(2):  # the second step runs with scales from the first (delayed scaling)
+        m.zero_grad(set_to_none=True)
+        x_in = x.clone().requires_grad_(True)
+        out = _fp8_step(m, x_in, g, recipe)
+    x_ref = x.clone().requires_grad_(True)
+    out_ref = mlp_ref(ref, x_ref)
+    out_ref.backward(g)
+    assert sqnr(out_ref, out) >= 20
+    assert sqnr(x_ref.grad, x_in.grad) >= 17
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert sqnr(q.grad, p.grad) >= 17, name
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("normalization", NORMS)
+def test_layernorm_linear_fp8_sqnr_against_float32(gen, device, recipe, normalization):
+    torch.manual_seed(2)
+    m = tfp8.LayerNormLinear(64, 96, normalization=normalization, device=device)
+    randomize(m, gen)
+    ref = float32_copy(m)
+    x = randn(gen, 50, 64, device=device)
+    g = randn(gen, 50, 96, device=device)
+    for _ in range(2):
+        m.zero_grad(set_to_none=True)
+        x_in = x.clone().requires_grad_(True)
+        out = _fp8_step(m, x_in, g, recipe)
+    x_ref = x.clone().requires_grad_(True)
+    out_ref = lnl_ref(ref, x_ref)
+    out_ref.backward(g)
+    assert sqnr(out_ref, out) >= 23
+    assert sqnr(x_ref.grad, x_in.grad) >= 19
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert sqnr(q.grad, p.grad) >= 19, name
+
+
+def test_bfloat16_parameters_and_input(gen, device):
+    torch.manual_seed(3)
+    m = tfp8.LayerNormMLP(64, 64, activation="swiglu", params_dtype=torch.bfloat16,
+                          device=device)
+    ref = float32_copy(m)
+    x = randn(gen, 40, 64, device=device)
+    out = _fp8_step(m, x.bfloat16(), randn(gen, 40, 64, device=device).bfloat16(),
+                    Float8CurrentScaling())
+    assert out.dtype == torch.bfloat16 and m.fc1_weight.grad.dtype == torch.bfloat16
+    assert sqnr(mlp_ref(ref, x), out) >= 20
+
+
+def test_return_bias_and_layernorm_output(gen, device):
+    torch.manual_seed(4)
+    m = tfp8.LayerNormMLP(32, 32, return_bias=True, return_layernorm_output=True,
+                          device=device)
+    randomize(m, gen)
+    with torch.no_grad():
+        m.fc2_bias.copy_(randn(gen, 32, device=device))
+    x = randn(gen, 20, 32, device=device, requires_grad=True)
+    for enabled in (False, True):
+        with fp8_autocast(enabled=enabled, fp8_recipe=Float8CurrentScaling()):
+            out, bias, ln_out = m(x)
+        assert bias is m.fc2_bias
+        full = mlp_ref(m, x)
+        assert sqnr(full - m.fc2_bias, out) >= (20 if enabled else 60)
+        assert sqnr(norm_ref(x, "LayerNorm", m.layer_norm_weight, m.layer_norm_bias), ln_out) \
+            >= 60
+    # The norm's output takes part in backward: its gradient reaches the input.
+    x.grad = None
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        out, _, ln_out = m(x)
+    (out.sum() * 0 + ln_out.sum()).backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    norm_ref(x_ref, "LayerNorm", m.layer_norm_weight, m.layer_norm_bias).sum().backward()
+    assert sqnr(x_ref.grad, x.grad) >= 30
+
+    lnl = tfp8.LayerNormLinear(32, 16, return_layernorm_output=True, device=device)
+    with fp8_autocast():
+        out, ln_out = lnl(x)
+    assert out.shape == (20, 16) and ln_out.shape == (20, 32)
+
+
+def test_each_gemm_records_its_own_amaxes_in_one_update(gen, device):
+    torch.manual_seed(5)
+    m = tfp8.LayerNormMLP(32, 64, device=device, recipe=DelayedScaling(amax_history_len=4))
+    x = randn(gen, 16, 32, device=device, requires_grad=True)
+    with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+        out = m(x)
+    # After the forward update: every column rolled into the last row, scales moved.
+    fwd = m.fp8_fwd_amax_history
+    assert (fwd[-1] > 0).all() and (fwd[0] == 0).all()
+    ln = norm_ref(x.detach(), "LayerNorm", m.layer_norm_weight, m.layer_norm_bias)
+    fc1 = F.linear(ln, m.fc1_weight, m.fc1_bias)
+    expected = torch.stack([ln.abs().max(), m.fc1_weight.abs().max(),
+                            activation_hp(fc1, "gelu").abs().max(), m.fc2_weight.abs().max()])
+    assert torch.allclose(fwd[-1], expected.detach(), rtol=0.1)
+    out.backward(randn(gen, 16, 32, device=device))
+    assert (m.fp8_bwd_amax_history[-1] > 0).all() and (m.fp8_bwd_scale != 1).all()
+
+
+def test_is_first_microbatch_reuses_the_weight_casts(gen, device):
+    torch.manual_seed(6)
+    m = tfp8.LayerNormMLP(32, 32, device=device)
+    x1, x2 = randn(gen, 16, 32, device=device), randn(gen, 16, 32, device=device)
+    recipe = Float8CurrentScaling()
+    with fp8_autocast(fp8_recipe=recipe):
+        m(x1, is_first_microbatch=True)
+        with torch.no_grad():
+            m.fc1_weight.mul_(2)  # not seen until the next first microbatch
+        cached = m(x2, is_first_microbatch=False)
+        fresh = m(x2)
+    with torch.no_grad():
+        m.fc1_weight.div_(2)
+    with fp8_autocast(fp8_recipe=recipe):
+        before = m(x2)
+    assert_bitwise_equal(cached, before, "cached weights")
+    assert not torch.equal(cached, fresh)
+
+
+def test_unaligned_sizes_run_in_high_precision_with_one_warning(gen):
+    m = tfp8.LayerNormMLP(24, 40)
+    x = randn(gen, 5, 24)
+    with pytest.warns(UserWarning, match="runs in high precision"), fp8_autocast():
+        out = m(x)
+    assert_bitwise_equal(out, mlp_ref(m, x), "high-precision fallback")
+
+
+# ---- training-stack features --------------------------------------------------------------------
+
+def _checkpoint_model(device, recipe):
+    torch.manual_seed(7)
+    return torch.nn.ModuleList([
+        tfp8.LayerNormLinear(32, 32, normalization="RMSNorm", recipe=recipe),
+        tfp8.LayerNormMLP(32, 64, activation="swiglu", recipe=recipe)]).to(device)
+
+
+def _train(model, steps, recipe, checkpoint, gen, device, reentrant=False):
+    record = []
+    for _ in range(steps):
+        x = randn(gen, 24, 32, device=device, requires_grad=True)
+        model.zero_grad(set_to_none=True)
+        with fp8_autocast(fp8_recipe=recipe):
+            h = x
+            for layer in model:
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=reentrant) \
+                    if checkpoint else layer(h)
+        loss = h.float().square().mean()
+        loss.backward()
+        record.append((loss.detach(), [p.grad.clone() for p in model.parameters()]
+                       + [x.grad.clone()],
+                       [t.clone() for layer in model for t in layer.fp8_state_tensors()]))
+    return record
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_activation_checkpointing_is_bit_identical(device, recipe, reentrant):
+    plain, checkpointed = _checkpoint_model(device, recipe), _checkpoint_model(device, recipe)
+    got = _train(checkpointed, 3, recipe, True, torch.Generator().manual_seed(8), device,
+                 reentrant)
+    expected = _train(plain, 3, recipe, False, torch.Generator().manual_seed(8), device)
+    assert_same_training(got, expected)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_fullgraph_compile_is_bit_identical_to_eager(recipe):
+    eager = _checkpoint_model("cpu", recipe)
+    compiled_model = copy.deepcopy(eager)
+    backend, graphs = counting_aot_eager()
+
+    class Seq(torch.nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    compiled = torch.compile(Seq(compiled_model), backend=backend, fullgraph=True)
+    gen_a, gen_b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    for step in range(3):
+        for model, gen, run in ((eager, gen_a, Seq(eager)), (compiled_model, gen_b, compiled)):
+            x = randn(gen, 24, 32)
+            model.zero_grad(set_to_none=True)
+            with fp8_autocast(fp8_recipe=recipe):
+                out = run(x)
+            out.float().square().mean().backward()
+        with fp8_autocast(fp8_recipe=recipe):  # runs a compiled backward's held update
+            pass
+        for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters()):
+            assert_bitwise_equal(p.grad, q.grad, f"step {step}: gradient of {name}")
+        for (name, t), u in zip(compiled_model.state_dict().items(),
+                                eager.state_dict().values()):
+            assert_bitwise_equal(t, u, f"step {step}: {name}")
+    assert len(graphs) == 1, f"recompiled: {len(graphs)} graphs"
+
+
+def test_state_dict_round_trip_and_meta_init(gen, device, tmp_path):
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(10)
+    m = tfp8.LayerNormMLP(32, 32, recipe=recipe, device=device)
+    x = randn(gen, 16, 32, device=device)
+    for _ in range(2):
+        _fp8_step(m, x.clone().requires_grad_(True), x, recipe)
+    state = m.state_dict()
+    with torch.device("meta"):
+        fresh = tfp8.LayerNormMLP(32, 32, recipe=recipe)
+    fresh.to_empty(device=device)
+    assert (fresh.fp8_fwd_scale == 1).all() and (fresh.fp8_fwd_amax_history == 0).all()
+    fresh.load_state_dict(state)
+    with fp8_autocast(fp8_recipe=recipe):
+        assert_bitwise_equal(fresh(x), m(x), "after load")
+    torch.save(state, tmp_path / "mlp.pt")
+    assert torch.load(tmp_path / "mlp.pt", weights_only=True).keys() == state.keys()

@@ -1,0 +1,174 @@
+"""LayerNormLinear (Transformer Engine's module): a norm (LayerNorm or RMSNorm) then a Linear.
+
+Inside fp8_autocast the norm writes its output straight to FP8 (and the transpose the weight
+gradient needs, and its amax into the input's history slot) in one pass: the high-precision
+norm output is never written, unless return_layernorm_output asks for it. Backward: grad_output
+cast (fused with the bias gradient), dgrad and wgrad in FP8, then the norm's backward.
+Outside fp8_autocast it computes exactly norm -> torch.nn.functional.linear.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .fp8_state import ALIGN, pad_rows
+from .norm_first import (NormFirstModule, check_positive, check_unsupported, split_outputs,
+                         te_default_init)
+from .normalization import norm_hp
+from .recipe import Recipe
+
+
+def cast_norm_output(plan, norm, x, ln_weight, ln_bias, with_transpose, return_hp):
+    """The norm of x [M, K] cast to FP8 as a GEMM input, through plan.input_cast.
+    Returns (ln_fp8, ln_t_fp8 or None, scale_inv, scale, ln_out or None, stats)."""
+
+    def fused(scale, amax_slot, dtype):
+        y_fp8, y_t_fp8, y_hp, stats = norm.fp8(x, ln_weight, ln_bias, scale, amax_slot, dtype,
+                                               with_transpose, return_hp, ALIGN)
+        return y_fp8, y_t_fp8, (y_hp, stats)
+
+    def unfused():
+        y, stats = norm.hp(x, ln_weight, ln_bias)
+        return pad_rows(y), (y, stats)
+
+    ln_fp8, ln_t_fp8, scale_inv, scale, (ln_out, stats) = plan.input_cast.cast_fused(
+        fused, unfused, with_transpose)
+    return ln_fp8, ln_t_fp8, scale_inv, scale, (ln_out if return_hp else None), stats
+
+
+class _LayerNormLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, plan, norm, return_ln_out):
+        needs_norm_grad = any(ctx.needs_input_grad[:3])
+        needs_weight_grad = ctx.needs_input_grad[3]
+        out_features, in_features = weight.shape
+        x = inp.reshape(-1, in_features)
+        ln_fp8, ln_t_fp8, x_scale_inv, x_scale, ln_out, stats = cast_norm_output(
+            plan, norm, x, ln_weight, ln_bias, needs_weight_grad, return_ln_out)
+        w_fp8, w_t_fp8, w_scale_inv, w_scale = (
+            plan.weight_fp8 if plan.weight_fp8 is not None else
+            plan.weight_cast.cast(weight, needs_norm_grad))
+        plan.keep_scales(x_scale, x_scale_inv, w_scale, w_scale_inv)
+        out = ops.fp8_gemm(ln_fp8, x_scale_inv, w_fp8, w_scale_inv, plan.out_dtype,
+                           bias=None if bias is None else bias.to(plan.out_dtype),
+                           use_fast_accum=True)
+        # Backward keeps the input (for the norm's backward) and the FP8 copies only.
+        ctx.save_for_backward(x, ln_weight, ln_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv, *stats)
+        ctx.plan, ctx.norm = plan, norm
+        ctx.rows, ctx.lead_shape = x.shape[0], inp.shape[:-1]
+        ctx.in_features, ctx.out_features = in_features, out_features
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        out = out[:ctx.rows].reshape(*ctx.lead_shape, out_features)
+        if return_ln_out:
+            return out, ln_out.reshape(inp.shape)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_ln_out=None):
+        x, ln_weight, ln_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv, *stats = ctx.saved_tensors
+        needs_norm_grad = any(ctx.needs_input_grad[:3])
+        needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[3:5]
+        plan = ctx.plan
+        plan.on_backward()  # the grad_output update runs when this backward pass ends
+        g = grad_out.reshape(-1, ctx.out_features)
+        g_fp8, g_t_fp8, g_scale_inv, grad_bias = plan.grad_cast.cast_grad_output(
+            g, with_transpose=needs_weight_grad, with_dbias=needs_bias_grad)
+        grad_inp = grad_ln_weight = grad_ln_bias = grad_weight = None
+        if needs_norm_grad:
+            # dgrad of the GEMM [M, K] = grad_out [M, N] @ weight [N, K], then the norm's.
+            grad_ln = ops.fp8_gemm(g_fp8, g_scale_inv, w_t_fp8, w_scale_inv, x.dtype)[:ctx.rows]
+            if grad_ln_out is not None:
+                grad_ln = grad_ln + grad_ln_out.reshape(grad_ln.shape).to(grad_ln.dtype)
+            grad_x, grad_ln_weight, grad_ln_bias = ctx.norm.backward(grad_ln, x, stats,
+                                                                     ln_weight)
+            grad_inp = grad_x.reshape(*ctx.lead_shape, ctx.in_features)
+        if needs_weight_grad:
+            # wgrad [N, K] = grad_out^T [N, M] @ ln_out [M, K]; the b operand is ln_out^T.
+            grad_weight = ops.fp8_gemm(g_t_fp8, g_scale_inv, ln_t_fp8, x_scale_inv,
+                                       ctx.weight_dtype)
+        if needs_bias_grad:
+            grad_bias = grad_bias.to(ctx.bias_dtype)
+        return (grad_inp, grad_ln_weight, grad_ln_bias, grad_weight, grad_bias,
+                None, None, None)
+
+
+class LayerNormLinear(NormFirstModule):
+    """Transformer Engine's LayerNormLinear: y = Linear(Norm(x)), the norm LayerNorm or RMSNorm.
+
+    Parameters: layer_norm_weight, layer_norm_bias (LayerNorm only), weight [out, in], bias.
+    Returns out; with return_bias, (out, bias) and the bias is not added; with
+    return_layernorm_output, the norm's output comes last.
+    Weights are initialised as Transformer Engine does (init_method, default normal with std
+    0.023; bias zero). Tensor/sequence parallel options are accepted only at their defaults.
+    recipe: the recipe it will train with (sizes the amax histories now, as for Linear).
+    """
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5,
+                 init_method: Optional[Callable] = None, bias: bool = True,
+                 normalization: str = "LayerNorm", return_bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None,
+                 return_layernorm_output: bool = False, zero_centered_gamma: bool = False,
+                 device=None, *, dtype: Optional[torch.dtype] = None,
+                 recipe: Optional[Recipe] = None, **te_options):
+        super().__init__()
+        check_unsupported("LayerNormLinear", te_options)
+        if dtype is not None and params_dtype is not None and dtype != params_dtype:
+            raise ValueError(f"LayerNormLinear: 'dtype' ({dtype}) and 'params_dtype' "
+                             f"({params_dtype}) name the same thing and must agree; pass one")
+        dtype = dtype or params_dtype
+        self.in_features = check_positive("LayerNormLinear", "in_features", in_features)
+        self.out_features = check_positive("LayerNormLinear", "out_features", out_features)
+        self.return_bias = bool(return_bias)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        self.init_method = init_method or te_default_init
+        factory = dict(device=device, dtype=dtype)
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = torch.nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
+        self._init_norm_and_state(in_features, eps, normalization, zero_centered_gamma,
+                                  device, dtype, recipe, num_gemms=1)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight.is_meta:
+            return  # initialised after to_empty(), by the caller
+        self.reset_norm_parameters()
+        self.init_method(self.weight)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+        self.reset_fp8_state()
+
+    def _gemm_dims(self):
+        return [(self.out_features, self.in_features)]
+
+    def fp8_weights(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        result = self._fp8_or_high_precision(inp, is_first_microbatch, self.in_features)
+        out, ln_out = result if self.return_layernorm_output else (result, None)
+        return split_outputs(out, ln_out, self.bias, self.return_bias,
+                             self.return_layernorm_output)
+
+    def _gemm_bias(self):
+        return None if self.return_bias else self.bias
+
+    def _high_precision(self, inp):
+        ln_out = norm_hp(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
+                         self.eps, self.zero_centered_gamma)
+        out = F.linear(ln_out, self.weight, self._gemm_bias())
+        return (out, ln_out) if self.return_layernorm_output else out
+
+    def _fp8_apply(self, inp, plans):
+        return _LayerNormLinearFunction.apply(
+            inp, self.layer_norm_weight, self.layer_norm_bias, self.weight, self._gemm_bias(),
+            plans[0], self._norm_step, self.return_layernorm_output)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"normalization={self.normalization}, bias={self.bias is not None}, fp8=True")

@@ -1,0 +1,251 @@
+"""LayerNormMLP (Transformer Engine's module): norm -> fc1 -> activation -> fc2.
+
+Inside fp8_autocast both GEMMs run in FP8, each with its own input, weight and grad_output
+scales (columns 0-1 / 2-3 of the forward history: fc1 input and weight, fc2 input and weight;
+columns 0 / 1 of the backward one: fc1's and fc2's grad_output). Fusions, each one pass:
+  forward:  norm + cast of its output (fc1's input, with its transpose and amax);
+            activation + cast of its output (fc2's input, with its transpose and amax);
+  backward: fc2's grad_output cast + fc2's bias gradient;
+            activation backward + cast of the result (fc1's grad_output) + fc1's bias gradient;
+            then the norm's backward.
+Saved for backward: the input, fc1's high-precision output (the activation's backward needs
+it) and FP8 copies. Outside fp8_autocast it computes exactly the torch composition.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .activations import activation_hp, check_activation, is_gated
+from .fp8_state import ALIGN, pad_rows
+from .layernorm_linear import cast_norm_output
+from .norm_first import (NormFirstModule, check_positive, check_unsupported, split_outputs,
+                         te_default_init)
+from .normalization import norm_hp
+from .recipe import Recipe
+
+
+def _cast_activation(plan, activation, fc1_out, with_transpose):
+    """act(fc1_out) cast to FP8 as fc2's input: (fp8, fp8_t or None, scale_inv, scale)."""
+    from . import fused_ops
+
+    def fused(scale, amax_slot, dtype):
+        y_fp8, y_t_fp8 = fused_ops.activation_fwd_fp8(fc1_out, activation, scale, dtype,
+                                                      amax_slot, with_transpose, ALIGN)
+        return y_fp8, y_t_fp8, None
+
+    def unfused():
+        return pad_rows(fused_ops.activation_fwd(fc1_out, activation)), None
+
+    act_fp8, act_t_fp8, scale_inv, scale, _ = plan.input_cast.cast_fused(fused, unfused,
+                                                                         with_transpose)
+    return act_fp8, act_t_fp8, scale_inv, scale
+
+
+def _cast_activation_grad(plan, activation, grad_act, fc1_out, with_transpose, with_dbias):
+    """d(loss)/d(fc1_out) from the activation's backward, cast to FP8 as fc1's grad_output:
+    (fp8, fp8_t or None, scale_inv, fc1's bias gradient or None)."""
+    from . import fused_ops
+
+    def fused(scale, amax_slot, dtype):
+        dx_fp8, dx_t_fp8, dbias = fused_ops.activation_bwd_fp8(
+            grad_act, fc1_out, activation, scale, dtype, amax_slot, with_transpose, with_dbias,
+            ALIGN)
+        return dx_fp8, dx_t_fp8, dbias
+
+    def unfused():
+        dx = fused_ops.activation_bwd(grad_act, fc1_out, activation)
+        dbias = dx.sum(dim=0, dtype=torch.float32).to(dx.dtype) if with_dbias else None
+        return pad_rows(dx), dbias
+
+    dx_fp8, dx_t_fp8, scale_inv, _, dbias = plan.grad_cast.cast_fused(fused, unfused,
+                                                                      with_transpose)
+    return dx_fp8, dx_t_fp8, scale_inv, (dbias if with_dbias else None)
+
+
+def _weight_fp8(plan, weight, with_transpose):
+    return plan.weight_fp8 if plan.weight_fp8 is not None else \
+        plan.weight_cast.cast(weight, with_transpose)
+
+
+class _LayerNormMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                plans, norm, activation, return_ln_out):
+        grads = ctx.needs_input_grad
+        needs_norm_grad = any(grads[:3])
+        needs_fc1_dgrad = needs_norm_grad  # fc1's dgrad feeds only the norm's backward
+        needs_fc2_dgrad = any(grads[:5])
+        fc1_plan, fc2_plan = plans
+        hidden = inp.shape[-1]
+        x = inp.reshape(-1, hidden)
+        rows = x.shape[0]
+        ln_fp8, ln_t_fp8, ln_scale_inv, ln_scale, ln_out, stats = cast_norm_output(
+            fc1_plan, norm, x, ln_weight, ln_bias, grads[3], return_ln_out)
+        w1_fp8, w1_t_fp8, w1_scale_inv, w1_scale = _weight_fp8(fc1_plan, fc1_weight,
+                                                               needs_fc1_dgrad)
+        fc1_plan.keep_scales(ln_scale, ln_scale_inv, w1_scale, w1_scale_inv)
+        fc1_out = ops.fp8_gemm(ln_fp8, ln_scale_inv, w1_fp8, w1_scale_inv, fc1_plan.out_dtype,
+                               bias=None if fc1_bias is None else fc1_bias.to(fc1_plan.out_dtype),
+                               use_fast_accum=True)[:rows]
+        act_fp8, act_t_fp8, act_scale_inv, act_scale = _cast_activation(
+            fc2_plan, activation, fc1_out, grads[5])
+        w2_fp8, w2_t_fp8, w2_scale_inv, w2_scale = _weight_fp8(fc2_plan, fc2_weight,
+                                                               needs_fc2_dgrad)
+        fc2_plan.keep_scales(act_scale, act_scale_inv, w2_scale, w2_scale_inv)
+        out = ops.fp8_gemm(act_fp8, act_scale_inv, w2_fp8, w2_scale_inv, fc2_plan.out_dtype,
+                           bias=None if fc2_bias is None else fc2_bias.to(fc2_plan.out_dtype),
+                           use_fast_accum=True)[:rows]
+        ctx.save_for_backward(x, ln_weight, fc1_out, ln_t_fp8, ln_scale_inv, w1_t_fp8,
+                              w1_scale_inv, act_t_fp8, act_scale_inv, w2_t_fp8, w2_scale_inv,
+                              *stats)
+        ctx.plans, ctx.norm, ctx.activation = plans, norm, activation
+        ctx.lead_shape, ctx.hidden = inp.shape[:-1], hidden
+        ctx.dtypes = (fc1_weight.dtype, None if fc1_bias is None else fc1_bias.dtype,
+                      fc2_weight.dtype, None if fc2_bias is None else fc2_bias.dtype)
+        out = out.reshape(*ctx.lead_shape, fc2_weight.shape[0])
+        if return_ln_out:
+            return out, ln_out.reshape(inp.shape)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_ln_out=None):
+        (x, ln_weight, fc1_out, ln_t_fp8, ln_scale_inv, w1_t_fp8, w1_scale_inv, act_t_fp8,
+         act_scale_inv, w2_t_fp8, w2_scale_inv, *stats) = ctx.saved_tensors
+        grads = ctx.needs_input_grad
+        needs_norm_grad = any(grads[:3])
+        needs_fc2_dgrad = any(grads[:5])
+        fc1_plan, fc2_plan = ctx.plans
+        fc1_plan.on_backward()  # one queue for the module: the plans share the backward step
+        w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        g_fp8, g_t_fp8, g_scale_inv, grad_fc2_bias = fc2_plan.grad_cast.cast_grad_output(
+            g, with_transpose=grads[5], with_dbias=grads[6])
+        grad_inp = grad_ln_weight = grad_ln_bias = None
+        grad_fc1_weight = grad_fc1_bias = grad_fc2_weight = None
+        if grads[5]:
+            # fc2 wgrad [H, F] = grad_out^T [H, M] @ act [M, F]; the b operand is act^T.
+            grad_fc2_weight = ops.fp8_gemm(g_t_fp8, g_scale_inv, act_t_fp8, act_scale_inv,
+                                           w2_dtype)
+        if needs_fc2_dgrad:
+            # fc2 dgrad [M, F] = grad_out [M, H] @ fc2_weight [H, F]
+            grad_act = ops.fp8_gemm(g_fp8, g_scale_inv, w2_t_fp8, w2_scale_inv,
+                                    fc1_out.dtype)[:x.shape[0]]
+            d1_fp8, d1_t_fp8, d1_scale_inv, grad_fc1_bias = _cast_activation_grad(
+                fc1_plan, ctx.activation, grad_act, fc1_out, with_transpose=grads[3],
+                with_dbias=grads[4])
+            if grads[3]:
+                # fc1 wgrad [F', H] = d1^T [F', M] @ ln_out [M, H]; the b operand is ln_out^T.
+                grad_fc1_weight = ops.fp8_gemm(d1_t_fp8, d1_scale_inv, ln_t_fp8, ln_scale_inv,
+                                               w1_dtype)
+            if needs_norm_grad:
+                grad_ln = ops.fp8_gemm(d1_fp8, d1_scale_inv, w1_t_fp8, w1_scale_inv,
+                                       x.dtype)[:x.shape[0]]
+                if grad_ln_out is not None:
+                    grad_ln = grad_ln + grad_ln_out.reshape(grad_ln.shape).to(grad_ln.dtype)
+                grad_x, grad_ln_weight, grad_ln_bias = ctx.norm.backward(grad_ln, x, stats,
+                                                                         ln_weight)
+                grad_inp = grad_x.reshape(*ctx.lead_shape, ctx.hidden)
+        if grad_fc1_bias is not None:
+            grad_fc1_bias = grad_fc1_bias.to(b1_dtype)
+        if grad_fc2_bias is not None:
+            grad_fc2_bias = grad_fc2_bias.to(b2_dtype)
+        return (grad_inp, grad_ln_weight, grad_ln_bias, grad_fc1_weight, grad_fc1_bias,
+                grad_fc2_weight, grad_fc2_bias, None, None, None, None)
+
+
+class LayerNormMLP(NormFirstModule):
+    """Transformer Engine's LayerNormMLP: fc2(act(fc1(Norm(x)))), the norm LayerNorm or RMSNorm.
+
+    Parameters: layer_norm_weight, layer_norm_bias (LayerNorm only), fc1_weight [F', hidden]
+    (F' = 2 * ffn_hidden_size for the gated activations swiglu, geglu, reglu, else
+    ffn_hidden_size), fc1_bias, fc2_weight [hidden, ffn_hidden_size], fc2_bias.
+    activation: gelu (tanh approximation), relu, silu, swiglu, geglu, reglu.
+    Returns out; with return_bias, (out, fc2_bias) and fc2's bias is not added; with
+    return_layernorm_output, the norm's output comes last.
+    Weights as Transformer Engine initialises them (init_method for fc1, output_layer_init_method
+    for fc2, default normal with std 0.023; biases zero).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
+                 init_method: Optional[Callable] = None,
+                 output_layer_init_method: Optional[Callable] = None, bias: bool = True,
+                 activation: str = "gelu", normalization: str = "LayerNorm",
+                 return_bias: bool = False, params_dtype: Optional[torch.dtype] = None,
+                 return_layernorm_output: bool = False, zero_centered_gamma: bool = False,
+                 device=None, *, dtype: Optional[torch.dtype] = None,
+                 recipe: Optional[Recipe] = None, **te_options):
+        super().__init__()
+        check_unsupported("LayerNormMLP", te_options)
+        if dtype is not None and params_dtype is not None and dtype != params_dtype:
+            raise ValueError(f"LayerNormMLP: 'dtype' ({dtype}) and 'params_dtype' "
+                             f"({params_dtype}) name the same thing and must agree; pass one")
+        dtype = dtype or params_dtype
+        self.hidden_size = check_positive("LayerNormMLP", "hidden_size", hidden_size)
+        self.ffn_hidden_size = check_positive("LayerNormMLP", "ffn_hidden_size",
+                                              ffn_hidden_size)
+        self.activation = check_activation(activation)
+        self.return_bias = bool(return_bias)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        self.init_method = init_method or te_default_init
+        self.output_layer_init_method = output_layer_init_method or te_default_init
+        fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
+        factory = dict(device=device, dtype=dtype)
+        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
+        self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, **factory)) if bias else None
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size,
+                                                         **factory))
+        self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, **factory)) if bias else None
+        self._init_norm_and_state(hidden_size, eps, normalization, zero_centered_gamma,
+                                  device, dtype, recipe, num_gemms=2)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.fc1_weight.is_meta:
+            return  # initialised after to_empty(), by the caller
+        self.reset_norm_parameters()
+        self.init_method(self.fc1_weight)
+        self.output_layer_init_method(self.fc2_weight)
+        with torch.no_grad():
+            for bias in (self.fc1_bias, self.fc2_bias):
+                if bias is not None:
+                    bias.zero_()
+        self.reset_fp8_state()
+
+    def _gemm_dims(self):
+        return [tuple(self.fc1_weight.shape), tuple(self.fc2_weight.shape)]
+
+    def fp8_weights(self) -> list[torch.Tensor]:
+        return [self.fc1_weight, self.fc2_weight]
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        result = self._fp8_or_high_precision(inp, is_first_microbatch, self.hidden_size)
+        out, ln_out = result if self.return_layernorm_output else (result, None)
+        return split_outputs(out, ln_out, self.fc2_bias, self.return_bias,
+                             self.return_layernorm_output)
+
+    def _fc2_gemm_bias(self):
+        return None if self.return_bias else self.fc2_bias
+
+    def _high_precision(self, inp):
+        ln_out = norm_hp(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
+                         self.eps, self.zero_centered_gamma)
+        hidden = activation_hp(F.linear(ln_out, self.fc1_weight, self.fc1_bias),
+                               self.activation)
+        out = F.linear(hidden, self.fc2_weight, self._fc2_gemm_bias())
+        return (out, ln_out) if self.return_layernorm_output else out
+
+    def _fp8_apply(self, inp, plans):
+        return _LayerNormMLPFunction.apply(
+            inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
+            self.fc2_weight, self._fc2_gemm_bias(), plans, self._norm_step, self.activation,
+            self.return_layernorm_output)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"normalization={self.normalization}, activation={self.activation}, "
+                f"bias={self.fc1_bias is not None}, fp8=True")

@@ -1,0 +1,155 @@
+"""LayerNorm and RMSNorm (Transformer Engine's modules), and the norm step of the fused modules.
+
+Both normalise each row over the last dimension in float32 and return the input's dtype:
+  LayerNorm: y = (x - mean) / sqrt(var + eps) * gamma + beta   (biased variance)
+  RMSNorm:   y = x / sqrt(mean(x^2) + eps) * gamma
+With zero_centered_gamma the stored weight is gamma - 1 (initialised to zeros), which keeps
+weight decay from pulling gamma towards 0.
+
+NormStep is what LayerNormLinear and LayerNormMLP run: the norm fused with the FP8 cast of its
+output (fused_ops), its high-precision form, and its backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def check_normalization(normalization) -> str:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    return normalization
+
+
+def check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def norm_hp(x: torch.Tensor, normalization: str, weight: torch.Tensor,
+            bias: Optional[torch.Tensor], eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+    """The norm in torch ops: float32 math, the result in x's dtype."""
+    gamma = weight.float() + 1 if zero_centered_gamma else weight.float()
+    shape = (x.shape[-1],)
+    if normalization == "LayerNorm":
+        y = F.layer_norm(x.float(), shape, gamma, None if bias is None else bias.float(), eps)
+    else:
+        y = F.rms_norm(x.float(), shape, gamma, eps)
+    return y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class NormStep:
+    """The norm of a fused module, on 2-D x [M, N]. stats: (mean, rstd) for LayerNorm,
+    (rstd,) for RMSNorm, float32 [M]."""
+
+    normalization: str
+    eps: float
+    zero_centered_gamma: bool
+
+    def fp8(self, x, weight, bias, scale, amax, fp8_dtype, with_transpose, return_hp,
+            row_multiple):
+        """(y_fp8 [M_pad, N], y_t_fp8, y_hp or None, stats): the norm's output cast to FP8 in
+        the same pass (from its float32 value), rows zero-padded to row_multiple."""
+        from . import fused_ops
+        if self.normalization == "LayerNorm":
+            y_fp8, y_t_fp8, y_hp, mean, rstd = fused_ops.layernorm_fwd_fp8(
+                x, weight, bias, self.eps, self.zero_centered_gamma, scale, fp8_dtype, amax,
+                with_transpose, return_hp, row_multiple)
+            stats = (mean, rstd)
+        else:
+            y_fp8, y_t_fp8, y_hp, rstd = fused_ops.rmsnorm_fwd_fp8(
+                x, weight, self.eps, self.zero_centered_gamma, scale, fp8_dtype, amax,
+                with_transpose, return_hp, row_multiple)
+            stats = (rstd,)
+        return y_fp8, y_t_fp8, (y_hp if return_hp else None), stats
+
+    def hp(self, x, weight, bias):
+        """(y in x's dtype, stats)."""
+        from . import fused_ops
+        if self.normalization == "LayerNorm":
+            y, mean, rstd = fused_ops.layernorm_fwd(x, weight, bias, self.eps,
+                                                    self.zero_centered_gamma)
+            return y, (mean, rstd)
+        y, rstd = fused_ops.rmsnorm_fwd(x, weight, self.eps, self.zero_centered_gamma)
+        return y, (rstd,)
+
+    def backward(self, dy, x, stats, weight):
+        """(dx, dweight, dbias or None)."""
+        from . import fused_ops
+        if self.normalization == "LayerNorm":
+            return fused_ops.layernorm_bwd(dy, x, *stats, weight, self.zero_centered_gamma)
+        dx, dweight = fused_ops.rmsnorm_bwd(dy, x, *stats, weight, self.zero_centered_gamma)
+        return dx, dweight, None
+
+
+def _norm_parameters(module, hidden_size, bias, zero_centered_gamma, device, dtype,
+                     prefix=""):
+    """Register gamma (ones, or zeros when zero-centred) and beta (zeros) as Parameters."""
+    factory = dict(device=device, dtype=dtype)
+    fill = torch.zeros if zero_centered_gamma else torch.ones
+    module.register_parameter(prefix + "weight",
+                              torch.nn.Parameter(fill(hidden_size, **factory)))
+    module.register_parameter(prefix + "bias", torch.nn.Parameter(
+        torch.zeros(hidden_size, **factory)) if bias else None)
+
+
+def reset_norm_parameters(weight, bias, zero_centered_gamma) -> None:
+    with torch.no_grad():
+        weight.fill_(0.0 if zero_centered_gamma else 1.0)
+        if bias is not None:
+            bias.zero_()
+
+
+class _Norm(torch.nn.Module):
+    normalization = "LayerNorm"
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel=None,
+                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
+                 device=None, *, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"{type(self).__name__}: hidden_size must be a positive integer, "
+                             f"got {hidden_size!r}")
+        if dtype is not None and params_dtype is not None and dtype != params_dtype:
+            raise ValueError(f"{type(self).__name__}: 'dtype' ({dtype}) and 'params_dtype' "
+                             f"({params_dtype}) name the same thing and must agree; pass one")
+        self.hidden_size = hidden_size
+        self.eps = check_eps(eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        _norm_parameters(self, hidden_size, self.normalization == "LayerNorm",
+                         zero_centered_gamma, device, dtype or params_dtype)
+
+    def reset_parameters(self) -> None:
+        reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        if inp.shape[-1:] != (self.hidden_size,):
+            raise ValueError(f"{type(self).__name__}: input must have shape "
+                             f"[..., {self.hidden_size}], got {tuple(inp.shape)}")
+        return norm_hp(inp, self.normalization, self.weight, self.bias, self.eps,
+                       self.zero_centered_gamma)
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, eps={self.eps}, "
+                f"zero_centered_gamma={self.zero_centered_gamma}")
+
+
+class LayerNorm(_Norm):
+    """Transformer Engine's LayerNorm: parameters weight (gamma, or gamma - 1 when
+    zero_centered_gamma) and bias; float32 math, output in the input's dtype."""
+
+    normalization = "LayerNorm"
+
+
+class RMSNorm(_Norm):
+    """Transformer Engine's RMSNorm: parameter weight (gamma, or gamma - 1 when
+    zero_centered_gamma); float32 math, output in the input's dtype."""
+
+    normalization = "RMSNorm"
