@@ -1,0 +1,355 @@
+"""Transformer Engine's DotProductAttention and RotaryPositionEmbedding, in high precision.
+
+DotProductAttention is softmax(q k^T * scale + mask) v on torch's scaled_dot_product_attention:
+no FP8 (attention is not a GEMM with weights; FP8 attention is out of scope). Its conventions
+are Transformer Engine's:
+  * layouts "sbhd" (query [s, b, h, d], key/value [s_kv, b, g, d]) and "bshd"; output
+    [s, b, h * d] (or [b, s, h * d]);
+  * GQA: g = num_gqa_groups key/value heads, query head i reads group i // (h / g);
+  * attention_mask is boolean with True = masked out (the opposite of SDPA's attn_mask):
+    "padding" takes [b, 1, 1, s] (a tuple (query mask, key/value mask) when s_q != s_kv),
+    "arbitrary" anything broadcastable to [b, h, s_q, s_kv];
+  * query rows that may attend to nothing (padded queries) give zeros, not NaN.
+Rotary embeddings: RotaryPositionEmbedding(dim)(max_seq_len) is the angle tensor [s, 1, 1, d];
+apply_rotary_pos_emb applies it to the first d features of q or k with the non-interleaved
+rotate-half convention t * cos + rotate_half(t) * sin.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from .norm_first import check_positive, check_unsupported
+
+QKV_FORMATS = ("sbhd", "bshd")
+MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal", "arbitrary")
+
+# SDPA grew enable_gqa in torch 2.5; before that the key/value heads are repeated.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def check_qkv_format(owner: str, name: str, value) -> str:
+    if value not in QKV_FORMATS:
+        extra = " ('thd', packed sequences, is not supported)" if value == "thd" else ""
+        raise ValueError(f"{owner}: {name} must be one of {QKV_FORMATS}, got {value!r}{extra}")
+    return value
+
+
+def check_mask_type(owner: str, name: str, value) -> str:
+    if value not in MASK_TYPES:
+        raise ValueError(f"{owner}: {name} must be one of {MASK_TYPES}, got {value!r}")
+    return value
+
+
+# ---- rotary position embeddings ------------------------------------------------------------
+
+class RotaryPositionEmbedding(torch.nn.Module):
+    """Transformer Engine's RotaryPositionEmbedding: forward(max_seq_len, offset=0) returns the
+    float32 angles [max_seq_len, 1, 1, dim'] (dim' = int(dim * rotary_percent)), position p and
+    feature j holding p * base^(-2 (j mod dim'/2) / dim'): the frequencies repeated, not
+    interleaved. seq_len_interpolation_factor with pretrained_max_position_embeddings divides
+    the positions (position interpolation): by the factor, or by max_seq_len / pretrained when
+    max_seq_len exceeds pretrained * factor.
+    The inverse frequencies are a buffer, inv_freq (in the state_dict, as Transformer Engine
+    keeps it)."""
+
+    def __init__(self, dim: int, rotary_percent: float = 1.0,
+                 seq_len_interpolation_factor: Optional[int] = None,
+                 pretrained_max_position_embeddings: Optional[int] = None,
+                 rotary_base: float = 10000.0, interleaved: bool = False):
+        super().__init__()
+        check_positive("RotaryPositionEmbedding", "dim", dim)
+        if isinstance(rotary_percent, bool) or not isinstance(rotary_percent, (int, float)) \
+                or not 0 < rotary_percent <= 1:
+            raise ValueError("RotaryPositionEmbedding: rotary_percent must be in (0, 1], got "
+                             f"{rotary_percent!r}")
+        if interleaved:
+            raise ValueError("RotaryPositionEmbedding: interleaved=True is not supported; "
+                             "only the rotate-half (non-interleaved) convention")
+        if not isinstance(rotary_base, (int, float)) or not rotary_base > 0:
+            raise ValueError("RotaryPositionEmbedding: rotary_base must be a number > 0, got "
+                             f"{rotary_base!r}")
+        rot_dim = int(dim * rotary_percent) if rotary_percent < 1 else dim
+        if rot_dim < 2 or rot_dim % 2:
+            raise ValueError("RotaryPositionEmbedding: the rotary dimension (dim * "
+                             f"rotary_percent = {rot_dim}) must be even and >= 2")
+        self.dim = rot_dim
+        self.rotary_base = float(rotary_base)
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
+        exponents = torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim
+        self.register_buffer("inv_freq", 1.0 / (self.rotary_base ** exponents))
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        check_positive("RotaryPositionEmbedding", "max_seq_len", max_seq_len)
+        inv_freq = self.inv_freq.float()
+        positions = torch.arange(max_seq_len, device=inv_freq.device,
+                                 dtype=torch.float32) + offset
+        factor, pretrained = (self.seq_len_interpolation_factor,
+                              self.pretrained_max_position_embeddings)
+        if factor is not None and pretrained is not None:
+            if max_seq_len > pretrained * factor:
+                positions = positions / (max_seq_len / pretrained)
+            else:
+                positions = positions / factor
+        freqs = torch.outer(positions, inv_freq)  # [s, dim / 2]
+        return torch.cat((freqs, freqs), dim=-1).reshape(max_seq_len, 1, 1, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, rotary_base={self.rotary_base}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor,
+                         tensor_format: str = "sbhd") -> torch.Tensor:
+    """t [s, b, h, d] (or [b, s, h, d] with "bshd") rotated by the angles freqs [s2, 1, 1, d2]
+    (s2 >= s, even d2 <= d): the first d2 features become t * cos + rotate_half(t) * sin, the
+    rest pass through. cos and sin are taken in float32, then cast to t's dtype."""
+    owner = "apply_rotary_pos_emb"
+    check_qkv_format(owner, "tensor_format", tensor_format)
+    if t.dim() != 4:
+        raise ValueError(f"{owner}: t must be 4-D [{', '.join(tensor_format)}], got shape "
+                         f"{tuple(t.shape)}")
+    seq = t.shape[0] if tensor_format == "sbhd" else t.shape[1]
+    if (not isinstance(freqs, torch.Tensor) or freqs.dim() != 4 or freqs.shape[1:3] != (1, 1)
+            or freqs.shape[0] < seq or freqs.shape[3] > t.shape[3] or freqs.shape[3] % 2):
+        got = tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__
+        raise ValueError(f"{owner}: rotary_pos_emb must have shape [s2, 1, 1, d2] with s2 >= "
+                         f"{seq} (the sequence length) and an even d2 <= {t.shape[3]} (the "
+                         f"head size), got {got}")
+    freqs = freqs[:seq].float()
+    if tensor_format == "bshd":
+        freqs = freqs.transpose(0, 1)  # [1, s, 1, d2]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    rot_dim = freqs.shape[-1]
+    rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
+    rotated = rotated * cos + _rotate_half(rotated) * sin
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+
+
+# ---- dot-product attention -----------------------------------------------------------------
+
+_FORWARD_DEFAULTS = {"cu_seqlens_q": None, "cu_seqlens_kv": None, "max_seqlen_q": None,
+                     "max_seqlen_kv": None, "core_attention_bias_type": "no_bias",
+                     "core_attention_bias": None, "alibi_slopes": None, "inference_params": None,
+                     "fast_zero_fill": True, "window_size": None}
+
+
+class DotProductAttention(torch.nn.Module):
+    """Transformer Engine's DotProductAttention, in high precision (inside fp8_autocast too).
+
+    forward(query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
+    attn_mask_type=None, checkpoint_core_attention=False) -> [s, b, h * d] ("sbhd") or
+    [b, s, h * d] ("bshd"). See the module docstring for layouts, GQA and masks. Dropout on the
+    attention probabilities while training (attention_dropout). softmax_scale defaults to
+    1 / sqrt(kv_channels). Tensor/sequence/context parallel options are accepted only at their
+    defaults.
+    """
+
+    def __init__(self, num_attention_heads: int, kv_channels: int,
+                 num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0,
+                 qkv_format: str = "sbhd", attn_mask_type: str = "causal",
+                 sequence_parallel: bool = False, tp_size: int = 1,
+                 get_rng_state_tracker=None, tp_group=None, layer_number: Optional[int] = None,
+                 attention_type: str = "self", softmax_scale: Optional[float] = None,
+                 **unsupported):
+        super().__init__()
+        owner = "DotProductAttention"
+        window_size = unsupported.pop("window_size", None)
+        if window_size not in (None, (-1, -1), (-1, 0)):
+            raise ValueError(f"{owner}: window_size={window_size!r} is not supported (no "
+                             "sliding-window attention); leave it at None")
+        for name in ("cp_group", "cp_global_ranks", "cp_stream"):
+            if unsupported.get(name) is not None:
+                raise ValueError(f"{owner}: {name}={unsupported[name]!r} is not supported (no "
+                                 "context parallelism); leave it at None")
+            unsupported.pop(name, None)
+        if unsupported.pop("cp_comm_type", "p2p") != "p2p":
+            raise ValueError(f"{owner}: cp_comm_type is not supported (no context parallelism)")
+        check_unsupported(owner, dict(unsupported, sequence_parallel=sequence_parallel,
+                                      tp_size=tp_size, get_rng_state_tracker=get_rng_state_tracker,
+                                      tp_group=tp_group))
+        self.num_attention_heads = check_positive(owner, "num_attention_heads",
+                                                  num_attention_heads)
+        self.kv_channels = check_positive(owner, "kv_channels", kv_channels)
+        groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        check_positive(owner, "num_gqa_groups", groups)
+        if num_attention_heads % groups:
+            raise ValueError(f"{owner}: num_gqa_groups must divide num_attention_heads "
+                             f"({num_attention_heads}), got {groups}")
+        self.num_gqa_groups = groups
+        if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, (int, float)) \
+                or not 0 <= attention_dropout < 1:
+            raise ValueError(f"{owner}: attention_dropout must be in [0, 1), got "
+                             f"{attention_dropout!r}")
+        self.attention_dropout = float(attention_dropout)
+        self.qkv_format = check_qkv_format(owner, "qkv_format", qkv_format)
+        self.attn_mask_type = check_mask_type(owner, "attn_mask_type", attn_mask_type)
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"{owner}: attention_type must be 'self' or 'cross', got "
+                             f"{attention_type!r}")
+        self.attention_type = attention_type
+        self.layer_number = layer_number
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(kv_channels)
+        elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+                or not softmax_scale > 0:
+            raise ValueError(f"{owner}: softmax_scale must be a number > 0, got "
+                             f"{softmax_scale!r}")
+        self.softmax_scale = float(softmax_scale)
+
+    def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor,
+                value_layer: torch.Tensor,
+                attention_mask: Union[torch.Tensor, tuple, None] = None,
+                qkv_format: Optional[str] = None, attn_mask_type: Optional[str] = None,
+                checkpoint_core_attention: bool = False, **unsupported) -> torch.Tensor:
+        owner = "DotProductAttention"
+        for name, value in unsupported.items():
+            if name not in _FORWARD_DEFAULTS:
+                raise TypeError(f"{owner}.forward() got an unexpected keyword argument {name!r}")
+            if value is not None and value != _FORWARD_DEFAULTS[name] and not (
+                    name == "window_size" and value in ((-1, -1), (-1, 0))):
+                raise ValueError(f"{owner}.forward: {name}={value!r} is not supported; leave "
+                                 f"it at {_FORWARD_DEFAULTS[name]!r}")
+        fmt = check_qkv_format(owner, "qkv_format",
+                               self.qkv_format if qkv_format is None else qkv_format)
+        mask_type = check_mask_type(owner, "attn_mask_type",
+                                    self.attn_mask_type if attn_mask_type is None
+                                    else attn_mask_type)
+        q, k, v = self._to_bhsd(query_layer, key_layer, value_layer, fmt)
+        allowed, is_causal = self._allowed(mask_type, attention_mask, q.shape[0], q.shape[2],
+                                           k.shape[2], q.device)
+        dropout = self.attention_dropout if self.training else 0.0
+        if checkpoint_core_attention and torch.is_grad_enabled():
+            out = torch.utils.checkpoint.checkpoint(self._sdpa, q, k, v, allowed, is_causal,
+                                                    dropout, use_reentrant=False)
+        else:
+            out = self._sdpa(q, k, v, allowed, is_causal, dropout)
+        b, h, s, d = out.shape
+        if fmt == "sbhd":
+            return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+        return out.transpose(1, 2).reshape(b, s, h * d)
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def _to_bhsd(self, q, k, v, fmt):
+        """Checks the three inputs; returns them as [b, heads, s, d] views."""
+        owner = "DotProductAttention"
+        lead = "s, b" if fmt == "sbhd" else "b, s"
+        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        for name, t, heads in (("query_layer", q, h), ("key_layer", k, g),
+                               ("value_layer", v, g)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{owner}: {name} must be a torch.Tensor, got "
+                                f"{type(t).__name__}")
+            if t.dim() != 4 or t.shape[2] != heads or t.shape[3] != d:
+                raise ValueError(f"{owner}: {name} must have shape [{lead}, {heads}, {d}] "
+                                 f"(qkv_format {fmt!r}), got {tuple(t.shape)}")
+            if not t.is_floating_point():
+                raise TypeError(f"{owner}: {name} must be a floating-point tensor, got "
+                                f"{t.dtype}")
+        batch_dim, seq_dim = (1, 0) if fmt == "sbhd" else (0, 1)
+        if not (q.shape[batch_dim] == k.shape[batch_dim] == v.shape[batch_dim]):
+            raise ValueError(f"{owner}: query_layer, key_layer and value_layer must have the "
+                             f"same batch size, got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                             f"{tuple(v.shape)}")
+        if k.shape[seq_dim] != v.shape[seq_dim]:
+            raise ValueError(f"{owner}: key_layer and value_layer must have the same sequence "
+                             f"length, got shapes {tuple(k.shape)} and {tuple(v.shape)}")
+        if self.attention_type == "self" and q.shape[seq_dim] != k.shape[seq_dim]:
+            raise ValueError(f"{owner}: self-attention needs query and key/value of the same "
+                             f"sequence length, got shapes {tuple(q.shape)} and "
+                             f"{tuple(k.shape)}")
+        if not (q.dtype == k.dtype == v.dtype) and not torch.is_autocast_enabled(
+                q.device.type):
+            raise TypeError(f"{owner}: query_layer, key_layer and value_layer must have one "
+                            f"dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
+        return q.permute(perm), k.permute(perm), v.permute(perm)
+
+    def _allowed(self, mask_type, mask, batch, seq_q, seq_kv, device):
+        """(SDPA's boolean mask, True = may attend, broadcastable to [b, h, s_q, s_kv], or None;
+        is_causal). Causal is top-left aligned (query i sees keys 0..i)."""
+        owner = "DotProductAttention"
+        if mask_type in ("no_mask", "causal"):
+            if mask is not None:
+                raise ValueError(f"{owner}: attn_mask_type {mask_type!r} takes no "
+                                 "attention_mask; pass attention_mask=None or use 'padding', "
+                                 "'padding_causal' or 'arbitrary'")
+            return None, mask_type == "causal"
+        if mask is None:
+            raise ValueError(f"{owner}: attn_mask_type {mask_type!r} needs an attention_mask "
+                             "(boolean, True = masked out), got None")
+        if mask_type == "arbitrary":
+            self._check_bool(mask, "attention_mask")
+            try:
+                torch.broadcast_shapes(mask.shape, (batch, self.num_attention_heads, seq_q,
+                                                    seq_kv))
+            except RuntimeError:
+                raise ValueError(f"{owner}: an 'arbitrary' attention_mask must broadcast to "
+                                 f"[b, h, s_q, s_kv] = {[batch, self.num_attention_heads, seq_q, seq_kv]}, "
+                                 f"got shape {tuple(mask.shape)}") from None
+            allowed = ~mask.to(device)
+        else:  # padding, padding_causal: [b, 1, 1, s] per side, True = a padding token
+            if isinstance(mask, (tuple, list)):
+                if len(mask) != 2:
+                    raise ValueError(f"{owner}: a padding attention_mask tuple must be (query "
+                                     f"mask, key/value mask), got {len(mask)} tensors")
+                q_pad, kv_pad = mask
+            elif seq_q == seq_kv:
+                q_pad = kv_pad = mask
+            else:
+                raise ValueError(f"{owner}: with s_q ({seq_q}) != s_kv ({seq_kv}) a padding "
+                                 "attention_mask must be a tuple (query mask [b, 1, 1, s_q], "
+                                 "key/value mask [b, 1, 1, s_kv])")
+            for name, m, s in (("query", q_pad, seq_q), ("key/value", kv_pad, seq_kv)):
+                self._check_bool(m, f"attention_mask ({name})")
+                if tuple(m.shape) != (batch, 1, 1, s):
+                    raise ValueError(f"{owner}: a padding attention_mask ({name}) must have "
+                                     f"shape [b, 1, 1, s] = [{batch}, 1, 1, {s}], got "
+                                     f"{tuple(m.shape)}")
+            q_ok = ~q_pad.to(device).reshape(batch, 1, seq_q, 1)
+            kv_ok = ~kv_pad.to(device).reshape(batch, 1, 1, seq_kv)
+            allowed = q_ok & kv_ok
+        if mask_type == "padding_causal":
+            allowed = allowed & torch.ones(seq_q, seq_kv, dtype=torch.bool,
+                                           device=device).tril()
+        return allowed, False
+
+    @staticmethod
+    def _check_bool(mask, name):
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise TypeError(f"DotProductAttention: {name} must be a bool tensor (True = masked "
+                            f"out), got {got}")
+
+    def _sdpa(self, q, k, v, allowed, is_causal, dropout):
+        groups = self.num_attention_heads // self.num_gqa_groups
+        gqa = {}
+        if groups > 1:
+            if _SDPA_HAS_GQA:
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if allowed is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout,
+                                                  is_causal=is_causal, scale=self.softmax_scale,
+                                                  **gqa)
+        # A query row that may attend to nothing (a padded query) would give NaN: let it attend
+        # to everything, then zero its output. No branch on the data (no host sync).
+        dead = ~allowed.any(dim=-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | dead,
+                                             dropout_p=dropout, scale=self.softmax_scale, **gqa)
+        return out.masked_fill(dead, 0.0)
+
+    def extra_repr(self) -> str:
+        return (f"num_attention_heads={self.num_attention_heads}, "
+                f"kv_channels={self.kv_channels}, num_gqa_groups={self.num_gqa_groups}, "
+                f"qkv_format={self.qkv_format}, attn_mask_type={self.attn_mask_type}")
