@@ -5,9 +5,13 @@ with --precision fp8 transformer_fp8.convert_to_fp8 swaps them for transformer_f
 the forward pass runs under fp8_autocast (delayed scaling, HYBRID format: E4M3 forward, E5M2
 gradients). The embeddings, LayerNorms, attention (softmax(QK^T)V) and the LM head stay in
 higher precision under BF16 autocast, as in usual FP8 recipes.
+With --te-layers the blocks are transformer_fp8.TransformerLayer instead (Transformer Engine's
+layer: fused LayerNorm + QKV projection, attention, output projection, LayerNorm + MLP); its
+GEMMs run in FP8 under fp8_autocast without any conversion.
 
     python examples/train_gpt.py --precision both            # a few minutes on a CPU
     python examples/train_gpt.py --tiny --precision both     # ~10 s smoke run
+    python examples/train_gpt.py --tiny --te-layers          # blocks are tfp8.TransformerLayer
     python examples/train_gpt.py --precision both --device cuda --d-model 512 --layers 8 \\
         --seq-len 256 --batch-size 64 --steps 2000
 
@@ -31,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import transformer_fp8 as tf8
+from transformer_fp8.transformer_layer import TransformerLayer
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = HERE / "data"
@@ -117,12 +122,28 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def te_block(d_model: int, heads: int, layers: int) -> nn.Module:
+    """The same block as Block, as a transformer_fp8.TransformerLayer: pre-LayerNorm, causal
+    self-attention, 4x GELU (tanh) MLP, no dropout, batch-first input; GPT-2's initialisation
+    (std 0.02, residual outputs scaled by 1 / sqrt(2 * layers))."""
+
+    def init(std):
+        return lambda weight: nn.init.normal_(weight, std=std)
+
+    return TransformerLayer(d_model, 4 * d_model, heads, hidden_dropout=0.0,
+                                attention_dropout=0.0, self_attn_mask_type="causal",
+                                attn_input_format="bshd", init_method=init(0.02),
+                                output_layer_init_method=init(0.02 / math.sqrt(2 * layers)))
+
+
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, d_model: int, layers: int, heads: int, seq_len: int):
+    def __init__(self, vocab_size: int, d_model: int, layers: int, heads: int, seq_len: int,
+                 te_layers: bool = False):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(te_block(d_model, heads, layers) if te_layers
+                                    else Block(d_model, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init)
@@ -132,6 +153,7 @@ class GPT(nn.Module):
 
     @staticmethod
     def _init(m: nn.Module) -> None:
+        # (In a TransformerLayer only proj is an nn.Linear: re-initialised here as in Block.)
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
@@ -212,8 +234,9 @@ def train_one(precision: str, base: GPT, train_tokens, val_batches, args,
     if precision == "fp8":
         # Every nn.Linear except the LM head (which stays in BF16, as usual in FP8 recipes).
         tf8.convert_to_fp8(model, filter_fn=lambda linear, name: name != "lm_head")
-        converted = [n for n, m in model.named_modules() if isinstance(m, tf8.Linear)]
-        print(f"[fp8] convert_to_fp8: {len(converted)} layers are transformer_fp8.Linear "
+        fp8_modules = (tf8.Linear, tf8.LayerNormLinear, tf8.LayerNormMLP)
+        converted = [n for n, m in model.named_modules() if isinstance(m, fp8_modules)]
+        print(f"[fp8] convert_to_fp8: {len(converted)} FP8 modules "
               f"({', '.join(converted[:4])}{', ...' if len(converted) > 4 else ''})")
     recipe = tf8.DelayedScaling(margin=0, fp8_format=tf8.Format.HYBRID,
                                 amax_history_len=args.amax_history_len, amax_compute_algo="max")
@@ -307,6 +330,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where losses.json and loss_curves.png go (examples/out)")
     p.add_argument("--seed", type=int, default=0, help="model init and batch order (0)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--te-layers", action="store_true",
+                   help="build the blocks from transformer_fp8.TransformerLayer "
+                   "(Transformer Engine's layer) instead of nn.Linear-based ones")
     args = p.parse_args(argv)
     for key, value in (TINY if args.tiny else DEFAULTS).items():
         if getattr(args, key) is None:
@@ -346,10 +372,13 @@ def main(argv=None) -> dict:
     val_batches = [val_src.next(device) for _ in range(4 if args.tiny else 16)]
 
     torch.manual_seed(args.seed)
-    base = GPT(tok.vocab_size, args.d_model, args.layers, args.heads, args.seq_len).to(device)
+    base = GPT(tok.vocab_size, args.d_model, args.layers, args.heads, args.seq_len,
+               te_layers=args.te_layers).to(device)
     n_params = sum(p.numel() for p in base.parameters())
     print(f"transformer_fp8 {tf8.__version__}, torch {torch.__version__}, device {device}")
-    print(f"data: {len(text):,} characters, vocab {tok.vocab_size}; model: {args.layers} layers, "
+    blocks = "TransformerLayer blocks" if args.te_layers else "layers"
+    print(f"data: {len(text):,} characters, vocab {tok.vocab_size}; "
+          f"model: {args.layers} {blocks}, "
           f"d_model {args.d_model}, {args.heads} heads, seq {args.seq_len}, "
           f"{n_params / 1e6:.2f}M parameters; {args.steps} steps of batch {args.batch_size}")
     if device.type == "cpu":
@@ -366,7 +395,8 @@ def main(argv=None) -> dict:
         record[name] = {k: v for k, v in r.items() if k != "model"}
     written = {"json": args.out / "losses.json", "png": args.out / "loss_curves.png"}
     written["json"].write_text(json.dumps(record, indent=1))
-    plot(results, written["png"])
+    plot(results, written["png"],
+         "char-level GPT, TransformerLayer blocks" if args.te_layers else "char-level GPT")
 
     print()
     print(f"{'':>5} {'final train loss':>17} {'val loss':>9} {'time':>8} {'tokens/s':>10}")
