@@ -34,6 +34,33 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("compute_scale_from_amax(Tensor amax, float fp8_max, int margin) -> Tensor");
   // out[M, N] = (a[M, K] * a_scale_inv) @ (b[N, K] * b_scale_inv)^T (+ bias[N]).
   m.def("fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None, bool use_fast_accum=False) -> Tensor");
+
+  // Fused norm / activation / dbias operators (csrc/cpu/norm.cpp, activation.cpp; csrc/cuda/
+  // norm.cu, activation.cu). x is 2-D [M, N]; all math in float32; FP8 outputs are the saturating
+  // cast of the float32 result, with M padded to a multiple of row_multiple by zero rows, amax
+  // over the M real rows, and an empty [0] where a transpose / hp output / dbias is not asked for.
+  // LayerNorm: y = (x - mean) * rstd * gamma + bias (gamma = weight (+1 if zero-centred)).
+  m.def("layernorm_fwd(Tensor x, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma) -> (Tensor y, Tensor mean, Tensor rstd)");
+  // LayerNorm emitting FP8 y (and its transpose, and y in x's dtype if return_hp).
+  m.def("layernorm_fwd_fp8(Tensor x, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax, bool with_transpose, bool return_hp, int row_multiple) -> (Tensor y_fp8, Tensor y_t_fp8, Tensor y_hp, Tensor mean, Tensor rstd)");
+  // LayerNorm backward from the forward's mean and rstd: dx (x's dtype), dweight, dbias (weight's dtype).
+  m.def("layernorm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor weight, bool zero_centered_gamma) -> (Tensor dx, Tensor dweight, Tensor dbias)");
+  // RMSNorm: y = x * rstd * gamma, rstd = 1 / sqrt(mean(x^2) + eps).
+  m.def("rmsnorm_fwd(Tensor x, Tensor weight, float eps, bool zero_centered_gamma) -> (Tensor y, Tensor rstd)");
+  // RMSNorm emitting FP8 y, as layernorm_fwd_fp8.
+  m.def("rmsnorm_fwd_fp8(Tensor x, Tensor weight, float eps, bool zero_centered_gamma, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax, bool with_transpose, bool return_hp, int row_multiple) -> (Tensor y_fp8, Tensor y_t_fp8, Tensor y_hp, Tensor rstd)");
+  // RMSNorm backward from the forward's rstd.
+  m.def("rmsnorm_bwd(Tensor dy, Tensor x, Tensor rstd, Tensor weight, bool zero_centered_gamma) -> (Tensor dx, Tensor dweight)");
+  // gelu (tanh), relu, silu on [M, N]; swiglu, geglu, reglu: act(x[:, :N]) * x[:, N:] on [M, 2N].
+  m.def("activation_fwd(Tensor x, str activation) -> Tensor");
+  // The activation emitting FP8 (and its transpose).
+  m.def("activation_fwd_fp8(Tensor x, str activation, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax, bool with_transpose, int row_multiple) -> (Tensor y_fp8, Tensor y_t_fp8)");
+  // d(loss)/dx of the activation, x's shape and dtype.
+  m.def("activation_bwd(Tensor dy, Tensor x, str activation) -> Tensor");
+  // The activation backward emitting FP8 dx (and its transpose), with dbias = column sums of dx.
+  m.def("activation_bwd_fp8(Tensor dy, Tensor x, str activation, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax, bool with_transpose, bool with_dbias, int row_multiple) -> (Tensor dx_fp8, Tensor dx_t_fp8, Tensor dbias)");
+  // cast_transpose_to_fp8 with row padding, plus dbias = x.sum(0) (float32 accumulation).
+  m.def("cast_transpose_dbias(Tensor x, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax, int row_multiple) -> (Tensor x_fp8, Tensor x_t_fp8, Tensor dbias)");
 }
 
 namespace {

@@ -3,7 +3,7 @@
 Importing this package loads the compiled operators (torch.ops.transformer_fp8) but never
 initialises CUDA.
 """
-from . import ops, recipe
+from . import fused_ops, ops, recipe
 from .fp8_context import autocast, fp8_autocast, fp8_model_init, quantized_model_init
 from .checkpointing import checkpoint
 from .convert import Conv1D, ConversionSummary, convert_to_fp8

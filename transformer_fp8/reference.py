@@ -147,3 +147,149 @@ def check_delayed_scaling_lists(histories: Sequence[torch.Tensor], scales: Seque
         if not h.device == s.device == si.device == device:
             raise ValueError(f"every tensor must be on {device}; at index {i} got "
                              f"{h.device}, {s.device}, {si.device}")
+
+
+# ----------------------------------------------------------------------------- fused operators
+# References of transformer_fp8/fused_ops.py. All math in float32, in the order the CPU kernels
+# (csrc/cpu/norm.cpp, activation.cpp) use, so that the CPU results are bit-identical. The norms
+# accept the kernel's own mean / rstd, which makes the elementwise part exactly determined.
+
+def fp8_rows_reference(value: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                       amax: Optional[torch.Tensor] = None, with_transpose: bool = False,
+                       row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 outputs of a fused operator from its float32 result [M, N]: the cast padded with
+    zero rows to a multiple of row_multiple, and its transpose (or an empty [0])."""
+    rows, cols = value.shape
+    rows_pad = -(-rows // row_multiple) * row_multiple
+    out = torch.zeros((rows_pad, cols), dtype=fp8_dtype, device=value.device)
+    out[:rows] = cast_to_fp8_reference(value, scale, fp8_dtype, amax)
+    out_t = out.t().contiguous() if with_transpose else out.new_empty((0,))
+    return out, out_t
+
+
+def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
+    gamma = weight.float()
+    return gamma + 1.0 if zero_centered_gamma else gamma
+
+
+def layernorm_reference(x, weight, bias, eps, zero_centered_gamma=False, mean=None, rstd=None):
+    """(y in float32, mean, rstd). mean / rstd are computed unless given."""
+    xf = x.float().contiguous()
+    if mean is None or rstd is None:
+        var, mean = torch.var_mean(xf, dim=1, correction=0)
+        rstd = torch.rsqrt(var + eps)
+    y = (xf - mean[:, None]) * rstd[:, None] * _gamma(weight, zero_centered_gamma)
+    if bias is not None:
+        y = y + bias.float()
+    return y, mean, rstd
+
+
+def rmsnorm_reference(x, weight, eps, zero_centered_gamma=False, rstd=None):
+    """(y in float32, rstd). rstd is computed unless given."""
+    xf = x.float().contiguous()
+    if rstd is None:
+        rstd = torch.rsqrt((xf * xf).mean(dim=1) + eps)
+    return xf * rstd[:, None] * _gamma(weight, zero_centered_gamma), rstd
+
+
+def layernorm_fwd_fp8_reference(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype,
+                                amax=None, with_transpose=False, return_hp=False,
+                                row_multiple=1, mean=None, rstd=None):
+    y, mean, rstd = layernorm_reference(x, weight, bias, eps, zero_centered_gamma, mean, rstd)
+    y_fp8, y_t_fp8 = fp8_rows_reference(y, scale, fp8_dtype, amax, with_transpose, row_multiple)
+    y_hp = y.to(x.dtype) if return_hp else x.new_empty((0,))
+    return y_fp8, y_t_fp8, y_hp, mean, rstd
+
+
+def rmsnorm_fwd_fp8_reference(x, weight, eps, zero_centered_gamma, scale, fp8_dtype, amax=None,
+                              with_transpose=False, return_hp=False, row_multiple=1, rstd=None):
+    y, rstd = rmsnorm_reference(x, weight, eps, zero_centered_gamma, rstd)
+    y_fp8, y_t_fp8 = fp8_rows_reference(y, scale, fp8_dtype, amax, with_transpose, row_multiple)
+    y_hp = y.to(x.dtype) if return_hp else x.new_empty((0,))
+    return y_fp8, y_t_fp8, y_hp, rstd
+
+
+def layernorm_bwd_reference(dy, x, mean, rstd, weight, zero_centered_gamma=False):
+    """(dx, dweight, dbias): g = dy * gamma, xhat = (x - mean) * rstd,
+    dx = (g - (xhat * mean(g * xhat) + mean(g))) * rstd per row."""
+    xhat = (x.float().contiguous() - mean[:, None]) * rstd[:, None]
+    dyf = dy.float().contiguous()
+    g = dyf * _gamma(weight, zero_centered_gamma)
+    c1 = (g * xhat).mean(dim=1, keepdim=True)
+    c2 = g.mean(dim=1, keepdim=True)
+    dx = (g - (xhat * c1 + c2)) * rstd[:, None]
+    return (dx.to(x.dtype), (dyf * xhat).sum(0).to(weight.dtype),
+            dyf.sum(0).to(weight.dtype))
+
+
+def rmsnorm_bwd_reference(dy, x, rstd, weight, zero_centered_gamma=False):
+    """(dx, dweight): xhat = x * rstd, dx = (g - xhat * mean(g * xhat)) * rstd."""
+    xhat = x.float().contiguous() * rstd[:, None]
+    dyf = dy.float().contiguous()
+    g = dyf * _gamma(weight, zero_centered_gamma)
+    c1 = (g * xhat).mean(dim=1, keepdim=True)
+    dx = (g - xhat * c1) * rstd[:, None]
+    return dx.to(x.dtype), (dyf * xhat).sum(0).to(weight.dtype)
+
+
+_GATED_BASE = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+
+
+def _pointwise(a: torch.Tensor, name: str) -> torch.Tensor:
+    if name == "gelu":
+        return torch.nn.functional.gelu(a, approximate="tanh")
+    if name == "relu":
+        return torch.relu(a)
+    if name == "silu":
+        return torch.nn.functional.silu(a)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def _pointwise_grad(d: torch.Tensor, a: torch.Tensor, name: str) -> torch.Tensor:
+    """d * act'(a), as torch's autograd computes it."""
+    if name == "gelu":
+        return torch.ops.aten.gelu_backward(d, a, approximate="tanh")
+    if name == "relu":
+        return torch.ops.aten.threshold_backward(d, a, 0)
+    if name == "silu":
+        return torch.ops.aten.silu_backward(d, a)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """The activation in float32; gated ones: act(x[:, :N]) * x[:, N:] (first half activated)."""
+    xf = x.float().contiguous()
+    if activation not in _GATED_BASE:
+        return _pointwise(xf, activation)
+    a, b = xf.chunk(2, dim=1)
+    return _pointwise(a, _GATED_BASE[activation]) * b
+
+
+def activation_grad_reference(dy: torch.Tensor, x: torch.Tensor, activation: str) -> torch.Tensor:
+    """d(loss)/dx in float32; gated: [(dy * b) * act'(a), dy * act(a)]."""
+    xf, dyf = x.float().contiguous(), dy.float().contiguous()
+    if activation not in _GATED_BASE:
+        return _pointwise_grad(dyf, xf, activation)
+    a, b = xf.chunk(2, dim=1)
+    base = _GATED_BASE[activation]
+    return torch.cat([_pointwise_grad(dyf * b, a, base), dyf * _pointwise(a, base)], dim=1)
+
+
+def activation_fwd_fp8_reference(x, activation, scale, fp8_dtype, amax=None,
+                                 with_transpose=False, row_multiple=1):
+    return fp8_rows_reference(activation_reference(x, activation), scale, fp8_dtype, amax,
+                              with_transpose, row_multiple)
+
+
+def activation_bwd_fp8_reference(dy, x, activation, scale, fp8_dtype, amax=None,
+                                 with_transpose=False, with_dbias=False, row_multiple=1):
+    dx = activation_grad_reference(dy, x, activation)
+    dx_fp8, dx_t_fp8 = fp8_rows_reference(dx, scale, fp8_dtype, amax, with_transpose,
+                                          row_multiple)
+    dbias = dx.sum(0).to(x.dtype) if with_dbias else x.new_empty((0,))
+    return dx_fp8, dx_t_fp8, dbias
+
+
+def cast_transpose_dbias_reference(x, scale, fp8_dtype, amax=None, row_multiple=1):
+    x_fp8, x_t_fp8 = fp8_rows_reference(x, scale, fp8_dtype, amax, True, row_multiple)
+    return x_fp8, x_t_fp8, x.float().contiguous().sum(0).to(x.dtype)

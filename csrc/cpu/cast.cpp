@@ -3,26 +3,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
 #include "../checks.h"
+#include "fp8_cast_cpu.h"
 
 namespace transformer_fp8 {
 namespace {
-
-constexpr int64_t kGrain = 1 << 14;
-
-// Saturating cast of one float: clamp to [-fp8_max, fp8_max] first (so overflow and +-inf become
-// +-fp8_max instead of NaN), then let c10 round to nearest even. NaN passes the clamp as NaN.
-template <typename Fp8T>
-inline Fp8T saturating_cast(float v, float fp8_max) {
-  if (!(v != v)) v = std::min(std::max(v, -fp8_max), fp8_max);
-  return Fp8T(v);
-}
 
 // max |x| over a contiguous buffer, NaN propagating; 0 for an empty buffer.
 template <typename T>
@@ -50,27 +39,6 @@ at::Tensor amax_cpu(const at::Tensor& x) {
     result = amax_contiguous(xc.data_ptr<scalar_t>(), xc.numel());
   });
   return at::full({}, result, x.options().dtype(at::kFloat));
-}
-
-// One pass over x: writes the saturating cast of x * scale and returns max |x|.
-template <typename Fp8T>
-float cast_buffer(const at::Tensor& xc, float scale, float fp8_max, Fp8T* out) {
-  float amax = 0.0f;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "cast_cpu", [&] {
-    const scalar_t* x = xc.data_ptr<scalar_t>();
-    amax = at::parallel_reduce(
-        0, xc.numel(), kGrain, 0.0f,
-        [&](int64_t begin, int64_t end, float acc) {
-          for (int64_t i = begin; i < end; ++i) {
-            const float v = static_cast<float>(x[i]);
-            acc = nan_max(acc, std::abs(v));
-            out[i] = saturating_cast<Fp8T>(v * scale, fp8_max);
-          }
-          return acc;
-        },
-        [](float a, float b) { return nan_max(a, b); });
-  });
-  return amax;
 }
 
 at::Tensor cast_to_fp8_cpu(const at::Tensor& x, const at::Tensor& scale, at::ScalarType fp8_dtype,

@@ -1,0 +1,28 @@
+// The activations of the fused activation operators, shared by host and device code.
+// Gated ones (swiglu, geglu, reglu) take x [M, 2N] and return act(x[:, :N]) * x[:, N:]: the
+// first half goes through the activation, the second half is the linear gate (the convention
+// of Transformer Engine; torch's F.glu gates the other way round).
+#pragma once
+
+#include "fp8_common.h"
+
+namespace transformer_fp8 {
+
+// Identity is internal: cast_transpose_dbias runs the activation kernels with it.
+enum class Activation : int { Gelu = 0, Relu, Silu, Swiglu, Geglu, Reglu, Identity };
+
+TFP8_HOST_DEVICE bool is_gated(Activation a) {
+  return a == Activation::Swiglu || a == Activation::Geglu || a == Activation::Reglu;
+}
+
+// The pointwise function applied to the first half of a gated activation.
+TFP8_HOST_DEVICE Activation base_activation(Activation a) {
+  switch (a) {
+    case Activation::Swiglu: return Activation::Silu;
+    case Activation::Geglu: return Activation::Gelu;
+    case Activation::Reglu: return Activation::Relu;
+    default: return a;
+  }
+}
+
+}  // namespace transformer_fp8
