@@ -88,3 +88,24 @@ def test_train_llama_tiny_resume_is_exact(tmp_path):
     assert f == pytest.approx(b, rel=0.1)
     png = tmp_path / "a" / "llama_loss_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_gpt_tiny_te_layers(tmp_path):
+    """examples/train_gpt.py --tiny --te-layers: the blocks are transformer_fp8.TransformerLayer
+    (three FP8 modules each, nothing converted), both precisions learn and FP8 tracks bf16."""
+    pytest.importorskip("transformer_fp8.fused_ops",
+                        reason="the FP8 path of TransformerLayer needs transformer_fp8.fused_ops")
+    train_gpt = _load("train_gpt")
+    summary = train_gpt.main(["--tiny", "--te-layers", "--precision", "both", "--out",
+                              str(tmp_path / "out"), "--no-progress"])
+    results, layers = summary["results"], summary["config"]["layers"]
+    assert summary["config"]["te_layers"] is True
+    for name, r in results.items():
+        assert _finite(r["train_losses"]) and _finite([r["final_train_loss"], r["val_loss"]])
+        assert r["final_train_loss"] < 0.8 * r["train_losses"][0], name
+    assert len(results["fp8"]["fp8_layers"]) == 3 * layers
+    assert all(".self_attention." in n or n.endswith("layernorm_mlp")
+               for n in results["fp8"]["fp8_layers"])
+    b, f = results["bf16"]["final_train_loss"], results["fp8"]["final_train_loss"]
+    assert f == pytest.approx(b, rel=0.1)
+    assert (tmp_path / "out" / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
