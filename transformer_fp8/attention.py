@@ -293,9 +293,10 @@ class DotProductAttention(torch.nn.Module):
                 torch.broadcast_shapes(mask.shape, (batch, self.num_attention_heads, seq_q,
                                                     seq_kv))
             except RuntimeError:
+                full = [batch, self.num_attention_heads, seq_q, seq_kv]
                 raise ValueError(f"{owner}: an 'arbitrary' attention_mask must broadcast to "
-                                 f"[b, h, s_q, s_kv] = {[batch, self.num_attention_heads, seq_q, seq_kv]}, "
-                                 f"got shape {tuple(mask.shape)}") from None
+                                 f"[b, h, s_q, s_kv] = {full}, got shape "
+                                 f"{tuple(mask.shape)}") from None
             allowed = ~mask.to(device)
         else:  # padding, padding_causal: [b, 1, 1, s] per side, True = a padding token
             if isinstance(mask, (tuple, list)):
