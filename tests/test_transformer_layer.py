@@ -100,10 +100,11 @@ def layer_ref(layer, x, mask=None, mask_type="causal", rotary=None):
     if mask is None:
         ctx = F.scaled_dot_product_attention(q, k, v, is_causal=mask_type == "causal", **gqa)
     else:  # padding, True = a padding token: padded queries give zeros
+        k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
         pad = mask.reshape(mask.shape[0], 1, 1, -1)
         allowed = ~pad.transpose(-1, -2) & ~pad
         dead = ~allowed.any(-1, keepdim=True)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | dead, **gqa)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | dead)
         ctx = ctx.masked_fill(dead, 0.0)
     bsz, heads, s, _ = ctx.shape
     ctx = (ctx.permute(2, 0, 1, 3) if fmt == "sbhd" else ctx.transpose(1, 2)).reshape(
@@ -487,8 +488,9 @@ def test_high_precision_is_exactly_the_composition(gen, device, config, rotary):
         assert_bitwise_equal(out, layer_ref(layer, x, rotary=freqs), config)
 
 
-def test_padding_mask_is_exactly_the_composition(gen, device):
-    layer = small_layer(device, self_attn_mask_type="padding")
+@pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa"])
+def test_padding_mask_is_exactly_the_composition(gen, device, groups):
+    layer = small_layer(device, self_attn_mask_type="padding", num_gqa_groups=groups)
     x = randn(gen, 8, 2, 64, device=device)
     pad = torch.zeros(2, 1, 1, 8, dtype=torch.bool, device=device)
     pad[1, ..., 6:] = True

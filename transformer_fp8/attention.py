@@ -335,7 +335,9 @@ class DotProductAttention(torch.nn.Module):
         groups = self.num_attention_heads // self.num_gqa_groups
         gqa = {}
         if groups > 1:
-            if _SDPA_HAS_GQA:
+            # SDPA's own GQA where it helps (unmasked: the flash kernel takes it); with a mask
+            # the memory-efficient kernel does not, so the key/value heads are repeated.
+            if _SDPA_HAS_GQA and allowed is None:
                 gqa = {"enable_gqa": True}
             else:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
