@@ -164,10 +164,53 @@ def test_layernorm_mlp_fp8_sqnr_against_float32(gen, device, recipe, normalizati
     x_ref = x.clone().requires_grad_(True)
     out_ref = mlp_ref(ref, x_ref)
     out_ref.backward(g)
-    assert sqnr(out_ref, out) >= 20
-    assert sqnr(x_ref.grad, x_in.grad) >= 17
+    # relu's derivative is a step: a pre-activation whose sign FP8 flips loses its whole
+    # gradient, so the gradients of relu and reglu sit lower (the same as a composition of
+    # FP8 Linear layers: see the next test).
+    grad_bound = 12 if activation in ("relu", "reglu") else 18
+    assert sqnr(out_ref, out) >= 22
+    assert sqnr(x_ref.grad, x_in.grad) >= grad_bound
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
-        assert sqnr(q.grad, p.grad) >= 17, name
+        assert sqnr(q.grad, p.grad) >= grad_bound, name
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_layernorm_mlp_computes_what_fp8_linear_layers_compute(gen, recipe, normalization,
+                                                               activation):
+    """The fused module against norm -> tfp8.Linear -> activation -> tfp8.Linear in FP8: the
+    same casts with the same scales, so results equal up to the float32 rounding of the norm
+    (its kernel vs torch's), which can move an amax, a scale, or an FP8 code near a rounding
+    boundary: orders of magnitude below the FP8 error (about 25 dB)."""
+    torch.manual_seed(11)
+    m = tfp8.LayerNormMLP(64, 128, normalization=normalization, activation=activation)
+    randomize(m, gen)
+    fc1, fc2 = tfp8.Linear(64, m.fc1_weight.shape[0]), tfp8.Linear(128, 64)
+    norm = (tfp8.LayerNorm if normalization == "LayerNorm" else tfp8.RMSNorm)(64)
+    with torch.no_grad():
+        for dst, src in ((fc1.weight, m.fc1_weight), (fc1.bias, m.fc1_bias),
+                         (fc2.weight, m.fc2_weight), (fc2.bias, m.fc2_bias),
+                         (norm.weight, m.layer_norm_weight), (norm.bias, m.layer_norm_bias)):
+            if dst is not None:
+                dst.copy_(src)
+    composition = [norm, fc1, fc2]
+    for step in range(3):
+        x, g = randn(gen, 50, 64), randn(gen, 50, 64)
+        for module in [m] + composition:
+            module.zero_grad(set_to_none=True)
+        x_m, x_c = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        with fp8_autocast(fp8_recipe=recipe):
+            out_m = m(x_m)
+            out_c = fc2(activation_hp(fc1(norm(x_c)), activation))
+        out_m.backward(g)
+        out_c.backward(g)
+        assert sqnr(out_c, out_m) >= 60, f"step {step}: output"
+        assert sqnr(x_c.grad, x_m.grad) >= 60, f"step {step}: input gradient"
+        for got, expected in ((m.fc1_weight, fc1.weight), (m.fc1_bias, fc1.bias),
+                              (m.fc2_weight, fc2.weight), (m.fc2_bias, fc2.bias),
+                              (m.layer_norm_weight, norm.weight)):
+            assert sqnr(expected.grad, got.grad) >= 60, f"step {step}"
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
@@ -211,7 +254,7 @@ def test_return_bias_and_layernorm_output(gen, device):
     randomize(m, gen)
     with torch.no_grad():
         m.fc2_bias.copy_(randn(gen, 32, device=device))
-    x = randn(gen, 20, 32, device=device, requires_grad=True)
+    x = randn(gen, 20, 32, device=device).requires_grad_(True)
     for enabled in (False, True):
         with fp8_autocast(enabled=enabled, fp8_recipe=Float8CurrentScaling()):
             out, bias, ln_out = m(x)
@@ -238,7 +281,7 @@ def test_return_bias_and_layernorm_output(gen, device):
 def test_each_gemm_records_its_own_amaxes_in_one_update(gen, device):
     torch.manual_seed(5)
     m = tfp8.LayerNormMLP(32, 64, device=device, recipe=DelayedScaling(amax_history_len=4))
-    x = randn(gen, 16, 32, device=device, requires_grad=True)
+    x = randn(gen, 16, 32, device=device).requires_grad_(True)
     with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
         out = m(x)
     # After the forward update: every column rolled into the last row, scales moved.
@@ -292,7 +335,7 @@ def _checkpoint_model(device, recipe):
 def _train(model, steps, recipe, checkpoint, gen, device, reentrant=False):
     record = []
     for _ in range(steps):
-        x = randn(gen, 24, 32, device=device, requires_grad=True)
+        x = randn(gen, 24, 32, device=device).requires_grad_(True)
         model.zero_grad(set_to_none=True)
         with fp8_autocast(fp8_recipe=recipe):
             h = x
@@ -303,7 +346,9 @@ def _train(model, steps, recipe, checkpoint, gen, device, reentrant=False):
         loss.backward()
         record.append((loss.detach(), [p.grad.clone() for p in model.parameters()]
                        + [x.grad.clone()],
-                       [t.clone() for layer in model for t in layer.fp8_state_tensors()]))
+                       # (state_dict runs a backward update that reentrant checkpointing
+                       # holds back until the next step)
+                       [v.clone() for k, v in model.state_dict().items() if "fp8_" in k]))
     return record
 
 

@@ -7,11 +7,13 @@ from . import fused_ops, ops, recipe
 from .fp8_context import autocast, fp8_autocast, fp8_model_init, quantized_model_init
 from .checkpointing import checkpoint
 from .convert import Conv1D, ConversionSummary, convert_to_fp8
+from .attention import DotProductAttention, RotaryPositionEmbedding
 from .cuda_graphs import make_graphed_callables
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear, strip_fp8_state
 from .normalization import LayerNorm, RMSNorm
+from .transformer_layer import MultiheadAttention, TransformerLayer
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
 
 __version__ = "0.1.0"
@@ -46,8 +48,9 @@ def is_fp8_available() -> tuple[bool, str]:
     return True, ""
 
 
-__all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "Float8CurrentScaling", "Format",
-           "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "autocast",
-           "build_info", "checkpoint", "convert_to_fp8", "fp8_autocast", "fp8_model_init",
-           "is_fp8_available", "make_graphed_callables", "ops", "quantized_model_init", "recipe",
-           "strip_fp8_state"]
+__all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention",
+           "Float8CurrentScaling", "Format", "LayerNorm", "LayerNormLinear", "LayerNormMLP",
+           "Linear", "MultiheadAttention", "RMSNorm", "RotaryPositionEmbedding",
+           "TransformerLayer", "autocast", "build_info", "checkpoint", "convert_to_fp8",
+           "fp8_autocast", "fp8_model_init", "fused_ops", "is_fp8_available",
+           "make_graphed_callables", "ops", "quantized_model_init", "recipe", "strip_fp8_state"]

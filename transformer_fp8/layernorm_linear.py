@@ -131,17 +131,19 @@ class LayerNormLinear(NormFirstModule):
         self.bias = torch.nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
         self._init_norm_and_state(in_features, eps, normalization, zero_centered_gamma,
                                   device, dtype, recipe, num_gemms=1)
-        self.reset_parameters()
+        if not self.weight.is_meta:  # else initialised after to_empty(), by the caller
+            self._init_parameters()
 
     def reset_parameters(self) -> None:
-        if self.weight.is_meta:
-            return  # initialised after to_empty(), by the caller
+        self._init_parameters()
+        self.reset_fp8_state()
+
+    def _init_parameters(self) -> None:
         self.reset_norm_parameters()
         self.init_method(self.weight)
         if self.bias is not None:
             with torch.no_grad():
                 self.bias.zero_()
-        self.reset_fp8_state()
 
     def _gemm_dims(self):
         return [(self.out_features, self.in_features)]

@@ -202,11 +202,14 @@ class LayerNormMLP(NormFirstModule):
         self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, **factory)) if bias else None
         self._init_norm_and_state(hidden_size, eps, normalization, zero_centered_gamma,
                                   device, dtype, recipe, num_gemms=2)
-        self.reset_parameters()
+        if not self.fc1_weight.is_meta:  # else initialised after to_empty(), by the caller
+            self._init_parameters()
 
     def reset_parameters(self) -> None:
-        if self.fc1_weight.is_meta:
-            return  # initialised after to_empty(), by the caller
+        self._init_parameters()
+        self.reset_fp8_state()
+
+    def _init_parameters(self) -> None:
         self.reset_norm_parameters()
         self.init_method(self.fc1_weight)
         self.output_layer_init_method(self.fc2_weight)
@@ -214,7 +217,6 @@ class LayerNormMLP(NormFirstModule):
             for bias in (self.fc1_bias, self.fc2_bias):
                 if bias is not None:
                     bias.zero_()
-        self.reset_fp8_state()
 
     def _gemm_dims(self):
         return [tuple(self.fc1_weight.shape), tuple(self.fc2_weight.shape)]

@@ -53,9 +53,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         plan = ctx.plan
         plan.on_backward()  # the grad_output update runs when this backward pass ends
         g_2d = grad_out.reshape(-1, ctx.out_features)
-        g_fp8, g_t_fp8, g_scale_inv, _ = plan.grad_cast.cast(pad_rows(g_2d),
-                                                             with_transpose=needs_weight_grad)
-        grad_inp = grad_weight = grad_bias = None
+        # The bias gradient comes from the same read of grad_output as its cast.
+        g_fp8, g_t_fp8, g_scale_inv, grad_bias = plan.grad_cast.cast_grad_output(
+            g_2d, with_transpose=needs_weight_grad, with_dbias=needs_bias_grad)
+        grad_inp = grad_weight = None
         if needs_input_grad:
             # dgrad [M, K] = grad_out [M, N] @ weight [N, K]; the b operand is weight^T [K, N]
             grad_inp = ops.fp8_gemm(g_fp8, g_scale_inv, w_t_fp8, w_scale_inv, ctx.inp_dtype)
@@ -65,7 +66,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_weight = ops.fp8_gemm(g_t_fp8, g_scale_inv, x_t_fp8, x_scale_inv,
                                        ctx.weight_dtype)
         if needs_bias_grad:
-            grad_bias = g_2d.sum(dim=0).to(ctx.bias_dtype)
+            grad_bias = grad_bias.to(ctx.bias_dtype)
         return grad_inp, grad_weight, grad_bias, None
 
 
