@@ -34,6 +34,14 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("compute_scale_from_amax(Tensor amax, float fp8_max, int margin) -> Tensor");
   // out[M, N] = (a[M, K] * a_scale_inv) @ (b[N, K] * b_scale_inv)^T (+ bias[N]).
   m.def("fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None, bool use_fast_accum=False) -> Tensor");
+  // Block-scaled FP8 (csrc/blockwise_common.h): x [rows, cols] quantised per 1x128 tile, per
+  // 128x128 block or per row (block_rows x block_cols = 1 x cols), each block with its own
+  // scale; returns (x_fp8, scale_inv) in cuBLASLt's layout and, with_transpose, the same for x^T
+  // quantised with its own blocks (else two empty tensors).
+  m.def("quantize_blockwise(Tensor x, int block_rows, int block_cols, ScalarType fp8_dtype, bool power_2_scale, bool with_transpose) -> (Tensor, Tensor, Tensor, Tensor)");
+  // out[M, N] = dequant(a [M, K]) @ dequant(b [N, K])^T (+ bias[N]); the scale_inv shapes give
+  // the block modes. Accumulation is split (never fast) on CUDA.
+  m.def("fp8_gemm_blockwise(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None) -> Tensor");
 }
 
 namespace {

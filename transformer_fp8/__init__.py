@@ -3,12 +3,13 @@
 Importing this package loads the compiled operators (torch.ops.transformer_fp8) but never
 initialises CUDA.
 """
-from . import ops, recipe
+from . import blockwise_ops, ops, recipe
 from .fp8_context import autocast, fp8_autocast, fp8_model_init, quantized_model_init
 from .checkpointing import checkpoint
 from .convert import Conv1D, ConversionSummary, convert_to_fp8
 from .linear import Linear, strip_fp8_state
-from .recipe import DelayedScaling, Float8CurrentScaling, Format
+from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                     Float8RowwiseScaling, Format)
 
 __version__ = "0.1.0"
 
@@ -42,7 +43,8 @@ def is_fp8_available() -> tuple[bool, str]:
     return True, ""
 
 
-__all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "Float8CurrentScaling", "Format",
+__all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "Float8BlockScaling",
+           "Float8CurrentScaling", "Float8RowwiseScaling", "Format", "blockwise_ops",
            "Linear", "autocast", "build_info", "checkpoint", "convert_to_fp8", "fp8_autocast",
            "fp8_model_init", "is_fp8_available", "ops", "quantized_model_init", "recipe",
            "strip_fp8_state"]

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from . import fp8_context as _autocast
 from . import checkpointing, ops
-from .recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
+from .blockwise_linear import blockwise_linear, is_block_recipe
+from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 INPUT, WEIGHT = 0, 1  # columns of the forward state
 FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
@@ -174,12 +175,12 @@ def _history_len_for(recipe) -> int:
     """The amax history length a layer built for ``recipe`` starts with: the recipe's own for
     DelayedScaling, so that its state_dict has its final shapes from the start (a checkpoint of
     trained layers loads into freshly built ones, e.g. with torch.distributed.checkpoint)."""
-    if recipe is None or isinstance(recipe, Float8CurrentScaling):
+    if recipe is None or isinstance(recipe, (Float8CurrentScaling,) + BLOCK_RECIPES):
         return _DEFAULT_HISTORY_LEN
     if isinstance(recipe, DelayedScaling):
         return recipe.amax_history_len
-    raise TypeError("recipe must be None, a DelayedScaling or a Float8CurrentScaling, got "
-                    f"{type(recipe).__name__}")
+    raise TypeError("recipe must be None, a DelayedScaling, Float8CurrentScaling, "
+                    f"Float8BlockScaling or Float8RowwiseScaling, got {type(recipe).__name__}")
 
 
 class Linear(torch.nn.Linear):
@@ -404,6 +405,8 @@ class Linear(torch.nn.Linear):
 
     def _fp8_forward(self, inp, state, is_first_microbatch):
         recipe = state.recipe
+        if is_block_recipe(recipe):  # per-block scales from the tensors: no FP8 state used
+            return blockwise_linear(self, inp, recipe)
         fmt = recipe.fp8_format
         if fmt is Format.E5M2:
             raise ValueError("Format.E5M2 cannot train a Linear layer: FP8 GEMMs take no E5M2 x "
