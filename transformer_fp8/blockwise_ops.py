@@ -41,8 +41,10 @@ def quantize_blockwise(x: torch.Tensor, block_rows: int = 1, block_cols: int = B
                        with_transpose: bool = False):
     """(x_fp8, scale_inv, x_t_fp8, scale_inv_t) of a 2-D x (float32, bfloat16 or float16).
 
-    block_rows x block_cols: 1 x 128, 128 x 128, or 1 x x.shape[1] (row-wise). Without
-    with_transpose the last two are empty tensors. See the module docstring for the numerics.
+    block_rows x block_cols: 1 x 128, 128 x 128, or row-wise: 1 x -1 (or 1 x x.shape[1]; for a
+    128-column x, 1 x 128 means 1x128 tiles, whose transposes differ from row-wise ones).
+    Without with_transpose the last two are empty tensors. See the module docstring for the
+    numerics.
     """
     return _ops.quantize_blockwise(x, block_rows, block_cols, fp8_dtype, power_2_scale,
                                    with_transpose)
@@ -64,14 +66,16 @@ def fp8_gemm_blockwise(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tens
 
 def block_mode(block_rows: int, block_cols: int, cols) -> str:
     """The mode name of a (block_rows, block_cols) pair for an x with ``cols`` columns."""
+    if block_rows == 1 and block_cols == -1:
+        return "rowwise"
     if block_rows == 1 and block_cols == BLOCK:
         return "1x128"
     if block_rows == BLOCK and block_cols == BLOCK:
         return "128x128"
     if block_rows == 1 and block_cols == cols and cols > 0:
         return "rowwise"
-    raise ValueError(f"block_rows x block_cols must be 1 x 128, 128 x 128 or 1 x cols (row-wise, "
-                     f"here 1 x {cols}), got {block_rows} x {block_cols}")
+    raise ValueError(f"block_rows x block_cols must be 1 x 128, 128 x 128 or row-wise: 1 x -1 "
+                     f"(or 1 x cols, here 1 x {cols}), got {block_rows} x {block_cols}")
 
 
 def scale_shape_and_strides(mode: str, rows, cols) -> tuple[tuple, tuple]:

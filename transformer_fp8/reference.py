@@ -173,6 +173,8 @@ def _quantize_blocks_reference(xf: torch.Tensor, block_rows: int, block_cols: in
     rows, cols = xf.shape
     fp8_max = FP8_MAX[fp8_dtype]
     nbr, nbc = -(-rows // block_rows), -(-cols // block_cols)
+    if mode == "rowwise":
+        nbc = 1  # one scale per row, also for a row of no elements (amax 0, scale 1)
     # Zero padding to whole blocks changes no amax (|x| >= 0; a NaN still wins).
     padded = torch.nn.functional.pad(xf, (0, nbc * block_cols - cols, 0, nbr * block_rows - rows))
     blocks = padded.reshape(nbr, block_rows, nbc, block_cols)
@@ -186,7 +188,7 @@ def _quantize_blocks_reference(xf: torch.Tensor, block_rows: int, block_cols: in
                           dtype=torch.float32)
     scale_inv = storage.as_strided(shape, strides)
     scale_inv.copy_(1.0 / scale)
-    return x_fp8.contiguous(), scale_inv
+    return x_fp8.clone(memory_format=torch.contiguous_format), scale_inv
 
 
 def quantize_blockwise_reference(x: torch.Tensor, block_rows: int, block_cols: int,
@@ -198,6 +200,8 @@ def quantize_blockwise_reference(x: torch.Tensor, block_rows: int, block_cols: i
     xf = x.detach().cpu().float()
     rows, cols = xf.shape
     mode = block_mode(block_rows, block_cols, cols)
+    if mode == "rowwise":
+        block_cols = max(cols, 1)
     x_fp8, scale_inv = _quantize_blocks_reference(xf, block_rows, block_cols, fp8_dtype,
                                                   power_2_scale, mode)
     if not with_transpose:
