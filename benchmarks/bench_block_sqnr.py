@@ -7,8 +7,8 @@ outliers excluded), the fraction of ordinary non-zero values flushed to zero, an
 GEMM output x @ w^T (w an ordinary weight, zero on the outliers' channels so that the output is
 the ordinary values' product, quantised the recipe's way). Tensors: gaussian (no
 outliers), outlier columns (4 channels 10**3 or 10**5 larger, as large-model activations have),
-an outlier 128x128 block (10**5 larger). Numerics are device-independent; this runs on the CPU kernels
-unless --device says otherwise.
+an outlier 128x128 block (10**5 larger). Numerics are device-independent; this runs on the CPU
+kernels unless --device says otherwise.
 
     python benchmarks/bench_block_sqnr.py [--smoke] [--out DIR]
 """

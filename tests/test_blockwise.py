@@ -30,7 +30,8 @@ def mixed(gen, rows, cols, dtype=torch.float32, specials=(), spread=20):
     """Normal values whose magnitude varies per 64 x 64 region by up to 2**+-spread (so that
     blocks differ), with the given special values at random places."""
     x = randn(gen, rows, cols, dtype=torch.float64)
-    region = torch.randint(-spread, spread + 1, ((rows + 63) // 64, (cols + 63) // 64), generator=gen)
+    region = torch.randint(-spread, spread + 1, ((rows + 63) // 64, (cols + 63) // 64),
+                           generator=gen)
     x = x * torch.exp2(region.double()).repeat_interleave(64, 0).repeat_interleave(64, 1)[
         :rows, :cols]
     flat = x.view(-1)

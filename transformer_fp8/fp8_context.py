@@ -257,7 +257,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
     """Run the FP8 modules inside with FP8 GEMMs.
 
     enabled: False runs them in high precision (as torch.nn.Linear would).
-    fp8_recipe: DelayedScaling() by default, or Float8CurrentScaling().
+    fp8_recipe: DelayedScaling() by default, Float8CurrentScaling(), or the per-block recipes
+        Float8BlockScaling() and Float8RowwiseScaling() (no state, no collective).
     fp8_group: the process group whose ranks share amaxes (default: the whole world).
     Call backward outside the context. Nested contexts: the innermost one decides how modules
     run; the outermost one's exit reduces and updates. If an exception leaves the outermost
