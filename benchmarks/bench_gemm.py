@@ -3,7 +3,10 @@
 Measures out[M, N] = a[M, K] @ b[N, K].T in bf16 output for M x K x N = 8192^3, 16384 x 8192 x
 8192 and 16384 x 8192 x 28672: transformer_fp8's fp8_gemm (E4M3 x E4M3, with and without fast
 accumulation), torch.matmul on the bf16 tensors of the same shapes, and torch._scaled_mm on the
-very same FP8 operands and scales (fast accumulation; 'n/a' where it fails). Reported: time per
+very same FP8 operands and scales (fast accumulation; 'n/a' where it fails), and the
+block-scaled fp8_gemm_blockwise (split accumulation, as the recipes run it) with 1x128 x 128x128
+(forward of Float8BlockScaling), 1x128 x 1x128 (its backward GEMMs) and row-wise x row-wise
+scales (Float8RowwiseScaling) on operands quantised from the same bf16 tensors. Reported: time per
 GEMM (CUDA events, median; the implementations timed in turns over 4 rounds, so that the
 GPU's warming up weighs on all alike), TFLOP/s = 2 M N K / time, and the speedups over bf16
 and over torch._scaled_mm, all measured in the same run.
@@ -19,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from transformer_fp8 import ops  # noqa: E402
+from transformer_fp8 import blockwise_ops, ops  # noqa: E402
 
 NAME = "bench_gemm"
 TITLE, WHAT = common.doc_summary(__doc__)
@@ -62,7 +65,29 @@ def implementations(a_hp, b_hp, a_lp, a_scale_inv, b_lp, b_scale_inv):
         "torch._scaled_mm (fast accum)": scaled_mm,
         "fp8_gemm (fast accum)": fp8_gemm(True),
         "fp8_gemm (fp32 accum)": fp8_gemm(False),
+        **blockwise_implementations(a_hp, b_hp),
     }
+
+
+def blockwise_implementations(a_hp, b_hp):
+    """fp8_gemm_blockwise with the scale modes of the block recipes; the operands are quantised
+    here, outside the timed calls."""
+    k = a_hp.shape[1]
+
+    def quantised(x, block_rows, block_cols):
+        q, s, _, _ = blockwise_ops.quantize_blockwise(x, block_rows, block_cols, FP8, True)
+        return q, s
+
+    cases = {"blockwise 1x128 x 128x128": ((1, 128), (128, 128)),
+             "blockwise 1x128 x 1x128": ((1, 128), (1, 128)),
+             "rowwise x rowwise": ((1, k), (1, k))}
+    fns = {}
+    for name, (a_blocks, b_blocks) in cases.items():
+        a_q, a_s = quantised(a_hp, *a_blocks)
+        b_q, b_s = quantised(b_hp, *b_blocks)
+        fns[name] = (lambda a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s:
+                     blockwise_ops.fp8_gemm_blockwise(a_q, a_s, b_q, b_s, torch.bfloat16))
+    return fns
 
 
 def works(fn) -> bool:
@@ -111,7 +136,9 @@ def main(argv=None) -> dict:
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
     notes = ["operands: a ~ N(0, 1), b ~ N(0, 0.05^2), cast to float8_e4m3fn with per-tensor "
-             "scales from their amax; b is [N, K] (K contiguous, the TN layout)"]
+             "scales from their amax; b is [N, K] (K contiguous, the TN layout)",
+             "blockwise rows: the same bf16 tensors quantised per block (power-of-two scales); "
+             "times are of the GEMM alone, quantisation excluded"]
     return common.report(args, NAME, TITLE, WHAT, COLUMNS, rows, plot=plot, notes=notes)
 
 

@@ -61,6 +61,14 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("activation_bwd_fp8(Tensor dy, Tensor x, str activation, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax, bool with_transpose, bool with_dbias, int row_multiple) -> (Tensor dx_fp8, Tensor dx_t_fp8, Tensor dbias)");
   // cast_transpose_to_fp8 with row padding, plus dbias = x.sum(0) (float32 accumulation).
   m.def("cast_transpose_dbias(Tensor x, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax, int row_multiple) -> (Tensor x_fp8, Tensor x_t_fp8, Tensor dbias)");
+  // Block-scaled FP8 (csrc/blockwise_common.h): x [rows, cols] quantised per 1x128 tile, per
+  // 128x128 block or per row (block_rows x block_cols = 1 x cols), each block with its own
+  // scale; returns (x_fp8, scale_inv) in cuBLASLt's layout and, with_transpose, the same for x^T
+  // quantised with its own blocks (else two empty tensors).
+  m.def("quantize_blockwise(Tensor x, int block_rows, int block_cols, ScalarType fp8_dtype, bool power_2_scale, bool with_transpose) -> (Tensor, Tensor, Tensor, Tensor)");
+  // out[M, N] = dequant(a [M, K]) @ dequant(b [N, K])^T (+ bias[N]); the scale_inv shapes give
+  // the block modes. Accumulation is split (never fast) on CUDA.
+  m.def("fp8_gemm_blockwise(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None) -> Tensor");
 }
 
 namespace {

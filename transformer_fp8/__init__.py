@@ -3,7 +3,7 @@
 Importing this package loads the compiled operators (torch.ops.transformer_fp8) but never
 initialises CUDA.
 """
-from . import fused_ops, ops, recipe
+from . import blockwise_ops, fused_ops, ops, recipe
 from .fp8_context import autocast, fp8_autocast, fp8_model_init, quantized_model_init
 from .checkpointing import checkpoint
 from .convert import Conv1D, ConversionSummary, convert_to_fp8
@@ -13,8 +13,9 @@ from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear, strip_fp8_state
 from .normalization import LayerNorm, RMSNorm
+from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                     Float8RowwiseScaling, Format)
 from .transformer_layer import MultiheadAttention, TransformerLayer
-from .recipe import DelayedScaling, Float8CurrentScaling, Format
 
 __version__ = "0.1.0"
 
@@ -49,8 +50,9 @@ def is_fp8_available() -> tuple[bool, str]:
 
 
 __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention",
-           "Float8CurrentScaling", "Format", "LayerNorm", "LayerNormLinear", "LayerNormMLP",
-           "Linear", "MultiheadAttention", "RMSNorm", "RotaryPositionEmbedding",
-           "TransformerLayer", "autocast", "build_info", "checkpoint", "convert_to_fp8",
-           "fp8_autocast", "fp8_model_init", "fused_ops", "is_fp8_available",
-           "make_graphed_callables", "ops", "quantized_model_init", "recipe", "strip_fp8_state"]
+           "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format",
+           "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
+           "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
+           "build_info", "checkpoint", "convert_to_fp8", "fp8_autocast", "fp8_model_init",
+           "fused_ops", "is_fp8_available", "make_graphed_callables", "ops",
+           "quantized_model_init", "recipe", "strip_fp8_state"]

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from . import checkpointing, ops
-from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from .recipe import RECIPE_TYPES, DelayedScaling, Recipe
 
 # What a module hands over for the update: () -> (history [L, n], scale [n], scale_inv [n], fp8_max)
 StateGetter = Callable[[], tuple]
@@ -265,7 +265,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
     """Run the FP8 modules inside with FP8 GEMMs.
 
     enabled: False runs them in high precision (as torch.nn.Linear would).
-    fp8_recipe: DelayedScaling() by default, or Float8CurrentScaling().
+    fp8_recipe: DelayedScaling() by default, Float8CurrentScaling(), or the per-block recipes
+        Float8BlockScaling() and Float8RowwiseScaling() (no state, no collective).
     fp8_group: the process group whose ranks share amaxes (default: the whole world).
     Call backward outside the context. Nested contexts: the innermost one decides how modules
     run; the outermost one's exit reduces and updates. If an exception leaves the outermost
@@ -275,8 +276,9 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
         raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
-    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError("fp8_recipe must be a DelayedScaling or Float8CurrentScaling, got "
+    if not isinstance(fp8_recipe, RECIPE_TYPES):
+        raise TypeError("fp8_recipe must be a DelayedScaling, Float8CurrentScaling, "
+                        "Float8BlockScaling or Float8RowwiseScaling, got "
                         f"{type(fp8_recipe).__name__}")
     if fp8_group is not None and not (torch.distributed.is_available()
                                       and isinstance(fp8_group, torch.distributed.ProcessGroup)):
@@ -355,8 +357,9 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError("recipe must be None, a DelayedScaling or a Float8CurrentScaling, got "
+    if recipe is not None and not isinstance(recipe, RECIPE_TYPES):
+        raise TypeError("recipe must be None, a DelayedScaling, Float8CurrentScaling, "
+                        "Float8BlockScaling or Float8RowwiseScaling, got "
                         f"{type(recipe).__name__}")
     _INIT.stack.append((recipe or DelayedScaling()) if enabled else None)
     try:

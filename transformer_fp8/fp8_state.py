@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from . import checkpointing, ops
 from . import fp8_context as _autocast
-from .recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
+from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
                    "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv")
@@ -49,12 +49,12 @@ def history_len_for(recipe) -> int:
     """The amax history length a module built for ``recipe`` starts with: the recipe's own for
     DelayedScaling, so that its state_dict has its final shapes from the start (a checkpoint of
     trained modules loads into freshly built ones, e.g. with torch.distributed.checkpoint)."""
-    if recipe is None or isinstance(recipe, Float8CurrentScaling):
+    if recipe is None or isinstance(recipe, (Float8CurrentScaling,) + BLOCK_RECIPES):
         return DEFAULT_HISTORY_LEN
     if isinstance(recipe, DelayedScaling):
         return recipe.amax_history_len
-    raise TypeError("recipe must be None, a DelayedScaling or a Float8CurrentScaling, got "
-                    f"{type(recipe).__name__}")
+    raise TypeError("recipe must be None, a DelayedScaling, Float8CurrentScaling, "
+                    f"Float8BlockScaling or Float8RowwiseScaling, got {type(recipe).__name__}")
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:

@@ -160,10 +160,10 @@ class LayerNormLinear(NormFirstModule):
     def _gemm_bias(self):
         return None if self.return_bias else self.bias
 
-    def _high_precision(self, inp):
+    def _high_precision(self, inp, linear=F.linear):
         ln_out = norm_hp(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
                          self.eps, self.zero_centered_gamma)
-        out = F.linear(ln_out, self.weight, self._gemm_bias())
+        out = linear(ln_out, self.weight, self._gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out
 
     def _fp8_apply(self, inp, plans):

@@ -233,12 +233,11 @@ class LayerNormMLP(NormFirstModule):
     def _fc2_gemm_bias(self):
         return None if self.return_bias else self.fc2_bias
 
-    def _high_precision(self, inp):
+    def _high_precision(self, inp, linear=F.linear):
         ln_out = norm_hp(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
                          self.eps, self.zero_centered_gamma)
-        hidden = activation_hp(F.linear(ln_out, self.fc1_weight, self.fc1_bias),
-                               self.activation)
-        out = F.linear(hidden, self.fc2_weight, self._fc2_gemm_bias())
+        hidden = activation_hp(linear(ln_out, self.fc1_weight, self.fc1_bias), self.activation)
+        out = linear(hidden, self.fc2_weight, self._fc2_gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out
 
     def _fp8_apply(self, inp, plans):

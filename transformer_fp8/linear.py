@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from . import fp8_context as _autocast
 from . import ops
+from .blockwise_linear import blockwise_linear, is_block_recipe
 from .fp8_state import (ALIGN, DEFAULT_HISTORY_LEN, FP8_FLOAT_STATE,  # noqa: F401 (tests)
                         FP8_INPUT_DTYPES, FP8_STATE_KEYS, Fp8StateMixin, history_len_for,
                         pad_rows)
@@ -145,6 +146,8 @@ class Linear(Fp8StateMixin, torch.nn.Linear):
                 or inp.dtype not in FP8_INPUT_DTYPES):
             self._warn_high_precision(inp.dtype)
             return self._high_precision(inp)
+        if is_block_recipe(state.recipe):  # per-block scales from the tensors: no FP8 state
+            return blockwise_linear(inp, self.weight_nk(), self.bias, state.recipe)
         return self._fp8_run(inp, state, is_first_microbatch)
 
     def _warn_high_precision(self, dtype) -> None:

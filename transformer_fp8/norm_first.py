@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from . import fp8_context as _autocast
+from .blockwise_linear import blockwise_linear, is_block_recipe
 from .fp8_state import ALIGN, FP8_INPUT_DTYPES, Fp8StateMixin, history_len_for
 from .normalization import NormStep, check_eps, check_normalization, reset_norm_parameters
 
@@ -57,7 +58,8 @@ def check_positive(owner: str, name: str, value) -> int:
 class NormFirstModule(Fp8StateMixin, torch.nn.Module):
     """Base of the modules that normalise their input and then run FP8 GEMMs. Subclasses set
     ``_gemm_dims()`` (the (out, in) features of each GEMM), ``fp8_weights()``,
-    ``_high_precision(inp)`` and ``_fp8_apply(inp, plans)``."""
+    ``_high_precision(inp, linear=F.linear)`` (the torch composition, its GEMMs done by
+    ``linear``) and ``_fp8_apply(inp, plans)``."""
 
     def _init_norm_and_state(self, hidden_size: int, eps, normalization, zero_centered_gamma,
                              device, dtype, recipe, num_gemms: int) -> None:
@@ -107,6 +109,12 @@ class NormFirstModule(Fp8StateMixin, torch.nn.Module):
                               "input.", stacklevel=3)
                 self._warned_high_precision = True
             return self._high_precision(inp)
+        if is_block_recipe(state.recipe):
+            # Per-block scales come from each tensor as it is cast: the torch composition with
+            # its GEMMs block-scaled (no fused norm or activation cast, no FP8 state).
+            def linear(x, weight, bias):
+                return blockwise_linear(x, weight, bias, state.recipe)
+            return self._high_precision(inp, linear)
         return self._fp8_run(inp, state, is_first_microbatch)
 
 

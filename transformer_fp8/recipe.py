@@ -97,4 +97,84 @@ class Float8CurrentScaling:
         _check_format(self.fp8_format)
 
 
-Recipe = Union[DelayedScaling, Float8CurrentScaling]
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_block_dim(name: str, value) -> None:
+    if isinstance(value, bool) or value not in (1, 2):
+        raise ValueError(f"{name} must be 1 (1x128 tiles) or 2 (128x128 blocks), got {value!r}")
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling:
+    """Per-block scaling (DeepSeek-V3 style; Transformer Engine's recipe of this name).
+
+    Every tensor is scaled per block from its own values at the time of the cast: no amax
+    history, no update, no collective (each rank's blocks are its own). Dimensions:
+    1 = 1x128 tiles along the rows, 2 = 128x128 blocks. Scales are float32; with power_2_scale
+    (the default, as in Transformer Engine) each is rounded down to a power of two.
+
+    x_block_scaling_dim: the input's blocks (1 or 2).
+    w_block_scaling_dim: the weight's blocks (1 or 2).
+    grad_block_scaling_dim: grad_output's blocks (1 or 2).
+    At most one of the three may be 2: each GEMM (fprop x.w, dgrad grad.w, wgrad grad.x) takes
+    two of them, and cuBLASLt has no 128x128 by 128x128 block-scaled GEMM.
+    fp8_format: E4M3 everywhere by default (per-block scales need less range); HYBRID gives
+    gradients E5M2. E5M2 everywhere is refused.
+    """
+
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    power_2_scale: bool = True
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        if self.fp8_format is Format.E5M2:
+            raise ValueError("Float8BlockScaling: fp8_format=Format.E5M2 is not supported (FP8 "
+                             "GEMMs take no E5M2 x E5M2 product); use Format.E4M3 or "
+                             "Format.HYBRID")
+        dims = {"x_block_scaling_dim": self.x_block_scaling_dim,
+                "w_block_scaling_dim": self.w_block_scaling_dim,
+                "grad_block_scaling_dim": self.grad_block_scaling_dim}
+        for name, value in dims.items():
+            _check_block_dim(name, value)
+        two_d = [name for name, value in dims.items() if value == 2]
+        if len(two_d) > 1:
+            raise ValueError(f"Float8BlockScaling: {' and '.join(two_d)} are both 2, but a "
+                             "128x128 by 128x128 block-scaled GEMM is not supported (fprop "
+                             "multiplies x by w, dgrad grad by w, wgrad grad by x); make at "
+                             "most one of them 2")
+        _check_bool("power_2_scale", self.power_2_scale)
+
+
+@dataclass(frozen=True)
+class Float8RowwiseScaling:
+    """Row-wise scaling (torchao's "rowwise" recipe): one scale per row of each GEMM operand,
+    along the contraction dimension: per row of the input and of the weight in the forward,
+    per row of grad_output and per column of the weight for dgrad, per column of grad_output
+    and of the input for wgrad. Scales come from the tensor itself (no history, no collective).
+
+    fp8_format: E4M3 everywhere by default (as torchao); HYBRID gives gradients E5M2.
+    power_2_scale: round each scale down to a power of two (torchao's default too).
+    """
+
+    fp8_format: Format = Format.E4M3
+    power_2_scale: bool = True
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        if self.fp8_format is Format.E5M2:
+            raise ValueError("Float8RowwiseScaling: fp8_format=Format.E5M2 is not supported (FP8 "
+                             "GEMMs take no E5M2 x E5M2 product); use Format.E4M3 or "
+                             "Format.HYBRID")
+        _check_bool("power_2_scale", self.power_2_scale)
+
+
+BLOCK_RECIPES = (Float8BlockScaling, Float8RowwiseScaling)
+RECIPE_TYPES = (DelayedScaling, Float8CurrentScaling) + BLOCK_RECIPES
+
+Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Float8RowwiseScaling]

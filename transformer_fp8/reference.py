@@ -293,3 +293,94 @@ def activation_bwd_fp8_reference(dy, x, activation, scale, fp8_dtype, amax=None,
 def cast_transpose_dbias_reference(x, scale, fp8_dtype, amax=None, row_multiple=1):
     x_fp8, x_t_fp8 = fp8_rows_reference(x, scale, fp8_dtype, amax, True, row_multiple)
     return x_fp8, x_t_fp8, x.float().contiguous().sum(0).to(x.dtype)
+
+# ---------------------------------------------------------------------------- block scaling
+
+def block_scale_reference(amax: torch.Tensor, fp8_max: float, power_2_scale: bool) -> torch.Tensor:
+    """Per-block scale (see blockwise_ops.py): fp8_max / amax in fp64, rounded once to fp32
+    (overflow to FLT_MAX); with power_2_scale the fp64 quotient rounded down to a power of two
+    (2**127 at most); 1.0 where amax is 0 or not finite."""
+    usable = torch.isfinite(amax) & (amax > 0)
+    q = fp8_max / torch.where(usable, amax, torch.ones_like(amax)).double()
+    if power_2_scale:
+        _, exponent = torch.frexp(q)  # q = m * 2**exponent, m in [0.5, 1)
+        scale = torch.ldexp(torch.ones_like(q), (exponent - 1).clamp(max=127)).float()
+    else:
+        scale = q.float()
+        scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+    return torch.where(usable, scale, torch.ones_like(scale))
+
+
+def _quantize_blocks_reference(xf: torch.Tensor, block_rows: int, block_cols: int,
+                               fp8_dtype: torch.dtype, power_2_scale: bool, mode: str):
+    from .blockwise_ops import scale_shape_and_strides
+
+    rows, cols = xf.shape
+    fp8_max = FP8_MAX[fp8_dtype]
+    nbr, nbc = -(-rows // block_rows), -(-cols // block_cols)
+    if mode == "rowwise":
+        nbc = 1  # one scale per row, also for a row of no elements (amax 0, scale 1)
+    # Zero padding to whole blocks changes no amax (|x| >= 0; a NaN still wins).
+    padded = torch.nn.functional.pad(xf, (0, nbc * block_cols - cols, 0, nbr * block_rows - rows))
+    blocks = padded.reshape(nbr, block_rows, nbc, block_cols)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = block_scale_reference(amax, fp8_max, power_2_scale)
+    scaled = blocks * scale[:, None, :, None]
+    x_fp8 = scaled.clamp(-fp8_max, fp8_max).to(fp8_dtype).reshape(padded.shape)[:rows, :cols]
+    shape, strides = scale_shape_and_strides(mode, rows, cols)
+    # Storage of the padded layout: whole columns (1-D blocks) or whole rows (128x128) of it.
+    storage = torch.zeros(shape[1] * strides[1] if strides[0] == 1 else shape[0] * strides[0],
+                          dtype=torch.float32)
+    scale_inv = storage.as_strided(shape, strides)
+    scale_inv.copy_(1.0 / scale)
+    return x_fp8.clone(memory_format=torch.contiguous_format), scale_inv
+
+
+def quantize_blockwise_reference(x: torch.Tensor, block_rows: int, block_cols: int,
+                                 fp8_dtype: torch.dtype, power_2_scale: bool = True,
+                                 with_transpose: bool = False):
+    """(x_fp8, scale_inv, x_t_fp8, scale_inv_t) as quantize_blockwise computes them (CPU)."""
+    from .blockwise_ops import block_mode
+
+    xf = x.detach().cpu().float()
+    rows, cols = xf.shape
+    mode = block_mode(block_rows, block_cols, cols)
+    if mode == "rowwise":
+        block_cols = max(cols, 1)
+    x_fp8, scale_inv = _quantize_blocks_reference(xf, block_rows, block_cols, fp8_dtype,
+                                                  power_2_scale, mode)
+    if not with_transpose:
+        return (x_fp8, scale_inv, torch.empty(0, dtype=fp8_dtype),
+                torch.empty(0, dtype=torch.float32))
+    t_cols = max(rows, 1) if mode == "rowwise" else block_cols
+    x_t_fp8, scale_inv_t = _quantize_blocks_reference(xf.t(), block_rows, t_cols, fp8_dtype,
+                                                      power_2_scale, mode)
+    return x_fp8, scale_inv, x_t_fp8, scale_inv_t
+
+
+def dequantize_blockwise_reference(x_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """x_fp8 [rows, K] times its blocks' scale_inv, in float64 (mode read from the scale shape,
+    as fp8_gemm_blockwise reads it)."""
+    rows, K = x_fp8.shape
+    s = scale_inv.double().cpu()
+    if s.shape == (rows, -(-K // 128)):
+        full = s.repeat_interleave(128, dim=1)[:, :K]
+    elif s.shape == (-(-rows // 128), -(-K // 128)):
+        full = s.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[:rows, :K]
+    elif s.shape == (rows, 1):
+        full = s
+    else:
+        raise ValueError(f"scale_inv of shape {tuple(s.shape)} fits no block mode of an operand "
+                         f"of shape {(rows, K)}")
+    return x_fp8.cpu().double() * full
+
+
+def fp8_gemm_blockwise_reference(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+                                 b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Dequantise to float64, multiply, add the bias: the exact product, rounded to out_dtype."""
+    out = dequantize_blockwise_reference(a, a_scale_inv) @ \
+        dequantize_blockwise_reference(b, b_scale_inv).T
+    if bias is not None:
+        out = out + bias.cpu().double()
+    return out.to(out_dtype)

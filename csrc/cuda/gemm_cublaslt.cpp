@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "../gemm_checks.h"
+#include "cublaslt_shared.h"
 #include "cuda_checks.h"
 
 namespace transformer_fp8 {
@@ -284,6 +285,13 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
 }
 
 }  // namespace
+
+// Shared with the other cuBLASLt callers (cublaslt_shared.h).
+cublasLtHandle_t cublaslt_handle(int device) { return handle_for(device); }
+void* cublaslt_workspace(int device, cudaStream_t stream) { return workspace_for(device, stream); }
+size_t cublaslt_workspace_bytes() { return kWorkspaceBytes; }
+const char* cublaslt_status_string(cublasStatus_t status) { return cublasLt_status_name(status); }
+uint32_t cublaslt_alignment_of(const void* p) { return alignment_of(p); }
 
 TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m) { m.impl("fp8_gemm", &fp8_gemm_cuda); }
 

@@ -1,0 +1,115 @@
+// Argument checks of quantize_blockwise and fp8_gemm_blockwise, shared by the CPU and CUDA
+// kernels, and the allocation of scale tensors in the layout of blockwise_common.h.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "blockwise_common.h"
+#include "checks.h"
+
+namespace transformer_fp8 {
+
+inline const char* block_mode_name(BlockMode mode) {
+  switch (mode) {
+    case BlockMode::Vec128: return "1x128";
+    case BlockMode::Blk128: return "128x128";
+    default: return "row-wise";
+  }
+}
+
+// (block_rows, block_cols) -> mode: (1, 128), (128, 128), or one block per row: (1, -1), or
+// (1, cols) when cols != 128 (for 128 columns, (1, 128) means 1x128 tiles: their transposes
+// differ from row-wise ones).
+inline BlockMode check_quantize_blockwise_args(const at::Tensor& x, int64_t block_rows,
+                                               int64_t block_cols, at::ScalarType fp8_dtype) {
+  check_high_precision(x, "x");
+  TORCH_CHECK(x.dim() == 2, "transformer_fp8: argument 'x' of quantize_blockwise must be 2-D "
+              "[rows, cols], got ", describe(x));
+  check_fp8_dtype(fp8_dtype, "fp8_dtype");
+  const int64_t cols = x.size(1);
+  if (block_rows == 1 && block_cols == -1) return BlockMode::Rowwise;
+  if (block_rows == 1 && block_cols == kScaleBlock) return BlockMode::Vec128;
+  if (block_rows == kScaleBlock && block_cols == kScaleBlock) return BlockMode::Blk128;
+  if (block_rows == 1 && block_cols == cols && cols > 0) return BlockMode::Rowwise;
+  TORCH_CHECK(false, "transformer_fp8: arguments 'block_rows' x 'block_cols' of "
+              "quantize_blockwise must be 1 x 128, 128 x 128 or row-wise: 1 x -1 (or 1 x cols, "
+              "here 1 x ", cols, "), got ", block_rows, " x ", block_cols);
+}
+
+// A zero-filled float32 tensor with the logical shape and strides of g's scale tensor.
+inline at::Tensor new_scale_tensor(const BlockGeometry& g, const at::TensorOptions& options) {
+  at::Tensor storage = at::zeros({g.storage}, options.dtype(at::kFloat));
+  return storage.as_strided({g.scale_rows, g.scale_cols}, {g.stride0, g.stride1});
+}
+
+// The mode that a scale tensor's logical shape states for an operand [rows, K].
+inline BlockMode scale_mode_of(const at::Tensor& operand, const at::Tensor& scale_inv,
+                               const char* name) {
+  check_defined(scale_inv, name);
+  const int64_t rows = operand.size(0), K = operand.size(1);
+  const int64_t kb = ceil_div64(K, kScaleBlock);
+  TORCH_CHECK(scale_inv.scalar_type() == at::kFloat && scale_inv.dim() == 2,
+              "transformer_fp8: argument '", name, "' must be a 2-D float32 tensor, got ",
+              describe(scale_inv));
+  const auto s0 = scale_inv.size(0), s1 = scale_inv.size(1);
+  if (s0 == rows && s1 == kb) return BlockMode::Vec128;
+  if (s0 == ceil_div64(rows, kScaleBlock) && s1 == kb) return BlockMode::Blk128;
+  if (s0 == rows && s1 == 1) return BlockMode::Rowwise;
+  TORCH_CHECK(false, "transformer_fp8: argument '", name, "' must have shape [", rows, ", ", kb,
+              "] (1x128 blocks), [", ceil_div64(rows, kScaleBlock), ", ", kb,
+              "] (128x128 blocks) or [", rows, ", 1] (row-wise) for an operand of shape [", rows,
+              ", ", K, "], got ", describe(scale_inv));
+}
+
+struct BlockwiseGemmModes {
+  BlockMode a, b;
+};
+
+// a [M, K], b [N, K] FP8 (K contiguous); out = a_hp @ b_hp^T. The scale shapes give the modes.
+// cuBLASLt runs 1x128 by 1x128, 1x128 by 128x128 and 128x128 by 1x128, and row-wise by
+// row-wise; not 128x128 by 128x128, and row-wise pairs only with row-wise.
+inline BlockwiseGemmModes check_gemm_blockwise_args(const at::Tensor& a,
+                                                    const at::Tensor& a_scale_inv,
+                                                    const at::Tensor& b,
+                                                    const at::Tensor& b_scale_inv,
+                                                    at::ScalarType out_dtype,
+                                                    const c10::optional<at::Tensor>& bias) {
+  check_fp8_tensor(a, "a");
+  check_fp8_tensor(b, "b");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "transformer_fp8: fp8_gemm_blockwise needs 2-D 'a' "
+              "[M, K] and 'b' [N, K], got a: ", describe(a), ", b: ", describe(b));
+  TORCH_CHECK(a.size(1) == b.size(1), "transformer_fp8: fp8_gemm_blockwise computes a @ b.T, so "
+              "'a' [M, K] and 'b' [N, K] must share K; got a: ", describe(a), ", b: ",
+              describe(b));
+  TORCH_CHECK(!(a.scalar_type() == at::kFloat8_e5m2 && b.scalar_type() == at::kFloat8_e5m2),
+              "transformer_fp8: fp8_gemm_blockwise does not take two float8_e5m2 operands (no "
+              "tensor-core support); use float8_e4m3fn for at least one of 'a' and 'b'");
+  check_same_device(b, "b", a, "a");
+  const BlockwiseGemmModes modes{scale_mode_of(a, a_scale_inv, "a_scale_inv"),
+                                 scale_mode_of(b, b_scale_inv, "b_scale_inv")};
+  check_same_device(a_scale_inv, "a_scale_inv", a, "a");
+  check_same_device(b_scale_inv, "b_scale_inv", a, "a");
+  TORCH_CHECK(!(modes.a == BlockMode::Blk128 && modes.b == BlockMode::Blk128),
+              "transformer_fp8: fp8_gemm_blockwise got 128x128 block scales for both 'a' and 'b'; "
+              "2D x 2D is not a supported GEMM (cuBLASLt takes 1x128 x 1x128, 1x128 x 128x128 "
+              "and 128x128 x 1x128)");
+  TORCH_CHECK((modes.a == BlockMode::Rowwise) == (modes.b == BlockMode::Rowwise),
+              "transformer_fp8: fp8_gemm_blockwise pairs row-wise scales only with row-wise "
+              "scales; got ", block_mode_name(modes.a), " scales for 'a' and ",
+              block_mode_name(modes.b), " for 'b'");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              "transformer_fp8: argument 'out_dtype' must be torch.float32, torch.bfloat16 or "
+              "torch.float16, got ", c10::toString(out_dtype));
+  if (bias.has_value()) {
+    const at::Tensor& bv = *bias;
+    TORCH_CHECK(bv.dim() == 1 && bv.size(0) == b.size(0) && bv.scalar_type() == out_dtype,
+                "transformer_fp8: argument 'bias' must be a 1-D ", c10::toString(out_dtype),
+                " tensor of length N = ", b.size(0), " (the out_dtype), got ", describe(bv));
+    check_same_device(bv, "bias", a, "a");
+  }
+  return modes;
+}
+
+}  // namespace transformer_fp8
