@@ -189,7 +189,7 @@ def test_norm_fwd_fp8(device, gen, norm, dtype, shape, row_multiple, variant):
             assert_fp8_close(y_t, cpu[1], "y_t_fp8 CUDA vs CPU")
         if hp:
             assert_close(y_hp, cpu[2], "y_hp CUDA vs CPU", **TOL[dtype])
-        assert_close(rstd, cpu[4], "rstd CUDA vs CPU", rtol=2e-6, atol=0)
+        assert_close(rstd, cpu[4], "rstd CUDA vs CPU", rtol=1e-5, atol=0)
         if norm == "layernorm":
             assert_close(mean, cpu[3], "mean CUDA vs CPU", rtol=1e-5, atol=1e-6)
         if use_amax:
@@ -276,10 +276,10 @@ def test_norm_bwd(device, gen, norm, dtype, shape, zcg):
         stats = (mean.cpu(), rstd.cpu()) if norm == "layernorm" else (rstd.cpu(),)
         bwd = fo.layernorm_bwd if norm == "layernorm" else fo.rmsnorm_bwd
         cpu = bwd(dy.cpu(), x.cpu(), *stats, w.cpu(), zcg)
-        assert_close(dx, cpu[0], "dx CUDA vs CPU", rtol=TOL[dtype]["rtol"],
-                     atol=TOL[dtype]["atol"])
-        for name, out_, exp in zip(("dweight", "dbias"), (dw, *(([db]) if norm == "layernorm"
-                                                                 else [])), cpu[1:]):
+        dx_tol = scaled_tol(dtype, cpu[0])
+        assert_close(dx, cpu[0], "dx CUDA vs CPU", rtol=dx_tol["rtol"], atol=dx_tol["atol"] * 10)
+        grads = (dw, db) if norm == "layernorm" else (dw,)
+        for name, out_, exp in zip(("dweight", "dbias"), grads, cpu[1:]):
             assert_close(out_, exp, f"{name} CUDA vs CPU", **dw_tol)
 
 

@@ -1,0 +1,204 @@
+// CUDA kernels of the LayerNorm / RMSNorm operators. Reference: csrc/cpu/norm.cpp.
+// Forward and dx: one block per row. Each thread keeps up to kCache elements of its row in
+// registers (columns threadIdx.x + k * blockDim.x, coalesced over the warp), so the statistics
+// are exact two-pass ones (mean, then the sum of squared deviations) from a single read of x;
+// columns beyond blockDim.x * kCache are read again from global memory (rows > 16384 columns).
+// dweight / dbias: deterministic two-stage column sums (fused_common.cu finishes them).
+#include "block_reduce.cuh"
+#include "fused_store.cuh"
+#include "kernels.h"
+
+namespace transformer_fp8 {
+namespace cuda {
+namespace {
+
+constexpr int kCache = 16;
+constexpr int kMaxThreads = 1024;
+constexpr int kColumnThreads = 256;
+
+// Threads per row: enough for kCache elements each, a multiple of 32, in [32, 1024].
+int row_threads(int64_t cols) {
+  const int64_t per = (cols + kCache - 1) / kCache;
+  const int64_t rounded = (per + 31) / 32 * 32;
+  return static_cast<int>(rounded < 32 ? 32 : (rounded > kMaxThreads ? kMaxThreads : rounded));
+}
+
+template <typename InT, Fp8Out kOut>
+__global__ void __launch_bounds__(kMaxThreads)
+norm_fwd_kernel(const InT* __restrict__ x, int64_t cols, const float* __restrict__ weight,
+                const float* __restrict__ bias, float gamma_shift, float eps, bool rms,
+                float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                InT* __restrict__ y_hp, uint8_t* __restrict__ y_fp8,
+                const float* __restrict__ scale_ptr, float* amax) {
+  const int64_t row = blockIdx.x;
+  const InT* xr = x + row * cols;
+  const int64_t stride = blockDim.x;
+  const int64_t cached_end = stride * kCache;
+  float cache[kCache];
+  float sum = 0.0f;  // of x (LayerNorm) or x^2 (RMSNorm)
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t j = threadIdx.x + k * stride;
+    cache[k] = j < cols ? to_float(xr[j]) : 0.0f;
+    sum += rms ? cache[k] * cache[k] : cache[k];
+  }
+  for (int64_t j = threadIdx.x + cached_end; j < cols; j += stride) {
+    const float v = to_float(xr[j]);
+    sum += rms ? v * v : v;
+  }
+  const float n = static_cast<float>(cols);
+  float mean = 0.0f, var;
+  if (rms) {
+    var = block_sum(sum) / n;  // mean of x^2
+  } else {
+    mean = block_sum(sum) / n;
+    // Second pass over the registers: the biased variance as a sum of squared deviations.
+    float sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const float d = cache[k] - mean;
+      if (threadIdx.x + k * stride < cols) sq += d * d;
+    }
+    for (int64_t j = threadIdx.x + cached_end; j < cols; j += stride) {
+      const float d = to_float(xr[j]) - mean;
+      sq += d * d;
+    }
+    var = block_sum(sq) / n;
+  }
+  const float rstd = 1.0f / sqrtf(var + eps);  // IEEE sqrt and division, as the CPU's rsqrt
+  if (threadIdx.x == 0) {
+    if (mean_out != nullptr) mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+
+  const float scale = kOut != Fp8Out::None ? *scale_ptr : 1.0f;
+  float local_amax = 0.0f;
+  // y = ((x - mean) * rstd) * gamma (+ bias), in float32; the FP8 byte is cast from it.
+  auto emit = [&](int64_t j, float v) {
+    float y = (v - mean) * rstd * (weight[j] + gamma_shift);
+    if (bias != nullptr) y += bias[j];
+    if (y_hp != nullptr) y_hp[row * cols + j] = round_to<InT>(y);
+    if constexpr (kOut != Fp8Out::None) y_fp8[row * cols + j] = fp8_byte<kOut>(y, scale, local_amax);
+  };
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t j = threadIdx.x + k * stride;
+    if (j < cols) emit(j, cache[k]);
+  }
+  for (int64_t j = threadIdx.x + cached_end; j < cols; j += stride) emit(j, to_float(xr[j]));
+  if constexpr (kOut != Fp8Out::None) commit_amax(amax, local_amax);
+}
+
+// dx of one row: xhat = (x - mean) * rstd, g = dy * gamma,
+// dx = (g - (xhat * mean(g * xhat) + mean(g))) * rstd; RMSNorm: mean = 0 and no mean(g) term.
+template <typename InT>
+__global__ void __launch_bounds__(kMaxThreads)
+norm_bwd_dx_kernel(const InT* __restrict__ dy, const InT* __restrict__ x, int64_t cols,
+                   const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
+                   const float* __restrict__ weight, float gamma_shift, InT* __restrict__ dx) {
+  const int64_t row = blockIdx.x;
+  const int64_t base = row * cols;
+  const int64_t stride = blockDim.x;
+  const int64_t cached_end = stride * kCache;
+  const float mean = mean_in != nullptr ? mean_in[row] : 0.0f;
+  const float rstd = rstd_in[row];
+  float xhat_cache[kCache], g_cache[kCache];
+  float sum_gx = 0.0f, sum_g = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t j = threadIdx.x + k * stride;
+    xhat_cache[k] = g_cache[k] = 0.0f;
+    if (j < cols) {
+      xhat_cache[k] = (to_float(x[base + j]) - mean) * rstd;
+      g_cache[k] = to_float(dy[base + j]) * (weight[j] + gamma_shift);
+      sum_gx += g_cache[k] * xhat_cache[k];
+      sum_g += g_cache[k];
+    }
+  }
+  for (int64_t j = threadIdx.x + cached_end; j < cols; j += stride) {
+    const float xhat = (to_float(x[base + j]) - mean) * rstd;
+    const float g = to_float(dy[base + j]) * (weight[j] + gamma_shift);
+    sum_gx += g * xhat;
+    sum_g += g;
+  }
+  const float n = static_cast<float>(cols);
+  const float c1 = block_sum(sum_gx) / n;
+  const float c2 = mean_in != nullptr ? block_sum(sum_g) / n : 0.0f;
+#pragma unroll
+  for (int k = 0; k < kCache; ++k) {
+    const int64_t j = threadIdx.x + k * stride;
+    if (j < cols) dx[base + j] = round_to<InT>((g_cache[k] - (xhat_cache[k] * c1 + c2)) * rstd);
+  }
+  for (int64_t j = threadIdx.x + cached_end; j < cols; j += stride) {
+    const float xhat = (to_float(x[base + j]) - mean) * rstd;
+    const float g = to_float(dy[base + j]) * (weight[j] + gamma_shift);
+    dx[base + j] = round_to<InT>((g - (xhat * c1 + c2)) * rstd);
+  }
+}
+
+// Partial column sums over one chunk of rows (blockIdx.x) of dy * xhat and dy; one thread per
+// column (blockIdx.y selects 256 columns), coalesced over the warp.
+template <typename InT>
+__global__ void __launch_bounds__(kColumnThreads)
+norm_bwd_partials_kernel(const InT* __restrict__ dy, const InT* __restrict__ x, int64_t rows,
+                         int64_t cols, const float* __restrict__ mean_in,
+                         const float* __restrict__ rstd_in, float* __restrict__ partial_dweight,
+                         float* __restrict__ partial_dbias) {
+  const int64_t col = static_cast<int64_t>(blockIdx.y) * kColumnThreads + threadIdx.x;
+  if (col >= cols) return;
+  const int64_t chunk = blockIdx.x;
+  const int64_t r_end = min(rows, (chunk + 1) * kColumnChunkRows);
+  float acc_w = 0.0f, acc_b = 0.0f;
+  for (int64_t r = chunk * kColumnChunkRows; r < r_end; ++r) {
+    const float d = to_float(dy[r * cols + col]);
+    const float mean = mean_in != nullptr ? mean_in[r] : 0.0f;
+    acc_w += d * ((to_float(x[r * cols + col]) - mean) * rstd_in[r]);
+    acc_b += d;
+  }
+  partial_dweight[chunk * cols + col] = acc_w;
+  if (partial_dbias != nullptr) partial_dbias[chunk * cols + col] = acc_b;
+}
+
+}  // namespace
+
+cudaError_t launch_norm_fwd(const void* x, HpType x_type, int64_t rows, int64_t cols,
+                            const float* weight, const float* bias, bool zero_centered_gamma,
+                            float eps, float* mean, float* rstd, const FusedOutput& out,
+                            cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const int threads = row_threads(cols);
+  const float shift = zero_centered_gamma ? 1.0f : 0.0f;
+  const bool rms = mean == nullptr;
+  with_input_type(x_type, [&](auto* tag) {
+    using InT = std::remove_pointer_t<decltype(tag)>;
+    with_fp8_out(out, [&](auto out_kind) {
+      norm_fwd_kernel<InT, decltype(out_kind)::value><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+          static_cast<const InT*>(x), cols, weight, bias, shift, eps, rms, mean, rstd,
+          static_cast<InT*>(out.hp), out.fp8, out.scale, out.amax);
+    });
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_norm_bwd(const void* dy, const void* x, HpType x_type, int64_t rows,
+                            int64_t cols, const float* mean, const float* rstd,
+                            const float* weight, bool zero_centered_gamma, void* dx,
+                            float* partial_dweight, float* partial_dbias, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const float shift = zero_centered_gamma ? 1.0f : 0.0f;
+  const dim3 partial_grid(static_cast<unsigned>(column_chunks(rows)),
+                          static_cast<unsigned>((cols + kColumnThreads - 1) / kColumnThreads));
+  with_input_type(x_type, [&](auto* tag) {
+    using InT = std::remove_pointer_t<decltype(tag)>;
+    const InT* dyt = static_cast<const InT*>(dy);
+    const InT* xt = static_cast<const InT*>(x);
+    norm_bwd_dx_kernel<InT><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
+        dyt, xt, cols, mean, rstd, weight, shift, static_cast<InT*>(dx));
+    norm_bwd_partials_kernel<InT><<<partial_grid, kColumnThreads, 0, stream>>>(
+        dyt, xt, rows, cols, mean, rstd, partial_dweight, partial_dbias);
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace transformer_fp8
