@@ -283,6 +283,38 @@ def test_norm_bwd(device, gen, norm, dtype, shape, zcg):
             assert_close(out_, exp, f"{name} CUDA vs CPU", **dw_tol)
 
 
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("cols", [16384, 20000, 20001])
+def test_norm_wide_rows(device, gen, norm, cols):
+    """Rows wider than the CUDA kernels keep in registers (1024 threads x 16 elements): the
+    columns beyond are read again from memory (4-element vectors, or one by one for 20001)."""
+    x = make_x(gen, 3, cols, torch.bfloat16, device)
+    w = (randn(gen, cols, scale=0.3) + 1.0).to(device)
+    s = scalar(16.0, device)
+    slot = scalar(0.0, device)
+    y_fp8, _, y_hp, mean, rstd = norm_fwd_fp8(norm, x, w, None, 1e-5, False, s, E4M3, slot,
+                                              False, True, 16)
+    mean64, rstd64 = float64_stats(norm, x, 1e-5)
+    assert_close(rstd, rstd64.float(), "rstd", rtol=1e-5, atol=0)
+    expected = torch_norm(norm, x.cpu(), w.cpu(), None, 1e-5, False)
+    assert_close(y_hp, expected.to(torch.bfloat16), "y_hp", **TOL[torch.bfloat16])
+    cpu_slot = scalar(0.0)
+    cpu = norm_fwd_fp8(norm, x.cpu(), w.cpu(), None, 1e-5, False, s.cpu(), E4M3, cpu_slot,
+                       False, True, 16)
+    assert_fp8_close(y_fp8, cpu[0], "y_fp8 against the CPU kernel")
+    assert_close(slot, cpu_slot, "amax", rtol=1e-5, atol=0)
+    dy = randn(gen, 3, cols, dtype=torch.bfloat16, device=device)
+    if norm == "layernorm":
+        dx, dw, _ = fo.layernorm_bwd(dy, x, mean, rstd, w)
+        cpu_dx, cpu_dw, _ = fo.layernorm_bwd(dy.cpu(), x.cpu(), mean.cpu(), rstd.cpu(), w.cpu())
+    else:
+        dx, dw = fo.rmsnorm_bwd(dy, x, rstd, w)
+        cpu_dx, cpu_dw = fo.rmsnorm_bwd(dy.cpu(), x.cpu(), rstd.cpu(), w.cpu())
+    assert_close(dx, cpu_dx, "dx", **TOL[torch.bfloat16])
+    assert_close(dw, cpu_dw, "dweight", rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- activations
 
 def torch_activation(x32: torch.Tensor, activation: str) -> torch.Tensor:

@@ -1,8 +1,9 @@
 // CUDA kernels of the LayerNorm / RMSNorm operators. Reference: csrc/cpu/norm.cpp.
 // Forward and dx: one block per row. Each thread keeps up to kCache elements of its row in
-// registers (columns threadIdx.x + k * blockDim.x, coalesced over the warp), so the statistics
-// are exact two-pass ones (mean, then the sum of squared deviations) from a single read of x;
-// columns beyond blockDim.x * kCache are read again from global memory (rows > 16384 columns).
+// registers (4-element vectors where the shape and pointers allow, coalesced over the warp;
+// single elements otherwise), so the statistics are exact two-pass ones (mean, then the sum of
+// squared deviations) from a single read of x; columns beyond blockDim.x * kCache are read
+// again from global memory (rows wider than 16384 columns).
 // dweight / dbias: deterministic two-stage column sums (fused_common.cu finishes them).
 #include "block_reduce.cuh"
 #include "fused_store.cuh"
@@ -23,28 +24,43 @@ int row_threads(int64_t cols) {
   return static_cast<int>(rounded < 32 ? 32 : (rounded > kMaxThreads ? kMaxThreads : rounded));
 }
 
-template <typename InT, Fp8Out kOut>
+// The row is read as vectors of kVec elements (kVec = 4 where cols % 4 == 0 and the pointers
+// allow); thread t keeps vectors t + k * blockDim.x, k < kSlots, in registers.
+template <typename InT, Fp8Out kOut, int kVec>
 __global__ void __launch_bounds__(kMaxThreads)
 norm_fwd_kernel(const InT* __restrict__ x, int64_t cols, const float* __restrict__ weight,
                 const float* __restrict__ bias, float gamma_shift, float eps, bool rms,
                 float* __restrict__ mean_out, float* __restrict__ rstd_out,
                 InT* __restrict__ y_hp, uint8_t* __restrict__ y_fp8,
                 const float* __restrict__ scale_ptr, float* amax) {
+  using Vec = VecOf<InT, kVec>;
+  constexpr int kSlots = kCache / kVec;
   const int64_t row = blockIdx.x;
-  const InT* xr = x + row * cols;
+  const Vec* xr = reinterpret_cast<const Vec*>(x + row * cols);
+  const int64_t n_vec = cols / kVec;
   const int64_t stride = blockDim.x;
-  const int64_t cached_end = stride * kCache;
-  float cache[kCache];
+  const int64_t cached_end = stride * kSlots;
+  auto load = [&](int64_t q, float (&v)[kVec]) {
+    const Vec pack = xr[q];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = to_float(pack.v[e]);
+  };
+  float cache[kSlots][kVec];
   float sum = 0.0f;  // of x (LayerNorm) or x^2 (RMSNorm)
 #pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int64_t j = threadIdx.x + k * stride;
-    cache[k] = j < cols ? to_float(xr[j]) : 0.0f;
-    sum += rms ? cache[k] * cache[k] : cache[k];
+  for (int k = 0; k < kSlots; ++k) {
+    const int64_t q = threadIdx.x + k * stride;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) cache[k][e] = 0.0f;
+    if (q < n_vec) load(q, cache[k]);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) sum += rms ? cache[k][e] * cache[k][e] : cache[k][e];
   }
-  for (int64_t j = threadIdx.x + cached_end; j < cols; j += stride) {
-    const float v = to_float(xr[j]);
-    sum += rms ? v * v : v;
+  for (int64_t q = threadIdx.x + cached_end; q < n_vec; q += stride) {
+    float v[kVec];
+    load(q, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) sum += rms ? v[e] * v[e] : v[e];
   }
   const float n = static_cast<float>(cols);
   float mean = 0.0f, var;
@@ -55,13 +71,17 @@ norm_fwd_kernel(const InT* __restrict__ x, int64_t cols, const float* __restrict
     // Second pass over the registers: the biased variance as a sum of squared deviations.
     float sq = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const float d = cache[k] - mean;
-      if (threadIdx.x + k * stride < cols) sq += d * d;
+    for (int k = 0; k < kSlots; ++k) {
+      if (threadIdx.x + k * stride < n_vec) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) sq += (cache[k][e] - mean) * (cache[k][e] - mean);
+      }
     }
-    for (int64_t j = threadIdx.x + cached_end; j < cols; j += stride) {
-      const float d = to_float(xr[j]) - mean;
-      sq += d * d;
+    for (int64_t q = threadIdx.x + cached_end; q < n_vec; q += stride) {
+      float v[kVec];
+      load(q, v);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sq += (v[e] - mean) * (v[e] - mean);
     }
     var = block_sum(sq) / n;
   }
@@ -74,65 +94,108 @@ norm_fwd_kernel(const InT* __restrict__ x, int64_t cols, const float* __restrict
   const float scale = kOut != Fp8Out::None ? *scale_ptr : 1.0f;
   float local_amax = 0.0f;
   // y = ((x - mean) * rstd) * gamma (+ bias), in float32; the FP8 byte is cast from it.
-  auto emit = [&](int64_t j, float v) {
-    float y = (v - mean) * rstd * (weight[j] + gamma_shift);
-    if (bias != nullptr) y += bias[j];
-    if (y_hp != nullptr) y_hp[row * cols + j] = round_to<InT>(y);
-    if constexpr (kOut != Fp8Out::None) y_fp8[row * cols + j] = fp8_byte<kOut>(y, scale, local_amax);
+  auto emit = [&](int64_t q, const float (&v)[kVec]) {
+    const int64_t j0 = q * kVec;
+    float y[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      y[e] = (v[e] - mean) * rstd * (weight[j0 + e] + gamma_shift);
+      if (bias != nullptr) y[e] += bias[j0 + e];
+    }
+    if (y_hp != nullptr) {
+      Vec pack;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) pack.v[e] = round_to<InT>(y[e]);
+      *reinterpret_cast<Vec*>(y_hp + row * cols + j0) = pack;
+    }
+    if constexpr (kOut != Fp8Out::None) {
+      uint8_t bytes[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) bytes[e] = fp8_byte<kOut>(y[e], scale, local_amax);
+      store_bytes<kVec>(y_fp8 + row * cols + j0, bytes);
+    }
   };
 #pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int64_t j = threadIdx.x + k * stride;
-    if (j < cols) emit(j, cache[k]);
+  for (int k = 0; k < kSlots; ++k) {
+    const int64_t q = threadIdx.x + k * stride;
+    if (q < n_vec) emit(q, cache[k]);
   }
-  for (int64_t j = threadIdx.x + cached_end; j < cols; j += stride) emit(j, to_float(xr[j]));
+  for (int64_t q = threadIdx.x + cached_end; q < n_vec; q += stride) {
+    float v[kVec];
+    load(q, v);
+    emit(q, v);
+  }
   if constexpr (kOut != Fp8Out::None) commit_amax(amax, local_amax);
 }
 
 // dx of one row: xhat = (x - mean) * rstd, g = dy * gamma,
 // dx = (g - (xhat * mean(g * xhat) + mean(g))) * rstd; RMSNorm: mean = 0 and no mean(g) term.
-template <typename InT>
+template <typename InT, int kVec>
 __global__ void __launch_bounds__(kMaxThreads)
 norm_bwd_dx_kernel(const InT* __restrict__ dy, const InT* __restrict__ x, int64_t cols,
                    const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
                    const float* __restrict__ weight, float gamma_shift, InT* __restrict__ dx) {
+  using Vec = VecOf<InT, kVec>;
+  constexpr int kSlots = kCache / kVec;
   const int64_t row = blockIdx.x;
-  const int64_t base = row * cols;
+  const Vec* xr = reinterpret_cast<const Vec*>(x + row * cols);
+  const Vec* dyr = reinterpret_cast<const Vec*>(dy + row * cols);
+  Vec* dxr = reinterpret_cast<Vec*>(dx + row * cols);
+  const int64_t n_vec = cols / kVec;
   const int64_t stride = blockDim.x;
-  const int64_t cached_end = stride * kCache;
+  const int64_t cached_end = stride * kSlots;
   const float mean = mean_in != nullptr ? mean_in[row] : 0.0f;
   const float rstd = rstd_in[row];
-  float xhat_cache[kCache], g_cache[kCache];
+  // xhat and g of vector q.
+  auto load = [&](int64_t q, float (&xhat)[kVec], float (&g)[kVec]) {
+    const Vec xp = xr[q], dp = dyr[q];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      xhat[e] = (to_float(xp.v[e]) - mean) * rstd;
+      g[e] = to_float(dp.v[e]) * (weight[q * kVec + e] + gamma_shift);
+    }
+  };
+  float xhat_cache[kSlots][kVec], g_cache[kSlots][kVec];
   float sum_gx = 0.0f, sum_g = 0.0f;
 #pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int64_t j = threadIdx.x + k * stride;
-    xhat_cache[k] = g_cache[k] = 0.0f;
-    if (j < cols) {
-      xhat_cache[k] = (to_float(x[base + j]) - mean) * rstd;
-      g_cache[k] = to_float(dy[base + j]) * (weight[j] + gamma_shift);
-      sum_gx += g_cache[k] * xhat_cache[k];
-      sum_g += g_cache[k];
+  for (int k = 0; k < kSlots; ++k) {
+    const int64_t q = threadIdx.x + k * stride;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) xhat_cache[k][e] = g_cache[k][e] = 0.0f;
+    if (q < n_vec) load(q, xhat_cache[k], g_cache[k]);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      sum_gx += g_cache[k][e] * xhat_cache[k][e];
+      sum_g += g_cache[k][e];
     }
   }
-  for (int64_t j = threadIdx.x + cached_end; j < cols; j += stride) {
-    const float xhat = (to_float(x[base + j]) - mean) * rstd;
-    const float g = to_float(dy[base + j]) * (weight[j] + gamma_shift);
-    sum_gx += g * xhat;
-    sum_g += g;
+  for (int64_t q = threadIdx.x + cached_end; q < n_vec; q += stride) {
+    float xhat[kVec], g[kVec];
+    load(q, xhat, g);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      sum_gx += g[e] * xhat[e];
+      sum_g += g[e];
+    }
   }
   const float n = static_cast<float>(cols);
   const float c1 = block_sum(sum_gx) / n;
   const float c2 = mean_in != nullptr ? block_sum(sum_g) / n : 0.0f;
+  auto store = [&](int64_t q, const float (&xhat)[kVec], const float (&g)[kVec]) {
+    Vec pack;
 #pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int64_t j = threadIdx.x + k * stride;
-    if (j < cols) dx[base + j] = round_to<InT>((g_cache[k] - (xhat_cache[k] * c1 + c2)) * rstd);
+    for (int e = 0; e < kVec; ++e) pack.v[e] = round_to<InT>((g[e] - (xhat[e] * c1 + c2)) * rstd);
+    dxr[q] = pack;
+  };
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    const int64_t q = threadIdx.x + k * stride;
+    if (q < n_vec) store(q, xhat_cache[k], g_cache[k]);
   }
-  for (int64_t j = threadIdx.x + cached_end; j < cols; j += stride) {
-    const float xhat = (to_float(x[base + j]) - mean) * rstd;
-    const float g = to_float(dy[base + j]) * (weight[j] + gamma_shift);
-    dx[base + j] = round_to<InT>((g - (xhat * c1 + c2)) * rstd);
+  for (int64_t q = threadIdx.x + cached_end; q < n_vec; q += stride) {
+    float xhat[kVec], g[kVec];
+    load(q, xhat, g);
+    store(q, xhat, g);
   }
 }
 
@@ -171,10 +234,14 @@ cudaError_t launch_norm_fwd(const void* x, HpType x_type, int64_t rows, int64_t 
   const bool rms = mean == nullptr;
   with_input_type(x_type, [&](auto* tag) {
     using InT = std::remove_pointer_t<decltype(tag)>;
-    with_fp8_out(out, [&](auto out_kind) {
-      norm_fwd_kernel<InT, decltype(out_kind)::value><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
-          static_cast<const InT*>(x), cols, weight, bias, shift, eps, rms, mean, rstd,
-          static_cast<InT*>(out.hp), out.fp8, out.scale, out.amax);
+    with_vec_width(cols, sizeof(InT), {x, out.hp}, out.fp8, [&](auto vec) {
+      constexpr int kVec = decltype(vec)::value;
+      with_fp8_out(out, [&](auto out_kind) {
+        norm_fwd_kernel<InT, decltype(out_kind)::value, kVec>
+            <<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+                static_cast<const InT*>(x), cols, weight, bias, shift, eps, rms, mean, rstd,
+                static_cast<InT*>(out.hp), out.fp8, out.scale, out.amax);
+      });
     });
   });
   return cudaGetLastError();
@@ -192,8 +259,11 @@ cudaError_t launch_norm_bwd(const void* dy, const void* x, HpType x_type, int64_
     using InT = std::remove_pointer_t<decltype(tag)>;
     const InT* dyt = static_cast<const InT*>(dy);
     const InT* xt = static_cast<const InT*>(x);
-    norm_bwd_dx_kernel<InT><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
-        dyt, xt, cols, mean, rstd, weight, shift, static_cast<InT*>(dx));
+    with_vec_width(cols, sizeof(InT), {dy, x, dx}, nullptr, [&](auto vec) {
+      norm_bwd_dx_kernel<InT, decltype(vec)::value>
+          <<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
+              dyt, xt, cols, mean, rstd, weight, shift, static_cast<InT*>(dx));
+    });
     norm_bwd_partials_kernel<InT><<<partial_grid, kColumnThreads, 0, stream>>>(
         dyt, xt, rows, cols, mean, rstd, partial_dweight, partial_dbias);
   });
