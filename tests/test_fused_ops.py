@@ -23,7 +23,8 @@ from transformer_fp8 import reference as ref
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OPS = torch.ops.transformer_fp8
-SHAPES = [(1, 8), (3, 48), (17, 1000), (100, 4096)]
+# N = 37: the CUDA kernels' one-element path (the others take 4-element vectors).
+SHAPES = [(1, 8), (3, 48), (5, 37), (17, 1000), (100, 4096)]
 ACTIVATIONS = list(fo.ACTIVATIONS)
 # Tolerances against torch for results in each dtype (float32 math, one rounding at the end).
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
@@ -571,6 +572,34 @@ def test_padding_rows_are_zero_and_outside_amax(device, gen):
     assert (codes(y_fp8[17:]) == 0).all() and (codes(y_t[:, 17:]) == 0).all()
     y32 = ref.layernorm_reference(x.cpu(), w.cpu(), None, 1e-5)[0]
     assert_close(slot, y32.abs().max().reshape(1), "amax", rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("offset", [1, 2, 4])
+def test_misaligned_contiguous_input(device, gen, offset):
+    """A contiguous x that starts `offset` elements into its storage: the CUDA kernels fall back
+    to one-element accesses unless the start stays 4-element aligned; same results."""
+    rows, cols = 9, 64
+    storage = randn(gen, offset + rows * cols, dtype=torch.bfloat16, scale=2.0, device=device)
+    x = storage[offset:].view(rows, cols)
+    assert x.is_contiguous()
+    w = torch.ones(cols, device=device)
+    s = scalar(8.0, device)
+    expected_x = x.cpu().clone()  # aligned, on the CPU
+    y_fp8, y_t, y_hp, _, _ = fo.layernorm_fwd_fp8(x, w, None, 1e-5, False, s, E4M3, None, True,
+                                                  True, 16)
+    cpu = fo.layernorm_fwd_fp8(expected_x, w.cpu(), None, 1e-5, False, s.cpu(), E4M3, None,
+                               True, True, 16)
+    assert_fp8_close(y_fp8, cpu[0], "layernorm y_fp8")
+    assert_close(y_hp, cpu[2], "layernorm y_hp", **TOL[torch.bfloat16])
+    for activation in ("swiglu", "gelu"):
+        out = fo.activation_fwd_fp8(x, activation, s, E5M2, None, True, 16)
+        exp = fo.activation_fwd_fp8(expected_x, activation, s.cpu(), E5M2, None, True, 16)
+        assert_fp8_close(out[0], exp[0], f"{activation} y_fp8")
+        dy = torch.ones_like(fo.activation_fwd(x, activation))
+        dx = fo.activation_bwd(dy, x, activation)
+        assert_close(dx, fo.activation_bwd(dy.cpu(), expected_x, activation), f"{activation} dx",
+                     **TOL[torch.bfloat16])
 
 
 # ----------------------------------------------------------------------------- argument errors
