@@ -716,3 +716,28 @@ OPCHECK_CASES = [c[0] for c in op_cases(torch.Generator().manual_seed(0), "cpu")
 def test_opcheck(device, gen, case):
     _, op, args = next(c for c in op_cases(gen, device) if c[0] == case)
     torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile(device, gen, dynamic):
+    """A LayerNorm -> gelu chain with in-place amax slots and padded rows traces into one graph
+    (fake kernels give the shapes, symbolic ones with dynamic=True) and matches eager."""
+    w = (randn(gen, 64) + 1.0).to(device)
+    s = scalar(8.0, device)
+
+    def chain(x, w, s, amax):
+        y_fp8, y_t, y_hp, mean, rstd = fo.layernorm_fwd_fp8(x, w, None, 1e-5, False, s, E4M3,
+                                                            amax, True, True, 16)
+        h_fp8, h_t = fo.activation_fwd_fp8(y_hp, "swiglu", s, E5M2, amax, True, 16)
+        return y_fp8, y_t, h_fp8, h_t, mean, rstd
+
+    compiled = torch.compile(chain, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for rows in (24, 37):
+        x = randn(gen, rows, 64, dtype=torch.bfloat16, scale=2.0, device=device)
+        eager_amax, compiled_amax = scalar(0.0, device), scalar(0.0, device)
+        expected = chain(x, w, s, eager_amax)
+        got = compiled(x, w, s, compiled_amax)
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_bitwise_equal(g, e, f"output {i}")
+        assert_bitwise_equal(compiled_amax, eager_amax, "amax updated in the compiled graph")
