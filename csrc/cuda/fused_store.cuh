@@ -15,7 +15,9 @@ __device__ __forceinline__ T round_to(float v);
 template <>
 __device__ __forceinline__ float round_to<float>(float v) { return v; }
 template <>
-__device__ __forceinline__ __nv_bfloat16 round_to<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 round_to<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 template <>
 __device__ __forceinline__ __half round_to<__half>(float v) { return __float2half_rn(v); }
 

@@ -130,8 +130,9 @@ std::tuple<Tensor, Tensor, Tensor> norm_bwd(const Tensor& dy, const Tensor& x,
       mean != nullptr ? partial_dbias.data_ptr<float>() : nullptr, stream);
   TFP8_CHECK_LAUNCH(status, op);
   Tensor dweight = finish_column_sums(partial_dweight, weight.scalar_type(), stream, op);
-  Tensor dbias = mean != nullptr ? finish_column_sums(partial_dbias, weight.scalar_type(), stream, op)
-                                 : Tensor();
+  Tensor dbias = mean != nullptr
+                     ? finish_column_sums(partial_dbias, weight.scalar_type(), stream, op)
+                     : Tensor();
   return {dx, dweight, dbias};
 }
 
