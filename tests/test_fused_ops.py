@@ -290,8 +290,9 @@ def test_norm_bwd(device, gen, norm, dtype, shape, zcg):
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("cols", [16384, 20000, 20001])
 def test_norm_wide_rows(device, gen, norm, cols):
-    """Rows wider than the CUDA kernels keep in registers (1024 threads x 16 elements): the
-    columns beyond are read again from memory (4-element vectors, or one by one for 20001)."""
+    """Rows wider than the CUDA kernels keep in registers (16 elements x 1024 threads, 512 for
+    dx): the columns beyond are read again from memory (4-element vectors, or one by one for
+    20001)."""
     x = make_x(gen, 3, cols, torch.bfloat16, device)
     w = (randn(gen, cols, scale=0.3) + 1.0).to(device)
     s = scalar(16.0, device)

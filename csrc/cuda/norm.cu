@@ -3,7 +3,7 @@
 // registers (4-element vectors where the shape and pointers allow, coalesced over the warp;
 // single elements otherwise), so the statistics are exact two-pass ones (mean, then the sum of
 // squared deviations) from a single read of x; columns beyond blockDim.x * kCache are read
-// again from global memory (rows wider than 16384 columns).
+// again from global memory (rows wider than 16384 columns, 8192 for dx).
 // dweight / dbias: deterministic two-stage column sums (fused_common.cu finishes them).
 #include "block_reduce.cuh"
 #include "fused_store.cuh"
@@ -15,13 +15,16 @@ namespace {
 
 constexpr int kCache = 16;
 constexpr int kMaxThreads = 1024;
+// The dx kernel caches two arrays (xhat and g): at most 512 threads, so that the 128 registers
+// a thread may then use hold them without spilling.
+constexpr int kMaxThreadsDx = 512;
 constexpr int kColumnThreads = 256;
 
-// Threads per row: enough for kCache elements each, a multiple of 32, in [32, 1024].
-int row_threads(int64_t cols) {
+// Threads per row: enough for kCache elements each, a multiple of 32, in [32, max_threads].
+int row_threads(int64_t cols, int max_threads) {
   const int64_t per = (cols + kCache - 1) / kCache;
   const int64_t rounded = (per + 31) / 32 * 32;
-  return static_cast<int>(rounded < 32 ? 32 : (rounded > kMaxThreads ? kMaxThreads : rounded));
+  return static_cast<int>(rounded < 32 ? 32 : (rounded > max_threads ? max_threads : rounded));
 }
 
 // The row is read as vectors of kVec elements (kVec = 4 where cols % 4 == 0 and the pointers
@@ -131,7 +134,7 @@ norm_fwd_kernel(const InT* __restrict__ x, int64_t cols, const float* __restrict
 // dx of one row: xhat = (x - mean) * rstd, g = dy * gamma,
 // dx = (g - (xhat * mean(g * xhat) + mean(g))) * rstd; RMSNorm: mean = 0 and no mean(g) term.
 template <typename InT, int kVec>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreadsDx)
 norm_bwd_dx_kernel(const InT* __restrict__ dy, const InT* __restrict__ x, int64_t cols,
                    const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
                    const float* __restrict__ weight, float gamma_shift, InT* __restrict__ dx) {
@@ -229,7 +232,7 @@ cudaError_t launch_norm_fwd(const void* x, HpType x_type, int64_t rows, int64_t 
                             float eps, float* mean, float* rstd, const FusedOutput& out,
                             cudaStream_t stream) {
   if (rows == 0 || cols == 0) return cudaSuccess;
-  const int threads = row_threads(cols);
+  const int threads = row_threads(cols, kMaxThreads);
   const float shift = zero_centered_gamma ? 1.0f : 0.0f;
   const bool rms = mean == nullptr;
   with_input_type(x_type, [&](auto* tag) {
@@ -261,7 +264,7 @@ cudaError_t launch_norm_bwd(const void* dy, const void* x, HpType x_type, int64_
     const InT* xt = static_cast<const InT*>(x);
     with_vec_width(cols, sizeof(InT), {dy, x, dx}, nullptr, [&](auto vec) {
       norm_bwd_dx_kernel<InT, decltype(vec)::value>
-          <<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
+          <<<static_cast<unsigned>(rows), row_threads(cols, kMaxThreadsDx), 0, stream>>>(
               dyt, xt, cols, mean, rstd, weight, shift, static_cast<InT*>(dx));
     });
     norm_bwd_partials_kernel<InT><<<partial_grid, kColumnThreads, 0, stream>>>(
