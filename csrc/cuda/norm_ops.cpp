@@ -14,14 +14,9 @@ namespace {
 
 using Tensor = at::Tensor;
 
-void check_norm_fwd_args(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
-                         double eps, const char* op) {
-  check_2d_input(x, "x", op);
-  TORCH_CHECK(x.size(1) >= 1, "transformer_fp8: argument 'x' of ", op, " must have at least "
-              "one column, got ", describe(x));
-  check_norm_param(weight, "weight", x);
-  if (bias.has_value()) check_norm_param(*bias, "bias", x);
-  check_eps(eps);
+void check_norm_fwd_cuda_args(const Tensor& x, const Tensor& weight,
+                              const c10::optional<Tensor>& bias, double eps, const char* op) {
+  check_norm_fwd_args(x, weight, bias, eps, op);
   check_cuda_input(x, "x", op);
 }
 
@@ -71,7 +66,7 @@ NormFwdResult norm_fwd(const Tensor& x, const Tensor& weight, const c10::optiona
 std::tuple<Tensor, Tensor, Tensor> layernorm_fwd_cuda(const Tensor& x, const Tensor& weight,
                                                       const c10::optional<Tensor>& bias,
                                                       double eps, bool zero_centered_gamma) {
-  check_norm_fwd_args(x, weight, bias, eps, "layernorm_fwd");
+  check_norm_fwd_cuda_args(x, weight, bias, eps, "layernorm_fwd");
   NormFwdResult r = norm_fwd(x, weight, bias, eps, zero_centered_gamma, false, nullptr,
                              c10::nullopt, c10::nullopt, false, true, 1, "layernorm_fwd");
   return {r.y_hp, r.mean, r.rstd};
@@ -82,7 +77,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_fwd_fp8_cuda(
     bool zero_centered_gamma, const Tensor& scale, at::ScalarType fp8_dtype,
     const c10::optional<Tensor>& amax, bool with_transpose, bool return_hp,
     int64_t row_multiple) {
-  check_norm_fwd_args(x, weight, bias, eps, "layernorm_fwd_fp8");
+  check_norm_fwd_cuda_args(x, weight, bias, eps, "layernorm_fwd_fp8");
   NormFwdResult r = norm_fwd(x, weight, bias, eps, zero_centered_gamma, false, &scale, fp8_dtype,
                              amax, with_transpose, return_hp, row_multiple, "layernorm_fwd_fp8");
   return {r.fp8.out, r.fp8.out_t, r.y_hp, r.mean, r.rstd};
@@ -90,7 +85,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_fwd_fp8_cuda(
 
 std::tuple<Tensor, Tensor> rmsnorm_fwd_cuda(const Tensor& x, const Tensor& weight, double eps,
                                             bool zero_centered_gamma) {
-  check_norm_fwd_args(x, weight, c10::nullopt, eps, "rmsnorm_fwd");
+  check_norm_fwd_cuda_args(x, weight, c10::nullopt, eps, "rmsnorm_fwd");
   NormFwdResult r = norm_fwd(x, weight, c10::nullopt, eps, zero_centered_gamma, true, nullptr,
                              c10::nullopt, c10::nullopt, false, true, 1, "rmsnorm_fwd");
   return {r.y_hp, r.rstd};
@@ -100,7 +95,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_fwd_fp8_cuda(
     const Tensor& x, const Tensor& weight, double eps, bool zero_centered_gamma,
     const Tensor& scale, at::ScalarType fp8_dtype, const c10::optional<Tensor>& amax,
     bool with_transpose, bool return_hp, int64_t row_multiple) {
-  check_norm_fwd_args(x, weight, c10::nullopt, eps, "rmsnorm_fwd_fp8");
+  check_norm_fwd_cuda_args(x, weight, c10::nullopt, eps, "rmsnorm_fwd_fp8");
   NormFwdResult r = norm_fwd(x, weight, c10::nullopt, eps, zero_centered_gamma, true, &scale,
                              fp8_dtype, amax, with_transpose, return_hp, row_multiple,
                              "rmsnorm_fwd_fp8");
