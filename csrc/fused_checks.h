@@ -95,6 +95,18 @@ inline void check_activation_grad(const at::Tensor& dy, const at::Tensor& x, int
   check_same_dtype(dy, "dy", x, "x");
 }
 
+// The forward of a norm: x 2-D with at least one column, weight (and bias) [N], eps >= 0.
+inline void check_norm_fwd_args(const at::Tensor& x, const at::Tensor& weight,
+                                const c10::optional<at::Tensor>& bias, double eps,
+                                const char* op) {
+  check_2d_input(x, "x", op);
+  TORCH_CHECK(x.size(1) >= 1, "transformer_fp8: argument 'x' of ", op, " must have at least "
+              "one column, got ", describe(x));
+  check_norm_param(weight, "weight", x);
+  if (bias.has_value()) check_norm_param(*bias, "bias", x);
+  check_eps(eps);
+}
+
 // The backward of a norm: dy like x, mean / rstd float32 [M], weight [N].
 inline void check_norm_bwd_args(const at::Tensor& dy, const at::Tensor& x,
                                 const at::Tensor* mean, const at::Tensor& rstd,

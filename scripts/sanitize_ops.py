@@ -6,15 +6,50 @@
 
 Sizes are small (the tools slow kernels down a hundredfold) but cover the kernels' paths:
 vectorised and scalar casts, odd shapes, non-contiguous and misaligned views, empty tensors,
-the fused transpose's partial tiles, many-tensor updates and the cuBLASLt GEMM with bias.
+the fused transpose's partial tiles, many-tensor updates, the cuBLASLt GEMM with bias, and the
+fused norm / activation / dbias operators (vector and one-element paths, wide rows, padding).
 scripts/gpu_check.sh runs it under all three tools.
 """
 import torch
 
 import transformer_fp8 as tfp8
-from transformer_fp8 import ops
+from transformer_fp8 import fused_ops, ops
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def run_fused_ops(dev: str, scale: torch.Tensor) -> None:
+    """Every fused operator with every option: 4-element and one-element paths (cols 64 / 37,
+    a misaligned view), rows wider than the register cache, padding, empty inputs."""
+    shapes = [(0, 16), (1, 8), (5, 37), (70, 64), (3, 20001)]
+    for (rows, cols) in shapes:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(rows, cols, device=dev).to(dtype)
+            w = torch.randn(cols, device=dev)
+            amax = torch.zeros(1, device=dev)
+            for rm in (1, 16):
+                out = fused_ops.layernorm_fwd_fp8(x, w, w.to(dtype), 1e-5, True, scale, E4M3,
+                                                  amax, True, True, rm)
+                fused_ops.layernorm_bwd(x, x, out[3], out[4], w, True)
+                out = fused_ops.rmsnorm_fwd_fp8(x, w, 1e-5, False, scale, E5M2, None, False,
+                                                False, rm)
+                fused_ops.rmsnorm_bwd(x, x, out[3], w.to(dtype))
+                fused_ops.cast_transpose_dbias(x, scale, E4M3, amax, rm)
+            fused_ops.layernorm_fwd(x, w, None, 1e-5)
+            fused_ops.rmsnorm_fwd(x, w, 1e-5)
+            for act in fused_ops.ACTIVATIONS:
+                if act in fused_ops.GATED_ACTIVATIONS and cols % 2:
+                    continue
+                y = fused_ops.activation_fwd(x, act)
+                fused_ops.activation_fwd_fp8(x, act, scale, E4M3, amax, True, 16)
+                fused_ops.activation_bwd(y, x, act)
+                fused_ops.activation_bwd_fp8(y, x, act, scale, E5M2, amax, True, True, 16)
+    flat = torch.randn(1 + 9 * 64, device=dev, dtype=torch.bfloat16)
+    x = flat[1:].view(9, 64)                                       # misaligned start
+    fused_ops.layernorm_fwd_fp8(x, torch.ones(64, device=dev), None, 1e-5, False, scale, E4M3,
+                                None, True, True, 16)
+    fused_ops.activation_bwd_fp8(x[:, :32].contiguous(), x, "swiglu", scale, E4M3, None, True,
+                                 True, 16)
 
 
 def main() -> None:
@@ -62,6 +97,8 @@ def main() -> None:
     flat8 = ops.cast_to_fp8(torch.randn(32 * 16 + 1, device=dev), scale, E4M3)
     ops.fp8_gemm(flat8[1:].view(32, 16), scale, flat8[1:257].view(16, 16), scale,
                  torch.bfloat16)                                   # misaligned operand views
+
+    run_fused_ops(dev, scale)
 
     # Two training steps of an FP8 Linear stack (forward, backward, both scale updates).
     model = torch.nn.Sequential(tfp8.Linear(64, 128), torch.nn.GELU(),

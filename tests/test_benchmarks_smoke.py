@@ -18,8 +18,8 @@ BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
                          "benchmarks")
 sys.path.insert(0, BENCH_DIR)
 
-BENCHMARKS = ["bench_cast", "bench_scaling", "bench_gemm", "bench_linear", "bench_gpt",
-              "bench_te_modules", "bench_block_sqnr"]
+BENCHMARKS = ["bench_cast", "bench_scaling", "bench_fused", "bench_gemm", "bench_linear",
+              "bench_gpt", "bench_te_modules", "bench_block_sqnr"]
 
 try:
     import matplotlib  # noqa: F401

@@ -21,16 +21,6 @@ Tensor gamma_f32(const Tensor& weight, bool zero_centered_gamma) {
   return zero_centered_gamma ? gamma + 1.0 : gamma;
 }
 
-void check_norm_fwd_args(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias,
-                         double eps, const char* op) {
-  check_2d_input(x, "x", op);
-  TORCH_CHECK(x.size(1) >= 1, "transformer_fp8: argument 'x' of ", op, " must have at least "
-              "one column, got ", describe(x));
-  check_norm_param(weight, "weight", x);
-  if (bias.has_value()) check_norm_param(*bias, "bias", x);
-  check_eps(eps);
-}
-
 // LayerNorm in float32: mean and biased variance per row, rstd = 1 / sqrt(var + eps),
 // y = ((x - mean) * rstd) * gamma (+ bias).
 std::tuple<Tensor, Tensor, Tensor> layernorm_f32(const Tensor& x, const Tensor& weight,

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../activation_kind.h"
 #include "../fp8_common.h"
 
 namespace transformer_fp8 {
@@ -48,6 +49,60 @@ cudaError_t launch_update_delayed_scaling(const DelayedScalingTensor* tensors, i
 
 cudaError_t launch_compute_scale_from_amax(const float* amax, int64_t n, double fp8_max,
                                            int margin, float* scale, cudaStream_t stream);
+
+// ---------------------------------------------------------------- fused operators
+// (csrc/cuda/norm.cu, activation.cu, fused_common.cu; operators in norm_ops.cpp and
+// activation_ops.cpp). Matrices are contiguous and row-major.
+
+// Where a fused kernel writes its float32 result: rounded to the input's type (hp, or null)
+// and / or as FP8 bytes (fp8, or null: the first rows of a row-padded buffer) of v * *scale,
+// with *amax (if not null) raised to max |v| over the rows written.
+struct FusedOutput {
+  void* hp = nullptr;
+  uint8_t* fp8 = nullptr;
+  Fp8Format fmt = Fp8Format::E4M3;
+  const float* scale = nullptr;
+  float* amax = nullptr;
+};
+
+// Column sums (dbias, dweight) are deterministic and two-stage: per chunk of kColumnChunkRows
+// rows a partial sum per column into a float32 workspace [column_chunks(rows), cols], then
+// launch_column_sums adds the chunks in order.
+constexpr int64_t kColumnChunkRows = 64;
+inline int64_t column_chunks(int64_t rows) {
+  return (rows + kColumnChunkRows - 1) / kColumnChunkRows;
+}
+
+// LayerNorm (mean != null) or RMSNorm (mean == null) of x [rows, cols] with float32 weight and
+// bias (or null); gamma = weight (+ 1 if zero_centered_gamma). Writes mean (LayerNorm) and
+// rstd [rows], and out.
+cudaError_t launch_norm_fwd(const void* x, HpType x_type, int64_t rows, int64_t cols,
+                            const float* weight, const float* bias, bool zero_centered_gamma,
+                            float eps, float* mean, float* rstd, const FusedOutput& out,
+                            cudaStream_t stream);
+
+// Norm backward: dx [rows, cols] in x_type, and the partial column sums of dy * xhat
+// (partial_dweight) and, for LayerNorm, of dy (partial_dbias, or null), each
+// [column_chunks(rows), cols].
+cudaError_t launch_norm_bwd(const void* dy, const void* x, HpType x_type, int64_t rows,
+                            int64_t cols, const float* mean, const float* rstd,
+                            const float* weight, bool zero_centered_gamma, void* dx,
+                            float* partial_dweight, float* partial_dbias, cudaStream_t stream);
+
+// Activation forward (dy == null: out [rows, out_cols] of act(x)) or backward (out [rows,
+// in_cols] of d(loss)/dx) of x [rows, in_cols]. If partials is not null, the partial column
+// sums of the float32 result [column_chunks(rows), result cols] for a dbias.
+cudaError_t launch_activation(const void* x, const void* dy, HpType x_type, int64_t rows,
+                              int64_t in_cols, Activation act, const FusedOutput& out,
+                              float* partials, cudaStream_t stream);
+
+// out[c] = sum over k (in order) of partials[k, c], rounded to out_type; 0 when chunks == 0.
+cudaError_t launch_column_sums(const float* partials, int64_t chunks, int64_t cols, void* out,
+                               HpType out_type, cudaStream_t stream);
+
+// out [cols, rows] = transpose of the bytes in [rows, cols].
+cudaError_t launch_transpose_bytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
+                                   cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace transformer_fp8

@@ -1,0 +1,145 @@
+// CUDA kernels of the activation operators (forward and backward, in high precision or FP8,
+// with fused dbias partial sums) and of cast_transpose_dbias (the identity "activation").
+// Reference: csrc/cpu/activation.cpp.
+//
+// One block = 256 threads of consecutive columns (blockIdx.y) x one chunk of kColumnChunkRows rows
+// (blockIdx.x). Each thread walks its column down the chunk: loads and stores are coalesced
+// over the warp, and its running column sum is the chunk's partial dbias, written without
+// atomics (fused_common.cu adds the chunks in order: deterministic).
+#include "device_utils.cuh"
+#include "fused_math.cuh"
+#include "fused_store.cuh"
+#include "kernels.h"
+
+namespace transformer_fp8 {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Columns: a gated x [rows, 2n] pairs column c (activated) with column n + c (linear gate);
+// otherwise n = in_cols. Forward results are [rows, n]; backward results are [rows, in_cols].
+// Each thread owns kVec consecutive columns (kVec = 4: one 4-element access per load and
+// store; the launcher checks n % 4 == 0 and the alignment).
+template <typename InT, Fp8Out kOut, int kVec>
+__global__ void __launch_bounds__(kThreads)
+activation_kernel(const InT* __restrict__ x, const InT* __restrict__ dy, int64_t rows,
+                  int64_t in_cols, Activation act, InT* __restrict__ out_hp,
+                  uint8_t* __restrict__ out_fp8, const float* __restrict__ scale_ptr,
+                  float* amax, float* __restrict__ partials) {
+  using Vec = VecOf<InT, kVec>;
+  const bool gated = is_gated(act);
+  const Activation base = base_activation(act);
+  const int64_t n = gated ? in_cols / 2 : in_cols;
+  const bool backward = dy != nullptr;
+  const int64_t out_cols = backward ? in_cols : n;
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * kVec;
+  const int64_t chunk = blockIdx.x;
+  const int64_t r_begin = chunk * kColumnChunkRows;
+  const int64_t r_end = min(rows, r_begin + kColumnChunkRows);
+  const float scale = kOut != Fp8Out::None ? *scale_ptr : 1.0f;
+  float local_amax = 0.0f;
+  float sum_first[kVec] = {}, sum_second[kVec] = {};  // columns c.. and (gated bwd) n + c..
+
+  // Stores kVec float32 results at out[index..]: rounded to InT and / or as FP8 bytes.
+  auto store = [&](int64_t index, const float (&v)[kVec]) {
+    if (out_hp != nullptr) {
+      Vec pack;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) pack.v[e] = round_to<InT>(v[e]);
+      *reinterpret_cast<Vec*>(out_hp + index) = pack;
+    }
+    if constexpr (kOut != Fp8Out::None) {
+      uint8_t bytes[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) bytes[e] = fp8_byte<kOut>(v[e], scale, local_amax);
+      store_bytes<kVec>(out_fp8 + index, bytes);
+    }
+  };
+
+  if (c < n) {
+    for (int64_t r = r_begin; r < r_end; ++r) {
+      const Vec xa = *reinterpret_cast<const Vec*>(x + r * in_cols + c);
+      Vec xb{};
+      if (gated) xb = *reinterpret_cast<const Vec*>(x + r * in_cols + n + c);
+      if (!backward) {
+        if constexpr (kOut != Fp8Out::None) {
+          if (act == Activation::Identity) {
+            // A plain cast of the input elements: NaN keeps the sign of their bits.
+            uint8_t bytes[kVec];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+              bytes[e] = fp8_byte_of_input<kOut>(xa.v[e], scale, local_amax);
+              sum_first[e] += to_float(xa.v[e]);
+            }
+            store_bytes<kVec>(out_fp8 + r * out_cols + c, bytes);
+            continue;
+          }
+        }
+        // out = act(a) (* b): the float32 value, never rounded to InT before the cast.
+        float v[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          const float a = to_float(xa.v[e]);
+          v[e] = gated ? pointwise(a, base) * to_float(xb.v[e]) : pointwise(a, act);
+          sum_first[e] += v[e];
+        }
+        store(r * out_cols + c, v);
+      } else {
+        const Vec dv = *reinterpret_cast<const Vec*>(dy + r * n + c);
+        float da[kVec], db[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          const float a = to_float(xa.v[e]), d = to_float(dv.v[e]);
+          if (gated) {
+            // dx[:, c] = (dy * b) * act'(a), dx[:, n + c] = dy * act(a).
+            const float b = to_float(xb.v[e]);
+            da[e] = pointwise_grad(d * b, a, base);
+            db[e] = d * pointwise(a, base);
+            sum_second[e] += db[e];
+          } else {
+            da[e] = pointwise_grad(d, a, act);
+          }
+          sum_first[e] += da[e];
+        }
+        store(r * out_cols + c, da);
+        if (gated) store(r * out_cols + n + c, db);
+      }
+    }
+    if (partials != nullptr) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        partials[chunk * out_cols + c + e] = sum_first[e];
+        if (backward && gated) partials[chunk * out_cols + n + c + e] = sum_second[e];
+      }
+    }
+  }
+  if constexpr (kOut != Fp8Out::None) commit_amax(amax, local_amax);
+}
+
+}  // namespace
+
+cudaError_t launch_activation(const void* x, const void* dy, HpType x_type, int64_t rows,
+                              int64_t in_cols, Activation act, const FusedOutput& out,
+                              float* partials, cudaStream_t stream) {
+  const int64_t n = is_gated(act) ? in_cols / 2 : in_cols;
+  if (rows == 0 || n == 0) return cudaSuccess;
+  with_input_type(x_type, [&](auto* tag) {
+    using InT = std::remove_pointer_t<decltype(tag)>;
+    with_vec_width(n, sizeof(InT), {x, dy, out.hp}, out.fp8, [&](auto vec) {
+      constexpr int kVec = decltype(vec)::value;
+      const int64_t threads_needed = (n / kVec + kThreads - 1) / kThreads;
+      const dim3 grid(static_cast<unsigned>(column_chunks(rows)),
+                      static_cast<unsigned>(threads_needed));
+      with_fp8_out(out, [&](auto out_kind) {
+        activation_kernel<InT, decltype(out_kind)::value, kVec><<<grid, kThreads, 0, stream>>>(
+            static_cast<const InT*>(x), static_cast<const InT*>(dy), rows, in_cols, act,
+            static_cast<InT*>(out.hp), out.fp8, out.scale, out.amax, partials);
+      });
+    });
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace transformer_fp8

@@ -1,0 +1,99 @@
+// Stores of the fused kernels: a float32 result rounded to the input's type, and its FP8 byte.
+#pragma once
+
+#include <initializer_list>
+#include <type_traits>
+
+#include "device_utils.cuh"
+#include "kernels.h"
+
+namespace transformer_fp8 {
+namespace cuda {
+
+template <typename T>
+__device__ __forceinline__ T round_to(float v);
+template <>
+__device__ __forceinline__ float round_to<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 round_to<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half round_to<__half>(float v) { return __float2half_rn(v); }
+
+// Which FP8 bytes a kernel instance writes: none, E4M3 or E5M2 (a template parameter, so the
+// cast is compiled in only where it is used).
+enum class Fp8Out : int { None = 0, E4M3 = 1, E5M2 = 2 };
+
+// FP8 byte of the float32 value v (not of v rounded to the input's type), amax folded in.
+template <Fp8Out kOut>
+__device__ __forceinline__ uint8_t fp8_byte(float v, float scale, float& amax) {
+  if constexpr (kOut == Fp8Out::E4M3) return cast_one<Fp8Format::E4M3>(v, scale, amax);
+  else return cast_one<Fp8Format::E5M2>(v, scale, amax);
+}
+
+// The same for an input element itself (a plain cast): NaN keeps the sign of the input's bits.
+template <Fp8Out kOut, typename InT>
+__device__ __forceinline__ uint8_t fp8_byte_of_input(InT v, float scale, float& amax) {
+  if constexpr (kOut == Fp8Out::E4M3) return cast_one<Fp8Format::E4M3>(v, scale, amax);
+  else return cast_one<Fp8Format::E5M2>(v, scale, amax);
+}
+
+// kVec consecutive elements, loaded and stored with one access (kVec = 1: scalar code).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) VecOf {
+  T v[kVec];
+};
+
+// Stores kVec FP8 bytes at p (4-byte aligned when kVec == 4), element 0 in the lowest byte.
+template <int kVec>
+__device__ __forceinline__ void store_bytes(uint8_t* p, const uint8_t (&bytes)[kVec]) {
+  if constexpr (kVec == 4) {
+    *reinterpret_cast<uint32_t*>(p) = bytes[0] | (bytes[1] << 8) | (bytes[2] << 16) |
+                                      (static_cast<uint32_t>(bytes[3]) << 24);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) p[e] = bytes[e];
+  }
+}
+
+inline bool aligned_to(const void* p, size_t bytes) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Calls fn with std::integral_constant<int, 4> when every pointer is aligned for 4-element
+// accesses of elem_bytes-sized elements (FP8 ones: 4 bytes) and cols % 4 == 0, else with 1.
+template <typename Fn>
+void with_vec_width(int64_t cols, size_t elem_bytes, std::initializer_list<const void*> hp_ptrs,
+                    const void* fp8_ptr, Fn&& fn) {
+  bool ok = cols % 4 == 0 && aligned_to(fp8_ptr, 4);
+  for (const void* p : hp_ptrs) ok = ok && aligned_to(p, 4 * elem_bytes);
+  if (ok)
+    fn(std::integral_constant<int, 4>{});
+  else
+    fn(std::integral_constant<int, 1>{});
+}
+
+// Calls fn with a null pointer of the C++ type of t.
+template <typename Fn>
+void with_input_type(HpType t, Fn&& fn) {
+  switch (t) {
+    case HpType::Float32: fn(static_cast<float*>(nullptr)); break;
+    case HpType::BFloat16: fn(static_cast<__nv_bfloat16*>(nullptr)); break;
+    default: fn(static_cast<__half*>(nullptr)); break;
+  }
+}
+
+// Calls fn with std::integral_constant<Fp8Out, ...> for the output of o.
+template <typename Fn>
+void with_fp8_out(const FusedOutput& o, Fn&& fn) {
+  if (o.fp8 == nullptr)
+    fn(std::integral_constant<Fp8Out, Fp8Out::None>{});
+  else if (o.fmt == Fp8Format::E4M3)
+    fn(std::integral_constant<Fp8Out, Fp8Out::E4M3>{});
+  else
+    fn(std::integral_constant<Fp8Out, Fp8Out::E5M2>{});
+}
+
+}  // namespace cuda
+}  // namespace transformer_fp8
