@@ -254,3 +254,29 @@ def test_make_graphed_callables_takes_several_modules_in_order():
         assert_bitwise_equal(x.grad, x_ref.grad, f"replay {i}: input gradient")
         for stage, ref in zip(stages, refs):
             _assert_same_models(stage, ref, f"replay {i}")
+
+
+def test_graphing_keeps_the_modes_of_submodules():
+    from transformer_fp8.cuda_graphs import _Fp8Callable
+
+    block = torch.nn.Sequential(tfp8.Linear(64, 64), torch.nn.Dropout(0.5), tfp8.Linear(64, 64))
+    block[1].eval()  # switched off by the user inside a training model
+    wrapper = _Fp8Callable(block, True, DelayedScaling(), None)
+    assert wrapper.training and block.training and not block[1].training
+
+
+def test_a_graphed_module_refuses_a_replaced_fp8_state(gen):
+    """The graphs hold the state's addresses: a replaced state must not replay (the check runs
+    before torch's replay, so it is tested here with the eager wrapper)."""
+    from transformer_fp8.cuda_graphs import _Fp8Callable, _graphed_forward, _state_pointers
+
+    recipe = DelayedScaling(amax_history_len=4)
+    block = make_model("cpu", recipe)
+    wrapper = _Fp8Callable(block, True, recipe, None)
+    pointers = _state_pointers([block[0], block[2]])
+    forward = _graphed_forward(block, wrapper, pointers)
+    forward(torch.randn(8, 64, generator=gen))  # unchanged state: runs
+    longer = make_model("cpu", DelayedScaling(amax_history_len=8)).state_dict()
+    block.load_state_dict(longer)  # another history length: new tensors
+    with pytest.raises(RuntimeError, match="FP8 state tensors were replaced"):
+        forward(torch.randn(8, 64, generator=gen))

@@ -94,6 +94,8 @@ def test_bad_arguments_are_refused_with_their_names():
         tfp8.RMSNorm(-3)
     with pytest.raises(ValueError, match="sequence_parallel=True is not supported"):
         tfp8.LayerNormLinear(16, 16, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel=True is not supported"):
+        tfp8.RMSNorm(16, sequence_parallel=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         tfp8.LayerNormMLP(16, 16, bogus=1)
     with pytest.raises(ValueError, match="'dtype'.*'params_dtype'"):
@@ -437,3 +439,58 @@ def test_block_scaled_recipes_run_the_gemms_block_scaled(gen, device, recipe):
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         assert sqnr(q.grad, p.grad) >= 18, name
     assert (m.fp8_fwd_amax_history == 0).all() and (m.fp8_bwd_scale == 1).all()
+
+
+@pytest.mark.parametrize("frozen", ["input", "norm", "fc1", "fc2", "biases", "all_but_fc2"])
+def test_frozen_parameters_get_no_gradient_and_the_rest_the_right_one(gen, frozen):
+    """Every needs_input_grad branch of the fused backward: the gradients that are asked for
+    match the float32 composition's, the others are not computed."""
+    torch.manual_seed(13)
+    m = tfp8.LayerNormMLP(64, 64, activation="swiglu")
+    randomize(m, gen)
+    ref = float32_copy(m)
+    names = {"norm": ["layer_norm_weight", "layer_norm_bias"], "fc1": ["fc1_weight", "fc1_bias"],
+             "fc2": ["fc2_weight", "fc2_bias"], "biases": ["fc1_bias", "fc2_bias"],
+             "all_but_fc2": ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias"],
+             "input": []}[frozen]
+    for model in (m, ref):
+        for name in names:
+            getattr(model, name).requires_grad_(False)
+    x = randn(gen, 30, 64)
+    g = randn(gen, 30, 64)
+    x_in = x.clone().requires_grad_(frozen != "input" and frozen != "all_but_fc2")
+    out = _fp8_step(m, x_in, g, Float8CurrentScaling())
+    x_ref = x.clone().requires_grad_(x_in.requires_grad)
+    mlp_ref(ref, x_ref).backward(g)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        if name in names:
+            assert p.grad is None, name
+        else:
+            assert sqnr(q.grad, p.grad) >= 18, name
+    if x_in.requires_grad:
+        assert sqnr(x_ref.grad, x_in.grad) >= 18
+    else:
+        assert x_in.grad is None
+    assert out.requires_grad
+
+
+def test_layernorm_linear_return_bias_and_norm_output_values(gen):
+    torch.manual_seed(14)
+    m = tfp8.LayerNormLinear(64, 32, return_bias=True, return_layernorm_output=True)
+    randomize(m, gen)
+    with torch.no_grad():
+        m.bias.copy_(randn(gen, 32))
+    x = randn(gen, 20, 64).requires_grad_(True)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        out, bias, ln_out = m(x)
+    assert bias is m.bias
+    ln_ref = norm_ref(x, "LayerNorm", m.layer_norm_weight, m.layer_norm_bias)
+    assert sqnr(F.linear(ln_ref, m.weight), out) >= 23  # the bias is not added
+    assert sqnr(ln_ref, ln_out) >= 60
+    # Both outputs carry gradient to the input.
+    (out.sum() + ln_out.square().sum()).backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    ln2 = norm_ref(x_ref, "LayerNorm", m.layer_norm_weight.detach(),
+                   m.layer_norm_bias.detach())
+    (F.linear(ln2, m.weight.detach()).sum() + ln2.square().sum()).backward()
+    assert sqnr(x_ref.grad, x.grad) >= 19

@@ -38,7 +38,9 @@ class _Fp8Callable(torch.nn.Module):
         self.module = module
         self._module_forward = module.forward  # before torch (or we) replace module.forward
         self._autocast_args = (enabled, recipe, group)
-        self.train(module.training)
+        # The module's mode, on the wrapper alone: train() would recurse and overwrite the
+        # modes the user gave submodules (a frozen BatchNorm, a dropout switched off).
+        self.training = module.training
 
     def forward(self, *args):
         with fp8_context.isolated_fp8_autocast(*self._autocast_args):
@@ -80,6 +82,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     DelayedScaling the amax reduction across the group covers the graphed module's own layers,
     in its graph; every rank must replay the same graphs (as collectives in graphs require).
 
+    The graphs hold the addresses of the FP8 state: after graphing, a module moved with .to()
+    or loaded with another amax history length raises at its next call (graph it again).
     Not supported (refused): fp8_calibrating, fp8_weight_caching, sample_kwargs.
     """
     fp8_enabled = _merge("fp8_enabled", fp8_enabled, False, "enabled", enabled)
@@ -117,24 +121,40 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
         saved = [[t.clone() for t in layer.fp8_state_tensors()] for layer in layers]
 
     callables = tuple(_Fp8Callable(m, fp8_enabled, fp8_recipe, fp8_group) for m in module_list)
-    graphed = torch.cuda.make_graphed_callables(
-        callables, per_module_args, num_warmup_iters=num_warmup_iters,
-        allow_unused_input=allow_unused_input, pool=pool)
-
-    # Undo the warm-up's updates, in place: the graphs read and write these very tensors.
-    with torch.no_grad():
-        for layer, tensors in zip(layers, saved):
-            for current, before in zip(layer.fp8_state_tensors(), tensors):
-                current.copy_(before)
-    for module, wrapper in zip(module_list, graphed):
-        module.forward = _graphed_forward(module, wrapper)
+    try:
+        graphed = torch.cuda.make_graphed_callables(
+            callables, per_module_args, num_warmup_iters=num_warmup_iters,
+            allow_unused_input=allow_unused_input, pool=pool)
+    finally:
+        # Undo the warm-up's updates (made from torch's uninitialised sample gradients), in
+        # place: the graphs read and write these very tensors. Also when capture failed.
+        with torch.no_grad():
+            for layer, tensors in zip(layers, saved):
+                for current, before in zip(layer.fp8_state_tensors(), tensors):
+                    current.copy_(before)
+    captured = [_state_pointers(_fp8_layers(m)) for m in module_list]
+    for module, wrapper, pointers in zip(module_list, graphed, captured):
+        module.forward = _graphed_forward(module, wrapper, pointers)
     return module_list[0] if single else module_list
 
 
-def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable):
+def _state_pointers(layers) -> list[int]:
+    return [t.data_ptr() for layer in layers for t in layer.fp8_state_tensors()]
+
+
+def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable, pointers: list[int]):
     replay_or_eager = wrapper.forward  # torch's: replays in the captured training mode
+    layers = _fp8_layers(module)
 
     def forward(*args):
+        # The graphs hold the addresses of the FP8 state: a module moved (.to()) or given a
+        # state of another shape (load_state_dict, another history length) must not replay.
+        if _state_pointers(layers) != pointers:
+            raise RuntimeError(
+                f"{type(module).__name__}: its FP8 state tensors were replaced after "
+                "make_graphed_callables captured them (moved with .to(), or loaded or resized "
+                "to another amax history length); the graphs would use freed memory. Graph "
+                "the module again.")
         wrapper.training = module.training  # the mode the caller set on the module
         return replay_or_eager(*args)
 

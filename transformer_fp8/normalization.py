@@ -120,6 +120,9 @@ class _Norm(torch.nn.Module):
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
             raise ValueError(f"{type(self).__name__}: 'dtype' ({dtype}) and 'params_dtype' "
                              f"({params_dtype}) name the same thing and must agree; pass one")
+        if sequence_parallel:
+            raise ValueError(f"{type(self).__name__}: sequence_parallel={sequence_parallel!r} is "
+                             "not supported (no sequence parallelism); leave it at False")
         self.hidden_size = hidden_size
         self.eps = check_eps(eps)
         self.zero_centered_gamma = bool(zero_centered_gamma)
