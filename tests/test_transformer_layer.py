@@ -264,6 +264,11 @@ def test_attention_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"must broadcast to \[b, h, s_q, s_kv\]"):
         attn(q, k, v, attn_mask_type="arbitrary",
              attention_mask=torch.zeros(3, 1, 5, 5, dtype=torch.bool))
+    q1, k1, v1 = q[:, :1], k[:, :1], v[:, :1]  # batch 1: a batch-2 mask does not broadcast to it
+    for shape in [(2, 1, 5, 5), (1, 1, 1, 5, 5)]:
+        with pytest.raises(ValueError, match=r"must broadcast to \[b, h, s_q, s_kv\]"):
+            attn(q1, k1, v1, attn_mask_type="arbitrary",
+                 attention_mask=torch.zeros(shape, dtype=torch.bool))
     with pytest.raises(ValueError, match="attn_mask_type must be one of"):
         attn(q, k, v, attn_mask_type="sliding")
     with pytest.raises(ValueError, match="qkv_format must be one of.*'thd', packed"):

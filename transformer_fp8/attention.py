@@ -289,14 +289,14 @@ class DotProductAttention(torch.nn.Module):
                              "(boolean, True = masked out), got None")
         if mask_type == "arbitrary":
             self._check_bool(mask, "attention_mask")
-            try:
-                torch.broadcast_shapes(mask.shape, (batch, self.num_attention_heads, seq_q,
-                                                    seq_kv))
-            except RuntimeError:
-                full = [batch, self.num_attention_heads, seq_q, seq_kv]
+            # Broadcasting one way only: each of the mask's last (up to 4) dims is 1 or the
+            # attention's own (a batch-3 mask on a batch-1 input is refused here).
+            full = [batch, self.num_attention_heads, seq_q, seq_kv]
+            if mask.dim() > 4 or any(m not in (1, f) for m, f in
+                                     zip(reversed(mask.shape), reversed(full))):
                 raise ValueError(f"{owner}: an 'arbitrary' attention_mask must broadcast to "
                                  f"[b, h, s_q, s_kv] = {full}, got shape "
-                                 f"{tuple(mask.shape)}") from None
+                                 f"{tuple(mask.shape)}")
             allowed = ~mask.to(device)
         else:  # padding, padding_causal: [b, 1, 1, s] per side, True = a padding token
             if isinstance(mask, (tuple, list)):
