@@ -27,7 +27,9 @@ class Conv1D(Linear):
     def weight_nk(self) -> torch.Tensor:
         return self.weight.t()
 
-    def _high_precision(self, inp: torch.Tensor) -> torch.Tensor:
+    def _high_precision(self, inp: torch.Tensor, linear=None) -> torch.Tensor:
+        if linear is not None:
+            return super()._high_precision(inp, linear)
         # transformers' Conv1D.forward, operation for operation.
         out_shape = inp.shape[:-1] + (self.out_features,)
         flat = inp.reshape(-1, inp.shape[-1])

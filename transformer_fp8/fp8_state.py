@@ -15,6 +15,7 @@ GEMM's forward and backward need.
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from . import checkpointing, ops
 from . import fp8_context as _autocast
+from .blockwise_linear import blockwise_linear, is_block_recipe
 from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
@@ -195,6 +197,8 @@ class Fp8StateMixin:
     """The FP8 state of a module with ``num_gemms`` FP8 GEMMs (see the module docstring). Put it
     before the torch.nn base class. The module provides:
       fp8_weights() -> the weight of each GEMM as [out_features, in_features];
+      _gemm_dims() -> (out_features, in_features) of each GEMM;
+      _high_precision(inp, linear=F.linear) -> its torch composition, GEMMs done by ``linear``;
       _fp8_apply(inp, plans, *args) -> the FP8 forward (an autograd.Function) given a plan
       per GEMM; it calls plan.on_backward() first in backward and plan.keep_scales(...) in
       forward.
@@ -220,6 +224,7 @@ class Fp8StateMixin:
         self._weight_cache = [None] * num_gemms
         self._delayed_cast_cache = None  # see _delayed_casts
         self._replay_records = checkpointing.ReplayRecords()
+        self._warned_high_precision = False
 
     def fp8_state_tensors(self) -> list[torch.Tensor]:
         """The float32 FP8 state (histories, scales, scale_invs), as the update writes it."""
@@ -352,6 +357,47 @@ class Fp8StateMixin:
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def _dispatch(self, inp: torch.Tensor, is_first_microbatch, in_features: int):
+        """The module's output: FP8 inside an enabled fp8_autocast, else its high-precision
+        form (``_high_precision(inp)``, exactly the torch composition)."""
+        name = type(self).__name__
+        if inp.shape[-1:] != (in_features,):
+            raise ValueError(f"{name}: input must have shape [..., {in_features}], "
+                             f"got {tuple(inp.shape)}")
+        if self._in_recompute():
+            return self._fp8_replay(inp)
+        state = _autocast.current_state()
+        if state is None or not state.enabled:
+            return self._high_precision(inp)
+        weight_dtype = self.fp8_weights()[0].dtype
+        if inp.dtype != weight_dtype and not torch.is_autocast_enabled(inp.device.type):
+            # torch.nn.Linear refuses this (F.linear: "expected m1 and m2 to have the same
+            # dtype"); the FP8 path would accept it silently.
+            raise RuntimeError(f"{name}: input dtype {inp.dtype} differs from the weight's "
+                               f"{weight_dtype}, which torch.nn.Linear refuses too; cast the "
+                               "input or the module, or run under torch.autocast")
+        if any(d % ALIGN for dims in self._gemm_dims() for d in dims) or \
+                inp.dtype not in FP8_INPUT_DTYPES:
+            self._warn_high_precision(inp.dtype)
+            return self._high_precision(inp)
+        if is_block_recipe(state.recipe):
+            # Per-block scales come from each tensor as it is cast: the high-precision form
+            # with its GEMMs block-scaled (no fused cast, no FP8 state).
+            def linear(x, weight, bias):
+                return blockwise_linear(x, weight, bias, state.recipe)
+            return self._high_precision(inp, linear)
+        return self._fp8_run(inp, state, is_first_microbatch)
+
+    def _warn_high_precision(self, dtype) -> None:
+        if not self._warned_high_precision:
+            warnings.warn(f"transformer_fp8.{type(self).__name__} with GEMMs (out, in) "
+                          f"{self._gemm_dims()} and {dtype} input runs in high precision: FP8 "
+                          "GEMMs need sizes that are multiples of 16 and a float32, bfloat16 "
+                          "or float16 input.", stacklevel=4)
+            self._warned_high_precision = True
 
     # ---- one FP8 forward -------------------------------------------------------------------
 

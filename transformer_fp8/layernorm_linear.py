@@ -15,8 +15,7 @@ import torch.nn.functional as F
 
 from . import ops
 from .fp8_state import ALIGN, pad_rows
-from .norm_first import (NormFirstModule, check_positive, check_unsupported, split_outputs,
-                         te_default_init)
+from .norm_first import NormFirstModule, check_positive
 from .normalization import norm_hp
 from .recipe import Recipe
 
@@ -116,27 +115,16 @@ class LayerNormLinear(NormFirstModule):
                  device=None, *, dtype: Optional[torch.dtype] = None,
                  recipe: Optional[Recipe] = None, **te_options):
         super().__init__()
-        check_unsupported("LayerNormLinear", te_options)
-        if dtype is not None and params_dtype is not None and dtype != params_dtype:
-            raise ValueError(f"LayerNormLinear: 'dtype' ({dtype}) and 'params_dtype' "
-                             f"({params_dtype}) name the same thing and must agree; pass one")
-        dtype = dtype or params_dtype
+        dtype = self._init_options(te_options, dtype, params_dtype, return_bias,
+                                   return_layernorm_output, init_method)
         self.in_features = check_positive("LayerNormLinear", "in_features", in_features)
         self.out_features = check_positive("LayerNormLinear", "out_features", out_features)
-        self.return_bias = bool(return_bias)
-        self.return_layernorm_output = bool(return_layernorm_output)
-        self.init_method = init_method or te_default_init
         factory = dict(device=device, dtype=dtype)
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = torch.nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
         self._init_norm_and_state(in_features, eps, normalization, zero_centered_gamma,
                                   device, dtype, recipe, num_gemms=1)
-        if not self.weight.is_meta:  # else initialised after to_empty(), by the caller
-            self._init_parameters()
-
-    def reset_parameters(self) -> None:
-        self._init_parameters()
-        self.reset_fp8_state()
+        self._initialise()
 
     def _init_parameters(self) -> None:
         self.reset_norm_parameters()
@@ -152,10 +140,7 @@ class LayerNormLinear(NormFirstModule):
         return [self.weight]
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        result = self._fp8_or_high_precision(inp, is_first_microbatch, self.in_features)
-        out, ln_out = result if self.return_layernorm_output else (result, None)
-        return split_outputs(out, ln_out, self.bias, self.return_bias,
-                             self.return_layernorm_output)
+        return self._forward(inp, is_first_microbatch, self.in_features, self.bias)
 
     def _gemm_bias(self):
         return None if self.return_bias else self.bias

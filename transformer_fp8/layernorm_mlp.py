@@ -22,8 +22,7 @@ from . import ops
 from .activations import activation_hp, check_activation, is_gated
 from .fp8_state import ALIGN, pad_rows
 from .layernorm_linear import cast_norm_output
-from .norm_first import (NormFirstModule, check_positive, check_unsupported, split_outputs,
-                         te_default_init)
+from .norm_first import NormFirstModule, check_positive, te_default_init
 from .normalization import norm_hp
 from .recipe import Recipe
 
@@ -180,18 +179,12 @@ class LayerNormMLP(NormFirstModule):
                  device=None, *, dtype: Optional[torch.dtype] = None,
                  recipe: Optional[Recipe] = None, **te_options):
         super().__init__()
-        check_unsupported("LayerNormMLP", te_options)
-        if dtype is not None and params_dtype is not None and dtype != params_dtype:
-            raise ValueError(f"LayerNormMLP: 'dtype' ({dtype}) and 'params_dtype' "
-                             f"({params_dtype}) name the same thing and must agree; pass one")
-        dtype = dtype or params_dtype
+        dtype = self._init_options(te_options, dtype, params_dtype, return_bias,
+                                   return_layernorm_output, init_method)
         self.hidden_size = check_positive("LayerNormMLP", "hidden_size", hidden_size)
         self.ffn_hidden_size = check_positive("LayerNormMLP", "ffn_hidden_size",
                                               ffn_hidden_size)
         self.activation = check_activation(activation)
-        self.return_bias = bool(return_bias)
-        self.return_layernorm_output = bool(return_layernorm_output)
-        self.init_method = init_method or te_default_init
         self.output_layer_init_method = output_layer_init_method or te_default_init
         fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
         factory = dict(device=device, dtype=dtype)
@@ -202,12 +195,7 @@ class LayerNormMLP(NormFirstModule):
         self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, **factory)) if bias else None
         self._init_norm_and_state(hidden_size, eps, normalization, zero_centered_gamma,
                                   device, dtype, recipe, num_gemms=2)
-        if not self.fc1_weight.is_meta:  # else initialised after to_empty(), by the caller
-            self._init_parameters()
-
-    def reset_parameters(self) -> None:
-        self._init_parameters()
-        self.reset_fp8_state()
+        self._initialise()
 
     def _init_parameters(self) -> None:
         self.reset_norm_parameters()
@@ -225,10 +213,7 @@ class LayerNormMLP(NormFirstModule):
         return [self.fc1_weight, self.fc2_weight]
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        result = self._fp8_or_high_precision(inp, is_first_microbatch, self.hidden_size)
-        out, ln_out = result if self.return_layernorm_output else (result, None)
-        return split_outputs(out, ln_out, self.fc2_bias, self.return_bias,
-                             self.return_layernorm_output)
+        return self._forward(inp, is_first_microbatch, self.hidden_size, self.fc2_bias)
 
     def _fc2_gemm_bias(self):
         return None if self.return_bias else self.fc2_bias

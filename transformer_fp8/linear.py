@@ -6,7 +6,6 @@ its autograd function: the forward GEMM and the dgrad and wgrad GEMMs, all in FP
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 
 from . import fp8_context as _autocast
 from . import ops
-from .blockwise_linear import blockwise_linear, is_block_recipe
 from .fp8_state import (ALIGN, DEFAULT_HISTORY_LEN, FP8_FLOAT_STATE,  # noqa: F401 (tests)
                         FP8_INPUT_DTYPES, FP8_STATE_KEYS, Fp8StateMixin, history_len_for,
                         pad_rows)
@@ -107,17 +105,15 @@ class Linear(Fp8StateMixin, torch.nn.Linear):
         Conv1D, which stores it transposed)."""
         return self.weight
 
-    def _high_precision(self, inp: torch.Tensor) -> torch.Tensor:
+    def _high_precision(self, inp: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """What the layer computes outside fp8_autocast: torch.nn.Linear's forward."""
-        return F.linear(inp, self.weight, self.bias)
+        return linear(inp, self.weight_nk(), self.bias)
+
+    def _gemm_dims(self):
+        return [(self.out_features, self.in_features)]
 
     def fp8_weights(self) -> list[torch.Tensor]:
         return [self.weight_nk()]
-
-    def _register_fp8_state(self, device, history_len: int = DEFAULT_HISTORY_LEN,
-                            num_gemms: int = 1) -> None:
-        super()._register_fp8_state(device, history_len, num_gemms)
-        self._warned_high_precision = False
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -128,35 +124,7 @@ class Linear(Fp8StateMixin, torch.nn.Linear):
 
     def forward(self, inp: torch.Tensor,
                 is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        if inp.shape[-1:] != (self.in_features,):
-            raise ValueError(f"Linear: input must have shape [..., {self.in_features}], "
-                             f"got {tuple(inp.shape)}")
-        if self._in_recompute():
-            return self._fp8_replay(inp)
-        state = _autocast.current_state()
-        if state is None or not state.enabled:
-            return self._high_precision(inp)
-        if inp.dtype != self.weight.dtype and not torch.is_autocast_enabled(inp.device.type):
-            # torch.nn.Linear refuses this (F.linear: "expected m1 and m2 to have the same
-            # dtype"); the FP8 path would accept it silently.
-            raise RuntimeError(f"Linear: input dtype {inp.dtype} differs from the weight's "
-                               f"{self.weight.dtype}, which torch.nn.Linear refuses too; cast "
-                               "the input or the module, or run under torch.autocast")
-        if (self.in_features % ALIGN or self.out_features % ALIGN
-                or inp.dtype not in FP8_INPUT_DTYPES):
-            self._warn_high_precision(inp.dtype)
-            return self._high_precision(inp)
-        if is_block_recipe(state.recipe):  # per-block scales from the tensors: no FP8 state
-            return blockwise_linear(inp, self.weight_nk(), self.bias, state.recipe)
-        return self._fp8_run(inp, state, is_first_microbatch)
-
-    def _warn_high_precision(self, dtype) -> None:
-        if not self._warned_high_precision:
-            warnings.warn(f"transformer_fp8.Linear({self.in_features}, {self.out_features}) with "
-                          f"{dtype} input runs in high precision: FP8 GEMMs need in_features "
-                          "and out_features to be multiples of 16 and a float32, bfloat16 or "
-                          "float16 input.", stacklevel=3)
-            self._warned_high_precision = True
+        return self._dispatch(inp, is_first_microbatch, self.in_features)
 
     def _fp8_apply(self, inp, plans):
         return _Fp8LinearFunction.apply(inp, self.weight_nk(), self.bias, plans[0])

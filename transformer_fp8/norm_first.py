@@ -1,19 +1,18 @@
 """What LayerNormLinear and LayerNormMLP share: a norm over the input, then FP8 GEMMs.
 
 NormFirstModule holds the norm's parameters (layer_norm_weight, layer_norm_bias), the FP8 state
-of its GEMMs (Fp8StateMixin) and the forward's dispatch: high precision outside fp8_autocast
-(the torch composition, exactly), the FP8 autograd function of the subclass inside it.
+of its GEMMs (Fp8StateMixin, which also dispatches the forward: high precision outside
+fp8_autocast, the subclass's FP8 autograd function inside it), the arguments these modules share
+and Transformer Engine's return convention.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 
 from . import fp8_context as _autocast
-from .blockwise_linear import blockwise_linear, is_block_recipe
-from .fp8_state import ALIGN, FP8_INPUT_DTYPES, Fp8StateMixin, history_len_for
+from .fp8_state import Fp8StateMixin, history_len_for
 from .normalization import NormStep, check_eps, check_normalization, reset_norm_parameters
 
 # Transformer Engine arguments for tensor/sequence parallelism, communication overlap and the
@@ -61,6 +60,19 @@ class NormFirstModule(Fp8StateMixin, torch.nn.Module):
     ``_high_precision(inp, linear=F.linear)`` (the torch composition, its GEMMs done by
     ``linear``) and ``_fp8_apply(inp, plans)``."""
 
+    def _init_options(self, te_options: dict, dtype, params_dtype, return_bias,
+                      return_layernorm_output, init_method) -> Optional[torch.dtype]:
+        """The arguments every such module takes; returns the parameters' dtype."""
+        name = type(self).__name__
+        check_unsupported(name, te_options)
+        if dtype is not None and params_dtype is not None and dtype != params_dtype:
+            raise ValueError(f"{name}: 'dtype' ({dtype}) and 'params_dtype' ({params_dtype}) "
+                             "name the same thing and must agree; pass one")
+        self.return_bias = bool(return_bias)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        self.init_method = init_method or te_default_init
+        return dtype or params_dtype
+
     def _init_norm_and_state(self, hidden_size: int, eps, normalization, zero_centered_gamma,
                              device, dtype, recipe, num_gemms: int) -> None:
         self.eps = check_eps(eps)
@@ -77,54 +89,29 @@ class NormFirstModule(Fp8StateMixin, torch.nn.Module):
                                  num_gemms)
         self.prepare_fp8_recipe(recipe)
         self._norm_step = NormStep(self.normalization, self.eps, self.zero_centered_gamma)
-        self._warned_high_precision = False
+
+    def _initialise(self) -> None:
+        """The last step of __init__: initial values, unless built on "meta" (then the caller
+        initialises after to_empty())."""
+        if not self.fp8_weights()[0].is_meta:
+            self._init_parameters()
+
+    def reset_parameters(self) -> None:
+        self._init_parameters()
+        self.reset_fp8_state()
+
+    def _forward(self, inp, is_first_microbatch, in_features, returned_bias):
+        """Transformer Engine's return convention: out, then the bias if return_bias (it was
+        not added), then the norm's output if return_layernorm_output."""
+        result = self._dispatch(inp, is_first_microbatch, in_features)
+        out, ln_out = result if self.return_layernorm_output else (result, None)
+        outputs = [out]
+        if self.return_bias:
+            outputs.append(returned_bias)
+        if self.return_layernorm_output:
+            outputs.append(ln_out)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def reset_norm_parameters(self) -> None:
         reset_norm_parameters(self.layer_norm_weight, self.layer_norm_bias,
                               self.zero_centered_gamma)
-
-    def _fp8_or_high_precision(self, inp: torch.Tensor, is_first_microbatch, in_features):
-        """The module's output: FP8 inside an enabled fp8_autocast, else the torch
-        composition."""
-        name = type(self).__name__
-        if inp.shape[-1:] != (in_features,):
-            raise ValueError(f"{name}: input must have shape [..., {in_features}], "
-                             f"got {tuple(inp.shape)}")
-        if self._in_recompute():
-            return self._fp8_replay(inp)
-        state = _autocast.current_state()
-        if state is None or not state.enabled:
-            return self._high_precision(inp)
-        weight_dtype = self.fp8_weights()[0].dtype
-        if inp.dtype != weight_dtype and not torch.is_autocast_enabled(inp.device.type):
-            raise RuntimeError(f"{name}: input dtype {inp.dtype} differs from the weights' "
-                               f"{weight_dtype}, which the torch composition refuses too; cast "
-                               "the input or the module, or run under torch.autocast")
-        dims = [d for out_in in self._gemm_dims() for d in out_in]
-        if any(d % ALIGN for d in dims) or inp.dtype not in FP8_INPUT_DTYPES:
-            if not self._warned_high_precision:
-                warnings.warn(f"transformer_fp8.{name} with GEMM sizes {self._gemm_dims()} and "
-                              f"{inp.dtype} input runs in high precision: FP8 GEMMs need sizes "
-                              "that are multiples of 16 and a float32, bfloat16 or float16 "
-                              "input.", stacklevel=3)
-                self._warned_high_precision = True
-            return self._high_precision(inp)
-        if is_block_recipe(state.recipe):
-            # Per-block scales come from each tensor as it is cast: the torch composition with
-            # its GEMMs block-scaled (no fused norm or activation cast, no FP8 state).
-            def linear(x, weight, bias):
-                return blockwise_linear(x, weight, bias, state.recipe)
-            return self._high_precision(inp, linear)
-        return self._fp8_run(inp, state, is_first_microbatch)
-
-
-def split_outputs(out, ln_out: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                  return_bias: bool, return_layernorm_output: bool):
-    """Transformer Engine's return convention: out, then the bias (if return_bias: it was not
-    added), then the norm's output (if return_layernorm_output)."""
-    result = [out]
-    if return_bias:
-        result.append(bias)
-    if return_layernorm_output:
-        result.append(ln_out)
-    return result[0] if len(result) == 1 else tuple(result)
