@@ -166,53 +166,97 @@ def test_layernorm_mlp_fp8_sqnr_against_float32(gen, device, recipe, normalizati
     x_ref = x.clone().requires_grad_(True)
     out_ref = mlp_ref(ref, x_ref)
     out_ref.backward(g)
-    # relu's derivative is a step: a pre-activation whose sign FP8 flips loses its whole
-    # gradient, so the gradients of relu and reglu sit lower (the same as a composition of
-    # FP8 Linear layers: see the next test).
-    grad_bound = 12 if activation in ("relu", "reglu") else 18
-    assert sqnr(out_ref, out) >= 22
-    assert sqnr(x_ref.grad, x_in.grad) >= grad_bound
+    # Two FP8 GEMMs in a row, and in backward two E5M2 grad_output casts: the bounds sit a
+    # little under a single Linear's (23 / 19 dB), as they do for a composition of FP8 Linear
+    # layers (see the next test). relu's derivative is a step: a pre-activation whose sign FP8
+    # flips loses its whole gradient, so relu's and reglu's gradients sit lower still. The
+    # parameter bound is looser than the input's: small vectors (biases, norm weights) give
+    # noisier SQNRs (measured minima over 24 seeds: 18.1 dB, 13.4 dB for relu).
+    relu_like = activation in ("relu", "reglu")
+    assert sqnr(out_ref, out) >= 21
+    assert sqnr(x_ref.grad, x_in.grad) >= (12 if relu_like else 18)
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
-        assert sqnr(q.grad, p.grad) >= grad_bound, name
+        assert sqnr(q.grad, p.grad) >= (11 if relu_like else 15), name
+
+
+class _UnfusedNorm(torch.autograd.Function):
+    """The norm through the unfused high-precision operators (layernorm_fwd / _bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, step):
+        y, stats = step.hp(x, weight, bias)
+        ctx.save_for_backward(x, weight, *stats)
+        ctx.step = step
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, *stats = ctx.saved_tensors
+        dx, dweight, dbias = ctx.step.backward(dy.contiguous(), x, stats, weight)
+        return dx, dweight, dbias, None
+
+
+class _UnfusedActivation(torch.autograd.Function):
+    """The activation through the unfused high-precision operators (activation_fwd / _bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, activation):
+        ctx.save_for_backward(x)
+        ctx.activation = activation
+        return tfp8.fused_ops.activation_fwd(x, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return tfp8.fused_ops.activation_bwd(dy.contiguous(), x, ctx.activation), None
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
 @pytest.mark.parametrize("normalization", NORMS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_layernorm_mlp_computes_what_fp8_linear_layers_compute(gen, recipe, normalization,
-                                                               activation):
-    """The fused module against norm -> tfp8.Linear -> activation -> tfp8.Linear in FP8: the
-    same casts with the same scales, so results equal up to the float32 rounding of the norm
-    (its kernel vs torch's), which can move an amax, a scale, or an FP8 code near a rounding
-    boundary: orders of magnitude below the FP8 error (about 25 dB)."""
+def test_layernorm_mlp_computes_what_its_unfused_composition_computes(gen, recipe,
+                                                                      normalization, activation):
+    """The fused module against its unfused composition: the norm's high-precision operator ->
+    tfp8.Linear -> the activation's high-precision operator -> tfp8.Linear, in FP8. The fused
+    kernels cast the same float32 values with the same scales and record the same amaxes, so
+    the outputs and the FP8 state are bit for bit the same, step after step; gradients are the
+    same up to the order of the bias sums."""
     torch.manual_seed(11)
     m = tfp8.LayerNormMLP(64, 128, normalization=normalization, activation=activation)
     randomize(m, gen)
     fc1, fc2 = tfp8.Linear(64, m.fc1_weight.shape[0]), tfp8.Linear(128, 64)
-    norm = (tfp8.LayerNorm if normalization == "LayerNorm" else tfp8.RMSNorm)(64)
+    norm_weight = torch.nn.Parameter(m.layer_norm_weight.detach().clone())
+    norm_bias = None if m.layer_norm_bias is None else \
+        torch.nn.Parameter(m.layer_norm_bias.detach().clone())
     with torch.no_grad():
         for dst, src in ((fc1.weight, m.fc1_weight), (fc1.bias, m.fc1_bias),
-                         (fc2.weight, m.fc2_weight), (fc2.bias, m.fc2_bias),
-                         (norm.weight, m.layer_norm_weight), (norm.bias, m.layer_norm_bias)):
-            if dst is not None:
-                dst.copy_(src)
-    composition = [norm, fc1, fc2]
+                         (fc2.weight, m.fc2_weight), (fc2.bias, m.fc2_bias)):
+            dst.copy_(src)
     for step in range(3):
         x, g = randn(gen, 50, 64), randn(gen, 50, 64)
-        for module in [m] + composition:
-            module.zero_grad(set_to_none=True)
+        for param in [norm_weight, norm_bias] + list(m.parameters()) + \
+                list(fc1.parameters()) + list(fc2.parameters()):
+            if param is not None:
+                param.grad = None
         x_m, x_c = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         with fp8_autocast(fp8_recipe=recipe):
             out_m = m(x_m)
-            out_c = fc2(activation_hp(fc1(norm(x_c)), activation))
+            ln = _UnfusedNorm.apply(x_c, norm_weight, norm_bias, m._norm_step)
+            out_c = fc2(_UnfusedActivation.apply(fc1(ln), activation))
         out_m.backward(g)
         out_c.backward(g)
-        assert sqnr(out_c, out_m) >= 60, f"step {step}: output"
-        assert sqnr(x_c.grad, x_m.grad) >= 60, f"step {step}: input gradient"
+        assert_bitwise_equal(out_m, out_c, f"step {step}: output")
+        # The module's columns are fc1's then fc2's (forward: input, weight; backward: one).
+        for i, (got, a, b) in enumerate(zip(m.fp8_state_tensors(), fc1.fp8_state_tensors(),
+                                            fc2.fp8_state_tensors())):
+            assert_bitwise_equal(got, torch.cat([a, b], dim=-1), f"step {step}: FP8 state {i}")
+        assert sqnr(x_c.grad, x_m.grad) >= 100, f"step {step}: input gradient"
         for got, expected in ((m.fc1_weight, fc1.weight), (m.fc1_bias, fc1.bias),
                               (m.fc2_weight, fc2.weight), (m.fc2_bias, fc2.bias),
-                              (m.layer_norm_weight, norm.weight)):
-            assert sqnr(expected.grad, got.grad) >= 60, f"step {step}"
+                              (m.layer_norm_weight, norm_weight),
+                              (m.layer_norm_bias, norm_bias)):
+            if got is not None:
+                assert sqnr(expected.grad, got.grad) >= 100, f"step {step}"
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)

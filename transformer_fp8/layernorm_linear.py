@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from . import ops
 from .fp8_state import ALIGN, pad_rows
 from .norm_first import NormFirstModule, check_positive
-from .normalization import norm_hp
 from .recipe import Recipe
 
 
@@ -146,8 +145,7 @@ class LayerNormLinear(NormFirstModule):
         return None if self.return_bias else self.bias
 
     def _high_precision(self, inp, linear=F.linear):
-        ln_out = norm_hp(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
-                         self.eps, self.zero_centered_gamma)
+        ln_out = self._norm_hp(inp)
         out = linear(ln_out, self.weight, self._gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out
 

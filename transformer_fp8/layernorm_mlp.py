@@ -23,7 +23,6 @@ from .activations import activation_hp, check_activation, is_gated
 from .fp8_state import ALIGN, pad_rows
 from .layernorm_linear import cast_norm_output
 from .norm_first import NormFirstModule, check_positive, te_default_init
-from .normalization import norm_hp
 from .recipe import Recipe
 
 
@@ -219,8 +218,7 @@ class LayerNormMLP(NormFirstModule):
         return None if self.return_bias else self.fc2_bias
 
     def _high_precision(self, inp, linear=F.linear):
-        ln_out = norm_hp(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
-                         self.eps, self.zero_centered_gamma)
+        ln_out = self._norm_hp(inp)
         hidden = activation_hp(linear(ln_out, self.fc1_weight, self.fc1_bias), self.activation)
         out = linear(hidden, self.fc2_weight, self._fc2_gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out

@@ -13,7 +13,8 @@ import torch
 
 from . import fp8_context as _autocast
 from .fp8_state import Fp8StateMixin, history_len_for
-from .normalization import NormStep, check_eps, check_normalization, reset_norm_parameters
+from .normalization import (NormStep, check_eps, check_normalization, norm_hp,
+                            reset_norm_parameters)
 
 # Transformer Engine arguments for tensor/sequence parallelism, communication overlap and the
 # like: accepted with their default (off) values so that a model definition runs unchanged,
@@ -111,6 +112,11 @@ class NormFirstModule(Fp8StateMixin, torch.nn.Module):
         if self.return_layernorm_output:
             outputs.append(ln_out)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _norm_hp(self, inp: torch.Tensor) -> torch.Tensor:
+        """The norm in torch ops (the first step of the high-precision form)."""
+        return norm_hp(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
+                       self.eps, self.zero_centered_gamma)
 
     def reset_norm_parameters(self) -> None:
         reset_norm_parameters(self.layer_norm_weight, self.layer_norm_bias,
