@@ -6,14 +6,16 @@
 
 Sizes are small (the tools slow kernels down a hundredfold) but cover the kernels' paths:
 vectorised and scalar casts, odd shapes, non-contiguous and misaligned views, empty tensors,
-the fused transpose's partial tiles, many-tensor updates, the cuBLASLt GEMM with bias, and the
-fused norm / activation / dbias operators (vector and one-element paths, wide rows, padding).
+the fused transpose's partial tiles, many-tensor updates, the cuBLASLt GEMM with bias, the
+fused norm / activation / dbias operators (vector and one-element paths, wide rows, padding),
+block-scaled quantisation and GEMMs (every mode pair, partial edge blocks), and training steps
+of Linear, LayerNormMLP and TransformerLayer.
 scripts/gpu_check.sh runs it under all three tools.
 """
 import torch
 
 import transformer_fp8 as tfp8
-from transformer_fp8 import fused_ops, ops
+from transformer_fp8 import blockwise_ops, fused_ops, ops
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -50,6 +52,38 @@ def run_fused_ops(dev: str, scale: torch.Tensor) -> None:
                                 None, True, True, 16)
     fused_ops.activation_bwd_fp8(x[:, :32].contiguous(), x, "swiglu", scale, E4M3, None, True,
                                  True, 16)
+
+
+def run_blockwise_ops(dev: str) -> None:
+    """Block-scaled quantisation (1x128, 128x128, row-wise; with transposes; partial edge
+    blocks) and the cuBLASLt block-scaled GEMM for every mode pair it runs."""
+    for rows, cols in [(0, 128), (1, 16), (33, 200), (256, 384)]:
+        x = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
+        for block in ((1, 128), (128, 128), (1, -1)):
+            blockwise_ops.quantize_blockwise(x, *block, E4M3, True, True)
+            blockwise_ops.quantize_blockwise(x.t(), *block, E5M2, False, False)
+    modes = {"1x128": (1, 128), "128x128": (128, 128), "rowwise": (1, -1)}
+    pairs = [("1x128", "1x128"), ("1x128", "128x128"), ("128x128", "1x128"),
+             ("rowwise", "rowwise")]
+    for m, n, k in [(128, 256, 384), (48, 32, 208)]:
+        a = torch.randn(m, k, device=dev)
+        b = torch.randn(n, k, device=dev)
+        for mode_a, mode_b in pairs:
+            a8, a_si, _, _ = blockwise_ops.quantize_blockwise(a, *modes[mode_a], E4M3)
+            b8, b_si, _, _ = blockwise_ops.quantize_blockwise(b, *modes[mode_b], E4M3)
+            blockwise_ops.fp8_gemm_blockwise(a8, a_si, b8, b_si, torch.bfloat16,
+                                             torch.randn(n, device=dev, dtype=torch.bfloat16))
+
+
+def train_steps(model, inputs, recipe, steps: int = 2) -> None:
+    """Forward under fp8_autocast, backward, optimizer step: both scale updates run."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            loss = model(inputs).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def main() -> None:
@@ -100,18 +134,26 @@ def main() -> None:
 
     run_fused_ops(dev, scale)
 
-    # Two training steps of an FP8 Linear stack (forward, backward, both scale updates).
-    model = torch.nn.Sequential(tfp8.Linear(64, 128), torch.nn.GELU(),
-                                tfp8.Linear(128, 32)).to(dev, torch.bfloat16)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    # Training steps: an FP8 Linear stack, the fused modules, a TransformerLayer, and the
+    # block-scaled recipe (forward, backward, both scale updates).
+    bf16 = dict(device=dev, dtype=torch.bfloat16)
     recipe = tfp8.DelayedScaling(amax_history_len=8)
-    for _ in range(2):
-        x = torch.randn(50, 64, device=dev, dtype=torch.bfloat16)
-        with tfp8.fp8_autocast(fp8_recipe=recipe):
-            loss = model(x).float().square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    model = torch.nn.Sequential(tfp8.Linear(64, 128), torch.nn.GELU(),
+                                tfp8.Linear(128, 32)).to(**bf16)
+    train_steps(model, torch.randn(50, 64, **bf16), recipe)
+    mlp = torch.nn.Sequential(
+        tfp8.LayerNormLinear(64, 64, normalization="RMSNorm", params_dtype=torch.bfloat16,
+                             device=dev),
+        tfp8.LayerNormMLP(64, 96, activation="swiglu", params_dtype=torch.bfloat16,
+                          device=dev))
+    train_steps(mlp, torch.randn(50, 64, **bf16), recipe)
+    train_steps(mlp, torch.randn(50, 64, **bf16), tfp8.Float8CurrentScaling())
+    layer = tfp8.TransformerLayer(64, 128, 4, num_gqa_groups=2, hidden_dropout=0.0,
+                                  attention_dropout=0.0, normalization="RMSNorm",
+                                  activation="swiglu", params_dtype=torch.bfloat16, device=dev)
+    train_steps(layer, torch.randn(24, 2, 64, **bf16), recipe)
+    run_blockwise_ops(dev)
+    train_steps(model, torch.randn(50, 64, **bf16), tfp8.Float8BlockScaling())
     torch.cuda.synchronize()
     print("sanitize_ops: every operator ran")
 

@@ -171,12 +171,15 @@ def test_layernorm_mlp_fp8_sqnr_against_float32(gen, device, recipe, normalizati
     # layers (see the next test). relu's derivative is a step: a pre-activation whose sign FP8
     # flips loses its whole gradient, so relu's and reglu's gradients sit lower still. The
     # parameter bound is looser than the input's: small vectors (biases, norm weights) give
-    # noisier SQNRs (measured minima over 24 seeds: 18.1 dB, 13.4 dB for relu).
+    # noisier SQNRs. Measured over 80 runs (mean, standard deviation, minimum): output
+    # 23.7-25.5 dB (sd 0.2); input gradient 20.7 (0.1, min 20.5), relu 15.2 (0.5, min 14.2);
+    # parameter gradients 20.1 (0.8, min 17.9), relu 14.5 (0.9, min 11.4). The bounds sit
+    # about five standard deviations under the means.
     relu_like = activation in ("relu", "reglu")
     assert sqnr(out_ref, out) >= 21
     assert sqnr(x_ref.grad, x_in.grad) >= (12 if relu_like else 18)
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
-        assert sqnr(q.grad, p.grad) >= (11 if relu_like else 15), name
+        assert sqnr(q.grad, p.grad) >= (10 if relu_like else 15), name
 
 
 class _UnfusedNorm(torch.autograd.Function):

@@ -27,6 +27,10 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_f32(const Tensor& x, const Tensor& 
                                                  const c10::optional<Tensor>& bias, double eps,
                                                  bool zero_centered_gamma) {
   const Tensor xf = x.to(at::kFloat).contiguous();
+  if (xf.size(0) == 0) {  // no rows: var_mean would warn about a reduction over nothing
+    const Tensor stat = at::empty({0}, xf.options());
+    return {xf.clone(), stat, stat.clone()};
+  }
   auto [var, mean] = at::var_mean(xf, {1}, /*correction=*/0, /*keepdim=*/false);
   const Tensor rstd = at::rsqrt(var + eps);
   Tensor y = (xf - mean.unsqueeze(1)) * rstd.unsqueeze(1) * gamma_f32(weight, zero_centered_gamma);
