@@ -280,3 +280,33 @@ def test_a_graphed_module_refuses_a_replaced_fp8_state(gen):
     block.load_state_dict(longer)  # another history length: new tensors
     with pytest.raises(RuntimeError, match="FP8 state tensors were replaced"):
         forward(torch.randn(8, 64, generator=gen))
+
+
+@CUDA_SKIP
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_make_graphed_callables_of_fused_modules_replays_like_eager_steps(recipe):
+    """LayerNormLinear and LayerNormMLP (two GEMMs, fused norm and activation casts) graphed:
+    replays give the eager steps' outputs, gradients and FP8 state bit for bit."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(
+        tfp8.LayerNormLinear(64, 64, normalization="RMSNorm", recipe=recipe),
+        tfp8.LayerNormMLP(64, 128, activation="swiglu", recipe=recipe)).cuda()
+    reference = copy.deepcopy(block)
+    sample = (torch.randn(32, 64, device="cuda", requires_grad=True),)
+    tfp8.make_graphed_callables(block, sample, fp8_enabled=True, fp8_recipe=recipe)
+    gen = torch.Generator().manual_seed(3)
+    for i in range(4):
+        x = torch.randn(32, 64, generator=gen).cuda()
+        g = torch.randn(32, 64, generator=gen).cuda()
+        for model in (block, reference):
+            model.zero_grad(set_to_none=True)
+        x_g, x_r = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        out = block(x_g)
+        out.backward(g)
+        with fp8_autocast(fp8_recipe=recipe):
+            ref_out = reference(x_r)
+        ref_out.backward(g)
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, ref_out, f"replay {i}: output")
+        assert_bitwise_equal(x_g.grad, x_r.grad, f"replay {i}: input gradient")
+        _assert_same_models(block, reference, f"replay {i}")
