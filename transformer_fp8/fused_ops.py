@@ -8,7 +8,9 @@ x [M, N] (float32, bfloat16 or float16, any strides) and do all their math in fl
 * FP8 results are the saturating cast (the contract of ``cast_to_fp8``) of the **float32**
   result times ``scale``; the result is never rounded to x's dtype first. ``amax`` (1-element
   float32, optional) becomes max(amax, max |result|) over the M real rows, NaN propagating,
-  in the same pass.
+  in the same pass. A NaN result is a NaN in every output; its sign bit is not specified (the
+  float16 -> float32 conversion of a negative NaN keeps its sign on some paths of torch's CPU
+  kernels and not on others, and on the GPU likewise).
 * FP8 results have M_pad = M rounded up to a multiple of ``row_multiple`` rows; the extra rows
   are zero bytes and do not enter amax. With ``with_transpose`` the contiguous transpose
   [N, M_pad] comes too, otherwise an empty tensor of shape [0] of the FP8 dtype; outputs that

@@ -63,6 +63,7 @@ struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo = {};
+  bool bias_in_epilogue = false;  // else the bias is added after the product
   Plan() = default;
   Plan(const Plan&) = delete;
   Plan& operator=(const Plan&) = delete;
@@ -138,11 +139,17 @@ std::unique_ptr<Plan> make_plan(const PlanKey& key, cublasLtHandle_t handle, con
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       handle, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &heuristic, &found);
+  if (bias_in_epilogue && !(status == CUBLAS_STATUS_SUCCESS && found > 0)) {
+    // Block-scaled kernels may come without a bias epilogue: plan the bare product instead
+    // and let the caller add the bias afterwards.
+    return make_plan(key, handle, a, b, modes, out_dtype, /*bias_in_epilogue=*/false);
+  }
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0, "transformer_fp8: cuBLASLt has no "
               "block-scaled FP8 algorithm ", describe_problem(a, b, modes), " and out_dtype ",
               out_dtype, " (status ", cublaslt_status_string(status), "; block-scaled FP8 "
               "GEMMs run on Hopper, sm_90, with cuBLASLt 12.9 or newer)");
   plan->algo = heuristic.algo;
+  plan->bias_in_epilogue = bias_in_epilogue;
   return plan;
 }
 
@@ -205,17 +212,18 @@ at::Tensor fp8_gemm_blockwise_cuda(const at::Tensor& a_in, const at::Tensor& a_s
   void* workspace = cublaslt_workspace(device, stream);
 
   // The bias epilogue takes a bias of the output type for bf16 / fp16 outputs; for float32
-  // outputs the bias is added after the product.
-  const bool bias_in_epilogue = bias.has_value() && out_dtype != at::kFloat;
+  // outputs, or when cuBLASLt has no block-scaled kernel with that epilogue (the plan says),
+  // the bias is added after the product.
+  const bool try_bias_epilogue = bias.has_value() && out_dtype != at::kFloat;
   const PlanKey key{device, M, N, K, static_cast<int>(a.scalar_type()),
                     static_cast<int>(b.scalar_type()), static_cast<int>(out_dtype),
-                    static_cast<int>(modes.a), static_cast<int>(modes.b), bias_in_epilogue,
+                    static_cast<int>(modes.a), static_cast<int>(modes.b), try_bias_epilogue,
                     cublaslt_alignment_of(b.data_ptr()), cublaslt_alignment_of(a.data_ptr()),
                     cublaslt_alignment_of(out.data_ptr())};
   auto& plans = thread_plans();
   auto it = plans.find(key);
   if (it == plans.end()) {
-    auto plan = make_plan(key, handle, a, b, modes, out_dtype, bias_in_epilogue);
+    auto plan = make_plan(key, handle, a, b, modes, out_dtype, try_bias_epilogue);
     if (plans.size() >= 512) plans.clear();
     it = plans.emplace(key, std::move(plan)).first;
   }
@@ -230,6 +238,7 @@ at::Tensor fp8_gemm_blockwise_cuda(const at::Tensor& a_in, const at::Tensor& a_s
   };
   set_pointer(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, "A_SCALE_POINTER", b_si.data_ptr());
   set_pointer(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, "B_SCALE_POINTER", a_si.data_ptr());
+  const bool bias_in_epilogue = plan.bias_in_epilogue;
   if (bias_in_epilogue)
     set_pointer(CUBLASLT_MATMUL_DESC_BIAS_POINTER, "BIAS_POINTER", bias_c->data_ptr());
   const float alpha = 1.0f, beta = 0.0f;
