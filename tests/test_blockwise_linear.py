@@ -202,3 +202,29 @@ def test_compile_matches_eager(gen):
     got.sum().backward()
     assert len(graphs) == 1
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8RowwiseScaling()],
+                         ids=["block", "rowwise"])
+def test_is_first_microbatch_keeps_the_quantised_weights(recipe):
+    """True quantises and keeps each GEMM's weight; False reuses it (the weight has not changed
+    within a step); None quantises in the call. Linear and LayerNormMLP (two GEMMs)."""
+    torch.manual_seed(0)
+    for module in (tfp8.Linear(128, 128), tfp8.LayerNormMLP(128, 128)):
+        x1, x2 = torch.randn(32, 128), torch.randn(32, 128)
+        weights = [p for n, p in module.named_parameters() if n.endswith("weight")
+                   and p.dim() == 2]
+        with fp8_autocast(fp8_recipe=recipe):
+            module(x1, is_first_microbatch=True)
+            with torch.no_grad():
+                for w in weights:
+                    w.mul_(2)  # not seen until the next first microbatch
+            cached = module(x2, is_first_microbatch=False)
+            fresh = module(x2)
+        with torch.no_grad():
+            for w in weights:
+                w.div_(2)
+        with fp8_autocast(fp8_recipe=recipe):
+            before = module(x2)
+        assert torch.equal(cached, before), type(module).__name__
+        assert not torch.equal(cached, fresh), type(module).__name__

@@ -71,15 +71,15 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
 
 class _BlockwiseLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, bias, plan: _BlockPlan):
+    def forward(ctx, inp, weight, bias, plan: _BlockPlan, weight_q: Optional[tuple]):
         needs_input_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         out_features, in_features = weight.shape
         inp_2d = inp.reshape(-1, in_features)
         # Transposed copies only where a backward GEMM needs them.
         x_fp8, x_si, x_t_fp8, x_t_si = _quantize(_pad_rows(inp_2d), plan.x_dim, plan.fwd_dtype,
                                                  plan.power_2_scale, needs_weight_grad)
-        w_fp8, w_si, w_t_fp8, w_t_si = _quantize(weight, plan.w_dim, plan.fwd_dtype,
-                                                 plan.power_2_scale, needs_input_grad)
+        w_fp8, w_si, w_t_fp8, w_t_si = weight_q if weight_q is not None else _quantize(
+            weight, plan.w_dim, plan.fwd_dtype, plan.power_2_scale, needs_input_grad)
         out = fp8_gemm_blockwise(x_fp8, x_si, w_fp8, w_si, plan.out_dtype,
                                  None if bias is None else bias.to(plan.out_dtype))
         # Backward needs only the FP8 transposes and their scales.
@@ -110,17 +110,27 @@ class _BlockwiseLinearFunction(torch.autograd.Function):
             grad_weight = fp8_gemm_blockwise(g_t_fp8, g_t_si, x_t_fp8, x_t_si, ctx.weight_dtype)
         if needs_bias_grad:
             grad_bias = g_2d.sum(dim=0).to(ctx.bias_dtype)
-        return grad_inp, grad_weight, grad_bias, None
+        return grad_inp, grad_weight, grad_bias, None, None
 
 
 def blockwise_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     recipe: "Float8BlockScaling | Float8RowwiseScaling") -> torch.Tensor:
+                     recipe: "Float8BlockScaling | Float8RowwiseScaling",
+                     weight_q: Optional[tuple] = None) -> torch.Tensor:
     """``F.linear(inp, weight, bias)`` with its three GEMMs block-scaled FP8 under ``recipe``
-    (weight [out_features, in_features]). The weight is quantised on every call
-    (is_first_microbatch does not cache it here)."""
+    (weight [out_features, in_features]). weight_q: the weight already quantised by
+    quantize_weight (is_first_microbatch=False reuses it); else it is quantised here."""
     out_dtype = (torch.get_autocast_dtype(inp.device.type)
                  if torch.is_autocast_enabled(inp.device.type) else inp.dtype)
-    return _BlockwiseLinearFunction.apply(inp, weight, bias, _plan_for(recipe, out_dtype))
+    return _BlockwiseLinearFunction.apply(inp, weight, bias, _plan_for(recipe, out_dtype),
+                                          weight_q)
+
+
+def quantize_weight(weight: torch.Tensor, recipe) -> tuple:
+    """(w_fp8, scale_inv, w_t_fp8, scale_inv_t): the weight as ``recipe`` quantises it, with the
+    transpose dgrad needs, to keep across the microbatches of a step."""
+    plan = _plan_for(recipe, weight.dtype)
+    with torch.no_grad():
+        return _quantize(weight, plan.w_dim, plan.fwd_dtype, plan.power_2_scale, True)
 
 
 def is_block_recipe(recipe: Optional[object]) -> bool:

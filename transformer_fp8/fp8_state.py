@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from . import checkpointing, ops
 from . import fp8_context as _autocast
-from .blockwise_linear import blockwise_linear, is_block_recipe
+from .blockwise_linear import blockwise_linear, is_block_recipe, quantize_weight
 from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
@@ -386,8 +386,12 @@ class Fp8StateMixin:
         if is_block_recipe(state.recipe):
             # Per-block scales come from each tensor as it is cast: the high-precision form
             # with its GEMMs block-scaled (no fused cast, no FP8 state).
+            gemms = itertools.count()
+
             def linear(x, weight, bias):
-                return blockwise_linear(x, weight, bias, state.recipe)
+                weight_q = self._block_weight_for_step(next(gemms), weight, state.recipe,
+                                                       is_first_microbatch)
+                return blockwise_linear(x, weight, bias, state.recipe, weight_q)
             return self._high_precision(inp, linear)
         return self._fp8_run(inp, state, is_first_microbatch)
 
@@ -487,13 +491,26 @@ class Fp8StateMixin:
         self._delayed_cast_cache = (fmt, buffers, casts)
         return casts
 
+    def _block_weight_for_step(self, gemm: int, weight, recipe, is_first_microbatch):
+        """_weight_for_step for the block-scaled recipes: the quantised weight to reuse, or
+        None to quantise it in the call. A copy kept under another recipe is not reused."""
+        if is_first_microbatch is None:
+            self._weight_cache[gemm] = None
+            return None
+        cached = self._weight_cache[gemm]
+        if is_first_microbatch or not (isinstance(cached, tuple) and len(cached) == 2
+                                       and cached[0] == recipe):
+            self._weight_cache[gemm] = (recipe, quantize_weight(weight, recipe))
+        return self._weight_cache[gemm][1]
+
     def _weight_for_step(self, gemm: int, weight, weight_cast, is_first_microbatch):
         """None: cast the weight in this call. True: cast it now and keep it. False: reuse the
         copy kept by the last True (gradient accumulation: the weight has not changed)."""
         if is_first_microbatch is None:
             self._weight_cache[gemm] = None
             return None
-        if is_first_microbatch or self._weight_cache[gemm] is None:
+        cached = self._weight_cache[gemm]
+        if is_first_microbatch or cached is None or len(cached) != 4:  # (a block recipe's: 2)
             with torch.no_grad():
                 self._weight_cache[gemm] = weight_cast.cast(weight, with_transpose=True)
         return self._weight_cache[gemm]
