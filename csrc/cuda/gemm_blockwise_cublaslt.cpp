@@ -191,21 +191,12 @@ at::Tensor fp8_gemm_blockwise_cuda(const at::Tensor& a_in, const at::Tensor& a_s
               describe(a_in), ", b: ", describe(b_in));
   const c10::cuda::CUDAGuard guard(a_in.device());
   at::Tensor out = at::empty({M, N}, a_in.options().dtype(out_dtype));
-  if (M == 0 || N == 0) return out;
-  if (K == 0) {
-    out.zero_();
-    if (bias.has_value()) out.add_(*bias);
-    return out;
-  }
-  auto aligned16 = [](const at::Tensor& t) {
-    at::Tensor c = t.contiguous();
-    return cublaslt_alignment_of(c.data_ptr()) >= 16 ? c : c.clone();
-  };
-  const at::Tensor a = aligned16(a_in), b = aligned16(b_in);
+  if (fill_trivial_product(out, K, bias)) return out;
+  const at::Tensor a = cublaslt_operand(a_in), b = cublaslt_operand(b_in);
   const at::Tensor a_si = scales_for_cublas(a, a_scale_inv, modes.a);
   const at::Tensor b_si = scales_for_cublas(b, b_scale_inv, modes.b);
   const c10::optional<at::Tensor> bias_c =
-      bias.has_value() ? c10::optional<at::Tensor>(aligned16(*bias)) : c10::nullopt;
+      bias.has_value() ? c10::optional<at::Tensor>(cublaslt_operand(*bias)) : c10::nullopt;
   const int device = a.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cublasLtHandle_t handle = cublaslt_handle(device);

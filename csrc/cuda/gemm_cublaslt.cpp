@@ -228,20 +228,10 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
               describe_operands(a_in, b_in));
   const c10::cuda::CUDAGuard guard(a_in.device());
   at::Tensor out = at::empty({M, N}, a_in.options().dtype(out_dtype));
-  if (M == 0 || N == 0) return out;
-  if (K == 0) {
-    out.zero_();
-    if (bias.has_value()) out.add_(*bias);
-    return out;
-  }
-  // cuBLASLt's FP8 kernels need 16-byte aligned operands; a fresh copy always is.
-  auto aligned16 = [](const at::Tensor& t) {
-    at::Tensor c = t.contiguous();
-    return alignment_of(c.data_ptr()) >= 16 ? c : c.clone();
-  };
-  const at::Tensor a = aligned16(a_in), b = aligned16(b_in);
+  if (fill_trivial_product(out, K, bias)) return out;
+  const at::Tensor a = cublaslt_operand(a_in), b = cublaslt_operand(b_in);
   const c10::optional<at::Tensor> bias_c =
-      bias.has_value() ? c10::optional<at::Tensor>(aligned16(*bias)) : c10::nullopt;
+      bias.has_value() ? c10::optional<at::Tensor>(cublaslt_operand(*bias)) : c10::nullopt;
   const int device = a.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cublasLtHandle_t handle = handle_for(device);
@@ -292,6 +282,19 @@ void* cublaslt_workspace(int device, cudaStream_t stream) { return workspace_for
 size_t cublaslt_workspace_bytes() { return kWorkspaceBytes; }
 const char* cublaslt_status_string(cublasStatus_t status) { return cublasLt_status_name(status); }
 uint32_t cublaslt_alignment_of(const void* p) { return alignment_of(p); }
+
+at::Tensor cublaslt_operand(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return alignment_of(c.data_ptr()) >= 16 ? c : c.clone();
+}
+
+bool fill_trivial_product(at::Tensor& out, int64_t K, const c10::optional<at::Tensor>& bias) {
+  if (out.numel() == 0) return true;
+  if (K != 0) return false;
+  out.zero_();
+  if (bias.has_value()) out.add_(*bias);
+  return true;
+}
 
 TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m) { m.impl("fp8_gemm", &fp8_gemm_cuda); }
 
