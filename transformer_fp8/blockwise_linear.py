@@ -21,13 +21,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from .blockwise_ops import BLOCK, fp8_gemm_blockwise, quantize_blockwise
+from .ops import pad_rows
 from .recipe import Float8BlockScaling, Float8RowwiseScaling
-
-_ALIGN = 16
-
 
 @dataclass(frozen=True)
 class _BlockPlan:
@@ -64,11 +61,6 @@ def _quantize(t: torch.Tensor, dim, fp8_dtype, power_2_scale: bool, with_transpo
                               with_transpose)
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    extra = (-x.shape[0]) % _ALIGN
-    return F.pad(x, (0, 0, 0, extra)) if extra else x
-
-
 class _BlockwiseLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, plan: _BlockPlan, weight_q: Optional[tuple]):
@@ -76,7 +68,7 @@ class _BlockwiseLinearFunction(torch.autograd.Function):
         out_features, in_features = weight.shape
         inp_2d = inp.reshape(-1, in_features)
         # Transposed copies only where a backward GEMM needs them.
-        x_fp8, x_si, x_t_fp8, x_t_si = _quantize(_pad_rows(inp_2d), plan.x_dim, plan.fwd_dtype,
+        x_fp8, x_si, x_t_fp8, x_t_si = _quantize(pad_rows(inp_2d), plan.x_dim, plan.fwd_dtype,
                                                  plan.power_2_scale, needs_weight_grad)
         w_fp8, w_si, w_t_fp8, w_t_si = weight_q if weight_q is not None else _quantize(
             weight, plan.w_dim, plan.fwd_dtype, plan.power_2_scale, needs_input_grad)
@@ -98,7 +90,7 @@ class _BlockwiseLinearFunction(torch.autograd.Function):
         needs_input_grad, needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[:3]
         plan = ctx.plan
         g_2d = grad_out.reshape(-1, ctx.out_features)
-        g_fp8, g_si, g_t_fp8, g_t_si = _quantize(_pad_rows(g_2d), plan.grad_dim, plan.bwd_dtype,
+        g_fp8, g_si, g_t_fp8, g_t_si = _quantize(pad_rows(g_2d), plan.grad_dim, plan.bwd_dtype,
                                                  plan.power_2_scale, needs_weight_grad)
         grad_inp = grad_weight = grad_bias = None
         if needs_input_grad:

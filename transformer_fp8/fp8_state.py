@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from . import checkpointing, ops
 from . import fp8_context as _autocast
@@ -34,7 +33,8 @@ HISTORIES = ("fp8_fwd_amax_history", "fp8_bwd_amax_history")
 _FORMAT_CODES = {Format.E4M3: 0, Format.E5M2: 1, Format.HYBRID: 2}
 _ALGO_CODES = {"max": 0, "most_recent": 1}
 DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
-ALIGN = 16  # FP8 GEMM dimensions must be multiples of 16
+ALIGN = ops.GEMM_ALIGN  # FP8 GEMM dimensions must be multiples of it
+pad_rows = ops.pad_rows
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Creation order of FP8 modules: the same on every rank that builds the same model, so it lays
 # out the cross-rank amax reduction identically everywhere.
@@ -57,12 +57,6 @@ def history_len_for(recipe) -> int:
         return recipe.amax_history_len
     raise TypeError("recipe must be None, a DelayedScaling, Float8CurrentScaling, "
                     f"Float8BlockScaling or Float8RowwiseScaling, got {type(recipe).__name__}")
-
-
-def pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """Zero rows up to a multiple of 16: they change neither amax nor any product row kept."""
-    extra = (-x.shape[0]) % ALIGN
-    return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
 class Fp8Cast:

@@ -15,6 +15,15 @@ from .recipe import AmaxComputeAlgo
 
 _ops = torch.ops.transformer_fp8
 
+GEMM_ALIGN = 16  # on CUDA, fp8_gemm's M, N and K must be multiples of 16
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with zero rows up to a multiple of GEMM_ALIGN, as a GEMM operand: zero rows
+    change no amax or block scale, and the product rows they give are dropped."""
+    extra = (-x.shape[0]) % GEMM_ALIGN
+    return torch.nn.functional.pad(x, (0, 0, 0, extra)) if extra else x
+
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
