@@ -95,8 +95,10 @@ class Fp8Cast:
         """(scale, scale_inv, amax slot or None) of a cast whose scale is known beforehand."""
         if self.fixed:
             return self.scale, self.scale_inv, None
-        # A copy of scale_inv: the delayed update rewrites it in place before backward runs.
-        return self.scale, self.scale_inv.clone(), self.amax_slot
+        # A copy of scale_inv: the delayed update rewrites it in place before backward runs
+        # (under torch.compile an opaque copy, which the compiler cannot drop: ops.snapshot).
+        copy = ops.snapshot if torch.compiler.is_compiling() else torch.Tensor.clone
+        return self.scale, copy(self.scale_inv), self.amax_slot
 
     def _run(self, kernel: Callable, scale, amax_slot):
         """kernel(scale, amax_slot) -> results, with the amax recorded into the history."""

@@ -39,6 +39,10 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
     finite overflow and +-inf become +-448 (E4M3) or +-57344 (E5M2); NaN stays NaN.
     If ``amax`` (1-element float32) is given it becomes max(amax, max |x|), in the same pass.
     """
+    if amax is None and torch.compiler.is_compiling():
+        # Inductor cannot lower this operator (one output, an optional mutated argument) when
+        # the argument is None ("getitem is not an OpOverload"): give it a scratch slot.
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     return _ops.cast_to_fp8(x, scale, fp8_dtype, amax)
 
 
@@ -132,6 +136,23 @@ def record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
 @record_amax.register_fake
 def _record_amax_fake(history, amax, column):
     return None
+
+
+@torch.library.custom_op("transformer_fp8::snapshot", mutates_args=())
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t taken now, which torch.compile keeps as a value of the forward.
+
+    A compiled FP8 forward saves the scale_inv it used for backward; the delayed update
+    rewrites the state buffer in place between the forward and the backward. A plain clone()
+    is a copy the compiler may drop or recompute in backward from the (by then updated)
+    buffer, so the compiled gradients used the new scales; an opaque operator is neither
+    recomputed nor elided."""
+    return t.clone()
+
+
+@snapshot.register_fake
+def _snapshot_fake(t):
+    return torch.empty_like(t)
 
 
 def _check_margin(margin) -> int:
