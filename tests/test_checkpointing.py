@@ -68,8 +68,9 @@ def train(model, recipe, device, steps=3):
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant", "te_checkpoint"])
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
-                         ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(),
+                                    tfp8.Float8BlockScaling(), tfp8.Float8RowwiseScaling()],
+                         ids=["delayed", "current", "block", "rowwise"])
 def test_checkpointed_training_is_bit_identical(device, mode, recipe):
     torch.manual_seed(0)
     plain = Model().to(device)

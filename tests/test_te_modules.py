@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from conftest import assert_bitwise_equal, assert_same_training, counting_aot_eager, randn, sqnr
 
 import transformer_fp8 as tfp8
-from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
+from transformer_fp8 import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                             Float8RowwiseScaling, fp8_autocast)
 from transformer_fp8.activations import ACTIVATIONS, activation_hp
 
 RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
@@ -402,7 +403,8 @@ def _train(model, steps, recipe, checkpoint, gen, device, reentrant=False):
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("recipe", RECIPES + [Float8BlockScaling(), Float8RowwiseScaling()],
+                         ids=RECIPE_IDS + ["block", "rowwise"])
 def test_activation_checkpointing_is_bit_identical(device, recipe, reentrant):
     plain, checkpointed = _checkpoint_model(device, recipe), _checkpoint_model(device, recipe)
     got = _train(checkpointed, 3, recipe, True, torch.Generator().manual_seed(8), device,

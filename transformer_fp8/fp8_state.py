@@ -189,6 +189,15 @@ class Fp8Plan:
             self.scales_used = (x_scale, x_scale_inv, w_scale, w_scale_inv)
 
 
+@dataclass(frozen=True)
+class BlockReplay:
+    """What the recomputation of a checkpointed block-scaled forward repeats: its recipe and
+    the quantised weight each GEMM used (None: quantised in the call, as it will be again)."""
+
+    recipe: Recipe
+    weights_q: tuple
+
+
 class Fp8StateMixin:
     """The FP8 state of a module with ``num_gemms`` FP8 GEMMs (see the module docstring). Put it
     before the torch.nn base class. The module provides:
@@ -380,16 +389,34 @@ class Fp8StateMixin:
             self._warn_high_precision(inp.dtype)
             return self._high_precision(inp)
         if is_block_recipe(state.recipe):
-            # Per-block scales come from each tensor as it is cast: the high-precision form
-            # with its GEMMs block-scaled (no fused cast, no FP8 state).
-            gemms = itertools.count()
-
-            def linear(x, weight, bias):
-                weight_q = self._block_weight_for_step(next(gemms), weight, state.recipe,
-                                                       is_first_microbatch)
-                return blockwise_linear(x, weight, bias, state.recipe, weight_q)
-            return self._high_precision(inp, linear)
+            return self._block_run(inp, state.recipe, is_first_microbatch)
         return self._fp8_run(inp, state, is_first_microbatch)
+
+    def _block_run(self, inp: torch.Tensor, recipe, is_first_microbatch,
+                   replay: Optional["BlockReplay"] = None):
+        """The forward under a block-scaled recipe: per-block scales come from each tensor as
+        it is cast, so this is the high-precision form with its GEMMs block-scaled (no fused
+        cast, no FP8 state). ``replay``: activation checkpointing's recomputation of such a
+        forward, which runs outside fp8_autocast: the same recipe and the same cached weights."""
+        gemms = itertools.count()
+        weights_used = []
+
+        def linear(x, weight, bias):
+            gemm = next(gemms)
+            if replay is not None:
+                weight_q = replay.weights_q[gemm]
+            else:
+                weight_q = self._block_weight_for_step(gemm, weight, recipe, is_first_microbatch)
+            weights_used.append(weight_q)
+            return blockwise_linear(x, weight, bias, recipe, weight_q)
+
+        out = self._high_precision(inp, linear)
+        if (replay is None and not torch.compiler.is_compiling()
+                and checkpointing.may_be_checkpointed()
+                and checkpointing.phase() is checkpointing.Phase.ORIGINAL):
+            self._replay_records.keep(_autocast.forward_pass_id(),
+                                      BlockReplay(recipe, tuple(weights_used)))
+        return out
 
     def _warn_high_precision(self, dtype) -> None:
         if not self._warned_high_precision:
@@ -448,7 +475,10 @@ class Fp8StateMixin:
     def _fp8_replay(self, inp, *args):
         """The recomputation of a checkpointed FP8 forward: the same casts with the same
         scales, no amax recorded; its backward casts and records grad_output as usual."""
-        return self._fp8_apply(inp, self._replay_records.take(), *args)
+        record = self._replay_records.take()
+        if isinstance(record, BlockReplay):
+            return self._block_run(inp, record.recipe, None, replay=record)
+        return self._fp8_apply(inp, record, *args)
 
     def _keep_replay_record(self, plans: tuple, fmt: Format) -> None:
         """This forward runs under torch.utils.checkpoint: keep what its recomputation needs to
