@@ -113,3 +113,63 @@ def test_wrong_fp8_state_shape_is_reported():
     state["fp8_fwd_scale"] = torch.ones(5)
     with pytest.raises(RuntimeError, match="fp8_fwd_scale"):
         tfp8.Linear(32, 16).load_state_dict(state)
+
+
+# ---- a corrupt FP8 state is refused, naming the key, and leaves the module as it was ----------
+
+def _trained_layer_state():
+    """The state_dict of a Linear trained one step (scales away from 1), as independent copies."""
+    layer = tfp8.Linear(32, 32)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        layer(torch.randn(16, 32) * 100).sum().backward()
+    return {k: v.clone() for k, v in layer.state_dict().items()}
+
+
+CORRUPTIONS = {
+    "scale_nan": ("fp8_fwd_scale", float("nan")),
+    "scale_inf": ("fp8_fwd_scale", float("inf")),
+    "scale_zero": ("fp8_fwd_scale", 0.0),
+    "scale_negative": ("fp8_bwd_scale", -2.0),
+    "scale_inv_nan": ("fp8_fwd_scale_inv", float("nan")),
+    "scale_inv_zero": ("fp8_bwd_scale_inv", 0.0),
+    "scale_inv_negative": ("fp8_fwd_scale_inv", -0.5),
+    "pair_mismatch": ("fp8_fwd_scale_inv", 0.123),
+    "history_negative": ("fp8_fwd_amax_history", -1.0),
+}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "nonstrict"])
+@pytest.mark.parametrize("corruption", CORRUPTIONS, ids=list(CORRUPTIONS))
+def test_corrupt_fp8_state_is_refused_naming_the_key(corruption, strict):
+    key, value = CORRUPTIONS[corruption]
+    state = _trained_layer_state()
+    state[key].view(-1)[0] = value
+    layer = tfp8.Linear(32, 32)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(RuntimeError, match=key):
+        layer.load_state_dict(state, strict=strict)
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by a refused load"
+
+
+def test_scale_missing_with_strict_false_is_not_paired_with_a_loaded_scale_inv():
+    """strict=False with fp8_fwd_scale absent would pair the module's fresh scale (1) with the
+    checkpoint's scale_inv: the first step would dequantise with the wrong factor."""
+    state = _trained_layer_state()
+    del state["fp8_fwd_scale"]
+    layer = tfp8.Linear(32, 32)
+    with pytest.raises(RuntimeError, match="fp8_fwd_scale .*not in the checkpoint"):
+        layer.load_state_dict(state, strict=False)
+
+
+def test_valid_states_still_load():
+    """A trained state, a fresh one, and scales clamped to FLT_MAX (scale_inv subnormal) load."""
+    state = _trained_layer_state()
+    tfp8.Linear(32, 32).load_state_dict(state)
+    tfp8.Linear(32, 32).load_state_dict(tfp8.Linear(32, 32).state_dict())
+    flt_max = torch.finfo(torch.float32).max
+    state["fp8_fwd_scale"][0] = flt_max
+    state["fp8_fwd_scale_inv"][0] = 1.0 / torch.tensor(flt_max)
+    layer = tfp8.Linear(32, 32)
+    layer.load_state_dict(state)
+    assert layer.fp8_fwd_scale[0] == flt_max

@@ -25,6 +25,7 @@ from . import checkpointing, ops
 from . import fp8_context as _autocast
 from .blockwise_linear import blockwise_linear, is_block_recipe, quantize_weight
 from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
+from .state_validation import fp8_state_error
 
 FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
                    "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv")
@@ -346,6 +347,10 @@ class Fp8StateMixin:
         # plain high-precision one) loads with strict=True and leaves a fresh FP8 state; one
         # with only some FP8 keys is reported as incomplete.
         present = [k for k in FP8_STATE_KEYS if prefix + k in state_dict]
+        error = fp8_state_error(self, state_dict, prefix)
+        if error is not None:
+            error_msgs.append(error)  # load_state_dict raises; nothing of this module is loaded
+            return
         for key in HISTORIES:
             incoming, history = state_dict.get(prefix + key), getattr(self, key)
             if (isinstance(incoming, torch.Tensor) and incoming.dim() == 2

@@ -1,0 +1,62 @@
+"""Checks of an FP8 state before it is loaded: a checkpoint's scales are used as they are by the
+next FP8 step, so a NaN, infinite, zero or negative scale, or a scale that is not the inverse of
+its scale_inv, would give a first step of NaN or wrong numbers without any error."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# scale_inv is 1/scale rounded to float32 (subnormal when scale is near FLT_MAX): their product
+# is 1 to within a few float32 ulps, far tighter than any scale that was paired by mistake.
+_PAIR_TOLERANCE = 1e-5
+
+
+def _values(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """float64 CPU values of a loaded tensor, or None when there are none to check."""
+    if not isinstance(t, torch.Tensor) or t.is_meta or not t.is_floating_point():
+        return None
+    return t.detach().to("cpu", torch.float64)
+
+
+def _first_bad(mask: torch.Tensor, values: torch.Tensor) -> str:
+    index = int(mask.nonzero()[0][0]) if values.dim() else 0
+    return f"element {index} is {values.reshape(-1)[index].item()!r}"
+
+
+def fp8_state_error(module: torch.nn.Module, state_dict: dict, prefix: str) -> Optional[str]:
+    """Why the FP8 state that ``state_dict`` would give ``module`` is invalid, naming the key;
+    None when it is valid. A key absent from state_dict keeps the module's current tensor (as
+    load_state_dict(strict=False) does), so the pair checked is the one the module would hold."""
+    for role in ("fwd", "bwd"):
+        scale_key, inv_key = f"fp8_{role}_scale", f"fp8_{role}_scale_inv"
+        if prefix + scale_key not in state_dict and prefix + inv_key not in state_dict:
+            continue
+        pair = {}
+        for key in (scale_key, inv_key):
+            current = module._buffers[key]
+            incoming = state_dict.get(prefix + key, current)
+            values = _values(incoming)
+            if values is None or values.shape != current.shape:
+                return None  # not a float tensor of the right shape: load_state_dict says so
+            bad = ~(torch.isfinite(values) & (values > 0))
+            if bad.any():
+                return (f"{prefix}{key}: an FP8 scale must be finite and positive, "
+                        f"{_first_bad(bad, values)}; refusing to load a corrupt FP8 state")
+            pair[key] = values
+        mismatch = (pair[scale_key] * pair[inv_key] - 1.0).abs() > _PAIR_TOLERANCE
+        if mismatch.any():
+            missing = [prefix + k for k in (scale_key, inv_key) if prefix + k not in state_dict]
+            note = (f" ({', '.join(missing)} not in the checkpoint: the module's own was kept)"
+                    if missing else "")
+            index = int(mismatch.nonzero()[0][0])
+            return (f"{prefix}{scale_key} and {prefix}{inv_key} do not match: element {index} "
+                    f"is {pair[scale_key][index].item()!r} and {pair[inv_key][index].item()!r}, "
+                    f"whose product is not 1{note}; refusing to load an FP8 state whose scale "
+                    "and scale_inv disagree")
+    for key in ("fp8_fwd_amax_history", "fp8_bwd_amax_history"):
+        values = _values(state_dict.get(prefix + key))
+        if values is not None and (values < 0).any():
+            return (f"{prefix}{key}: amaxes are never negative, {_first_bad(values < 0, values)}; "
+                    "refusing to load a corrupt FP8 state")
+    return None
