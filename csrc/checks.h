@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -150,21 +151,42 @@ inline void check_delayed_scaling_args(at::TensorList histories, at::TensorList 
                 "transformer_fp8: argument 'fp8_maxes[", i, "]' must be finite and positive, "
                 "got ", fp8_maxes[i]);
   }
-  // Every tensor is updated in place exactly once: the same storage twice would be rolled
-  // twice (and, on CUDA, by two blocks at once). Sorted addresses: equal ones are neighbours.
-  std::vector<std::pair<const void*, size_t>> addresses;
-  addresses.reserve(3 * count);
+  // Every tensor is updated in place exactly once: memory shared by two of them (the same
+  // tensor twice, a scale that is a row of a history, overlapping views) would be rewritten by
+  // both updates (on CUDA, by two blocks at once). The tensors are contiguous, so each covers
+  // one byte range; sorted by start, any overlap is between neighbours' ranges.
+  struct Range {
+    uintptr_t begin, end;
+    const char* list;
+    size_t index;
+  };
+  std::vector<Range> ranges;
+  ranges.reserve(3 * count);
+  const char* names[3] = {"amax_histories", "scales", "scale_invs"};
+  int list_index = 0;
   for (at::TensorList list : {histories, scales, scale_invs}) {
     for (size_t i = 0; i < count; ++i) {
-      if (list[i].numel() != 0) addresses.emplace_back(list[i].data_ptr(), i);
+      if (list[i].numel() == 0) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(list[i].data_ptr());
+      ranges.push_back({begin, begin + list[i].numel() * list[i].element_size(),
+                        names[list_index], i});
     }
+    ++list_index;
   }
-  std::sort(addresses.begin(), addresses.end());
-  for (size_t k = 1; k < addresses.size(); ++k) {
-    TORCH_CHECK(addresses[k].first != addresses[k - 1].first, "transformer_fp8: "
-                "update_delayed_scaling got the same tensor memory twice (at index ",
-                std::min(addresses[k].second, addresses[k - 1].second), "); each history, "
-                "scale and scale_inv must be a distinct tensor");
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& x, const Range& y) { return x.begin < y.begin; });
+  uintptr_t furthest_end = 0;
+  const Range* furthest = nullptr;
+  for (const Range& r : ranges) {
+    TORCH_CHECK(furthest == nullptr || r.begin >= furthest_end, "transformer_fp8: "
+                "update_delayed_scaling: '", r.list, "[", r.index, "]' shares memory with '",
+                furthest == nullptr ? "" : furthest->list, "[",
+                furthest == nullptr ? 0 : furthest->index, "]'; each history, scale and "
+                "scale_inv must be a tensor of its own, overlapping no other");
+    if (r.end > furthest_end) {
+      furthest_end = r.end;
+      furthest = &r;
+    }
   }
 }
 

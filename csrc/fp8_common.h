@@ -48,11 +48,14 @@ TFP8_HOST_DEVICE bool amax_is_usable(float amax) {
 }
 
 // scale = fp8_max / amax / 2**margin. Computed in fp64 and rounded to fp32 once, so that a
-// tiny amax does not overflow halfway; an fp32 overflow is clamped to FLT_MAX so the scale stays
-// finite and scale_inv = 1/scale stays non-zero.
+// tiny amax does not overflow halfway. Clamped to [FLT_MIN, FLT_MAX] (FLT_MIN: the smallest
+// normal float32): an overflow keeps the scale finite and scale_inv = 1/scale non-zero; an
+// underflow (a huge amax with a large margin) keeps the scale non-zero and scale_inv finite.
 TFP8_HOST_DEVICE float scale_from_amax(float amax, double fp8_max, int margin) {
   const double s = ldexp(fp8_max / static_cast<double>(amax), -margin);
-  return s > static_cast<double>(FLT_MAX) ? FLT_MAX : static_cast<float>(s);
+  if (s > static_cast<double>(FLT_MAX)) return FLT_MAX;
+  if (s < static_cast<double>(FLT_MIN)) return FLT_MIN;
+  return static_cast<float>(s);
 }
 
 // How update_delayed_scaling derives the amax from the window (csrc/cpu/scaling.cpp's

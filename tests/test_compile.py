@@ -57,9 +57,12 @@ def test_fullgraph_compile_is_bit_identical_to_eager(device, recipe):
         assert compiled[0].fp8_fwd_amax_history[-3:].all(), "amaxes recorded in the graph"
 
 
-def test_compile_refuses_a_layer_not_built_for_its_recipe():
-    """Resizing the amax history is not traceable: the error says how to build the layer."""
-    model = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 16)))  # length 1024
+def test_compile_refuses_a_layer_built_for_another_recipe():
+    """Resizing the amax history is not traceable: a layer built for one history length and
+    run compiled under another gets an error that says how to build it. (A layer built without
+    a recipe adopts the one of fp8_autocast at its entry: test_no_silent_errors.py.)"""
+    model = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 16)),
+                                recipe=DelayedScaling(amax_history_len=1024))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch._dynamo.reset()
     with pytest.raises(Exception, match="build the module for its recipe"):

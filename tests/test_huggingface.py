@@ -95,3 +95,42 @@ def test_llama_compiles_fullgraph_without_recompiling():
     assert len(graphs) == 1, f"{len(graphs)} graphs"
     for got, expected in zip(losses["compiled"], losses["eager"]):
         assert_bitwise_equal(got, expected, "loss")
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False], ids=["safetensors", "bin"])
+def test_save_pretrained_round_trip_keeps_the_fp8_state(tmp_path, safe_serialization):
+    """save_pretrained writes the FP8 state; from_pretrained drops it (its fresh model has no
+    FP8 layers); load_fp8_state after converting puts it back, so training resumes exactly
+    where it stopped rather than from fresh scales."""
+    model = tiny_gpt2("cpu")
+    tfp8.convert_to_fp8(model, recipe=tfp8.DelayedScaling(amax_history_len=4))
+    train(model, "cpu", steps=2)
+    model.save_pretrained(tmp_path, safe_serialization=safe_serialization)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    tfp8.convert_to_fp8(reloaded, recipe=tfp8.DelayedScaling(amax_history_len=4))
+    fresh = reloaded.transformer.h[0].mlp.c_fc.fp8_fwd_scale
+    assert torch.equal(fresh, torch.ones_like(fresh)), "from_pretrained alone drops the state"
+    loaded = tfp8.load_fp8_state(reloaded, tmp_path)
+    assert len(loaded) == 2 * 4 + 1
+    for key, value in reloaded.state_dict().items():
+        assert_bitwise_equal(value, saved[key], key)
+    # the next steps are those of the original model
+    assert_same_training(train(reloaded, "cpu"), train(model, "cpu"))
+
+
+def test_load_fp8_state_refuses_a_model_that_does_not_match(tmp_path):
+    model = tiny_gpt2("cpu")
+    tfp8.convert_to_fp8(model)
+    model.save_pretrained(tmp_path)
+    plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="has no FP8 layers; convert it first"):
+        tfp8.load_fp8_state(plain, tmp_path)
+    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=1,
+                                     n_head=2)
+    smaller = tfp8.convert_to_fp8(transformers.GPT2LMHeadModel(config))
+    with pytest.raises(KeyError, match="layers the model does not have"):
+        tfp8.load_fp8_state(smaller, tmp_path)
+    before = smaller.transformer.h[0].mlp.c_fc.fp8_fwd_scale.clone()
+    assert torch.equal(smaller.transformer.h[0].mlp.c_fc.fp8_fwd_scale, before), "untouched"

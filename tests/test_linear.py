@@ -415,6 +415,7 @@ def test_dtype_mismatch_is_refused_as_nn_linear_does(gen):
     x = randn(gen, 8, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError):
         ref(x)
+    layer.prepare_fp8_recipe(RECIPE)  # (fp8_autocast's entry sizes the history for RECIPE)
     history = layer.fp8_fwd_amax_history.clone()
     with pytest.raises(RuntimeError, match="input dtype torch.bfloat16 differs from the weight"):
         with fp8_autocast(fp8_recipe=RECIPE):

@@ -87,7 +87,7 @@ def test_bad_arguments_are_refused_with_their_names():
         tfp8.LayerNormMLP(16, 16, activation="tanh")
     with pytest.raises(ValueError, match="normalization must be one of"):
         tfp8.LayerNormLinear(16, 16, normalization="BatchNorm")
-    with pytest.raises(ValueError, match="eps must be a number >= 0"):
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
         tfp8.LayerNormLinear(16, 16, eps=-1.0)
     with pytest.raises(ValueError, match="ffn_hidden_size must be a positive integer"):
         tfp8.LayerNormMLP(16, 0)

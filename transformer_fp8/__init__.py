@@ -13,6 +13,7 @@ from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear, strip_fp8_state
 from .normalization import LayerNorm, RMSNorm
+from .pretrained import load_fp8_state
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                      Float8RowwiseScaling, Format)
 from .transformer_layer import MultiheadAttention, TransformerLayer
@@ -54,5 +55,5 @@ __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
            "build_info", "checkpoint", "convert_to_fp8", "fp8_autocast", "fp8_model_init",
-           "fused_ops", "is_fp8_available", "make_graphed_callables", "ops",
+           "fused_ops", "is_fp8_available", "load_fp8_state", "make_graphed_callables", "ops",
            "quantized_model_init", "recipe", "strip_fp8_state"]

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from . import _C  # noqa: F401  (loads the library and registers the operators)
+from .fake_checks import check_wrapper_arguments, register_fake
 
 _ops = torch.ops.transformer_fp8
 
@@ -46,6 +47,9 @@ def quantize_blockwise(x: torch.Tensor, block_rows: int = 1, block_cols: int = B
     Without with_transpose the last two are empty tensors. See the module docstring for the
     numerics.
     """
+    check_wrapper_arguments("quantize_blockwise", tensors={"x": x},
+                            dtypes={"fp8_dtype": fp8_dtype},
+                            ints={"block_rows": block_rows, "block_cols": block_cols})
     return _ops.quantize_blockwise(x, block_rows, block_cols, fp8_dtype, power_2_scale,
                                    with_transpose)
 
@@ -91,7 +95,7 @@ def _scale_fake(x, mode, rows, cols):
     return torch.empty_strided(shape, strides, dtype=torch.float32, device=x.device)
 
 
-@torch.library.register_fake("transformer_fp8::quantize_blockwise")
+@register_fake("transformer_fp8::quantize_blockwise")
 def _quantize_blockwise_fake(x, block_rows, block_cols, fp8_dtype, power_2_scale, with_transpose):
     torch._check(x.dim() == 2, lambda: f"quantize_blockwise needs a 2-D x, got {x.dim()}-D")
     rows, cols = x.shape
@@ -105,7 +109,7 @@ def _quantize_blockwise_fake(x, block_rows, block_cols, fp8_dtype, power_2_scale
             _scale_fake(x, mode, cols, rows))
 
 
-@torch.library.register_fake("transformer_fp8::fp8_gemm_blockwise")
+@register_fake("transformer_fp8::fp8_gemm_blockwise")
 def _fp8_gemm_blockwise_fake(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None):
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: "fp8_gemm_blockwise needs 2-D a and b")
     torch._check(a.shape[1] == b.shape[1],

@@ -61,6 +61,27 @@ def register_module(index: int, module: torch.nn.Module) -> None:
     _MODULES[index] = module
 
 
+# FP8 modules with no recipe yet (built without one, reset, or reloaded): an fp8_autocast with a
+# DelayedScaling recipe adopts it for them at its entry, before any of them runs, so that a
+# compiled region never has to resize a history. Empty in steady state: a check per entry.
+_AWAITING_RECIPE: "weakref.WeakValueDictionary[int, torch.nn.Module]" = \
+    weakref.WeakValueDictionary()
+
+
+def await_recipe(index: int, module: torch.nn.Module) -> None:
+    _AWAITING_RECIPE[index] = module
+
+
+def recipe_adopted(index: int) -> None:
+    _AWAITING_RECIPE.pop(index, None)
+
+
+def _adopt_for_waiting_modules(recipe: DelayedScaling) -> None:
+    for module in list(_AWAITING_RECIPE.values()):
+        if not module.fp8_fwd_scale.is_meta:  # (a meta module adopts when materialised)
+            module.prepare_fp8_recipe(recipe)
+
+
 class AmaxStep:
     """The scaling states (history, scale, scale_inv) recorded under one (recipe, group), reduced
     and updated together; role is "fwd" or "bwd". Keys (creation indices) order the states
@@ -143,15 +164,24 @@ class BackwardStep:
     def on_backward(self) -> None:
         if not self._queued:
             self._queued = True
+            with _PENDING_LOCK:
+                _QUEUED_BACKWARD_STEPS[id(self)] = self
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _finish(self) -> None:
         self._queued = False
+        with _PENDING_LOCK:
+            _QUEUED_BACKWARD_STEPS.pop(id(self), None)
         if checkpointing.in_reentrant_backward():
             with _PENDING_LOCK:
                 _PENDING_BACKWARD_STEPS[id(self)] = self
             return
         self.update()
+
+    def discard(self) -> None:
+        """Its backward pass failed, so its queued update never ran: forget its amaxes."""
+        self._queued = False
+        self.step.discard()
 
     def update(self) -> None:
         with _PENDING_LOCK:
@@ -163,6 +193,23 @@ class BackwardStep:
 # may be recorded on autograd's worker threads, hence a lock rather than thread-local state).
 _PENDING_LOCK = threading.Lock()
 _PENDING_BACKWARD_STEPS: dict[int, BackwardStep] = {}
+
+
+# Backward steps whose end-of-pass update is queued. The autograd engine drops the queue when a
+# backward pass raises: a step still here when the next outermost fp8_autocast is entered (or a
+# state_dict taken) belongs to a pass that failed, and its grad_output amaxes are discarded, as
+# an exception leaving fp8_autocast discards the forward's (so a failed step changes no scale).
+_QUEUED_BACKWARD_STEPS: dict[int, BackwardStep] = {}
+
+
+def discard_failed_backward_passes() -> None:
+    if torch._C._current_graph_task_id() != -1:
+        return  # called from inside a backward pass (a recomputed region): none has failed
+    with _PENDING_LOCK:
+        failed = list(_QUEUED_BACKWARD_STEPS.values())
+        _QUEUED_BACKWARD_STEPS.clear()
+    for step in failed:
+        step.discard()
 
 
 # The backward updates of compiled forwards, whose compiled backward cannot queue them: they
@@ -284,6 +331,9 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
                                       and isinstance(fp8_group, torch.distributed.ProcessGroup)):
         raise TypeError("fp8_group must be None or a torch.distributed.ProcessGroup, got "
                         f"{type(fp8_group).__name__}")
+    if _AWAITING_RECIPE and enabled and isinstance(fp8_recipe, DelayedScaling) and \
+            not torch.compiler.is_compiling():
+        _adopt_for_waiting_modules(fp8_recipe)
     outermost = not _LOCAL.stack
     if outermost:
         _LOCAL.pass_id = next(_pass_ids)
@@ -291,6 +341,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
         # belong to the surrounding step and run at its next outermost context.)
         if has_pending_backward_updates() and not _LOCAL.isolated:
             flush_pending_backward_updates()
+        if _QUEUED_BACKWARD_STEPS and not _LOCAL.isolated:
+            discard_failed_backward_passes()
     _LOCAL.stack.append(_state_for(enabled, fp8_recipe, fp8_group))
     failed = False
     try:

@@ -226,6 +226,7 @@ class Fp8StateMixin:
         self._fp8_index = next(_creation_index)
         _autocast.register_module(self._fp8_index, self)
         self._recipe_code: Optional[list[int]] = None
+        _autocast.await_recipe(self._fp8_index, self)
         self._fp8_maxes = (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd)
         self._weight_cache = [None] * num_gemms
         self._delayed_cast_cache = None  # see _delayed_casts
@@ -251,6 +252,7 @@ class Fp8StateMixin:
                     getattr(self, name).fill_(1.0)
             self.fp8_recipe_fields.fill_(-1)
         self._recipe_code = None
+        _autocast.await_recipe(self._fp8_index, self)
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
         self._replay_records.clear()
@@ -260,6 +262,8 @@ class Fp8StateMixin:
         super().__setstate__(state)
         self._fp8_index = next(_creation_index)
         _autocast.register_module(self._fp8_index, self)
+        if self._recipe_code is None:
+            _autocast.await_recipe(self._fp8_index, self)
         self._delayed_cast_cache = None
         self._replay_records = checkpointing.ReplayRecords()
 
@@ -316,6 +320,7 @@ class Fp8StateMixin:
         self.fp8_recipe_fields.copy_(torch.tensor(code, dtype=torch.int64))
         self._fp8_maxes = (recipe.fp8_format.max_fwd, recipe.fp8_format.max_bwd)
         self._recipe_code = code
+        _autocast.recipe_adopted(self._fp8_index)
 
     def _fwd_state(self):
         return (self.fp8_fwd_amax_history, self.fp8_fwd_scale, self.fp8_fwd_scale_inv,
@@ -339,6 +344,7 @@ class Fp8StateMixin:
         # runs first, so that a checkpoint holds the state a run without it would hold.
         if _autocast.has_pending_backward_updates():
             _autocast.flush_pending_backward_updates()
+        _autocast.discard_failed_backward_passes()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -365,6 +371,7 @@ class Fp8StateMixin:
                 if prefix + key in missing_keys:
                     missing_keys.remove(prefix + key)
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
+        _autocast.await_recipe(self._fp8_index, self)
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
 
@@ -389,8 +396,10 @@ class Fp8StateMixin:
             raise RuntimeError(f"{name}: input dtype {inp.dtype} differs from the weight's "
                                f"{weight_dtype}, which torch.nn.Linear refuses too; cast the "
                                "input or the module, or run under torch.autocast")
-        if any(d % ALIGN for dims in self._gemm_dims() for d in dims) or \
-                inp.dtype not in FP8_INPUT_DTYPES:
+        gemm_dims = [d for dims in self._gemm_dims() for d in dims]
+        if 0 in gemm_dims:
+            return self._high_precision(inp)  # no features: nothing to multiply in FP8
+        if any(d % ALIGN for d in gemm_dims) or inp.dtype not in FP8_INPUT_DTYPES:
             self._warn_high_precision(inp.dtype)
             return self._high_precision(inp)
         if is_block_recipe(state.recipe):

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from . import _C  # noqa: F401  (loads the library and registers the operators)
+from .fake_checks import register_fake
 
 _ops = torch.ops.transformer_fp8
 
@@ -157,13 +158,13 @@ def _stats(x: Tensor):
     return x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
-@torch.library.register_fake("transformer_fp8::layernorm_fwd")
+@register_fake("transformer_fp8::layernorm_fwd")
 def _layernorm_fwd_fake(x, weight, bias, eps, zero_centered_gamma):
     _check_2d(x, "layernorm_fwd")
     return x.new_empty(x.shape), _stats(x), _stats(x)
 
 
-@torch.library.register_fake("transformer_fp8::layernorm_fwd_fp8")
+@register_fake("transformer_fp8::layernorm_fwd_fp8")
 def _layernorm_fwd_fp8_fake(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax,
                             with_transpose, return_hp, row_multiple):
     _check_2d(x, "layernorm_fwd_fp8")
@@ -173,19 +174,19 @@ def _layernorm_fwd_fp8_fake(x, weight, bias, eps, zero_centered_gamma, scale, fp
     return y_fp8, y_t_fp8, y_hp, _stats(x), _stats(x)
 
 
-@torch.library.register_fake("transformer_fp8::layernorm_bwd")
+@register_fake("transformer_fp8::layernorm_bwd")
 def _layernorm_bwd_fake(dy, x, mean, rstd, weight, zero_centered_gamma):
     _check_2d(x, "layernorm_bwd")
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
 
-@torch.library.register_fake("transformer_fp8::rmsnorm_fwd")
+@register_fake("transformer_fp8::rmsnorm_fwd")
 def _rmsnorm_fwd_fake(x, weight, eps, zero_centered_gamma):
     _check_2d(x, "rmsnorm_fwd")
     return x.new_empty(x.shape), _stats(x)
 
 
-@torch.library.register_fake("transformer_fp8::rmsnorm_fwd_fp8")
+@register_fake("transformer_fp8::rmsnorm_fwd_fp8")
 def _rmsnorm_fwd_fp8_fake(x, weight, eps, zero_centered_gamma, scale, fp8_dtype, amax,
                           with_transpose, return_hp, row_multiple):
     _check_2d(x, "rmsnorm_fwd_fp8")
@@ -195,31 +196,31 @@ def _rmsnorm_fwd_fp8_fake(x, weight, eps, zero_centered_gamma, scale, fp8_dtype,
     return y_fp8, y_t_fp8, y_hp, _stats(x)
 
 
-@torch.library.register_fake("transformer_fp8::rmsnorm_bwd")
+@register_fake("transformer_fp8::rmsnorm_bwd")
 def _rmsnorm_bwd_fake(dy, x, rstd, weight, zero_centered_gamma):
     _check_2d(x, "rmsnorm_bwd")
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
-@torch.library.register_fake("transformer_fp8::activation_fwd")
+@register_fake("transformer_fp8::activation_fwd")
 def _activation_fwd_fake(x, activation):
     return x.new_empty((x.shape[0], _activation_out_cols(x, activation, "activation_fwd")))
 
 
-@torch.library.register_fake("transformer_fp8::activation_fwd_fp8")
+@register_fake("transformer_fp8::activation_fwd_fp8")
 def _activation_fwd_fp8_fake(x, activation, scale, fp8_dtype, amax, with_transpose,
                              row_multiple):
     cols = _activation_out_cols(x, activation, "activation_fwd_fp8")
     return _fp8_outputs(x, x.shape[0], cols, fp8_dtype, with_transpose, row_multiple)
 
 
-@torch.library.register_fake("transformer_fp8::activation_bwd")
+@register_fake("transformer_fp8::activation_bwd")
 def _activation_bwd_fake(dy, x, activation):
     _activation_out_cols(x, activation, "activation_bwd")
     return x.new_empty(x.shape)
 
 
-@torch.library.register_fake("transformer_fp8::activation_bwd_fp8")
+@register_fake("transformer_fp8::activation_bwd_fp8")
 def _activation_bwd_fp8_fake(dy, x, activation, scale, fp8_dtype, amax, with_transpose,
                              with_dbias, row_multiple):
     _activation_out_cols(x, activation, "activation_bwd_fp8")
@@ -229,7 +230,7 @@ def _activation_bwd_fp8_fake(dy, x, activation, scale, fp8_dtype, amax, with_tra
     return dx_fp8, dx_t_fp8, dbias
 
 
-@torch.library.register_fake("transformer_fp8::cast_transpose_dbias")
+@register_fake("transformer_fp8::cast_transpose_dbias")
 def _cast_transpose_dbias_fake(x, scale, fp8_dtype, amax, row_multiple):
     _check_2d(x, "cast_transpose_dbias")
     x_fp8, x_t_fp8 = _fp8_outputs(x, x.shape[0], x.shape[1], fp8_dtype, True, row_multiple)

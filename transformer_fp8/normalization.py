@@ -11,6 +11,8 @@ output (fused_ops), its high-precision form, and its backward.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,14 +29,19 @@ def check_normalization(normalization) -> str:
 
 
 def check_eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    if (isinstance(eps, bool) or not isinstance(eps, (int, float))
+            or not (math.isfinite(eps) and eps >= 0)):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     return float(eps)
 
 
 def norm_hp(x: torch.Tensor, normalization: str, weight: torch.Tensor,
             bias: Optional[torch.Tensor], eps: float, zero_centered_gamma: bool) -> torch.Tensor:
     """The norm in torch ops: float32 math, the result in x's dtype."""
+    if not x.is_floating_point():
+        # (torch.nn.LayerNorm refuses these too; the float32 math would return truncated ints)
+        raise TypeError(f"{normalization}: the input must be a floating-point tensor, got "
+                        f"{x.dtype}")
     gamma = weight.float() + 1 if zero_centered_gamma else weight.float()
     shape = (x.shape[-1],)
     if normalization == "LayerNorm":

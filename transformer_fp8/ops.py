@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import _C  # noqa: F401  (loads the library and registers the operators)
+from .fake_checks import check_wrapper_arguments, register_fake
 from .recipe import AmaxComputeAlgo
 
 _ops = torch.ops.transformer_fp8
@@ -28,6 +29,7 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 0-dim tensor; NaN propagates; 0 for an empty x."""
+    check_wrapper_arguments("amax", tensors={"x": x})
     return _ops.amax(x)
 
 
@@ -39,6 +41,8 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
     finite overflow and +-inf become +-448 (E4M3) or +-57344 (E5M2); NaN stays NaN.
     If ``amax`` (1-element float32) is given it becomes max(amax, max |x|), in the same pass.
     """
+    check_wrapper_arguments("cast_to_fp8", tensors={"x": x, "scale": scale},
+                            dtypes={"fp8_dtype": fp8_dtype})
     if amax is None and torch.compiler.is_compiling():
         # Inductor cannot lower this operator (one output, an optional mutated argument) when
         # the argument is None ("getitem is not an OpOverload"): give it a scratch slot.
@@ -49,17 +53,21 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
 def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
                           amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The cast of a 2-D x and its contiguous transpose, from one read of x (amax fused)."""
+    check_wrapper_arguments("cast_transpose_to_fp8", tensors={"x": x, "scale": scale},
+                            dtypes={"fp8_dtype": fp8_dtype})
     return _ops.cast_transpose_to_fp8(x, scale, fp8_dtype, amax)
 
 
 def cast_from_fp8(x_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Dequantise: ``(x_fp8.float() * scale_inv).to(dtype)``."""
+    check_wrapper_arguments("cast_from_fp8", tensors={"x_fp8": x_fp8, "scale_inv": scale_inv},
+                            dtypes={"dtype": dtype})
     return _ops.cast_from_fp8(x_fp8, scale_inv, dtype)
 
 
 def compute_scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
     """Current scaling: ``fp8_max / amax / 2**margin`` elementwise (fp64 then rounded to fp32,
-    clamped to FLT_MAX); 1.0 where amax is 0, negative or not finite."""
+    clamped to [FLT_MIN, FLT_MAX]); 1.0 where amax is 0, negative or not finite."""
     return _ops.compute_scale_from_amax(amax, float(fp8_max), _check_margin(margin))
 
 
@@ -73,6 +81,9 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
     periodic promotion of partial sums: faster, slightly less accurate). bias has out_dtype.
     On CUDA, M, N and K must be multiples of 16.
     """
+    check_wrapper_arguments("fp8_gemm", tensors={"a": a, "a_scale_inv": a_scale_inv, "b": b,
+                                                 "b_scale_inv": b_scale_inv},
+                            dtypes={"out_dtype": out_dtype})
     return _ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum)
 
 
@@ -89,7 +100,8 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
       * otherwise the history rolls (rows 1..L-1 hold the last L-1 amaxes, oldest first, cur in
         row L-1; row 0 is reset to 0), amax = max of the finite values of the window
         {old rows 1..L-1, cur} ("max") or cur ("most_recent"), and if that amax is finite and
-        positive, scale = fp8_max / amax / 2**margin (clamped to FLT_MAX); scale_inv = 1/scale.
+        positive, scale = fp8_max / amax / 2**margin (clamped to [FLT_MIN, FLT_MAX], the
+        smallest normal and the largest float32); scale_inv = 1/scale.
 
     Callables (as in Transformer Engine's recipe) run in Python with the same roll:
     ``amax_compute_algo(window)`` gets the window [L, n] (oldest first, cur last) and returns
@@ -129,13 +141,30 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
 def record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
     """history[0, column] = max(history[0, column], amax), NaN propagating: how a traced (torch.
     compile) cast records its amax (eager casts fold it into the slot in their own kernel)."""
+    _check_record_amax(history, amax, column)
     slot = history[0, column:column + 1]
     slot.copy_(torch.maximum(slot, amax.reshape(1)))
 
 
 @record_amax.register_fake
 def _record_amax_fake(history, amax, column):
+    _check_record_amax(history, amax, column)
     return None
+
+
+def _check_record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
+    if history.dim() != 2 or history.dtype != torch.float32 or history.shape[0] < 1:
+        raise ValueError("record_amax: 'history' must be a float32 tensor of shape [L >= 1, n], "
+                         f"got {history.dtype} of shape {tuple(history.shape)}")
+    if not 0 <= column < history.shape[1]:
+        raise ValueError(f"record_amax: 'column' must be in [0, {history.shape[1]}) (the "
+                         f"history's columns), got {column}")
+    if amax.dtype != torch.float32 or amax.numel() != 1:
+        raise ValueError("record_amax: 'amax' must be a 1-element float32 tensor, got "
+                         f"{amax.dtype} of shape {tuple(amax.shape)}")
+    if amax.device != history.device:
+        raise ValueError(f"record_amax: 'amax' must be on the history's device "
+                         f"({history.device}), got {amax.device}")
 
 
 @torch.library.custom_op("transformer_fp8::snapshot", mutates_args=())
@@ -163,40 +192,40 @@ def _check_margin(margin) -> int:
 
 # Fake kernels: shapes and dtypes only, for torch.compile and meta tensors.
 
-@torch.library.register_fake("transformer_fp8::amax")
+@register_fake("transformer_fp8::amax")
 def _amax_fake(x):
     return x.new_empty((), dtype=torch.float32)
 
 
-@torch.library.register_fake("transformer_fp8::cast_to_fp8")
+@register_fake("transformer_fp8::cast_to_fp8")
 def _cast_to_fp8_fake(x, scale, fp8_dtype, amax=None):
     return x.new_empty(x.shape, dtype=fp8_dtype)
 
 
-@torch.library.register_fake("transformer_fp8::cast_transpose_to_fp8")
+@register_fake("transformer_fp8::cast_transpose_to_fp8")
 def _cast_transpose_to_fp8_fake(x, scale, fp8_dtype, amax=None):
     torch._check(x.dim() == 2, lambda: f"cast_transpose_to_fp8 needs a 2-D x, got {x.dim()}-D")
     rows, cols = x.shape
     return x.new_empty((rows, cols), dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
 
 
-@torch.library.register_fake("transformer_fp8::cast_from_fp8")
+@register_fake("transformer_fp8::cast_from_fp8")
 def _cast_from_fp8_fake(x_fp8, scale_inv, dtype):
     return x_fp8.new_empty(x_fp8.shape, dtype=dtype)
 
 
-@torch.library.register_fake("transformer_fp8::update_delayed_scaling")
+@register_fake("transformer_fp8::update_delayed_scaling")
 def _update_delayed_scaling_fake(amax_histories, scales, scale_invs, fp8_maxes, margin,
                                  amax_compute_algo):
     return None
 
 
-@torch.library.register_fake("transformer_fp8::compute_scale_from_amax")
+@register_fake("transformer_fp8::compute_scale_from_amax")
 def _compute_scale_from_amax_fake(amax, fp8_max, margin):
     return torch.empty_like(amax, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("transformer_fp8::fp8_gemm")
+@register_fake("transformer_fp8::fp8_gemm")
 def _fp8_gemm_fake(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None, use_fast_accum=False):
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: "fp8_gemm needs 2-D a and b")
     torch._check(a.shape[1] == b.shape[1], lambda: "fp8_gemm: a [M, K] and b [N, K] must share K")

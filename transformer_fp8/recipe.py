@@ -37,6 +37,10 @@ class Format(enum.Enum):
         return torch.finfo(self.bwd_dtype).max
 
 
+# The largest margin: scale_inv = amax * 2**margin / fp8_max, and a GEMM multiplies two of them;
+# with margin <= 32 that product stays finite for amaxes up to ~1e8 (2**64 * 1e8**2 / 448**2).
+MAX_MARGIN = 32
+
 AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 
 
@@ -50,7 +54,10 @@ def _check_format(value) -> None:
 class DelayedScaling:
     """Delayed scaling: each tensor's scale comes from the amaxes of the last steps.
 
-    margin: scale = fp8_max / amax / 2**margin (an integer in [0, 1000]).
+    margin: scale = fp8_max / amax / 2**margin, an integer in [0, MAX_MARGIN = 32]: 2**margin
+        of headroom above the amaxes seen. Beyond that, ordinary tensors get scales near float32's
+        limits: they underflow (margin >= 140 gave zero scales and NaN outputs), and the product
+        of a GEMM's two scale_invs, which the GEMM applies, overflows to inf.
     amax_history_len: steps of amax kept per tensor (>= 1).
     amax_compute_algo: "max" (largest finite amax of the window), "most_recent", or a callable
         taking the window [L, n] (oldest first, this step's amax last) and returning amax [n].
@@ -67,8 +74,9 @@ class DelayedScaling:
 
     def __post_init__(self):
         if (isinstance(self.margin, bool) or not isinstance(self.margin, int)
-                or not 0 <= self.margin <= 1000):
-            raise ValueError(f"margin must be an integer in [0, 1000], got {self.margin!r}")
+                or not 0 <= self.margin <= MAX_MARGIN):
+            raise ValueError(f"margin must be an integer in [0, {MAX_MARGIN}] (a larger margin "
+                             "makes scales that underflow float32), got {self.margin!r}")
         _check_format(self.fp8_format)
         if (isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int)
                 or self.amax_history_len < 1):

@@ -13,6 +13,7 @@ import torch
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FLT_MAX = torch.finfo(torch.float32).max
+FLT_MIN = torch.finfo(torch.float32).tiny  # the smallest normal float32
 
 
 def amax_reference(x: torch.Tensor) -> torch.Tensor:
@@ -39,10 +40,11 @@ def cast_from_fp8_reference(x_fp8: torch.Tensor, scale_inv: torch.Tensor,
 
 
 def scale_from_amax_reference(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
-    """fp8_max / amax / 2**margin in fp64, rounded once to fp32, overflow clamped to FLT_MAX.
-    Only meaningful where amax is finite and positive."""
-    scale = (fp8_max / amax.double() / 2.0 ** margin).float()
-    return torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+    """fp8_max / amax / 2**margin in fp64, clamped to [FLT_MIN, FLT_MAX] (the smallest normal
+    and the largest float32), rounded once to fp32. Only meaningful where amax is finite and
+    positive."""
+    scale = fp8_max / amax.double() / 2.0 ** margin
+    return scale.clamp(FLT_MIN, FLT_MAX).float()
 
 
 def compute_scale_from_amax_reference(amax: torch.Tensor, fp8_max: float,
@@ -147,6 +149,32 @@ def check_delayed_scaling_lists(histories: Sequence[torch.Tensor], scales: Seque
         if not h.device == s.device == si.device == device:
             raise ValueError(f"every tensor must be on {device}; at index {i} got "
                              f"{h.device}, {s.device}, {si.device}")
+    _check_no_overlap({"amax_histories": histories, "scales": scales, "scale_invs": scale_invs})
+
+
+def _check_no_overlap(lists: dict) -> None:
+    """No two tensors of the update share memory (each is rewritten in place once)."""
+    ranges = []
+    for name, tensors in lists.items():
+        for i, t in enumerate(tensors):
+            if t.numel():
+                begin = t.data_ptr()
+                end = begin + _span(t) * t.element_size()
+                ranges.append((begin, end, f"{name}[{i}]"))
+    ranges.sort()
+    furthest_end, furthest = 0, None
+    for begin, end, label in ranges:
+        if furthest is not None and begin < furthest_end:
+            raise ValueError(f"update_delayed_scaling: '{label}' shares memory with "
+                             f"'{furthest}'; each history, scale and scale_inv must be a tensor "
+                             "of its own, overlapping no other")
+        if end > furthest_end:
+            furthest_end, furthest = end, label
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from t's first to its last element in memory (strides >= 0)."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
 # ----------------------------------------------------------------------------- fused operators

@@ -1,5 +1,5 @@
-// CPU fp8_gemm: the reference of the cuBLASLt kernel. Dequantise both operands to float32,
-// multiply, add the bias, round once to the output dtype.
+// CPU fp8_gemm: the reference of the cuBLASLt kernel. Multiply the FP8 values in float32, scale
+// by the product of the scale_invs, add the bias, round once to the output dtype.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -13,9 +13,11 @@ at::Tensor fp8_gemm_cpu(const at::Tensor& a, const at::Tensor& a_scale_inv, cons
                         const c10::optional<at::Tensor>& bias, bool use_fast_accum) {
   (void)use_fast_accum;  // CPU always accumulates in float32
   check_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias);
-  const at::Tensor a_hp = a.to(at::kFloat) * a_scale_inv.reshape({});
-  const at::Tensor b_hp = b.to(at::kFloat) * b_scale_inv.reshape({});
-  at::Tensor out = at::matmul(a_hp, b_hp.t());
+  // The product of the FP8 values first, then the product of the two scales, as cuBLASLt
+  // applies them: dequantising each operand first would overflow (or underflow) where the
+  // product is finite (a_scale_inv = 1e36 with b_scale_inv = 1e-36).
+  const at::Tensor scale = a_scale_inv.reshape({}) * b_scale_inv.reshape({});
+  at::Tensor out = at::matmul(a.to(at::kFloat), b.to(at::kFloat).t()).mul_(scale);
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out.to(out_dtype);
 }

@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cublasLt.h>
+#include <functional>
 #include <torch/library.h>
 
 #include <map>
@@ -87,9 +88,32 @@ std::string describe_problem(const at::Tensor& a, const at::Tensor& b, Blockwise
                   ", ", b.size(1), "] ", b.scalar_type(), " (", block_mode_name(m.b), " scales)");
 }
 
+// The buffers whose pointers cuBLASLt reads from the descriptor. They are set before the
+// algorithm query: for the block scale modes (VEC128, BLK128x128, OUTER_VEC) cuBLASLt checks the
+// scale pointers at the query and finds no algorithm without them. A cached plan gets the
+// pointers of each call set again before it runs.
+struct PlanPointers {
+  const void* a_scale;  // our a's scales (cuBLASLt's B)
+  const void* b_scale;  // our b's scales (cuBLASLt's A)
+  const void* bias;     // nullptr without a bias epilogue
+};
+
+void set_pointers(cublasLtMatmulDesc_t op, const PlanPointers& pointers, bool bias_in_epilogue,
+                  const std::function<void(cublasStatus_t, const char*)>& check) {
+  auto set_pointer = [&](cublasLtMatmulDescAttributes_t attribute, const char* name,
+                         const void* pointer) {
+    check(cublasLtMatmulDescSetAttribute(op, attribute, &pointer, sizeof(pointer)), name);
+  };
+  // cuBLASLt's A is our b, its B our a.
+  set_pointer(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, "A_SCALE_POINTER", pointers.b_scale);
+  set_pointer(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, "B_SCALE_POINTER", pointers.a_scale);
+  if (bias_in_epilogue) set_pointer(CUBLASLT_MATMUL_DESC_BIAS_POINTER, "BIAS_POINTER", pointers.bias);
+}
+
 std::unique_ptr<Plan> make_plan(const PlanKey& key, cublasLtHandle_t handle, const at::Tensor& a,
                                 const at::Tensor& b, BlockwiseGemmModes modes,
-                                at::ScalarType out_dtype, bool bias_in_epilogue) {
+                                at::ScalarType out_dtype, bool bias_in_epilogue,
+                                const PlanPointers& pointers) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
   auto plan = std::make_unique<Plan>();
   auto check = [&](cublasStatus_t status, const char* what) {
@@ -114,6 +138,7 @@ std::unique_ptr<Plan> make_plan(const PlanKey& key, cublasLtHandle_t handle, con
     set_op(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, "BIAS_DATA_TYPE",
            static_cast<int32_t>(cuda_type_of(out_dtype)));
   }
+  set_pointers(plan->op, pointers, bias_in_epilogue, check);
   check(cublasLtMatrixLayoutCreate(&plan->a, cuda_type_of(b.scalar_type()), K, N, K),
         "layout of b");
   check(cublasLtMatrixLayoutCreate(&plan->b, cuda_type_of(a.scalar_type()), K, M, K),
@@ -139,10 +164,12 @@ std::unique_ptr<Plan> make_plan(const PlanKey& key, cublasLtHandle_t handle, con
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       handle, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &heuristic, &found);
-  if (bias_in_epilogue && !(status == CUBLAS_STATUS_SUCCESS && found > 0)) {
+  const bool unsupported = status == CUBLAS_STATUS_NOT_SUPPORTED ||
+                           (status == CUBLAS_STATUS_SUCCESS && found == 0);
+  if (bias_in_epilogue && unsupported) {
     // Block-scaled kernels may come without a bias epilogue: plan the bare product instead
-    // and let the caller add the bias afterwards.
-    return make_plan(key, handle, a, b, modes, out_dtype, /*bias_in_epilogue=*/false);
+    // and let the caller add the bias afterwards. (Any other failure is an error.)
+    return make_plan(key, handle, a, b, modes, out_dtype, /*bias_in_epilogue=*/false, pointers);
   }
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0, "transformer_fp8: cuBLASLt has no "
               "block-scaled FP8 algorithm ", describe_problem(a, b, modes), " and out_dtype ",
@@ -206,6 +233,8 @@ at::Tensor fp8_gemm_blockwise_cuda(const at::Tensor& a_in, const at::Tensor& a_s
   // outputs, or when cuBLASLt has no block-scaled kernel with that epilogue (the plan says),
   // the bias is added after the product.
   const bool try_bias_epilogue = bias.has_value() && out_dtype != at::kFloat;
+  const PlanPointers pointers{a_si.data_ptr(), b_si.data_ptr(),
+                              bias_c.has_value() ? bias_c->data_ptr() : nullptr};
   const PlanKey key{device, M, N, K, static_cast<int>(a.scalar_type()),
                     static_cast<int>(b.scalar_type()), static_cast<int>(out_dtype),
                     static_cast<int>(modes.a), static_cast<int>(modes.b), try_bias_epilogue,
@@ -214,7 +243,7 @@ at::Tensor fp8_gemm_blockwise_cuda(const at::Tensor& a_in, const at::Tensor& a_s
   auto& plans = thread_plans();
   auto it = plans.find(key);
   if (it == plans.end()) {
-    auto plan = make_plan(key, handle, a, b, modes, out_dtype, try_bias_epilogue);
+    auto plan = make_plan(key, handle, a, b, modes, out_dtype, try_bias_epilogue, pointers);
     if (plans.size() >= 512) plans.clear();
     it = plans.emplace(key, std::move(plan)).first;
   }
@@ -223,15 +252,8 @@ at::Tensor fp8_gemm_blockwise_cuda(const at::Tensor& a_in, const at::Tensor& a_s
     TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "transformer_fp8: ", what, " failed with ",
                 cublaslt_status_string(status), " ", describe_problem(a, b, modes));
   };
-  auto set_pointer = [&](cublasLtMatmulDescAttributes_t attribute, const char* name,
-                         const void* pointer) {
-    check(cublasLtMatmulDescSetAttribute(plan.op, attribute, &pointer, sizeof(pointer)), name);
-  };
-  set_pointer(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, "A_SCALE_POINTER", b_si.data_ptr());
-  set_pointer(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, "B_SCALE_POINTER", a_si.data_ptr());
   const bool bias_in_epilogue = plan.bias_in_epilogue;
-  if (bias_in_epilogue)
-    set_pointer(CUBLASLT_MATMUL_DESC_BIAS_POINTER, "BIAS_POINTER", bias_c->data_ptr());
+  set_pointers(plan.op, pointers, bias_in_epilogue, check);
   const float alpha = 1.0f, beta = 0.0f;
   check(cublasLtMatmul(handle, plan.op, &alpha, b.data_ptr(), plan.a, a.data_ptr(), plan.b, &beta,
                        out.data_ptr(), plan.d, out.data_ptr(), plan.d, &plan.algo, workspace,
