@@ -1,58 +1,53 @@
 """torch.compile of models of FP8 layers, with fullgraph=True: no graph break, no recompilation
-from step to step, and (with the aot_eager backend, which runs the same kernels) losses,
-gradients and FP8 state bit-identical to eager, for both recipes."""
+from step to step; with the aot_eager backend (the same kernels as eager) losses, gradients and
+FP8 state bit-identical to eager for every recipe; with inductor, which fuses the surrounding
+ops its own way, every one of them within 30 dB of eager, over steps whose scales change."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
-from conftest import DEVICE_PARAMS, assert_same_training, counting_aot_eager
+from conftest import DEVICE_PARAMS
+from integration_compare import (assert_bit_identical, assert_close, counting_aot_eager,
+                                 step_batches, train)
 
 import transformer_fp8 as tfp8
-from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
+from transformer_fp8 import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                             Float8RowwiseScaling, fp8_autocast)
 
 STEPS = 4
+RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling(),
+           Float8RowwiseScaling()]
+RECIPE_IDS = ["delayed", "current", "block", "rowwise"]
+ISSUE_15 = pytest.mark.xfail(strict=True, reason="issue 15 fix pending")
 
 
 def make_model(recipe, device):
     torch.manual_seed(0)
     return tfp8.convert_to_fp8(torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)),
+        torch.nn.Linear(128, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)),
         recipe=recipe).to(device)
 
 
-def train(model, fn, recipe, device):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(0)
-    record = []
-    for step in range(STEPS):
-        x = (torch.randn(24, 32, generator=gen) * (step + 1)).to(device).requires_grad_(True)
-        with fp8_autocast(fp8_recipe=recipe):
-            loss = fn(x).square().mean()
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-        opt.step()
-        opt.zero_grad()
-        # state_dict() first runs the backward update that a compiled backward holds back
-        state = [t.clone() for k, t in model.state_dict().items() if "fp8_" in k]
-        record.append((loss.detach(), grads, state))
-    return record
+def compiled_and_eager_runs(recipe, device, backend, input_grad=True):
+    eager = make_model(recipe, device)
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(compiled, fullgraph=True, backend=backend)
+    batches = step_batches(torch.Generator().manual_seed(0), STEPS, 24, 128, device=device)
+    expected = train(eager, eager, batches, recipe, input_grad=input_grad)
+    got = train(compiled, compiled_fn, batches, recipe, input_grad=input_grad)
+    return compiled, got, expected
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
-                         ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
 def test_fullgraph_compile_is_bit_identical_to_eager(device, recipe):
-    eager = make_model(recipe, device)
-    compiled = copy.deepcopy(eager)
     backend, graphs = counting_aot_eager()
-    torch._dynamo.reset()
-    compiled_fn = torch.compile(compiled, fullgraph=True, backend=backend)
-    expected = train(eager, eager, recipe, device)
-    got = train(compiled, compiled_fn, recipe, device)
+    compiled, got, expected = compiled_and_eager_runs(recipe, device, backend)
     assert len(graphs) == 1, f"compiled {len(graphs)} times: recompiled between steps"
-    assert_same_training(got, expected)
+    assert_bit_identical(got, expected)
     if isinstance(recipe, DelayedScaling):
         assert compiled[0].fp8_fwd_amax_history[-3:].all(), "amaxes recorded in the graph"
 
@@ -67,17 +62,14 @@ def test_compile_refuses_a_layer_not_built_for_its_recipe():
             compiled(torch.randn(4, 32))
 
 
-def test_inductor_compiles_a_training_step():
-    """The default backend (inductor) compiles the whole step; it may fuse the surrounding
-    elementwise ops differently, so the check is on the FP8 numerics' closeness."""
-    recipe = DelayedScaling(amax_history_len=4)
-    eager = make_model(recipe, "cpu")
-    compiled = copy.deepcopy(eager)
-    torch._dynamo.reset()
-    compiled_fn = torch.compile(compiled, fullgraph=True)
-    x = torch.randn(24, 32)
-    with fp8_autocast(fp8_recipe=recipe):
-        out_e, out_c = eager(x), compiled_fn(x)
-    out_c.square().mean().backward()
-    assert torch.allclose(out_c, out_e, rtol=1e-2, atol=1e-2)
-    assert compiled[2].weight.grad is not None
+@pytest.mark.parametrize("recipe,input_grad", [
+    pytest.param(DelayedScaling(amax_history_len=4), True, marks=ISSUE_15, id="delayed"),
+    pytest.param(Float8CurrentScaling(), True, id="current"),
+    pytest.param(Float8CurrentScaling(), False, marks=ISSUE_15, id="current-input_no_grad"),
+    pytest.param(Float8BlockScaling(), True, id="block"),
+])
+def test_inductor_training_steps_match_eager(recipe, input_grad):
+    """The default backend (inductor) compiles whole training steps: each step's loss, every
+    gradient and the FP8 state within 30 dB of eager's (a wrong scale is far off)."""
+    _, got, expected = compiled_and_eager_runs(recipe, "cpu", "inductor", input_grad)
+    assert_close(got, expected, min_sqnr_db=30.0)
