@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-from conftest import (DEVICE_PARAMS, assert_bitwise_equal, assert_same_training,
-                      counting_aot_eager)
+from conftest import DEVICE_PARAMS
+from integration_compare import assert_bit_identical, counting_aot_eager, train
 
 import transformer_fp8 as tfp8
 
@@ -22,20 +22,18 @@ def tiny_gpt2(device):
     return transformers.GPT2LMHeadModel(config).to(device)
 
 
-def train(model, device, steps=2):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+RECIPE = tfp8.DelayedScaling(amax_history_len=4)
+
+
+def token_batches(device, steps=3, batch=4, seq=32):
     gen = torch.Generator().manual_seed(0)
-    recipe = tfp8.DelayedScaling(amax_history_len=4)
-    record = []
-    for _ in range(steps):
-        ids = torch.randint(0, 128, (4, 32), generator=gen).to(device)
-        with tfp8.fp8_autocast(fp8_recipe=recipe):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        record.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        opt.step()
-        opt.zero_grad()
-    return record
+    return [torch.randint(0, 128, (batch, seq), generator=gen).to(device) for _ in range(steps)]
+
+
+def train_lm(model, run, device):
+    """SGD steps of a causal LM on random tokens: a StepRecord per step."""
+    return train(model, lambda ids: run(input_ids=ids, labels=ids).loss, token_batches(device),
+                 RECIPE, loss_fn=lambda loss: loss)
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -52,46 +50,34 @@ def test_gpt2_converted_and_gradient_checkpointed(device, use_reentrant):
     checkpointed.train()
     checkpointed.gradient_checkpointing_enable(
         gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    expected, got = train(model, device), train(checkpointed, device)
+    expected, got = train_lm(model, model, device), train_lm(checkpointed, checkpointed, device)
     # The checkpointing did take place: a forward leaves replay records for the recomputation.
     ids = torch.randint(0, 128, (2, 32)).to(device)
-    with tfp8.fp8_autocast(fp8_recipe=tfp8.DelayedScaling(amax_history_len=4)):
+    with tfp8.fp8_autocast(fp8_recipe=RECIPE):
         loss = checkpointed(input_ids=ids, labels=ids).loss
     assert checkpointed.transformer.h[1].mlp.c_fc._replay_records
     loss.backward()
     assert not checkpointed.transformer.h[1].mlp.c_fc._replay_records
-    assert_same_training(got, expected)
-    assert model.transformer.h[0].attn.c_attn.fp8_fwd_amax_history[-2:].all()
+    assert_bit_identical(got, expected)
+    assert model.transformer.h[0].attn.c_attn.fp8_fwd_amax_history[-3:].all()
 
 
 def test_llama_compiles_fullgraph_without_recompiling():
     """A HuggingFace Llama of FP8 layers under torch.compile(fullgraph=True): one graph for
-    every step (no graph break per layer, no recompilation) and the eager losses, bit for bit
-    (aot_eager runs the same kernels)."""
+    every step (no graph break per layer, no recompilation) and the eager losses, gradients and
+    FP8 state, bit for bit (aot_eager runs the same kernels)."""
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=4, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     eager = transformers.LlamaForCausalLM(config)
-    recipe = tfp8.DelayedScaling(amax_history_len=4)
-    summary = tfp8.convert_to_fp8(eager, recipe=recipe, return_summary=True)
+    summary = tfp8.convert_to_fp8(eager, recipe=RECIPE, return_summary=True)
     assert len(summary.converted) == 4 * 7 + 1 and not summary.skipped
     compiled = copy.deepcopy(eager)
     backend, graphs = counting_aot_eager()
     torch._dynamo.reset()
     compiled_fn = torch.compile(compiled, fullgraph=True, backend=backend)
-    gen = torch.Generator().manual_seed(0)
-    losses = {"eager": [], "compiled": []}
-    for ids in [torch.randint(0, 128, (2, 32), generator=gen) for _ in range(3)]:
-        for name, model, fn in (("eager", eager, eager), ("compiled", compiled, compiled_fn)):
-            with tfp8.fp8_autocast(fp8_recipe=recipe):
-                loss = fn(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses[name].append(loss.detach())
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= 0.01 * p.grad
-                    p.grad = None
+    expected = train_lm(eager, eager, "cpu")
+    got = train_lm(compiled, compiled_fn, "cpu")
     assert len(graphs) == 1, f"{len(graphs)} graphs"
-    for got, expected in zip(losses["compiled"], losses["eager"]):
-        assert_bitwise_equal(got, expected, "loss")
+    assert_bit_identical(got, expected)
