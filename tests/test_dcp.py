@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint with FSDP2 (fully_shard) on two CPU processes (gloo): layers
 built for a recipe with a non-default history length save and load bit for bit, and training
-resumes with the same losses, gradients and FP8 state, bit for bit."""
+resumes with the same losses, gradients and FP8 state, bit for bit. The FSDP2 steps match the
+same steps run in one process."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,8 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.distributed as dist
-from integration_compare import (STEP_SCALES, StepRecord, assert_bit_identical, record_step)
+from integration_compare import (STEP_SCALES, StepRecord, assert_bit_identical, assert_close,
+                                 record_step)
 from multiprocess import WORLD, run_ranks
 
 import transformer_fp8 as tfp8
@@ -41,8 +43,7 @@ def _train(model, opt, steps: int, rank: int, first: int) -> list:
     """SGD steps; a record (as a dict) per step: loss, full gradients, FP8 state."""
     records = []
     for step in range(first, first + steps):
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
-        x = x * STEP_SCALES[step % len(STEP_SCALES)]
+        x = _batch(rank, step)
         with tfp8.fp8_autocast(fp8_recipe=RECIPE):
             loss = model(x).square().mean()
         loss.backward()
@@ -60,7 +61,7 @@ def _full(state: dict) -> dict:
 def _worker(rank, out_dir):
     model = _model(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    _train(model, opt, 3, rank, first=0)
+    first = _train(model, opt, 3, rank, first=0)
     saved = _full(model.state_dict())
     dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(out_dir, "ckpt"))
     expected = _train(model, opt, 3, rank, first=3)
@@ -73,14 +74,48 @@ def _worker(rank, out_dir):
     loaded = _full(resumed.state_dict())
     resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.05)
     got = _train(resumed, resumed_opt, 3, rank, first=3)
-    torch.save({"saved": saved, "loaded": loaded, "expected": expected, "got": got},
+    torch.save({"first": first, "saved": saved, "loaded": loaded, "expected": expected,
+                "got": got},
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+    return x * STEP_SCALES[step % len(STEP_SCALES)]
+
+
+def _single_process_run(steps: int) -> list:
+    """The FSDP2 steps in one process: every rank's batch in one forward, the ranks' losses
+    summed, the gradients divided by the world size (FSDP2's average). Per rank, a record per
+    step (its own loss, the shared gradients and FP8 state)."""
+    torch.manual_seed(0)
+    model = tfp8.convert_to_fp8(torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)), recipe=RECIPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = [[] for _ in range(WORLD)]
+    for step in range(steps):
+        with tfp8.fp8_autocast(fp8_recipe=RECIPE):
+            out = model(torch.cat([_batch(rank, step) for rank in range(WORLD)]))
+        losses = [part.square().mean() for part in out.chunk(WORLD)]
+        sum(losses).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad /= WORLD  # a power of two: exact
+        for rank in range(WORLD):
+            records[rank].append(record_step(losses[rank], model))
+        opt.step()
+        opt.zero_grad()
+    return records
 
 
 def test_dcp_roundtrip_with_fsdp2_is_bit_identical(tmp_path):
     run_ranks(_worker, (str(tmp_path),), tmp_path)
+    reference = _single_process_run(3)
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        # FSDP2 training: the same steps as in one process, up to the order of the sums.
+        assert_close([StepRecord(**r) for r in result["first"]], reference[rank],
+                     min_sqnr_db=60.0)
         saved, loaded = result["saved"], result["loaded"]
         assert saved.keys() == loaded.keys()
         assert saved["0.fp8_fwd_amax_history"].shape == (RECIPE.amax_history_len, 2)

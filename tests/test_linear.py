@@ -96,10 +96,12 @@ def float32_reference_step(layer, x, grad):
     return out.detach(), x32.grad, ref.weight.grad
 
 
-LOW_PRECISION_RECIPES = [RECIPE, Float8CurrentScaling(), tfp8.Float8BlockScaling()]
+LOW_PRECISION_RECIPES = [RECIPE, Float8CurrentScaling(), tfp8.Float8BlockScaling(),
+                         tfp8.Float8RowwiseScaling()]
 
 
-@pytest.mark.parametrize("recipe", LOW_PRECISION_RECIPES, ids=["delayed", "current", "block"])
+@pytest.mark.parametrize("recipe", LOW_PRECISION_RECIPES,
+                         ids=["delayed", "current", "block", "rowwise"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_params_and_input(gen, device, dtype, recipe):
     """Output and gradients in the parameters' dtype, each within FP8 distance of float32 (a

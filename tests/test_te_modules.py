@@ -286,10 +286,10 @@ def test_layernorm_linear_fp8_sqnr_against_float32(gen, device, recipe, normaliz
         assert sqnr(q.grad, p.grad) >= 19, name
 
 
-LOW_PRECISION_RECIPES = RECIPES + [tfp8.Float8BlockScaling()]
+LOW_PRECISION_RECIPES = RECIPES + [tfp8.Float8BlockScaling(), tfp8.Float8RowwiseScaling()]
 
 
-@pytest.mark.parametrize("recipe", LOW_PRECISION_RECIPES, ids=RECIPE_IDS + ["block"])
+@pytest.mark.parametrize("recipe", LOW_PRECISION_RECIPES, ids=RECIPE_IDS + ["block", "rowwise"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["LayerNormMLP", "LayerNormLinear"])
 def test_low_precision_parameters_and_input(gen, device, kind, dtype, recipe):
