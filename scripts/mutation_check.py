@@ -37,6 +37,9 @@ class Mutant:
     new: str
     files: tuple  # test files
     keywords: str = ""  # pytest -k expression selecting the tests in them ("": all)
+    # Other (old, new) spellings of the same bug, for other versions of the code: exactly one
+    # of all the old texts must occur, exactly once.
+    alternatives: tuple = ()
 
     def pytest_args(self) -> list:
         return [*self.files] + (["-k", self.keywords] if self.keywords else [])
@@ -78,12 +81,16 @@ MUTANTS = [
     Mutant("backward scale_inv of the next step", "fp8_state.py",
            "        return self.scale, self.scale_inv.clone(), self.amax_slot\n",
            "        return self.scale, self.scale_inv, self.amax_slot\n",
-           ("tests/test_linear.py",), "backward_uses_the_scale"),
+           ("tests/test_linear.py",), "backward_uses_the_scale",
+           alternatives=(("return self.scale, copy(self.scale_inv), self.amax_slot",
+                          "return self.scale, self.scale_inv, self.amax_slot"),)),
     Mutant("compiled: scale_inv of the next step", "fp8_state.py",
            "        return self.scale, self.scale_inv.clone(), self.amax_slot\n",
            "        return self.scale, (self.scale_inv if torch.compiler.is_compiling() else "
            "self.scale_inv.clone()), self.amax_slot\n",
-           ("tests/test_compile.py",), "bit_identical and delayed"),
+           ("tests/test_compile.py",), "bit_identical and delayed",
+           alternatives=(("copy = ops.snapshot if torch.compiler.is_compiling() else",
+                          "copy = (lambda t: t) if torch.compiler.is_compiling() else"),)),
     Mutant("compiled: amax record skipped", "fp8_state.py",
            "            ops.record_amax(self.history, amax_slot, self.column)\n",
            "            pass\n",
@@ -119,11 +126,14 @@ def apply(work: Path, mutant: Mutant) -> str:
     """Applies the mutant; returns the file's original text."""
     path = work / "transformer_fp8" / mutant.path
     text = path.read_text()
-    count = text.count(mutant.old)
-    if count != 1:
-        raise SystemExit(f"mutant {mutant.name!r}: the text to replace occurs {count} times in "
-                         f"transformer_fp8/{mutant.path} (expected once): update the mutant")
-    path.write_text(text.replace(mutant.old, mutant.new))
+    spellings = ((mutant.old, mutant.new),) + mutant.alternatives
+    counts = [text.count(old) for old, _ in spellings]
+    if sorted(counts) != [0] * (len(counts) - 1) + [1]:
+        raise SystemExit(f"mutant {mutant.name!r}: the texts to replace occur {counts} times in "
+                         f"transformer_fp8/{mutant.path} (expected one of them, once): the code "
+                         "changed, update the mutant")
+    old, new = spellings[counts.index(1)]
+    path.write_text(text.replace(old, new))
     return text
 
 
