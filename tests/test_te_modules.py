@@ -446,8 +446,14 @@ def _batches(device):
     return step_batches(torch.Generator().manual_seed(8), 3, 24, 32, device=device)
 
 
+ISSUE_15 = pytest.mark.xfail(strict=True, reason="issue 15 fix pending")
+BLOCK_RECIPES = [pytest.param(tfp8.Float8BlockScaling(), id="block", marks=ISSUE_15),
+                 pytest.param(tfp8.Float8RowwiseScaling(), id="rowwise", marks=ISSUE_15)]
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("recipe", [pytest.param(r, id=i) for r, i in zip(RECIPES, RECIPE_IDS)]
+                         + BLOCK_RECIPES)
 def test_activation_checkpointing_is_bit_identical(device, recipe, reentrant):
     plain = _Sequence(_checkpoint_model(device, recipe))
     checkpointed = _Sequence(_checkpoint_model(device, recipe), True, reentrant)
