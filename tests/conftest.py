@@ -6,7 +6,9 @@
   run, printed in the pytest header; set TFP8_TEST_SEED to replay a run) and the test's id, so
   every test draws its own inputs and a failure can be reproduced.
 * Comparison helpers: ``bits`` / ``assert_bitwise_equal`` (NaN compared by its bits),
-  ``assert_same_values`` (bitwise except that any NaN matches any NaN) and ``sqnr``.
+  ``assert_same_values`` (bitwise except that any NaN matches any NaN) and ``sqnr``. Training
+  runs through an integration (compile, checkpointing, DDP, ...) are compared with eager ones
+  by ``integration_compare.py``.
 
 Helpers live here and are imported by the test modules (``from conftest import ...``).
 """
@@ -125,29 +127,3 @@ def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
     if noise == 0.0:
         return math.inf
     return 20.0 * math.log10(signal / noise)
-
-
-def assert_same_training(got: list, expected: list) -> None:
-    """Two training runs, recorded per step as (loss, [tensors...]) or (loss, [tensors...],
-    [tensors...]) (gradients, FP8 state), are bit for bit the same."""
-    assert len(got) == len(expected)
-    for step, (g_step, e_step) in enumerate(zip(got, expected)):
-        assert_bitwise_equal(g_step[0], e_step[0], f"step {step} loss")
-        for kind, g_list, e_list in zip(("gradient", "FP8 state tensor"), g_step[1:],
-                                        e_step[1:]):
-            for i, (g, e) in enumerate(zip(g_list, e_list)):
-                assert_bitwise_equal(g, e, f"step {step} {kind} {i}")
-
-
-def counting_aot_eager() -> tuple:
-    """(backend, graphs): torch.compile's aot_eager backend (the same kernels as eager), and
-    the list of graphs it was asked to compile (one per compilation)."""
-    import torch._dynamo.backends.debugging as debugging
-
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return debugging.aot_eager(gm, example_inputs)
-
-    return backend, graphs

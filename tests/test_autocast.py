@@ -29,6 +29,23 @@ def assert_state_equal(before, after):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+def assert_scales_follow_histories(model, recipe=RECIPE):
+    """Every scale is its role's fp8_max (HYBRID: 448 forward, 57344 for grad_output) over the
+    max of its history, and every scale_inv its inverse."""
+    fwd_max, bwd_max = recipe.fp8_format.max_fwd, recipe.fp8_format.max_bwd
+    for i, layer in enumerate(model):
+        for history, scale, scale_inv, fp8_max, role in (
+                (layer.fp8_fwd_amax_history, layer.fp8_fwd_scale, layer.fp8_fwd_scale_inv,
+                 fwd_max, "fwd"),
+                (layer.fp8_bwd_amax_history, layer.fp8_bwd_scale, layer.fp8_bwd_scale_inv,
+                 bwd_max, "bwd")):
+            expected = fp8_max / history.amax(0)
+            torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0,
+                                       msg=f"layer {i} {role} scale")
+            torch.testing.assert_close(scale_inv, 1 / expected, rtol=1e-6, atol=0,
+                                       msg=f"layer {i} {role} scale_inv")
+
+
 @pytest.fixture
 def update_calls(monkeypatch):
     """Counts ops.update_delayed_scaling calls (and the tensors each one updated)."""
@@ -50,11 +67,18 @@ def test_one_update_per_step_forward_and_backward(gen, device, update_calls):
         out = model(x)
         assert update_calls == [], "nothing is updated before the context exits"
     assert update_calls == [3], "one call for the forward states of the three layers"
+    assert model[0].fp8_fwd_amax_history[-1, 0] == x.abs().max()
+    for layer in model:
+        assert layer.fp8_fwd_amax_history[-1, 1] == layer.weight.abs().max()
     out.sum().backward()
     assert update_calls == [3, 3], "one call for the backward states, after the backward pass"
     for layer in model:
         assert not layer.fp8_bwd_amax_history[0].any()
         assert layer.fp8_bwd_amax_history[-1].all()
+    # The last layer's grad_output is all ones: amax 1, scale 57344 (E5M2's max).
+    assert model[-1].fp8_bwd_amax_history[-1, 0] == 1.0
+    assert model[-1].fp8_bwd_scale.item() == 57344.0
+    assert_scales_follow_histories(model)
 
 
 def test_nested_contexts_update_at_outermost_exit(gen, device, update_calls):
@@ -102,6 +126,7 @@ def test_every_backward_pass_updates_once(gen, device, update_calls):
         for layer in model:
             assert not layer.fp8_bwd_amax_history[0].any(), "row 0 consumed by the update"
     assert model[0].fp8_bwd_amax_history[-3:].all()
+    assert_scales_follow_histories(model)
 
 
 def test_frozen_first_layer_still_updates_backward_state(gen, device):

@@ -3,13 +3,17 @@ dgrad and wgrad against float32, the outlier case that motivates per-block scali
 validation, no FP8 state touched, a small MLP that trains, torch.compile."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from conftest import DEVICE_PARAMS, counting_aot_eager, randn, sqnr
+from conftest import DEVICE_PARAMS, randn, sqnr
+from integration_compare import assert_bit_identical, counting_aot_eager, step_batches, train
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import (Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling,
                              Format, fp8_autocast)
+from transformer_fp8.blockwise_ops import BLOCK
 
 RECIPES = [Float8BlockScaling(), Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
            Float8BlockScaling(w_block_scaling_dim=1, grad_block_scaling_dim=2),
@@ -59,6 +63,32 @@ def test_sqnr_against_float32(gen, device, recipe):
     assert sqnr(d_x_ref, d_x) >= 19
     assert sqnr(d_w_ref, d_w) >= 19
     assert torch.allclose(layer.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def block_magnitudes(rows, cols, magnitudes):
+    """A [rows, cols] factor whose 128x128 blocks take the given [rows/128, cols/128] values."""
+    return magnitudes.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_blocks_of_different_magnitudes(gen, device, recipe):
+    """Weight blocks whose magnitudes differ by powers of two (an asymmetric 2x2 grid) and
+    input / gradient column blocks likewise: each block must be dequantised with its own
+    scale; one read from another block (a transposed index) is off by up to 2**8."""
+    layer, ref = make_pair(gen, 256, 256, device)
+    weight_factor = block_magnitudes(256, 256, torch.tensor([[1.0, 16.0], [1 / 16, 4.0]]))
+    column_factor = block_magnitudes(1, 256, torch.tensor([[1 / 8, 8.0]]))
+    with torch.no_grad():
+        layer.weight.mul_(weight_factor.to(device))
+        ref.weight.copy_(layer.weight)
+    x = randn(gen, 192, 256, device=device) * column_factor.to(device)
+    grad = randn(gen, 192, 256, device=device) * column_factor.flip(1).to(device)
+    out, d_x, d_w = fp8_step(layer, x, grad, recipe)
+    out_ref, d_x_ref, d_w_ref = reference_step(ref, x, grad)
+    assert sqnr(out_ref, out) >= 23
+    assert sqnr(d_x_ref, d_x) >= 19
+    assert sqnr(d_w_ref, d_w) >= 19
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -167,41 +197,51 @@ def test_recipe_validation():
 @pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8RowwiseScaling()],
                          ids=["block", "rowwise"])
 def test_small_mlp_trains(device, recipe):
+    """30 SGD steps track the same steps in float32 (outside fp8_autocast the layers compute
+    nn.Linear): SGD, so that a gradient off by a constant factor changes the curve."""
     torch.manual_seed(0)
-    model = tfp8.convert_to_fp8(torch.nn.Sequential(
+    fp8_model = tfp8.convert_to_fp8(torch.nn.Sequential(
         torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))).to(device)
+    float32_model = copy.deepcopy(fp8_model)
     teacher = torch.nn.Linear(128, 32).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     x = torch.randn(64, 128, device=device)
     y = teacher(x).detach()
-    losses = []
-    for _ in range(30):
-        with fp8_autocast(fp8_recipe=recipe):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert all(torch.isfinite(torch.tensor(losses)))
-    assert losses[-1] < 0.3 * losses[0], losses
+    curves = []
+    for model, enabled in ((fp8_model, True), (float32_model, False)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        losses = []
+        for _ in range(30):
+            with fp8_autocast(enabled=enabled, fp8_recipe=recipe):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves.append(losses)
+    fp8_losses, float32_losses = curves
+    assert fp8_losses[-1] < 0.3 * fp8_losses[0], fp8_losses
+    for step in (9, 19, 29):
+        assert abs(fp8_losses[step] - float32_losses[step]) <= 0.05 * float32_losses[step], \
+            (step, fp8_losses[step], float32_losses[step])
 
 
-def test_compile_matches_eager(gen):
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8RowwiseScaling()],
+                         ids=["block", "rowwise"])
+def test_compile_matches_eager(recipe):
+    """aot_eager runs the eager kernels: three training steps (loss, every gradient, the
+    input's) bit for bit, from one graph."""
     torch.manual_seed(0)
-    model = tfp8.convert_to_fp8(torch.nn.Sequential(
+    eager = tfp8.convert_to_fp8(torch.nn.Sequential(
         torch.nn.Linear(128, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)))
-    x = randn(gen, 48, 128)
-    recipe = Float8BlockScaling()
-    with fp8_autocast(fp8_recipe=recipe):
-        expected = model(x)
+    compiled_model = copy.deepcopy(eager)
     backend, graphs = counting_aot_eager()
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
-    with fp8_autocast(fp8_recipe=recipe):
-        got = compiled(x)
-    got.sum().backward()
+    compiled = torch.compile(compiled_model, fullgraph=True, backend=backend)
+    batches = step_batches(torch.Generator().manual_seed(1), 3, 48, 128)
+    expected = train(eager, eager, batches, recipe)
+    got = train(compiled_model, compiled, batches, recipe)
     assert len(graphs) == 1
-    assert torch.equal(got, expected)
+    assert_bit_identical(got, expected)
 
 
 @pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8RowwiseScaling()],

@@ -8,10 +8,13 @@ import copy
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from conftest import DEVICE_PARAMS, assert_bitwise_equal, assert_same_training
+from conftest import DEVICE_PARAMS, assert_bitwise_equal
+from integration_compare import assert_bit_identical, record_step, step_batches, train
 
 import transformer_fp8 as tfp8
-from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
+from transformer_fp8 import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                             Float8RowwiseScaling, fp8_autocast)
+
 
 
 class Block(torch.nn.Module):
@@ -45,39 +48,26 @@ class Model(torch.nn.Module):
         return x
 
 
-def fp8_state(model):
-    return [t.detach().clone() for name, t in model.state_dict().items() if "fp8_" in name]
-
-
-def train(model, recipe, device, steps=3):
-    """Per step: loss, every gradient and the FP8 state after the step."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(0)
-    record = []
-    for _ in range(steps):
-        x = torch.randn(24, 32, generator=gen).to(device).requires_grad_(True)
-        with fp8_autocast(fp8_recipe=recipe):
-            loss = model(x).square().mean()
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-        opt.step()
-        opt.zero_grad()
-        record.append((loss.detach(), grads, fp8_state(model)))
-    return record
+def run_both(recipe, device, mode, steps=3):
+    """The same steps without and with checkpointing: (checkpointed model, got, expected)."""
+    torch.manual_seed(0)
+    plain = Model().to(device)
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.checkpoint = mode
+    batches = step_batches(torch.Generator().manual_seed(0), steps, 24, 32, device=device)
+    expected = train(plain, plain, batches, recipe)
+    got = train(checkpointed, checkpointed, batches, recipe)
+    return checkpointed, got, expected
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant", "te_checkpoint"])
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(),
-                                    tfp8.Float8BlockScaling(), tfp8.Float8RowwiseScaling()],
+                                    Float8BlockScaling(), Float8RowwiseScaling()],
                          ids=["delayed", "current", "block", "rowwise"])
 def test_checkpointed_training_is_bit_identical(device, mode, recipe):
-    torch.manual_seed(0)
-    plain = Model().to(device)
-    checkpointed = copy.deepcopy(plain)
-    checkpointed.checkpoint = mode
-    expected, got = train(plain, recipe, device), train(checkpointed, recipe, device)
-    assert_same_training(got, expected)
+    checkpointed, got, expected = run_both(recipe, device, mode)
+    assert_bit_identical(got, expected)
     if isinstance(recipe, DelayedScaling):
         history = checkpointed.blocks[0].fc1.fp8_fwd_amax_history
         assert history[-3:].all() and not history[:1].any(), "one amax per step, rolled"
@@ -149,34 +139,36 @@ def test_layer_called_twice_replays_each_call_with_its_own_scales(mode):
             out = model(warm_up.clone().requires_grad_(True))
         out.sum().backward()
         model.zero_grad()
-    expected, got = train(plain, recipe, "cpu", steps=2), train(checkpointed, recipe, "cpu", 2)
-    for (loss_e, grads_e, _), (loss_g, grads_g, _) in zip(expected, got):
-        assert_bitwise_equal(loss_g, loss_e, "loss")
-        for i, (g, e) in enumerate(zip(grads_g, grads_e)):
-            assert_bitwise_equal(g, e, f"gradient {i}")
+    batches = step_batches(torch.Generator().manual_seed(0), 3, 16, 32)
+    expected, got = train(plain, plain, batches, recipe), train(checkpointed, checkpointed,
+                                                                batches, recipe)
+    assert_bit_identical(got, expected)
 
 
 def test_forward_passes_backpropagated_in_order_pipeline_style():
     """Two forward passes, then their backward passes in the same order (as a pipeline
-    schedule does): each recomputation replays its own pass."""
+    schedule does), per step: each recomputation replays its own pass."""
     torch.manual_seed(0)
     plain = Model()
     checkpointed = copy.deepcopy(plain)
     checkpointed.checkpoint = "non_reentrant"
     recipe = DelayedScaling(amax_history_len=4)
-    gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(16, 32, generator=gen) * (i + 1) for i in range(2)]
-    grads = {}
+    batches = step_batches(torch.Generator().manual_seed(1), 6, 16, 32)
+    records = {}
     for name, model in (("plain", plain), ("checkpointed", checkpointed)):
-        losses = []
-        for x in inputs:
-            with fp8_autocast(fp8_recipe=recipe):
-                losses.append(model(x.requires_grad_(True)).square().mean())
-        for loss in losses:
-            loss.backward()
-        grads[name] = [p.grad.clone() for p in model.parameters()]
-    for i, (g, e) in enumerate(zip(grads["checkpointed"], grads["plain"])):
-        assert_bitwise_equal(g, e, f"gradient {i}")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        records[name] = []
+        for step in range(3):
+            losses = []
+            for x in batches[2 * step:2 * step + 2]:
+                with fp8_autocast(fp8_recipe=recipe):
+                    losses.append(model(x.clone().requires_grad_(True)).square().mean())
+            for loss in losses:
+                loss.backward()
+            records[name].append(record_step(sum(losses), model))
+            opt.step()
+            opt.zero_grad()
+    assert_bit_identical(records["checkpointed"], records["plain"])
 
 
 def test_te_checkpoint_refuses_tensor_parallel_options():

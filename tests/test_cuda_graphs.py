@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import CUDA_SKIP, DEVICE_PARAMS, assert_bitwise_equal
+from integration_compare import STEP_SCALES, assert_bit_identical, record_step
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
@@ -27,6 +28,14 @@ def step(model, x, g, recipe):
     with fp8_autocast(fp8_recipe=recipe):
         out = model(x)
     out.backward(g)
+    return out
+
+
+def step_inputs(seed, steps, device="cpu"):
+    """(x, grad_output) per step, x's magnitude changing from step to step (so do the amaxes)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [((torch.randn(32, 64, generator=gen) * STEP_SCALES[i % len(STEP_SCALES)]).to(device),
+             torch.randn(32, 64, generator=gen).to(device)) for i in range(steps)]
 
 
 class _HostReads(TorchDispatchMode):
@@ -57,18 +66,20 @@ def test_training_step_reads_no_tensor_value_on_the_host(device, recipe):
 @CUDA_SKIP
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
 def test_whole_training_step_replays_in_a_cuda_graph(recipe):
+    """Three warm-up steps, a captured step, then three replays against eager steps: output,
+    every gradient, the input's, and the FP8 state, bit for bit."""
     eager = make_model("cuda", recipe)
     graphed = copy.deepcopy(eager)
-    gen = torch.Generator().manual_seed(0)
-    inputs = [(torch.randn(32, 64, generator=gen).cuda(),
-               torch.randn(32, 64, generator=gen).cuda()) for _ in range(6)]
+    inputs = step_inputs(0, 6, "cuda")
     static_x = torch.zeros(32, 64, device="cuda", requires_grad=True)
     static_g = torch.zeros(32, 64, device="cuda")
 
     def run_eager(x, g):
         for p in eager.parameters():
             p.grad = None
-        step(eager, x.clone().requires_grad_(True), g, recipe)
+        x_in = x.clone().requires_grad_(True)
+        out = step(eager, x_in, g, recipe)
+        return record_step(out, eager, {"input": x_in})
 
     # Warm-up on a side stream (plans, workspaces, recipe adoption), then capture one step.
     side = torch.cuda.Stream()
@@ -88,10 +99,11 @@ def test_whole_training_step_replays_in_a_cuda_graph(recipe):
         p.grad.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step(graphed, static_x, static_g, recipe)  # gradients accumulate into zeroed .grad
+        static_out = step(graphed, static_x, static_g, recipe)  # grads accumulate into zeros
 
-    for i, (x, g) in enumerate(inputs[3:]):
-        run_eager(x, g)
+    expected, got = [], []
+    for x, g in inputs[3:]:
+        expected.append(run_eager(x, g))
         with torch.no_grad():
             static_x.copy_(x)
             static_g.copy_(g)
@@ -99,10 +111,8 @@ def test_whole_training_step_replays_in_a_cuda_graph(recipe):
                 p.grad.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        for (name, p), q in zip(graphed.named_parameters(), eager.parameters()):
-            assert_bitwise_equal(p.grad, q.grad, f"replay {i}: gradient of {name}")
-        for (name, t), u in zip(graphed.state_dict().items(), eager.state_dict().values()):
-            assert_bitwise_equal(t, u, f"replay {i}: {name}")
+        got.append(record_step(static_out, graphed, {"input": static_x}))
+    assert_bit_identical(got, expected)
 
 
 # ---- make_graphed_callables ------------------------------------------------------------------
@@ -127,37 +137,29 @@ def _reference_step(first, block, x, g, recipe):
     return out
 
 
-def _assert_same_models(got, expected, what):
-    for (name, p), q in zip(got.named_parameters(), expected.parameters()):
-        assert_bitwise_equal(p.grad, q.grad, f"{what}: gradient of {name}")
-    for (name, t), u in zip(got.state_dict().items(), expected.state_dict().values()):
-        assert_bitwise_equal(t, u, f"{what}: {name}")
-
-
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
-def test_isolated_forward_of_a_graphed_module_matches_eager_steps(recipe, gen):
+def test_isolated_forward_of_a_graphed_module_matches_eager_steps(recipe):
     from transformer_fp8.cuda_graphs import _Fp8Callable
 
     first, block = _two_stage_models("cpu", recipe)
     ref_first, ref_block = copy.deepcopy(first), copy.deepcopy(block)
     isolated = _Fp8Callable(block, True, recipe, None)
     other = DelayedScaling(amax_history_len=4, margin=1)  # the caller's context differs
-    for i in range(4):
-        x = torch.randn(32, 64, generator=gen)
-        g = torch.randn(32, 64, generator=gen)
+    got, expected = [], []
+    for x, g in step_inputs(1, 4):
         for model in (first, block, ref_first, ref_block):
             model.zero_grad(set_to_none=True)
         with fp8_autocast(fp8_recipe=other):
             out = isolated(first(x))
         out.backward(g)
+        got.append(record_step(out, torch.nn.ModuleList([first, block])))
         with fp8_autocast(fp8_recipe=other):
             h = ref_first(x)
         with fp8_autocast(fp8_recipe=recipe):
             ref_out = ref_block(h)
         ref_out.backward(g)
-        assert_bitwise_equal(out, ref_out, f"step {i}: output")
-        _assert_same_models(first, ref_first, f"step {i}, first")
-        _assert_same_models(block, ref_block, f"step {i}, block")
+        expected.append(record_step(ref_out, torch.nn.ModuleList([ref_first, ref_block])))
+    assert_bit_identical(got, expected)
     if isinstance(recipe, DelayedScaling):  # the scales did move
         assert not torch.equal(block[0].fp8_fwd_scale, torch.ones(2))
 
@@ -202,10 +204,8 @@ def test_make_graphed_callables_replays_like_eager_steps(recipe):
     # The warm-up steps are undone: the state is the one before graphing.
     for (name, t), u in zip(block.state_dict().items(), ref_block.state_dict().values()):
         assert_bitwise_equal(t, u, f"after graphing: {name}")
-    gen = torch.Generator().manual_seed(1)
-    for i in range(5):
-        x = torch.randn(32, 64, generator=gen).cuda()
-        g = torch.randn(32, 64, generator=gen).cuda()
+    got, expected = [], []
+    for x, g in step_inputs(1, 5, "cuda"):
         for model in (first, block, ref_first, ref_block):
             model.zero_grad(set_to_none=True)
         with fp8_autocast(fp8_recipe=recipe):
@@ -213,9 +213,9 @@ def test_make_graphed_callables_replays_like_eager_steps(recipe):
         out.backward(g)
         ref_out = _reference_step(ref_first, ref_block, x, g, recipe)
         torch.cuda.synchronize()
-        assert_bitwise_equal(out, ref_out, f"replay {i}: output")
-        _assert_same_models(first, ref_first, f"replay {i}, first")
-        _assert_same_models(block, ref_block, f"replay {i}, block")
+        got.append(record_step(out, torch.nn.ModuleList([first, block])))
+        expected.append(record_step(ref_out, torch.nn.ModuleList([ref_first, ref_block])))
+    assert_bit_identical(got, expected)
     # In eval mode (not the captured mode) the module runs eagerly, still under the recipe.
     block.eval()
     ref_block.eval()
@@ -237,23 +237,23 @@ def test_make_graphed_callables_takes_several_modules_in_order():
     samples = tuple((torch.randn(32, 64, device="cuda", requires_grad=True),) for _ in stages)
     graphed = tfp8.make_graphed_callables(stages, samples, fp8_enabled=True, fp8_recipe=recipe)
     assert graphed == stages
-    gen = torch.Generator().manual_seed(2)
-    for i in range(4):
-        x = torch.randn(32, 64, generator=gen).cuda().requires_grad_(True)
-        g = torch.randn(32, 64, generator=gen).cuda()
+    got, expected = [], []
+    for x, g in step_inputs(2, 4, "cuda"):
+        x = x.requires_grad_(True)
         for model in stages + refs:
             model.zero_grad(set_to_none=True)
-        stages[1](stages[0](x)).backward(g)
+        out = stages[1](stages[0](x))
+        out.backward(g)
         x_ref = x.detach().clone().requires_grad_(True)
         with fp8_autocast(fp8_recipe=recipe):
             h = refs[0](x_ref)
         with fp8_autocast(fp8_recipe=recipe):
-            out = refs[1](h)
-        out.backward(g)
+            ref_out = refs[1](h)
+        ref_out.backward(g)
         torch.cuda.synchronize()
-        assert_bitwise_equal(x.grad, x_ref.grad, f"replay {i}: input gradient")
-        for stage, ref in zip(stages, refs):
-            _assert_same_models(stage, ref, f"replay {i}")
+        got.append(record_step(out, torch.nn.ModuleList(stages), {"input": x}))
+        expected.append(record_step(ref_out, torch.nn.ModuleList(refs), {"input": x_ref}))
+    assert_bit_identical(got, expected)
 
 
 def test_graphing_keeps_the_modes_of_submodules():
@@ -294,10 +294,8 @@ def test_make_graphed_callables_of_fused_modules_replays_like_eager_steps(recipe
     reference = copy.deepcopy(block)
     sample = (torch.randn(32, 64, device="cuda", requires_grad=True),)
     tfp8.make_graphed_callables(block, sample, fp8_enabled=True, fp8_recipe=recipe)
-    gen = torch.Generator().manual_seed(3)
-    for i in range(4):
-        x = torch.randn(32, 64, generator=gen).cuda()
-        g = torch.randn(32, 64, generator=gen).cuda()
+    got, expected = [], []
+    for x, g in step_inputs(3, 4, "cuda"):
         for model in (block, reference):
             model.zero_grad(set_to_none=True)
         x_g, x_r = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
@@ -307,6 +305,6 @@ def test_make_graphed_callables_of_fused_modules_replays_like_eager_steps(recipe
             ref_out = reference(x_r)
         ref_out.backward(g)
         torch.cuda.synchronize()
-        assert_bitwise_equal(out, ref_out, f"replay {i}: output")
-        assert_bitwise_equal(x_g.grad, x_r.grad, f"replay {i}: input gradient")
-        _assert_same_models(block, reference, f"replay {i}")
+        got.append(record_step(out, block, {"input": x_g}))
+        expected.append(record_step(ref_out, reference, {"input": x_r}))
+    assert_bit_identical(got, expected)

@@ -1,18 +1,21 @@
 """torch.distributed.checkpoint with FSDP2 (fully_shard) on two CPU processes (gloo): layers
 built for a recipe with a non-default history length save and load bit for bit, and training
-resumes with the same losses."""
+resumes with the same losses, gradients and FP8 state, bit for bit. The FSDP2 steps match the
+same steps run in one process."""
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from integration_compare import (STEP_SCALES, StepRecord, assert_bit_identical, assert_close,
+                                 record_step)
+from multiprocess import WORLD, run_ranks
 
 import transformer_fp8 as tfp8
 
-WORLD = 2
 RECIPE = tfp8.DelayedScaling(amax_history_len=16)
 
 try:
@@ -37,16 +40,17 @@ def _model(seed: int):
 
 
 def _train(model, opt, steps: int, rank: int, first: int) -> list:
-    losses = []
+    """SGD steps; a record (as a dict) per step: loss, full gradients, FP8 state."""
+    records = []
     for step in range(first, first + steps):
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        x = _batch(rank, step)
         with tfp8.fp8_autocast(fp8_recipe=RECIPE):
             loss = model(x).square().mean()
         loss.backward()
+        records.append(asdict(record_step(loss, model)))
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
+    return records
 
 
 def _full(state: dict) -> dict:
@@ -54,39 +58,69 @@ def _full(state: dict) -> dict:
             for k, v in state.items()}
 
 
-def _worker(rank, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
-    try:
-        model = _model(seed=0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        _train(model, opt, 3, rank, first=0)
-        saved = _full(model.state_dict())
-        dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(out_dir, "ckpt"))
-        expected = _train(model, opt, 2, rank, first=3)
+def _worker(rank, out_dir):
+    model = _model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    first = _train(model, opt, 3, rank, first=0)
+    saved = _full(model.state_dict())
+    dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(out_dir, "ckpt"))
+    expected = _train(model, opt, 3, rank, first=3)
 
-        # Built afresh for the same recipe, with other weights: everything comes from the file.
-        resumed = _model(seed=123)
-        state = {"model": resumed.state_dict()}
-        dcp.load(state, checkpoint_id=os.path.join(out_dir, "ckpt"))
-        resumed.load_state_dict(state["model"])
-        loaded = _full(resumed.state_dict())
-        resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.05)
-        got = _train(resumed, resumed_opt, 2, rank, first=3)
-        torch.save({"saved": saved, "loaded": loaded, "expected": expected, "got": got},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    # Built afresh for the same recipe, with other weights: everything comes from the file.
+    resumed = _model(seed=123)
+    state = {"model": resumed.state_dict()}
+    dcp.load(state, checkpoint_id=os.path.join(out_dir, "ckpt"))
+    resumed.load_state_dict(state["model"])
+    loaded = _full(resumed.state_dict())
+    resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.05)
+    got = _train(resumed, resumed_opt, 3, rank, first=3)
+    torch.save({"first": first, "saved": saved, "loaded": loaded, "expected": expected,
+                "got": got},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+    return x * STEP_SCALES[step % len(STEP_SCALES)]
+
+
+def _single_process_run(steps: int) -> list:
+    """The FSDP2 steps in one process: every rank's batch in one forward, the ranks' losses
+    summed, the gradients divided by the world size (FSDP2's average). Per rank, a record per
+    step (its own loss, the shared gradients and FP8 state)."""
+    torch.manual_seed(0)
+    model = tfp8.convert_to_fp8(torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)), recipe=RECIPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = [[] for _ in range(WORLD)]
+    for step in range(steps):
+        with tfp8.fp8_autocast(fp8_recipe=RECIPE):
+            out = model(torch.cat([_batch(rank, step) for rank in range(WORLD)]))
+        losses = [part.square().mean() for part in out.chunk(WORLD)]
+        sum(losses).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad /= WORLD  # a power of two: exact
+        for rank in range(WORLD):
+            records[rank].append(record_step(losses[rank], model))
+        opt.step()
+        opt.zero_grad()
+    return records
 
 
 def test_dcp_roundtrip_with_fsdp2_is_bit_identical(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(_worker, (str(tmp_path),), tmp_path)
+    reference = _single_process_run(3)
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        # FSDP2 training: the same steps as in one process, up to the order of the sums.
+        assert_close([StepRecord(**r) for r in result["first"]], reference[rank],
+                     min_sqnr_db=60.0)
         saved, loaded = result["saved"], result["loaded"]
         assert saved.keys() == loaded.keys()
         assert saved["0.fp8_fwd_amax_history"].shape == (RECIPE.amax_history_len, 2)
         assert saved["0.fp8_fwd_amax_history"][-3:].all(), "three steps of amaxes recorded"
         for key in saved:
             assert torch.equal(saved[key], loaded[key]), f"rank {rank}: {key} differs"
-        assert [l.item() for l in result["got"]] == [l.item() for l in result["expected"]]
+        assert_bit_identical([StepRecord(**r) for r in result["got"]],
+                             [StepRecord(**r) for r in result["expected"]])

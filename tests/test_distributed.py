@@ -1,19 +1,25 @@
 """Two CPU processes (gloo) with DistributedDataParallel: one amax reduction per forward and
-one per backward pass make every rank's FP8 state identical; with reduce_amax=False each rank
-keeps its own; with current scaling every rank casts with the same scales."""
+one per backward pass make every rank's FP8 state identical and equal to the MAX of the ranks'
+amaxes; losses, DDP's gradients and the FP8 state follow the same steps run in one process;
+with reduce_amax=False each rank keeps its own amax; with current scaling every rank casts
+with the scale of the MAX. Every run is bounded in time (tests/multiprocess.py)."""
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import asdict
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from integration_compare import STEP_SCALES, StepRecord, assert_close, record_step
+from multiprocess import WORLD, run_ranks
 
 import transformer_fp8 as tfp8
 
-WORLD = 2
 STEPS = 3
+ROWS = 16
+LR = 0.1
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -33,65 +39,113 @@ def _counting(calls: list, fn):
     return wrapper
 
 
-def _worker(rank, init_file, out_dir, mode, explicit_group):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
-    try:
-        group = dist.new_group(list(range(WORLD))) if explicit_group else None
-        torch.manual_seed(0)  # same weights on every rank
-        model = tfp8.convert_to_fp8(torch.nn.Sequential(
-            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)))
-        # Without the buffer broadcast, each rank's FP8 state is only what it computed itself.
-        ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        recipe = (tfp8.Float8CurrentScaling() if mode == "current" else
-                  tfp8.DelayedScaling(amax_history_len=4, reduce_amax=mode == "delayed"))
-        reductions, scales = [], []
-        dist.all_reduce = _counting(reductions, dist.all_reduce)
-        tfp8.ops.compute_scale_from_amax = _counting(scales, tfp8.ops.compute_scale_from_amax)
-        data = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
-        states, reductions_per_step = [], []
-        for _ in range(STEPS):
-            reductions.clear()
-            x = torch.randn(16, 32, generator=data) * (rank + 1)
-            with tfp8.fp8_autocast(fp8_recipe=recipe, fp8_group=group):
-                out = ddp(x)
-            out.square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            states.append(_fp8_tensors(model))
-            reductions_per_step.append(len(reductions))
-        torch.save({"states": states, "reductions": reductions_per_step, "scales": scales},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _model():
+    torch.manual_seed(0)  # same weights on every rank
+    return tfp8.convert_to_fp8(torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)))
+
+
+def _recipe(mode):
+    return (tfp8.Float8CurrentScaling() if mode == "current" else
+            tfp8.DelayedScaling(amax_history_len=4, reduce_amax=mode == "delayed"))
+
+
+def _batch(rank, step):
+    """Different data on every rank (rank 1's twice as large), a new magnitude every step."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(ROWS, 32, generator=gen) * STEP_SCALES[step] * (rank + 1)
+
+
+def _worker(rank, out_dir, mode, explicit_group):
+    group = dist.new_group(list(range(WORLD))) if explicit_group else None
+    model = _model()
+    # Without the buffer broadcast, each rank's FP8 state is only what it computed itself.
+    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    recipe = _recipe(mode)
+    reductions, scales = [], []
+    dist.all_reduce = _counting(reductions, dist.all_reduce)
+    tfp8.ops.compute_scale_from_amax = _counting(scales, tfp8.ops.compute_scale_from_amax)
+    records, amaxes, reductions_per_step = [], [], []
+    for step in range(STEPS):
+        reductions.clear()
+        x = _batch(rank, step)
+        with tfp8.fp8_autocast(fp8_recipe=recipe, fp8_group=group):
+            out = ddp(x)
+        loss = out.square().mean()
+        loss.backward()
+        records.append(asdict(record_step(loss, model)))  # DDP's averaged gradients
+        amaxes.append(x.abs().max())
+        opt.step()
+        opt.zero_grad()
+        reductions_per_step.append(len(reductions))
+    torch.save({"records": records, "amaxes": amaxes, "reductions": reductions_per_step,
+                "scales": scales}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _run(tmp_path, mode, explicit_group=False):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), mode, explicit_group),
-             nprocs=WORLD, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    run_ranks(_worker, (str(tmp_path), mode, explicit_group), tmp_path)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for result in results:
+        result["records"] = [StepRecord(**r) for r in result["records"]]
+    return results
+
+
+def single_process_run(mode):
+    """The DDP run in one process: every rank's batch in one forward, each rank's loss summed,
+    the gradients divided by the world size (DDP's average) before the SGD step. The amax of
+    the whole batch is the MAX of the ranks' amaxes, so the FP8 casts are the same. One record
+    per rank (its own loss, the shared gradients and FP8 state) per step."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    records = [[] for _ in range(WORLD)]
+    for step in range(STEPS):
+        x = torch.cat([_batch(rank, step) for rank in range(WORLD)])
+        with tfp8.fp8_autocast(fp8_recipe=_recipe(mode)):
+            out = model(x)
+        losses = [out[rank * ROWS:(rank + 1) * ROWS].square().mean() for rank in range(WORLD)]
+        sum(losses).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad /= WORLD  # a power of two: exact
+        for rank in range(WORLD):
+            records[rank].append(record_step(losses[rank], model))
+        opt.step()
+        opt.zero_grad()
+    return records
 
 
 @pytest.mark.parametrize("explicit_group", [False, True], ids=["world", "fp8_group"])
 def test_reduced_amax_gives_identical_state_on_every_rank(tmp_path, explicit_group):
     rank0, rank1 = _run(tmp_path, "delayed", explicit_group)
+    # Every rank holds the same state, and its value is the MAX of the ranks' amaxes.
     for step in range(STEPS):
-        for a, b in zip(rank0["states"][step], rank1["states"][step]):
-            assert torch.equal(a, b), f"step {step}: ranks disagree"
-    assert rank0["states"][-1][0][-1].all(), "amaxes were recorded"
+        for key, state in rank0["records"][step].fp8_state.items():
+            assert torch.equal(state, rank1["records"][step].fp8_state[key]), \
+                f"step {step}: ranks disagree on {key}"
+        history = rank0["records"][step].fp8_state["0.fp8_fwd_amax_history"]
+        assert history[-1, 0] == max(rank0["amaxes"][step], rank1["amaxes"][step]), \
+            f"step {step}: the input amax is not the MAX over the ranks"
     # One collective for the forward amaxes and one for the backward ones, per step.
     assert rank0["reductions"] == rank1["reductions"] == [2] * STEPS
+
+
+@pytest.mark.parametrize("mode", ["delayed", "current"])
+def test_ddp_training_matches_one_process(tmp_path, mode):
+    """Each rank's loss, DDP's averaged gradients and the FP8 state, step by step, against the
+    same steps on the whole batch in one process: equal up to the order of the wgrad sums."""
+    ranks = _run(tmp_path, mode)
+    reference = single_process_run(mode)
+    for rank, result in enumerate(ranks):
+        assert_close(result["records"], reference[rank], min_sqnr_db=60.0)
 
 
 def test_without_reduction_ranks_keep_their_own_amax(tmp_path):
     rank0, rank1 = _run(tmp_path, "no_reduce")
     for step in range(STEPS):
-        history0, history1 = rank0["states"][step][0], rank1["states"][step][0]
-        filled = min(step + 1, history0.shape[0] - 1)
-        # The input column (different data per rank) differs in every recorded row; the
-        # weights are the same on both ranks.
-        assert (history0[-filled:, 0] != history1[-filled:, 0]).all(), f"step {step}"
+        for rank, result in enumerate((rank0, rank1)):
+            history = result["records"][step].fp8_state["0.fp8_fwd_amax_history"]
+            assert history[-1, 0] == result["amaxes"][step], f"rank {rank}, step {step}"
     assert rank0["reductions"] == [0] * STEPS
 
 
@@ -100,40 +154,39 @@ def test_current_scaling_scales_agree_across_ranks(tmp_path):
     assert len(rank0["scales"]) == STEPS * 2 * 3  # input, weight, grad of two layers
     for a, b in zip(rank0["scales"], rank1["scales"]):
         assert torch.equal(a, b)
+    # The first scale of each step is the first layer's input's: from the MAX of the amaxes.
+    for step in range(STEPS):
+        amax = max(rank0["amaxes"][step], rank1["amaxes"][step])
+        torch.testing.assert_close(rank0["scales"][6 * step], (448.0 / amax).reshape(1),
+                                   rtol=1e-6, atol=0)
 
 
-def _moe_worker(rank, init_file, out_dir):
+def _moe_worker(rank, out_dir):
     """Three expert layers; rank 0 runs experts 0 and 1, rank 1 runs experts 1 and 2."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
-    try:
-        recipe = tfp8.DelayedScaling(amax_history_len=4)
-        torch.manual_seed(0)
-        experts = torch.nn.ModuleList(tfp8.Linear(32, 32, recipe=recipe) for _ in range(3))
-        mine = [0, 1] if rank == 0 else [1, 2]
-        data = torch.Generator().manual_seed(2000 + rank)
-        states, amaxes = [], []
-        for _ in range(STEPS):
-            x = torch.randn(16, 32, generator=data) * (rank + 1)
-            grad = torch.randn(16, 32, generator=data)
-            with tfp8.fp8_autocast(fp8_recipe=recipe):
-                outs = [experts[e](x) for e in mine]
-            torch.autograd.backward(outs, [grad] * len(outs))
-            amaxes.append((x.abs().max(), grad.abs().max()))
-            states.append(_fp8_tensors(experts))
-        torch.save({"states": states, "amaxes": amaxes,
-                    "weight_amax": [e.weight.abs().max() for e in experts]},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    recipe = tfp8.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(tfp8.Linear(32, 32, recipe=recipe) for _ in range(3))
+    mine = [0, 1] if rank == 0 else [1, 2]
+    data = torch.Generator().manual_seed(2000 + rank)
+    states, amaxes = [], []
+    for _ in range(STEPS):
+        x = torch.randn(16, 32, generator=data) * (rank + 1)
+        grad = torch.randn(16, 32, generator=data)
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            outs = [experts[e](x) for e in mine]
+        torch.autograd.backward(outs, [grad] * len(outs))
+        amaxes.append((x.abs().max(), grad.abs().max()))
+        states.append(_fp8_tensors(experts))
+    torch.save({"states": states, "amaxes": amaxes,
+                "weight_amax": [e.weight.abs().max() for e in experts]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_ranks_running_different_experts_share_one_reduction(tmp_path):
     """Mixture-of-experts routing: ranks run different subsets of the FP8 layers. The reduction
     covers every layer on every rank (same layout everywhere), so each expert's history holds
     the amax of the ranks that ran it, identically on both ranks."""
-    mp.spawn(_moe_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD,
-             join=True)
+    run_ranks(_moe_worker, (str(tmp_path),), tmp_path)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
                     for r in range(WORLD))
     for step in range(STEPS):
@@ -151,3 +204,17 @@ def test_ranks_running_different_experts_share_one_reduction(tmp_path):
     assert bwd_history[1][-1, 0] == max(g0, g1)
     for e in range(3):
         assert fwd_history[e][-1, 1] == rank0["weight_amax"][e]
+
+
+def _hanging_worker(rank, out_dir):
+    if rank == 1:
+        time.sleep(3600)  # never reaches the collective
+    dist.barrier()
+
+
+def test_a_hanging_rank_fails_the_test_with_a_message(tmp_path):
+    """The runner's time limit: a rank stuck in a collective is killed and the test fails."""
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"ranks \[0, 1\] of 2 had not finished"):
+        run_ranks(_hanging_worker, (str(tmp_path),), tmp_path, timeout_s=8)
+    assert time.monotonic() - start < 30

@@ -11,7 +11,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_bitwise_equal, assert_same_training, counting_aot_eager, randn, sqnr
+from conftest import assert_bitwise_equal, randn, sqnr
+from integration_compare import (assert_bit_identical, counting_aot_eager, step_batches,
+                                 train)
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
@@ -285,16 +287,38 @@ def test_layernorm_linear_fp8_sqnr_against_float32(gen, device, recipe, normaliz
         assert sqnr(q.grad, p.grad) >= 19, name
 
 
-def test_bfloat16_parameters_and_input(gen, device):
+LOW_PRECISION_RECIPES = RECIPES + [tfp8.Float8BlockScaling(), tfp8.Float8RowwiseScaling()]
+
+
+@pytest.mark.parametrize("recipe", LOW_PRECISION_RECIPES, ids=RECIPE_IDS + ["block", "rowwise"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["LayerNormMLP", "LayerNormLinear"])
+def test_low_precision_parameters_and_input(gen, device, kind, dtype, recipe):
+    """bf16 / fp16 parameters and input: the output and every gradient in that dtype, each
+    within FP8 distance of the float32 composition (a gradient off by x1.25 is 12 dB away)."""
     torch.manual_seed(3)
-    m = tfp8.LayerNormMLP(64, 64, activation="swiglu", params_dtype=torch.bfloat16,
-                          device=device)
+    if kind == "LayerNormMLP":
+        m = tfp8.LayerNormMLP(128, 128, activation="swiglu", params_dtype=dtype, device=device)
+        composition = mlp_ref
+    else:
+        m = tfp8.LayerNormLinear(128, 128, params_dtype=dtype, device=device)
+        composition = lnl_ref
+    randomize(m, gen)
     ref = float32_copy(m)
-    x = randn(gen, 40, 64, device=device)
-    out = _fp8_step(m, x.bfloat16(), randn(gen, 40, 64, device=device).bfloat16(),
-                    Float8CurrentScaling())
-    assert out.dtype == torch.bfloat16 and m.fc1_weight.grad.dtype == torch.bfloat16
-    assert sqnr(mlp_ref(ref, x), out) >= 20
+    x, g = randn(gen, 40, 128, device=device), randn(gen, 40, 128, device=device)
+    for _ in range(2):  # the second step runs with the scales of the first (delayed scaling)
+        m.zero_grad(set_to_none=True)
+        x_in = x.to(dtype).requires_grad_(True)
+        out = _fp8_step(m, x_in, g.to(dtype), recipe)
+    x_ref = x.clone().requires_grad_(True)
+    out_ref = composition(ref, x_ref)
+    out_ref.backward(g)
+    assert out.dtype == x_in.grad.dtype == dtype
+    assert sqnr(out_ref, out) >= 20
+    assert sqnr(x_ref.grad, x_in.grad) >= 17
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == dtype, name
+        assert sqnr(q.grad, p.grad) >= 15, name
 
 
 def test_return_bias_and_layernorm_output(gen, device):
@@ -329,21 +353,44 @@ def test_return_bias_and_layernorm_output(gen, device):
 
 
 def test_each_gemm_records_its_own_amaxes_in_one_update(gen, device):
+    """First step (unit scales): each of the six columns holds its own tensor's amax, and the
+    one update sets every scale from it with its role's fp8_max (448 forward, 57344 for the
+    E5M2 grad_outputs)."""
     torch.manual_seed(5)
-    m = tfp8.LayerNormMLP(32, 64, device=device, recipe=DelayedScaling(amax_history_len=4))
+    recipe = DelayedScaling(amax_history_len=4)
+    m = tfp8.LayerNormMLP(32, 64, device=device, recipe=recipe)
+    randomize(m, gen)
     x = randn(gen, 16, 32, device=device).requires_grad_(True)
-    with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+    g = randn(gen, 16, 32, device=device)
+    with fp8_autocast(fp8_recipe=recipe):
         out = m(x)
-    # After the forward update: every column rolled into the last row, scales moved.
-    fwd = m.fp8_fwd_amax_history
-    assert (fwd[-1] > 0).all() and (fwd[0] == 0).all()
-    ln = norm_ref(x.detach(), "LayerNorm", m.layer_norm_weight, m.layer_norm_bias)
-    fc1 = F.linear(ln, m.fc1_weight, m.fc1_bias)
+    # What the first step's casts see: the norm's output, fc1's FP8 output (unit scales)
+    # through the activation, and the weights.
+    e4m3, one = torch.float8_e4m3fn, torch.ones(1, device=device)
+    ln = norm_ref(x.detach(), "LayerNorm", m.layer_norm_weight, m.layer_norm_bias).detach()
+    fc1 = tfp8.ops.fp8_gemm(tfp8.ops.cast_to_fp8(ln, one, e4m3), one,
+                            tfp8.ops.cast_to_fp8(m.fc1_weight.detach(), one, e4m3), one,
+                            torch.float32, bias=m.fc1_bias.detach())
     expected = torch.stack([ln.abs().max(), m.fc1_weight.abs().max(),
                             activation_hp(fc1, "gelu").abs().max(), m.fc2_weight.abs().max()])
-    assert torch.allclose(fwd[-1], expected.detach(), rtol=0.1)
-    out.backward(randn(gen, 16, 32, device=device))
-    assert (m.fp8_bwd_amax_history[-1] > 0).all() and (m.fp8_bwd_scale != 1).all()
+    fwd = m.fp8_fwd_amax_history
+    assert (fwd[:-1] == 0).all(), "one row recorded, rolled into the last"
+    assert torch.equal(fwd[-1, [1, 3]], expected[[1, 3]]), "weight amaxes, exactly"
+    torch.testing.assert_close(fwd[-1], expected.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(m.fp8_fwd_scale, 448.0 / fwd[-1], rtol=1e-6, atol=0)
+    out.backward(g)
+    bwd = m.fp8_bwd_amax_history
+    # fc2's grad_output is g itself; fc1's is the activation's derivative times fc2's FP8
+    # dgrad (unit scales too).
+    w2_t = tfp8.ops.cast_to_fp8(m.fc2_weight.detach().t().contiguous(), one, e4m3)
+    grad_act = tfp8.ops.fp8_gemm(tfp8.ops.cast_to_fp8(g, one, torch.float8_e5m2), one, w2_t,
+                                 one, torch.float32)
+    fc1_in = fc1.clone().requires_grad_(True)
+    activation_hp(fc1_in, "gelu").backward(grad_act)
+    assert bwd[-1, 1] == g.abs().max()
+    torch.testing.assert_close(bwd[-1, 0], fc1_in.grad.abs().max(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(m.fp8_bwd_scale, 57344.0 / bwd[-1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(m.fp8_bwd_scale_inv, bwd[-1] / 57344.0, rtol=1e-6, atol=0)
 
 
 def test_is_first_microbatch_reuses_the_weight_casts(gen, device):
@@ -382,69 +429,49 @@ def _checkpoint_model(device, recipe):
         tfp8.LayerNormMLP(32, 64, activation="swiglu", recipe=recipe)]).to(device)
 
 
-def _train(model, steps, recipe, checkpoint, gen, device, reentrant=False):
-    record = []
-    for _ in range(steps):
-        x = randn(gen, 24, 32, device=device).requires_grad_(True)
-        model.zero_grad(set_to_none=True)
-        with fp8_autocast(fp8_recipe=recipe):
-            h = x
-            for layer in model:
-                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=reentrant) \
-                    if checkpoint else layer(h)
-        loss = h.float().square().mean()
-        loss.backward()
-        record.append((loss.detach(), [p.grad.clone() for p in model.parameters()]
-                       + [x.grad.clone()],
-                       # (state_dict runs a backward update that reentrant checkpointing
-                       # holds back until the next step)
-                       [v.clone() for k, v in model.state_dict().items() if "fp8_" in k]))
-    return record
+class _Sequence(torch.nn.Module):
+    """The layers in a row, each through torch.utils.checkpoint when ``checkpoint`` is set."""
+
+    def __init__(self, layers, checkpoint=False, reentrant=False):
+        super().__init__()
+        self.layers, self.checkpoint, self.reentrant = layers, checkpoint, reentrant
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.reentrant) \
+                if self.checkpoint else layer(x)
+        return x
+
+
+def _batches(device):
+    return step_batches(torch.Generator().manual_seed(8), 3, 24, 32, device=device)
+
+
+BLOCK_RECIPES = [pytest.param(Float8BlockScaling(), id="block"),
+                 pytest.param(Float8RowwiseScaling(), id="rowwise")]
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-@pytest.mark.parametrize("recipe", RECIPES + [Float8BlockScaling(), Float8RowwiseScaling()],
-                         ids=RECIPE_IDS + ["block", "rowwise"])
+@pytest.mark.parametrize("recipe", [pytest.param(r, id=i) for r, i in zip(RECIPES, RECIPE_IDS)]
+                         + BLOCK_RECIPES)
 def test_activation_checkpointing_is_bit_identical(device, recipe, reentrant):
-    plain, checkpointed = _checkpoint_model(device, recipe), _checkpoint_model(device, recipe)
-    got = _train(checkpointed, 3, recipe, True, torch.Generator().manual_seed(8), device,
-                 reentrant)
-    expected = _train(plain, 3, recipe, False, torch.Generator().manual_seed(8), device)
-    assert_same_training(got, expected)
+    plain = _Sequence(_checkpoint_model(device, recipe))
+    checkpointed = _Sequence(_checkpoint_model(device, recipe), True, reentrant)
+    got = train(checkpointed, checkpointed, _batches(device), recipe)
+    expected = train(plain, plain, _batches(device), recipe)
+    assert_bit_identical(got, expected)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
 def test_fullgraph_compile_is_bit_identical_to_eager(recipe):
-    eager = _checkpoint_model("cpu", recipe)
+    eager = _Sequence(_checkpoint_model("cpu", recipe))
     compiled_model = copy.deepcopy(eager)
     backend, graphs = counting_aot_eager()
-
-    class Seq(torch.nn.Module):
-        def __init__(self, layers):
-            super().__init__()
-            self.layers = layers
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    compiled = torch.compile(Seq(compiled_model), backend=backend, fullgraph=True)
-    gen_a, gen_b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
-    for step in range(3):
-        for model, gen, run in ((eager, gen_a, Seq(eager)), (compiled_model, gen_b, compiled)):
-            x = randn(gen, 24, 32)
-            model.zero_grad(set_to_none=True)
-            with fp8_autocast(fp8_recipe=recipe):
-                out = run(x)
-            out.float().square().mean().backward()
-        with fp8_autocast(fp8_recipe=recipe):  # runs a compiled backward's held update
-            pass
-        for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters()):
-            assert_bitwise_equal(p.grad, q.grad, f"step {step}: gradient of {name}")
-        for (name, t), u in zip(compiled_model.state_dict().items(),
-                                eager.state_dict().values()):
-            assert_bitwise_equal(t, u, f"step {step}: {name}")
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
+    expected = train(eager, eager, _batches("cpu"), recipe)
+    got = train(compiled_model, compiled, _batches("cpu"), recipe)
+    assert_bit_identical(got, expected)
     assert len(graphs) == 1, f"recompiled: {len(graphs)} graphs"
 
 

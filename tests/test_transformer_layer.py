@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_bitwise_equal, randn, sqnr
+from integration_compare import assert_bit_identical, step_batches, train
 
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
 from transformer_fp8.activations import activation_hp
@@ -611,28 +612,20 @@ def test_fp8_sqnr_against_float32(gen, device, recipe, config):
 
 
 @NEEDS_FUSED_OPS
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
-def test_fp8_checkpointing_gives_bit_identical_gradients(gen, device, recipe):
+def test_fp8_checkpointing_gives_bit_identical_gradients(device, recipe, reentrant):
+    """Three SGD steps of a checkpointed layer: losses, gradients and FP8 state bit for bit
+    those of the plain layer."""
     torch.manual_seed(7)
     layer = small_layer(device, recipe=recipe, num_gqa_groups=2, activation="swiglu",
                         normalization="RMSNorm")
     plain = copy.deepcopy(layer)
-    x = randn(gen, 16, 2, 64, device=device)
-    records = []
-    for model, checkpointed in ((plain, False), (layer, True)):
-        record = []
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            x_in = x.clone().requires_grad_(True)
-            with fp8_autocast(fp8_recipe=recipe):
-                out = (torch.utils.checkpoint.checkpoint(model, x_in, use_reentrant=False)
-                       if checkpointed else model(x_in))
-            out.float().square().mean().backward()
-            record.append([out.detach(), x_in.grad] + [p.grad for p in model.parameters()])
-        records.append(record)
-    for step, (got, expected) in enumerate(zip(*reversed(records))):
-        for i, (a, b) in enumerate(zip(got, expected)):
-            assert_bitwise_equal(a, b, f"step {step} tensor {i}")
+    batches = step_batches(torch.Generator().manual_seed(7), 3, 16, 2, 64, device=device)
+    expected = train(plain, plain, batches, recipe)
+    got = train(layer, lambda x: torch.utils.checkpoint.checkpoint(
+        layer, x, use_reentrant=reentrant), batches, recipe)
+    assert_bit_identical(got, expected)
 
 
 @NEEDS_FUSED_OPS

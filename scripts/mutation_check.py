@@ -1,0 +1,213 @@
+"""Mutation check: plant known bugs in a copy of the package and make sure the tests fail.
+
+Each mutant below is one exact-text replacement in one file of transformer_fp8/ (a wrong
+gradient factor under torch.compile only, a factor in one dtype only, SUM for MAX, the wrong
+fp8_max for one role, a scale_inv from the wrong step, a skipped amax record, a transposed
+block-scale index, ...), with the tests that must catch it. For each mutant the package and the
+tests are copied to a temporary directory (the built extension reused, never rebuilt), the
+replacement is applied (it must match exactly once, or the check stops: the code it targets has
+changed, update the mutant), and pytest runs the mutant's tests there, stopping at the first
+failure. A mutant is killed when pytest reports a failing test. First, the same tests run once
+on the unmutated copy and must pass. Prints a table; exits 1 if any mutant survives or a run
+goes wrong.
+
+    python scripts/mutation_check.py            # every mutant
+    python scripts/mutation_check.py NAME ...   # some of them
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # under transformer_fp8/
+    old: str
+    new: str
+    files: tuple  # test files
+    keywords: str = ""  # pytest -k expression selecting the tests in them ("": all)
+    # Other (old, new) spellings of the same bug, for other versions of the code: exactly one
+    # of all the old texts must occur, exactly once.
+    alternatives: tuple = ()
+
+    def pytest_args(self) -> list:
+        return [*self.files] + (["-k", self.keywords] if self.keywords else [])
+
+
+MUTANTS = [
+    Mutant("compiled block wgrad x100", "blockwise_linear.py",
+           "            grad_weight = fp8_gemm_blockwise(g_t_fp8, g_t_si, x_t_fp8, x_t_si, "
+           "ctx.weight_dtype)\n",
+           "            grad_weight = fp8_gemm_blockwise(g_t_fp8, g_t_si, x_t_fp8, x_t_si, "
+           "ctx.weight_dtype)\n"
+           "            if torch.compiler.is_compiling():\n"
+           "                grad_weight = grad_weight * 100\n",
+           ("tests/test_blockwise_linear.py",), "test_compile_matches_eager"),
+    Mutant("float16 Linear output x1.25", "linear.py",
+           "        ctx.save_for_backward(x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv)\n",
+           "        ctx.save_for_backward(x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv)\n"
+           "        if plan.out_dtype == torch.float16:\n"
+           "            out = out * 1.25\n",
+           ("tests/test_linear.py",), "low_precision or dtype_casts"),
+    Mutant("bf16 LayerNormMLP fc1 wgrad x4", "layernorm_mlp.py",
+           "                                               w1_dtype)\n",
+           "                                               w1_dtype)\n"
+           "                if w1_dtype == torch.bfloat16:\n"
+           "                    grad_fc1_weight = grad_fc1_weight * 4\n",
+           ("tests/test_te_modules.py",), "low_precision"),
+    Mutant("amax all-reduce SUM for MAX", "fp8_context.py",
+           "op=torch.distributed.ReduceOp.MAX", "op=torch.distributed.ReduceOp.SUM",
+           ("tests/test_distributed.py",), "reduced_amax or ddp_training"),
+    Mutant("Linear wgrad x8 (training curves)", "linear.py",
+           "                                       ctx.weight_dtype)\n",
+           "                                       ctx.weight_dtype) * 8\n",
+           ("tests/test_linear.py", "tests/test_convert.py"),
+           "mlp_trains_like_bfloat16 or converted_model_trains"),
+    Mutant("grad_output scale from 448", "fp8_state.py",
+           "self._fp8_maxes = (recipe.fp8_format.max_fwd, recipe.fp8_format.max_bwd)",
+           "self._fp8_maxes = (recipe.fp8_format.max_fwd, recipe.fp8_format.max_fwd)",
+           ("tests/test_autocast.py",)),
+    Mutant("backward scale_inv of the next step", "fp8_state.py",
+           "        return self.scale, self.scale_inv.clone(), self.amax_slot\n",
+           "        return self.scale, self.scale_inv, self.amax_slot\n",
+           ("tests/test_linear.py",), "backward_uses_the_scale",
+           alternatives=(("return self.scale, copy(self.scale_inv), self.amax_slot",
+                          "return self.scale, self.scale_inv, self.amax_slot"),)),
+    Mutant("compiled: scale_inv of the next step", "fp8_state.py",
+           "        return self.scale, self.scale_inv.clone(), self.amax_slot\n",
+           "        return self.scale, (self.scale_inv if torch.compiler.is_compiling() else "
+           "self.scale_inv.clone()), self.amax_slot\n",
+           ("tests/test_compile.py",), "bit_identical and delayed",
+           alternatives=(("copy = ops.snapshot if torch.compiler.is_compiling() else",
+                          "copy = (lambda t: t) if torch.compiler.is_compiling() else"),)),
+    Mutant("compiled: amax record skipped", "fp8_state.py",
+           "            ops.record_amax(self.history, amax_slot, self.column)\n",
+           "            pass\n",
+           ("tests/test_compile.py",), "bit_identical and delayed"),
+    Mutant("checkpoint replay with the updated scale", "fp8_state.py",
+           "Fp8Cast.replay(fmt.fwd_dtype, x_scale.clone(), x_scale_inv)",
+           "Fp8Cast.replay(fmt.fwd_dtype, x_scale, x_scale_inv)",
+           ("tests/test_checkpointing.py",), "bit_identical and delayed"),
+    Mutant("transposed block-scale index", "blockwise_linear.py",
+           "        out = fp8_gemm_blockwise(x_fp8, x_si, w_fp8, w_si, plan.out_dtype,\n",
+           "        if w_si.shape[0] == w_si.shape[1]:\n"
+           "            w_si = w_si.t()\n"
+           "        out = fp8_gemm_blockwise(x_fp8, x_si, w_fp8, w_si, plan.out_dtype,\n",
+           ("tests/test_blockwise_linear.py",), "different_magnitudes"),
+]
+
+
+def make_copy(work: Path) -> None:
+    """The package (its built extension linked, not copied, where possible), the tests and the
+    pytest configuration, under ``work``."""
+    shutil.copytree(ROOT / "transformer_fp8", work / "transformer_fp8",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for lib in (ROOT / "transformer_fp8").glob("*.so"):
+        try:
+            os.link(lib, work / "transformer_fp8" / lib.name)
+        except OSError:
+            shutil.copy2(lib, work / "transformer_fp8" / lib.name)
+    shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "pyproject.toml", work / "pyproject.toml")
+
+
+def apply(work: Path, mutant: Mutant) -> str:
+    """Applies the mutant; returns the file's original text."""
+    path = work / "transformer_fp8" / mutant.path
+    text = path.read_text()
+    spellings = ((mutant.old, mutant.new),) + mutant.alternatives
+    counts = [text.count(old) for old, _ in spellings]
+    if sorted(counts) != [0] * (len(counts) - 1) + [1]:
+        raise SystemExit(f"mutant {mutant.name!r}: the texts to replace occur {counts} times in "
+                         f"transformer_fp8/{mutant.path} (expected one of them, once): the code "
+                         "changed, update the mutant")
+    old, new = spellings[counts.index(1)]
+    path.write_text(text.replace(old, new))
+    return text
+
+
+def run_pytest(work: Path, args: list) -> tuple[int, str, float]:
+    """(exit code or None on timeout, output tail, seconds) of pytest on the copy."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(work))
+    cmd = [sys.executable, "-m", "pytest", *args, "-x", "-q", "-p", "no:cacheprovider"]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, f"no result after {RUN_TIMEOUT_S} s", time.monotonic() - start
+    tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+    return proc.returncode, tail, time.monotonic() - start
+
+
+def run_tests(work: Path, mutant: Mutant) -> tuple[str, float]:
+    """('killed' | 'SURVIVED' | 'error: ...', seconds)."""
+    code, tail, seconds = run_pytest(work, mutant.pytest_args())
+    if code == 1:
+        return "killed", seconds
+    if code == 0:
+        return "SURVIVED", seconds
+    return f"error: pytest exit code {code}: {tail}", seconds
+
+
+def check_unmutated(work: Path, mutants: list) -> None:
+    """Every selected test passes on the unmutated copy (one pytest run over all of them):
+    otherwise a failure would say nothing about a mutant."""
+    files = sorted({f for m in mutants for f in m.files})
+    keywords = " or ".join(f"({m.keywords or ' or '.join(Path(f).name for f in m.files)})"
+                           for m in mutants)
+    code, tail, seconds = run_pytest(work, [*files, "-k", keywords])
+    if code != 0:
+        raise SystemExit(f"the selected tests do not pass without a mutant (pytest exit code "
+                         f"{code}): {tail}")
+    print(f"unmutated copy: the selected tests pass ({seconds:.0f} s)", flush=True)
+
+
+def main(names: list[str]) -> int:
+    mutants = [m for m in MUTANTS if not names or m.name in names]
+    if names and len(mutants) != len(names):
+        known = ", ".join(repr(m.name) for m in MUTANTS)
+        raise SystemExit(f"unknown mutant name in {names}; known: {known}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tfp8-mutants-") as tmp:
+        work = Path(tmp)
+        make_copy(work)
+        check_unmutated(work, mutants)
+        for mutant in mutants:
+            original = apply(work, mutant)
+            try:
+                outcome, seconds = run_tests(work, mutant)
+            finally:
+                (work / "transformer_fp8" / mutant.path).write_text(original)
+            rows.append((mutant.name, " ".join(mutant.pytest_args()), outcome, seconds))
+            print(f"{mutant.name}: {outcome} ({seconds:.0f} s)", flush=True)
+    width = [max(len(r[i]) for r in rows + [("mutant", "tests run", "killed")])
+             for i in range(3)]
+    print()
+    print(f"{'mutant':<{width[0]}}  {'tests run':<{width[1]}}  {'killed':<8}  seconds")
+    for name, tests, outcome, seconds in rows:
+        killed = "yes" if outcome == "killed" else "NO"
+        print(f"{name:<{width[0]}}  {tests:<{width[1]}}  {killed:<8}  {seconds:7.1f}")
+        if outcome not in ("killed", "SURVIVED"):
+            print(f"    {outcome}")
+    survivors = [r[0] for r in rows if r[2] != "killed"]
+    if survivors:
+        print(f"\n{len(survivors)} of {len(rows)} mutants not killed: {survivors}")
+        return 1
+    print(f"\nall {len(rows)} mutants killed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
