@@ -15,7 +15,8 @@ from .linear import Linear, strip_fp8_state
 from .normalization import LayerNorm, RMSNorm
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                      Float8RowwiseScaling, Format)
-from .transformer_layer import MultiheadAttention, TransformerLayer
+from .multi_head_attention import MultiheadAttention
+from .transformer_layer import TransformerLayer
 
 __version__ = "0.1.0"
 

@@ -71,6 +71,11 @@ def check_te_options(owner: str, options: dict) -> None:
                              f"{allowed[0]!r}")
 
 
+def te_only_arguments(arguments: dict) -> dict:
+    """The arguments (a constructor's locals()) that are in TE_ACCEPTED or TE_IGNORED."""
+    return {k: v for k, v in arguments.items() if k in TE_ACCEPTED or k in TE_IGNORED}
+
+
 def _same(value, allowed) -> bool:
     if allowed is None or isinstance(allowed, bool):
         return value is allowed
