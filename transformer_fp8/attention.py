@@ -23,6 +23,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from . import te_checkpoint
 from .te_args import check_positive, check_te_options as check_unsupported
 
 QKV_FORMATS = ("sbhd", "bshd")
@@ -369,6 +370,11 @@ class DotProductAttention(torch.nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | dead,
                                              dropout_p=dropout, scale=self.softmax_scale, **gqa)
         return out.masked_fill(dead, 0.0)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        te_checkpoint.drop_extra_state(state_dict, prefix, args[3], "DotProductAttention",
+                                       nested=("fused_attention",))
 
     def extra_repr(self) -> str:
         return (f"num_attention_heads={self.num_attention_heads}, "

@@ -158,6 +158,11 @@ class _Norm(torch.nn.Module):
     def reset_parameters(self) -> None:
         reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        from . import te_checkpoint
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        te_checkpoint.drop_extra_state(state_dict, prefix, args[3], type(self).__name__)
+
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         if inp.shape[-1:] != (self.hidden_size,):
             raise ValueError(f"{type(self).__name__}: input must have shape "

@@ -169,3 +169,21 @@ def _load_delayed_state(module, state: dict) -> Optional[str]:
     module._weight_cache = [None] * gemms
     module._delayed_cast_cache = None
     return None
+
+
+def drop_extra_state(state_dict, prefix: str, unexpected_keys: list, where: str,
+                     nested: tuple = ()) -> None:
+    """For a module with no FP8 state (attention, norms): accept Transformer Engine's
+    ``_extra_state`` entries (its own and those of the submodules named in ``nested``, such as
+    an older checkpoint's fused_attention) and ignore them, with a warning if one is not
+    empty (FP8 attention metadata: attention runs in high precision here)."""
+    for key in [prefix + EXTRA_STATE] + [f"{prefix}{n}.{EXTRA_STATE}" for n in nested]:
+        if key not in state_dict:
+            continue
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        value = state_dict[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 0 or value is None:
+            continue
+        warnings.warn(f"{where}: Transformer Engine's extra state '{key}' ignored (this module "
+                      "runs in high precision and keeps no FP8 state)", stacklevel=4)
