@@ -94,7 +94,7 @@ class TeModuleMixin:
         if not params:
             return None
         if routed and self._wgrad is not None:
-            is_weight = not logical.endswith("bias")
+            is_weight = "bias" not in logical
             params = [wgrad.route(p, self._wgrad, is_weight, self._wgrad_first) for p in params]
         return params[0] if len(params) == 1 else torch.cat(params, dim=0)
 
