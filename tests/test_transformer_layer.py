@@ -6,6 +6,8 @@ SQNR bounds of float32; a small GPT of TransformerLayers trains in FP8 as in bf1
 checkpointing and state_dict round trips."""
 from __future__ import annotations
 
+import functools
+
 import copy
 import importlib.util
 import math
@@ -81,6 +83,15 @@ def rotate(t, freqs, fmt):
     return torch.cat((z.real, z.imag, rest), dim=-1)
 
 
+def qkv_param(module, kind):
+    """The QKV projection's weight or bias: Transformer Engine's query/key/value Parameters
+    joined (rows: queries, keys, values), or the one Parameter with fuse_qkv_params."""
+    parts = [getattr(module, f"{name}_{kind}", None) for name in ("query", "key", "value")]
+    if all(p is None for p in parts):
+        return getattr(module, kind, None)
+    return torch.cat(parts)
+
+
 def layer_ref(layer, x, mask=None, mask_type="causal", rotary=None):
     """TransformerLayer's high-precision composition, written with torch ops from its
     parameters (dropout 0)."""
@@ -89,7 +100,7 @@ def layer_ref(layer, x, mask=None, mask_type="causal", rotary=None):
     fmt = layer.attn_input_format
     ln1 = norm_ref(x, lnl.normalization, lnl.layer_norm_weight, lnl.layer_norm_bias, lnl.eps,
                    lnl.zero_centered_gamma)
-    mixed = F.linear(ln1, lnl.weight, lnl.bias)
+    mixed = F.linear(ln1, qkv_param(lnl, "weight"), qkv_param(lnl, "bias"))
     h, g, d = att.num_attention_heads, att.num_gqa_groups, att.kv_channels
     q, k, v = mixed.split([h * d, g * d, g * d], dim=-1)
     q, k, v = (t.reshape(*t.shape[:2], -1, d) for t in (q, k, v))
@@ -252,8 +263,8 @@ def test_attention_errors_name_the_argument():
         attn(q, k[:3], v[:3])
     with pytest.raises(TypeError, match="one dtype"):
         attn(q, k.double(), v)
-    with pytest.raises(ValueError, match="'causal' takes no attention_mask"):
-        attn(q, k, v, attention_mask=torch.zeros(2, 1, 1, 5, dtype=torch.bool))
+    # 'causal' and 'no_mask' take no mask: one passed anyway is ignored (Transformer Engine's
+    # behaviour; tests/test_te_compat.py compares the outputs).
     with pytest.raises(ValueError, match="'padding' needs an attention_mask"):
         attn(q, k, v, attn_mask_type="padding")
     with pytest.raises(TypeError, match=r"must be a bool tensor \(True = masked out\), got "
@@ -374,7 +385,10 @@ def test_names_shapes_and_options_follow_transformer_engine():
                              activation="swiglu", bias=False)
     assert {n: tuple(p.shape) for n, p in layer.named_parameters()} == {
         "self_attention.layernorm_qkv.layer_norm_weight": (64,),
-        "self_attention.layernorm_qkv.weight": ((4 + 2 * 2) * 16, 64),
+        # Transformer Engine's names without fuse_qkv_params (its default).
+        "self_attention.layernorm_qkv.query_weight": (4 * 16, 64),
+        "self_attention.layernorm_qkv.key_weight": (2 * 16, 64),
+        "self_attention.layernorm_qkv.value_weight": (2 * 16, 64),
         "self_attention.proj.weight": (64, 64),
         "layernorm_mlp.layer_norm_weight": (64,),
         "layernorm_mlp.fc1_weight": (192, 64),
@@ -385,7 +399,7 @@ def test_names_shapes_and_options_follow_transformer_engine():
     assert type(sub["self_attention.proj"]).__name__ == "Linear"
     assert type(sub["layernorm_mlp"]).__name__ == "LayerNormMLP"
     # kv_channels decouples the head size from hidden / heads.
-    wide = TransformerLayer(64, 64, 2, kv_channels=48)
+    wide = TransformerLayer(64, 64, 2, kv_channels=48, fuse_qkv_params=True)
     assert wide.self_attention.layernorm_qkv.weight.shape == (6 * 48, 64)
     assert wide.self_attention.proj.weight.shape == (64, 96)
     # Transformer Engine's initialisation: normal(0, 0.023) weights, zero biases.
@@ -398,7 +412,8 @@ def test_names_shapes_and_options_follow_transformer_engine():
     # init methods: init_method for QKV and fc1, output_layer_init_method for proj and fc2.
     layer = TransformerLayer(32, 32, 2, init_method=torch.nn.init.ones_,
                              output_layer_init_method=torch.nn.init.zeros_)
-    assert (layer.self_attention.layernorm_qkv.weight == 1).all()
+    assert all((layer.self_attention.layernorm_qkv.get_parameter(n) == 1).all()
+               for n in ("query_weight", "key_weight", "value_weight"))
     assert (layer.layernorm_mlp.fc1_weight == 1).all()
     assert (layer.self_attention.proj.weight == 0).all()
     assert (layer.layernorm_mlp.fc2_weight == 0).all()
@@ -545,8 +560,10 @@ def test_checkpointing_gives_bit_identical_gradients(gen):
         if mode == "plain":
             out = layer(x_in, rotary_pos_emb=freqs)
         else:
-            out = torch.utils.checkpoint.checkpoint(layer, x_in, None, None, freqs,
-                                                    use_reentrant=mode == "reentrant")
+            # (rotary_pos_emb by keyword: Transformer Engine's forward has it 14th)
+            out = torch.utils.checkpoint.checkpoint(
+                functools.partial(layer, rotary_pos_emb=freqs), x_in,
+                use_reentrant=mode == "reentrant")
         out.square().mean().backward()
         results.append([out.detach(), x_in.grad] + [p.grad for p in layer.parameters()])
     for mode, result in zip(("reentrant", "nonreentrant"), results[1:]):

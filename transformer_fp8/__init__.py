@@ -9,6 +9,7 @@ from .checkpointing import checkpoint
 from .convert import Conv1D, ConversionSummary, convert_to_fp8
 from .attention import DotProductAttention, RotaryPositionEmbedding
 from .cuda_graphs import make_graphed_callables
+from .grouped_linear import GroupedLinear
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear, strip_fp8_state
@@ -16,7 +17,8 @@ from .normalization import LayerNorm, RMSNorm
 from .pretrained import load_fp8_state
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                      Float8RowwiseScaling, Format)
-from .transformer_layer import MultiheadAttention, TransformerLayer
+from .multi_head_attention import MultiheadAttention
+from .transformer_layer import TransformerLayer
 
 __version__ = "0.1.0"
 
@@ -52,6 +54,7 @@ def is_fp8_available() -> tuple[bool, str]:
 
 __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention",
            "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format",
+           "GroupedLinear",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
            "build_info", "checkpoint", "convert_to_fp8", "fp8_autocast", "fp8_model_init",

@@ -8,7 +8,8 @@ are Transformer Engine's:
   * GQA: g = num_gqa_groups key/value heads, query head i reads group i // (h / g);
   * attention_mask is boolean with True = masked out (the opposite of SDPA's attn_mask):
     "padding" takes [b, 1, 1, s] (a tuple (query mask, key/value mask) when s_q != s_kv),
-    "arbitrary" anything broadcastable to [b, h, s_q, s_kv];
+    "arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with "causal" or "no_mask" a
+    mask is ignored, as in Transformer Engine;
   * query rows that may attend to nothing (padded queries) give zeros, not NaN.
 Rotary embeddings: RotaryPositionEmbedding(dim)(max_seq_len) is the angle tensor [s, 1, 1, d];
 apply_rotary_pos_emb applies it to the first d features of q or k with the non-interleaved
@@ -22,7 +23,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .norm_first import check_positive, check_unsupported
+from . import te_checkpoint
+from .te_args import check_positive, check_te_options as check_unsupported
 
 QKV_FORMATS = ("sbhd", "bshd")
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal", "arbitrary")
@@ -136,10 +138,15 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor,
 
 # ---- dot-product attention -----------------------------------------------------------------
 
-_FORWARD_DEFAULTS = {"cu_seqlens_q": None, "cu_seqlens_kv": None, "max_seqlen_q": None,
-                     "max_seqlen_kv": None, "core_attention_bias_type": "no_bias",
-                     "core_attention_bias": None, "alibi_slopes": None, "inference_params": None,
-                     "fast_zero_fill": True, "window_size": None}
+_FORWARD_DEFAULTS = {"cu_seqlens_q": None, "cu_seqlens_kv": None, "cu_seqlens_q_padded": None,
+                     "cu_seqlens_kv_padded": None, "max_seqlen_q": None, "max_seqlen_kv": None,
+                     "core_attention_bias_type": "no_bias", "core_attention_bias": None,
+                     "alibi_slopes": None, "inference_params": None, "fast_zero_fill": True,
+                     "window_size": None, "bottom_right_diagonal": None,
+                     "pad_between_seqs": None, "fp8_output": False, "bf16_backward": False,
+                     "num_splits": 1, "score_mod": None, "score_mod_bprop": None,
+                     "score_mod_tensors": None, "score_mod_bprop_tensors": None,
+                     "qkv_layer": None, "kv_layer": None, "qkv_interleave_dim": -3}
 
 
 class DotProductAttention(torch.nn.Module):
@@ -156,26 +163,30 @@ class DotProductAttention(torch.nn.Module):
     def __init__(self, num_attention_heads: int, kv_channels: int,
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0,
                  qkv_format: str = "sbhd", attn_mask_type: str = "causal",
-                 sequence_parallel: bool = False, tp_size: int = 1,
-                 get_rng_state_tracker=None, tp_group=None, layer_number: Optional[int] = None,
-                 attention_type: str = "self", softmax_scale: Optional[float] = None,
-                 **unsupported):
+                 window_size=None, bottom_right_diagonal=None, sequence_parallel: bool = False,
+                 tp_size: int = 1, get_rng_state_tracker=None, tp_group=None,
+                 layer_number: Optional[int] = None, attention_type: str = "self",
+                 cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
+                 softmax_scale: Optional[float] = None, softmax_type: str = "vanilla",
+                 return_max_logit: bool = False, name=None):
         super().__init__()
         owner = "DotProductAttention"
-        window_size = unsupported.pop("window_size", None)
-        if window_size not in (None, (-1, -1), (-1, 0)):
-            raise ValueError(f"{owner}: window_size={window_size!r} is not supported (no "
-                             "sliding-window attention); leave it at None")
-        for name in ("cp_group", "cp_global_ranks", "cp_stream"):
-            if unsupported.get(name) is not None:
-                raise ValueError(f"{owner}: {name}={unsupported[name]!r} is not supported (no "
-                                 "context parallelism); leave it at None")
-            unsupported.pop(name, None)
-        if unsupported.pop("cp_comm_type", "p2p") != "p2p":
-            raise ValueError(f"{owner}: cp_comm_type is not supported (no context parallelism)")
-        check_unsupported(owner, dict(unsupported, sequence_parallel=sequence_parallel,
-                                      tp_size=tp_size, get_rng_state_tracker=get_rng_state_tracker,
-                                      tp_group=tp_group))
+        for option, value in (("cp_group", cp_group), ("cp_global_ranks", cp_global_ranks),
+                              ("cp_stream", cp_stream)):
+            if value is not None:
+                raise ValueError(f"{owner}: {option}={value!r} is not supported (no context "
+                                 "parallelism); leave it at None")
+        if cp_comm_type != "p2p":
+            raise ValueError(f"{owner}: cp_comm_type={cp_comm_type!r} is not supported (no "
+                             "context parallelism); leave it at 'p2p'")
+        if return_max_logit:
+            raise ValueError(f"{owner}: return_max_logit=True is not supported; leave it at "
+                             "False")
+        check_unsupported(owner, dict(window_size=window_size,
+                                      bottom_right_diagonal=bottom_right_diagonal,
+                                      sequence_parallel=sequence_parallel, tp_size=tp_size,
+                                      get_rng_state_tracker=get_rng_state_tracker,
+                                      tp_group=tp_group, softmax_type=softmax_type, name=name))
         self.num_attention_heads = check_positive(owner, "num_attention_heads",
                                                   num_attention_heads)
         self.kv_channels = check_positive(owner, "kv_channels", kv_channels)
@@ -208,12 +219,22 @@ class DotProductAttention(torch.nn.Module):
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor,
                 value_layer: torch.Tensor,
                 attention_mask: Union[torch.Tensor, tuple, None] = None,
-                qkv_format: Optional[str] = None, attn_mask_type: Optional[str] = None,
-                checkpoint_core_attention: bool = False, **unsupported) -> torch.Tensor:
+                qkv_format: Optional[str] = None, cu_seqlens_q=None, cu_seqlens_kv=None,
+                cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None,
+                max_seqlen_kv=None, attn_mask_type: Optional[str] = None, window_size=None,
+                bottom_right_diagonal=None, checkpoint_core_attention: bool = False,
+                **unsupported) -> torch.Tensor:
         owner = "DotProductAttention"
-        for name, value in unsupported.items():
+        named = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                     cu_seqlens_q_padded=cu_seqlens_q_padded,
+                     cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_kv=max_seqlen_kv, window_size=window_size,
+                     bottom_right_diagonal=bottom_right_diagonal)
+        for name, value in {**named, **unsupported}.items():
             if name not in _FORWARD_DEFAULTS:
                 raise TypeError(f"{owner}.forward() got an unexpected keyword argument {name!r}")
+            if name == "qkv_interleave_dim" and unsupported.get("qkv_layer") is None:
+                continue  # only read with a packed qkv_layer
             if value is not None and value != _FORWARD_DEFAULTS[name] and not (
                     name == "window_size" and value in ((-1, -1), (-1, 0))):
                 raise ValueError(f"{owner}.forward: {name}={value!r} is not supported; leave "
@@ -279,10 +300,8 @@ class DotProductAttention(torch.nn.Module):
         is_causal). Causal is top-left aligned (query i sees keys 0..i)."""
         owner = "DotProductAttention"
         if mask_type in ("no_mask", "causal"):
-            if mask is not None:
-                raise ValueError(f"{owner}: attn_mask_type {mask_type!r} takes no "
-                                 "attention_mask; pass attention_mask=None or use 'padding', "
-                                 "'padding_causal' or 'arbitrary'")
+            # These types take no mask; one passed anyway is ignored, as Transformer Engine
+            # ignores it (model code often passes its padding mask along regardless).
             return None, mask_type == "causal"
         if mask is None:
             raise ValueError(f"{owner}: attn_mask_type {mask_type!r} needs an attention_mask "
@@ -351,6 +370,11 @@ class DotProductAttention(torch.nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | dead,
                                              dropout_p=dropout, scale=self.softmax_scale, **gqa)
         return out.masked_fill(dead, 0.0)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        te_checkpoint.drop_extra_state(state_dict, prefix, args[3], "DotProductAttention",
+                                       nested=("fused_attention",))
 
     def extra_repr(self) -> str:
         return (f"num_attention_heads={self.num_attention_heads}, "

@@ -18,6 +18,7 @@ torch/utils/checkpoint.py on the call stack: `CheckpointFunction.backward` (reen
 from __future__ import annotations
 
 import enum
+import functools
 import sys
 
 import torch
@@ -97,12 +98,15 @@ def may_be_checkpointed() -> bool:
 
 def checkpoint(function, *args, distribute_saved_activations: bool = False,
                get_rng_state_tracker=None, tp_group=None, use_reentrant: bool = True, **kwargs):
-    """Transformer Engine's ``checkpoint`` signature over torch.utils.checkpoint.checkpoint:
-    run ``function(*args, **kwargs)`` without keeping its activations, recomputing them in
+    """Transformer Engine's ``checkpoint`` over torch.utils.checkpoint.checkpoint: run
+    ``function(*args, **kwargs)`` without keeping its activations, recomputing them in
     backward (FP8 layers inside replay their casts exactly, as with torch's own function).
 
-    distribute_saved_activations and get_rng_state_tracker serve Transformer Engine's tensor
-    parallelism, which this library does not have: they are refused rather than ignored.
+    As in Transformer Engine, keyword arguments go to ``function`` (in both modes; torch's
+    reentrant mode takes none itself), except torch's own options context_fn,
+    determinism_check and debug. distribute_saved_activations and get_rng_state_tracker serve
+    Transformer Engine's tensor parallelism, which this library does not have: they are
+    refused rather than ignored.
     """
     if distribute_saved_activations:
         raise ValueError("checkpoint: distribute_saved_activations=True (sharding saved "
@@ -111,4 +115,10 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
         raise ValueError("checkpoint: get_rng_state_tracker (a tensor-parallel RNG tracker) is "
                          "not supported; torch's checkpoint restores the RNG state itself")
     del tp_group  # only meaningful with distribute_saved_activations
-    return _torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+    torch_options = {name: kwargs.pop(name) for name in ("context_fn", "determinism_check",
+                                                         "debug") if name in kwargs}
+    if kwargs:
+        # Bound here: the reentrant mode passes no keyword argument to the function.
+        function = functools.partial(function, **kwargs)
+    return _torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant,
+                                        **torch_options)

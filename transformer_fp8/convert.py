@@ -24,7 +24,7 @@ class Conv1D(Linear):
     Parameters and optimizers stay as they were. Made by convert_to_fp8 only. (nf and nx,
     Conv1D's names for out_features and in_features, are kept.)"""
 
-    def weight_nk(self) -> torch.Tensor:
+    def weight_nk(self, routed: bool = False) -> torch.Tensor:
         return self.weight.t()
 
     def _high_precision(self, inp: torch.Tensor, linear=None) -> torch.Tensor:
@@ -120,6 +120,7 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
             continue
         child.__class__ = new_class
         child._register_fp8_state(child.weight.device, history_len)
+        child._init_converted()
         if isinstance(recipe, DelayedScaling):
             child._adopt_recipe(recipe)
         summary.converted.append(name)

@@ -36,6 +36,9 @@ class AutocastState:
     enabled: bool
     recipe: Recipe
     group: Optional["torch.distributed.ProcessGroup"]
+    # Calibration: modules that run in high precision record their GEMM inputs' and weights'
+    # amaxes (delayed scaling; see calibration.py), updated at the outermost exit as usual.
+    calibrating: bool = False
 
 
 def _world_size(group) -> int:
@@ -297,21 +300,27 @@ def _exit_outermost(failed: bool) -> None:
 _STATES: dict = {}
 
 
-def _state_for(enabled: bool, recipe: Recipe, group) -> AutocastState:
-    """One AutocastState object per (enabled, recipe, group): torch.compile guards on the
-    object a compiled module reads, so a new one at every step would recompile every step."""
-    key = (enabled, recipe, group)
+def _state_for(enabled: bool, recipe: Recipe, group, calibrating: bool = False) -> AutocastState:
+    """One AutocastState object per (enabled, recipe, group, calibrating): torch.compile guards
+    on the object a compiled module reads, so a new one at every step would recompile every
+    step."""
+    key = (enabled, recipe, group, calibrating)
     if key not in _STATES:
-        _STATES[key] = AutocastState(enabled, recipe, group)
+        _STATES[key] = AutocastState(enabled, recipe, group, calibrating)
     return _STATES[key]
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
-                 fp8_group=None) -> Iterator[None]:
-    """Run the FP8 modules inside with FP8 GEMMs.
+def fp8_autocast(enabled: bool = True, calibrating: bool = False,
+                 fp8_recipe: Optional[Recipe] = None, fp8_group=None,
+                 _graph: bool = False) -> Iterator[None]:
+    """Run the FP8 modules inside with FP8 GEMMs (Transformer Engine's signature).
 
     enabled: False runs them in high precision (as torch.nn.Linear would).
+    calibrating: with enabled=False and a DelayedScaling recipe, the modules still run in high
+        precision but record the amaxes of their GEMM inputs and weights; the scales are
+        updated from them at the outermost exit (as after an FP8 forward), so that the first
+        FP8 step starts with calibrated scales. No effect when enabled.
     fp8_recipe: DelayedScaling() by default, Float8CurrentScaling(), or the per-block recipes
         Float8BlockScaling() and Float8RowwiseScaling() (no state, no collective).
     fp8_group: the process group whose ranks share amaxes (default: the whole world).
@@ -321,6 +330,11 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
+    if not isinstance(calibrating, bool):
+        raise TypeError(f"calibrating must be True or False, got {type(calibrating).__name__}")
+    if _graph:
+        raise ValueError("fp8_autocast: _graph=True (Transformer Engine's internal flag for "
+                         "graph capture) is not supported; use make_graphed_callables")
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
     if not isinstance(fp8_recipe, RECIPE_TYPES):
@@ -343,7 +357,7 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None,
             flush_pending_backward_updates()
         if _QUEUED_BACKWARD_STEPS and not _LOCAL.isolated:
             discard_failed_backward_passes()
-    _LOCAL.stack.append(_state_for(enabled, fp8_recipe, fp8_group))
+    _LOCAL.stack.append(_state_for(enabled, fp8_recipe, fp8_group, calibrating and not enabled))
     failed = False
     try:
         yield
@@ -368,19 +382,20 @@ def isolated_fp8_autocast(enabled: bool, fp8_recipe: Optional[Recipe], fp8_group
     _LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps = [], {}, {}
     _LOCAL.isolated = True
     try:
-        with fp8_autocast(enabled, fp8_recipe, fp8_group):
+        with fp8_autocast(enabled=enabled, fp8_recipe=fp8_recipe, fp8_group=fp8_group):
             yield
     finally:
         (_LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps, _LOCAL.pass_id,
          _LOCAL.isolated) = saved
 
 
-def autocast(enabled: bool = True, recipe: Optional[Recipe] = None,
-             amax_reduction_group=None):
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+             amax_reduction_group=None, _graph: bool = False):
     """Transformer Engine 2.x's spelling of fp8_autocast, with its argument names:
-    ``autocast(enabled, recipe, amax_reduction_group)`` is ``fp8_autocast(enabled, fp8_recipe,
-    fp8_group)``."""
-    return fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=amax_reduction_group)
+    ``autocast(enabled, calibrating, recipe, amax_reduction_group)`` is
+    ``fp8_autocast(enabled, calibrating, fp8_recipe, fp8_group)``."""
+    return fp8_autocast(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe,
+                        fp8_group=amax_reduction_group, _graph=_graph)
 
 
 class _InitRecipe(threading.local):

@@ -388,6 +388,9 @@ class Fp8StateMixin:
             return self._fp8_replay(inp)
         state = _autocast.current_state()
         if state is None or not state.enabled:
+            if state is not None and state.calibrating:
+                from .calibration import recording_linear
+                return self._high_precision(inp, recording_linear(self, state))
             return self._high_precision(inp)
         weight_dtype = self.fp8_weights()[0].dtype
         if inp.dtype != weight_dtype and not torch.is_autocast_enabled(inp.device.type):

@@ -17,6 +17,8 @@ from . import ops
 from .fp8_state import ALIGN, pad_rows
 from .norm_first import NormFirstModule, check_positive
 from .recipe import Recipe
+from .te_args import check_forward_flags, te_only_arguments
+from .te_module import split_sizes
 
 
 def cast_norm_output(plan, norm, x, ln_weight, ln_bias, with_transpose, return_hp):
@@ -102,58 +104,76 @@ class LayerNormLinear(NormFirstModule):
     Returns out; with return_bias, (out, bias) and the bias is not added; with
     return_layernorm_output, the norm's output comes last.
     Weights are initialised as Transformer Engine does (init_method, default normal with std
-    0.023; bias zero). Tensor/sequence parallel options are accepted only at their defaults.
+    0.023; bias zero). Arguments in Transformer Engine's order; parameters_split keeps the
+    weight and bias as several Parameters (``<name>_weight``, ``<name>_bias``);
+    fuse_wgrad_accumulation and delay_wgrad_compute as in wgrad.py; tensor/sequence parallel
+    options are accepted only at their defaults (te_args.py).
     recipe: the recipe it will train with (sizes the amax histories now, as for Linear).
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5,
+                 sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
+                 tp_group=None, tp_size: int = 1, get_rng_state_tracker=None,
                  init_method: Optional[Callable] = None, bias: bool = True,
                  normalization: str = "LayerNorm", return_bias: bool = False,
-                 params_dtype: Optional[torch.dtype] = None,
-                 return_layernorm_output: bool = False, zero_centered_gamma: bool = False,
-                 device=None, *, dtype: Optional[torch.dtype] = None,
-                 recipe: Optional[Recipe] = None, **te_options):
+                 params_dtype: Optional[torch.dtype] = None, parallel_mode=None,
+                 return_layernorm_output: bool = False,
+                 return_layernorm_output_gathered: bool = False, parameters_split=None,
+                 zero_centered_gamma: bool = False, device=None, ub_overlap_ag: bool = False,
+                 ub_overlap_rs: bool = False, ub_overlap_rs_dgrad: bool = False,
+                 ub_bulk_wgrad: bool = False, ub_bulk_dgrad: bool = False, ub_name=None,
+                 delay_wgrad_compute: bool = False, symmetric_ar_type=None, name=None, *,
+                 dtype: Optional[torch.dtype] = None, recipe: Optional[Recipe] = None):
+        te_options = te_only_arguments(locals())
         super().__init__()
         dtype = self._init_options(te_options, dtype, params_dtype, return_bias,
-                                   return_layernorm_output, init_method)
+                                   return_layernorm_output, init_method,
+                                   fuse_wgrad_accumulation, delay_wgrad_compute)
         self.in_features = check_positive("LayerNormLinear", "in_features", in_features)
         self.out_features = check_positive("LayerNormLinear", "out_features", out_features)
+        parts = split_sizes("LayerNormLinear", parameters_split, out_features)
         factory = dict(device=device, dtype=dtype)
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
-        self.bias = torch.nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
+        self._register_gemm_parameter("weight", torch.empty(out_features, in_features,
+                                                            **factory), parts)
+        self._register_gemm_parameter(
+            "bias", torch.zeros(out_features, **factory) if bias else None, parts)
         self._init_norm_and_state(in_features, eps, normalization, zero_centered_gamma,
                                   device, dtype, recipe, num_gemms=1)
         self._initialise()
 
     def _init_parameters(self) -> None:
         self.reset_norm_parameters()
-        self.init_method(self.weight)
-        if self.bias is not None:
-            with torch.no_grad():
-                self.bias.zero_()
+        for weight in self._parameters_of("weight"):
+            self.init_method(weight)
+        with torch.no_grad():
+            for bias in self._parameters_of("bias"):
+                bias.zero_()
 
     def _gemm_dims(self):
         return [(self.out_features, self.in_features)]
 
     def fp8_weights(self) -> list[torch.Tensor]:
-        return [self.weight]
+        return [self._param("weight", routed=False)]
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        return self._forward(inp, is_first_microbatch, self.in_features, self.bias)
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                fp8_output: bool = False, fp8_grad: bool = False):
+        check_forward_flags("LayerNormLinear", fp8_output, fp8_grad)
+        return self._forward(inp, is_first_microbatch, self.in_features, "bias")
 
     def _gemm_bias(self):
-        return None if self.return_bias else self.bias
+        return None if self.return_bias else self._param("bias")
 
     def _high_precision(self, inp, linear=F.linear):
         ln_out = self._norm_hp(inp)
-        out = linear(ln_out, self.weight, self._gemm_bias())
+        out = linear(ln_out, self._param("weight"), self._gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out
 
     def _fp8_apply(self, inp, plans):
         return _LayerNormLinearFunction.apply(
-            inp, self.layer_norm_weight, self.layer_norm_bias, self.weight, self._gemm_bias(),
-            plans[0], self._norm_step, self.return_layernorm_output)
+            inp, self.layer_norm_weight, self.layer_norm_bias, self._param("weight"),
+            self._gemm_bias(), plans[0], self._norm_step, self.return_layernorm_output)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"normalization={self.normalization}, bias={self.bias is not None}, fp8=True")
+                f"normalization={self.normalization}, bias={bool(self._parts['bias'])}, "
+                "fp8=True")

@@ -24,6 +24,7 @@ from .fp8_state import ALIGN, pad_rows
 from .layernorm_linear import cast_norm_output
 from .norm_first import NormFirstModule, check_positive, te_default_init
 from .recipe import Recipe
+from .te_args import te_only_arguments
 
 
 def _cast_activation(plan, activation, fc1_out, with_transpose):
@@ -166,20 +167,34 @@ class LayerNormMLP(NormFirstModule):
     Returns out; with return_bias, (out, fc2_bias) and fc2's bias is not added; with
     return_layernorm_output, the norm's output comes last.
     Weights as Transformer Engine initialises them (init_method for fc1, output_layer_init_method
-    for fc2, default normal with std 0.023; biases zero).
+    for fc2, default normal with std 0.023; biases zero). Arguments in Transformer Engine's
+    order; fuse_wgrad_accumulation and delay_wgrad_compute as in wgrad.py; the others it
+    takes are accepted at their defaults (te_args.py).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
-                 init_method: Optional[Callable] = None,
-                 output_layer_init_method: Optional[Callable] = None, bias: bool = True,
-                 activation: str = "gelu", normalization: str = "LayerNorm",
-                 return_bias: bool = False, params_dtype: Optional[torch.dtype] = None,
-                 return_layernorm_output: bool = False, zero_centered_gamma: bool = False,
-                 device=None, *, dtype: Optional[torch.dtype] = None,
-                 recipe: Optional[Recipe] = None, **te_options):
+                 sequence_parallel: bool = False, return_bias: bool = False,
+                 get_rng_state_tracker=None, tp_group=None, tp_size: int = 1,
+                 init_method: Optional[Callable] = None, bias: bool = True,
+                 normalization: str = "LayerNorm", activation: str = "gelu",
+                 activation_params: Optional[dict] = None,
+                 output_layer_init_method: Optional[Callable] = None,
+                 fuse_wgrad_accumulation: bool = False,
+                 params_dtype: Optional[torch.dtype] = None,
+                 return_layernorm_output: bool = False,
+                 return_layernorm_output_gathered: bool = False, seq_length=None,
+                 micro_batch_size=None, set_parallel_mode: bool = False,
+                 zero_centered_gamma: bool = False, device=None, ub_overlap_ag: bool = False,
+                 name=None, ub_overlap_rs: bool = False, ub_overlap_rs_dgrad: bool = False,
+                 ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False,
+                 delay_wgrad_compute: bool = False, symmetric_ar_type=None,
+                 checkpoint: bool = False, *, dtype: Optional[torch.dtype] = None,
+                 recipe: Optional[Recipe] = None):
+        te_options = te_only_arguments(locals())
         super().__init__()
         dtype = self._init_options(te_options, dtype, params_dtype, return_bias,
-                                   return_layernorm_output, init_method)
+                                   return_layernorm_output, init_method,
+                                   fuse_wgrad_accumulation, delay_wgrad_compute)
         self.hidden_size = check_positive("LayerNormMLP", "hidden_size", hidden_size)
         self.ffn_hidden_size = check_positive("LayerNormMLP", "ffn_hidden_size",
                                               ffn_hidden_size)
@@ -187,11 +202,14 @@ class LayerNormMLP(NormFirstModule):
         self.output_layer_init_method = output_layer_init_method or te_default_init
         fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
         factory = dict(device=device, dtype=dtype)
-        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
-        self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, **factory)) if bias else None
-        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size,
-                                                         **factory))
-        self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, **factory)) if bias else None
+        self._register_gemm_parameter("fc1_weight", torch.empty(fc1_out, hidden_size,
+                                                                **factory))
+        self._register_gemm_parameter("fc1_bias",
+                                      torch.zeros(fc1_out, **factory) if bias else None)
+        self._register_gemm_parameter("fc2_weight", torch.empty(hidden_size, ffn_hidden_size,
+                                                                **factory))
+        self._register_gemm_parameter("fc2_bias",
+                                      torch.zeros(hidden_size, **factory) if bias else None)
         self._init_norm_and_state(hidden_size, eps, normalization, zero_centered_gamma,
                                   device, dtype, recipe, num_gemms=2)
         self._initialise()
@@ -212,22 +230,23 @@ class LayerNormMLP(NormFirstModule):
         return [self.fc1_weight, self.fc2_weight]
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        return self._forward(inp, is_first_microbatch, self.hidden_size, self.fc2_bias)
+        return self._forward(inp, is_first_microbatch, self.hidden_size, "fc2_bias")
 
     def _fc2_gemm_bias(self):
-        return None if self.return_bias else self.fc2_bias
+        return None if self.return_bias else self._param("fc2_bias")
 
     def _high_precision(self, inp, linear=F.linear):
         ln_out = self._norm_hp(inp)
-        hidden = activation_hp(linear(ln_out, self.fc1_weight, self.fc1_bias), self.activation)
-        out = linear(hidden, self.fc2_weight, self._fc2_gemm_bias())
+        hidden = activation_hp(linear(ln_out, self._param("fc1_weight"), self._param("fc1_bias")),
+                               self.activation)
+        out = linear(hidden, self._param("fc2_weight"), self._fc2_gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out
 
     def _fp8_apply(self, inp, plans):
         return _LayerNormMLPFunction.apply(
-            inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias,
-            self.fc2_weight, self._fc2_gemm_bias(), plans, self._norm_step, self.activation,
-            self.return_layernorm_output)
+            inp, self.layer_norm_weight, self.layer_norm_bias, self._param("fc1_weight"),
+            self._param("fc1_bias"), self._param("fc2_weight"), self._fc2_gemm_bias(), plans,
+            self._norm_step, self.activation, self.return_layernorm_output)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -6,7 +6,8 @@ its autograd function: the forward GEMM and the dgrad and wgrad GEMMs, all in FP
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,8 @@ from .fp8_state import (ALIGN, DEFAULT_HISTORY_LEN, FP8_FLOAT_STATE,  # noqa: F4
                         FP8_INPUT_DTYPES, FP8_STATE_KEYS, Fp8StateMixin, history_len_for,
                         pad_rows)
 from .recipe import Recipe
+from .te_args import check_forward_flags, check_te_options
+from .te_module import TeModuleMixin, split_sizes
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -69,7 +72,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_inp, grad_weight, grad_bias, None
 
 
-class Linear(Fp8StateMixin, torch.nn.Linear):
+class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
     """Drop-in for torch.nn.Linear (same parameters, initialisation and state_dict keys, plus the
     FP8 state). Outside fp8_autocast, or with enabled=False, it computes what nn.Linear does.
 
@@ -78,36 +81,74 @@ class Linear(Fp8StateMixin, torch.nn.Linear):
     FP8. Any number of rows works. Layers whose in_features or out_features is not a multiple of
     16, and float64 inputs, run in high precision (with a one-time warning).
 
-    Arguments as torch.nn.Linear's (in_features, out_features, bias, device, dtype), plus
-    params_dtype (Transformer Engine's name for dtype) and recipe: the recipe the layer will
-    train with, which sizes its amax histories now rather than at the first FP8 forward.
+    Arguments as torch.nn.Linear's (in_features, out_features, bias, device, dtype), then, by
+    keyword, Transformer Engine's: params_dtype (another name for dtype), init_method (called on
+    the weight, bias zeroed; default: nn.Linear's initialisation), return_bias (forward returns
+    (out, bias) without adding it), parameters_split (the weight and bias as several Parameters,
+    e.g. query_weight / key_weight / value_weight), fuse_wgrad_accumulation and
+    delay_wgrad_compute (wgrad.py); its parallelism options are accepted at their defaults
+    (te_args.py). recipe: the recipe the layer will train with, which sizes its amax histories
+    now rather than at the first FP8 forward.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype: Optional[torch.dtype] = None, *,
-                 params_dtype: Optional[torch.dtype] = None, recipe: Optional[Recipe] = None):
+                 params_dtype: Optional[torch.dtype] = None, recipe: Optional[Recipe] = None,
+                 init_method: Optional[Callable] = None, return_bias: bool = False,
+                 parameters_split=None, fuse_wgrad_accumulation: bool = False,
+                 delay_wgrad_compute: bool = False, **te_options):
         if isinstance(device, torch.dtype):
             raise TypeError(f"Linear: argument 'device' must be a device, got the dtype {device} "
                             "(the fourth argument is device, as in torch.nn.Linear; pass the "
                             "dtype as dtype= or params_dtype=)")
+        check_te_options("Linear", te_options)
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
             raise ValueError(f"Linear: 'dtype' ({dtype}) and 'params_dtype' ({params_dtype}) are "
                              "two names for the parameters' dtype and must agree; pass one")
+        parts = split_sizes("Linear", parameters_split, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device,
                          dtype=dtype if dtype is not None else params_dtype)
+        self._init_te_module(fuse_wgrad_accumulation, delay_wgrad_compute)
+        self.return_bias = bool(return_bias)
+        self.init_method = init_method
+        if init_method is not None and not self.weight.is_meta:
+            self._init_te_parameters(self.weight, self.bias)
+        weight, bias_param = self._parameters.pop("weight"), self._parameters.pop("bias")
+        self._register_gemm_parameter("weight", weight.data if parts else weight, parts)
+        self._register_gemm_parameter(
+            "bias", None if bias_param is None else (bias_param.data if parts else bias_param),
+            parts)
         if recipe is None:
             recipe = _autocast.init_recipe()  # from quantized_model_init, if any
-        self._register_fp8_state(self.weight.device, history_len_for(recipe))
+        self._register_fp8_state(self.weight_nk().device, history_len_for(recipe))
         self.prepare_fp8_recipe(recipe)
 
-    def weight_nk(self) -> torch.Tensor:
-        """The weight as [out_features, in_features] (the Parameter itself here; a view in
-        Conv1D, which stores it transposed)."""
-        return self.weight
+    def _init_converted(self) -> None:
+        """The Transformer Engine attributes of an nn.Linear that convert_to_fp8 turned into
+        this class: the defaults."""
+        self._init_te_module()
+        self._parts = {"weight": ["weight"], "bias": [] if self.bias is None else ["bias"]}
+        self.return_bias = False
+        self.init_method = None
+
+    def _init_te_parameters(self, weight, bias) -> None:
+        self.init_method(weight)
+        if bias is not None:
+            with torch.no_grad():
+                bias.zero_()
+
+    def weight_nk(self, routed: bool = False) -> torch.Tensor:
+        """The weight as [out_features, in_features] (the Parameter itself, or its parts joined
+        with parameters_split; a view in Conv1D, which stores it transposed)."""
+        return self._param("weight", routed)
+
+    def _gemm_bias(self):
+        """The bias the GEMM adds (None with return_bias: it is returned instead)."""
+        return None if self.return_bias else self._param("bias")
 
     def _high_precision(self, inp: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """What the layer computes outside fp8_autocast: torch.nn.Linear's forward."""
-        return linear(inp, self.weight_nk(), self.bias)
+        return linear(inp, self.weight_nk(routed=True), self._gemm_bias())
 
     def _gemm_dims(self):
         return [(self.out_features, self.in_features)]
@@ -116,21 +157,46 @@ class Linear(Fp8StateMixin, torch.nn.Linear):
         return [self.weight_nk()]
 
     def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if hasattr(self, "fp8_recipe_fields"):  # nn.Linear.__init__ calls this first
-            self.reset_fp8_state()
+        if not hasattr(self, "_parts"):  # nn.Linear.__init__ calls this first
+            super().reset_parameters()
+            return
+        for logical in ("weight", "bias"):
+            for param in self._parameters_of(logical):
+                if param is None:
+                    continue
+                if self.init_method is not None:
+                    if logical == "weight":
+                        self.init_method(param)
+                    else:
+                        with torch.no_grad():
+                            param.zero_()
+                    continue
+                # torch.nn.Linear's initialisation, part by part (the same fan-in).
+                if logical == "weight":
+                    torch.nn.init.kaiming_uniform_(param, a=math.sqrt(5))
+                else:
+                    bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+                    torch.nn.init.uniform_(param, -bound, bound)
+        self.reset_fp8_state()
 
     # ---- forward ---------------------------------------------------------------------------
 
-    def forward(self, inp: torch.Tensor,
-                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        return self._dispatch(inp, is_first_microbatch, self.in_features)
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                fp8_output: bool = False, fp8_grad: bool = False):
+        check_forward_flags("Linear", fp8_output, fp8_grad)
+        self._wgrad_first = is_first_microbatch
+        out = self._dispatch(inp, is_first_microbatch, self.in_features)
+        if getattr(self, "return_bias", False):
+            return out, self._returned_bias("bias", out)
+        return out
 
     def _fp8_apply(self, inp, plans):
-        return _Fp8LinearFunction.apply(inp, self.weight_nk(), self.bias, plans[0])
+        return _Fp8LinearFunction.apply(inp, self.weight_nk(routed=True), self._gemm_bias(),
+                                        plans[0])
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", fp8=True"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={bool(self._parts.get('bias'))}, fp8=True")
 
 
 def strip_fp8_state(state_dict: dict) -> dict:

@@ -15,57 +15,26 @@ from . import fp8_context as _autocast
 from .fp8_state import Fp8StateMixin, history_len_for
 from .normalization import (NormStep, check_eps, check_normalization, norm_hp,
                             reset_norm_parameters)
+from .te_args import check_positive, check_te_options, te_default_init  # noqa: F401
+from .te_module import TeModuleMixin
 
-# Transformer Engine arguments for tensor/sequence parallelism, communication overlap and the
-# like: accepted with their default (off) values so that a model definition runs unchanged,
-# refused when switched on.
-_PARALLEL_DEFAULTS = {"sequence_parallel": False, "fuse_wgrad_accumulation": False,
-                      "tp_group": None, "tp_size": 1, "parallel_mode": None,
-                      "get_rng_state_tracker": None, "return_layernorm_output_gathered": False,
-                      "parameters_split": None, "set_parallel_mode": False}
+# (Re-exported: other modules import them from here.)
+check_unsupported = check_te_options
 
 
-_LABELS = ("name",)  # Transformer Engine's debugging label: accepted, unused
-
-
-def check_unsupported(owner: str, options: dict) -> None:
-    """Refuse a Transformer Engine option this library does not implement, unless it has its
-    default (off) value; refuse an unknown keyword as Python would."""
-    for name, value in options.items():
-        if name in _LABELS:
-            continue
-        if not (name.startswith("ub_") or name in _PARALLEL_DEFAULTS):
-            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
-        default = _PARALLEL_DEFAULTS.get(name, False)
-        if value is not None and value != default:
-            raise ValueError(f"{owner}: {name}={value!r} is not supported (no tensor or "
-                             "sequence parallelism, no communication overlap); leave it at "
-                             f"{default!r}")
-
-
-def te_default_init(weight: torch.Tensor) -> None:
-    """Transformer Engine's default weight initialisation: normal, std 0.023."""
-    with torch.no_grad():
-        torch.nn.init.normal_(weight, mean=0.0, std=0.023)
-
-
-def check_positive(owner: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
-    return value
-
-
-class NormFirstModule(Fp8StateMixin, torch.nn.Module):
+class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
     """Base of the modules that normalise their input and then run FP8 GEMMs. Subclasses set
     ``_gemm_dims()`` (the (out, in) features of each GEMM), ``fp8_weights()``,
     ``_high_precision(inp, linear=F.linear)`` (the torch composition, its GEMMs done by
     ``linear``) and ``_fp8_apply(inp, plans)``."""
 
     def _init_options(self, te_options: dict, dtype, params_dtype, return_bias,
-                      return_layernorm_output, init_method) -> Optional[torch.dtype]:
+                      return_layernorm_output, init_method, fuse_wgrad_accumulation=False,
+                      delay_wgrad_compute=False) -> Optional[torch.dtype]:
         """The arguments every such module takes; returns the parameters' dtype."""
         name = type(self).__name__
-        check_unsupported(name, te_options)
+        check_te_options(name, te_options)
+        self._init_te_module(fuse_wgrad_accumulation, delay_wgrad_compute)
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
             raise ValueError(f"{name}: 'dtype' ({dtype}) and 'params_dtype' ({params_dtype}) "
                              "name the same thing and must agree; pass one")
@@ -94,21 +63,23 @@ class NormFirstModule(Fp8StateMixin, torch.nn.Module):
     def _initialise(self) -> None:
         """The last step of __init__: initial values, unless built on "meta" (then the caller
         initialises after to_empty())."""
-        if not self.fp8_weights()[0].is_meta:
+        if not self.layer_norm_weight.is_meta:
             self._init_parameters()
 
     def reset_parameters(self) -> None:
         self._init_parameters()
         self.reset_fp8_state()
 
-    def _forward(self, inp, is_first_microbatch, in_features, returned_bias):
-        """Transformer Engine's return convention: out, then the bias if return_bias (it was
-        not added), then the norm's output if return_layernorm_output."""
+    def _forward(self, inp, is_first_microbatch, in_features, returned_bias: str):
+        """Transformer Engine's return convention: out, then the bias ``returned_bias`` names
+        if return_bias (it was not added; empty without one), then the norm's output if
+        return_layernorm_output."""
+        self._wgrad_first = is_first_microbatch
         result = self._dispatch(inp, is_first_microbatch, in_features)
         out, ln_out = result if self.return_layernorm_output else (result, None)
         outputs = [out]
         if self.return_bias:
-            outputs.append(returned_bias)
+            outputs.append(self._returned_bias(returned_bias, out))
         if self.return_layernorm_output:
             outputs.append(ln_out)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)

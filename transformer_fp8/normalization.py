@@ -37,7 +37,8 @@ def check_eps(eps) -> float:
 
 def norm_hp(x: torch.Tensor, normalization: str, weight: torch.Tensor,
             bias: Optional[torch.Tensor], eps: float, zero_centered_gamma: bool) -> torch.Tensor:
-    """The norm in torch ops: float32 math, the result in x's dtype."""
+    """The norm in torch ops: float32 math, the result in x's dtype (under torch.autocast in
+    the autocast dtype, as Transformer Engine's norms return)."""
     if not x.is_floating_point():
         # (torch.nn.LayerNorm refuses these too; the float32 math would return truncated ints)
         raise TypeError(f"{normalization}: the input must be a floating-point tensor, got "
@@ -48,6 +49,9 @@ def norm_hp(x: torch.Tensor, normalization: str, weight: torch.Tensor,
         y = F.layer_norm(x.float(), shape, gamma, None if bias is None else bias.float(), eps)
     else:
         y = F.rms_norm(x.float(), shape, gamma, eps)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return y.to(torch.get_autocast_dtype(device_type))
     return y.to(x.dtype)
 
 
@@ -114,21 +118,43 @@ def reset_norm_parameters(weight, bias, zero_centered_gamma) -> None:
             bias.zero_()
 
 
+def _normalized_size(owner: str, normalized_shape, hidden_size) -> int:
+    """The feature size from Transformer Engine's normalized_shape (an int or a 1-element
+    sequence) or its older hidden_size; they must agree when both are given."""
+    if normalized_shape is not None and not isinstance(normalized_shape, int):
+        shape = tuple(normalized_shape) if isinstance(normalized_shape, (list, tuple,
+                                                                         torch.Size)) else None
+        if shape is None or len(shape) != 1:
+            raise ValueError(f"{owner}: normalized_shape must be an int or a 1-element "
+                             f"sequence (normalisation over the last dimension only), got "
+                             f"{normalized_shape!r}")
+        normalized_shape = shape[0]
+    if normalized_shape is not None and hidden_size is not None and \
+            normalized_shape != hidden_size:
+        raise ValueError(f"{owner}: normalized_shape ({normalized_shape}) and hidden_size "
+                         f"({hidden_size}) name the same thing and must agree; pass one")
+    size = normalized_shape if normalized_shape is not None else hidden_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{owner}: normalized_shape / hidden_size must be a positive integer, "
+                         f"got {size!r}")
+    return size
+
+
 class _Norm(torch.nn.Module):
     normalization = "LayerNorm"
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel=None,
+    def __init__(self, normalized_shape=None, eps: float = 1e-5, sequence_parallel=None,
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
-                 device=None, *, dtype: Optional[torch.dtype] = None):
+                 hidden_size: Optional[int] = None, *, device=None,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
-        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
-            raise ValueError(f"{type(self).__name__}: hidden_size must be a positive integer, "
-                             f"got {hidden_size!r}")
+        owner = type(self).__name__
+        hidden_size = _normalized_size(owner, normalized_shape, hidden_size)
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
-            raise ValueError(f"{type(self).__name__}: 'dtype' ({dtype}) and 'params_dtype' "
+            raise ValueError(f"{owner}: 'dtype' ({dtype}) and 'params_dtype' "
                              f"({params_dtype}) name the same thing and must agree; pass one")
         if sequence_parallel:
-            raise ValueError(f"{type(self).__name__}: sequence_parallel={sequence_parallel!r} is "
+            raise ValueError(f"{owner}: sequence_parallel={sequence_parallel!r} is "
                              "not supported (no sequence parallelism); leave it at False")
         self.hidden_size = hidden_size
         self.eps = check_eps(eps)
@@ -138,6 +164,11 @@ class _Norm(torch.nn.Module):
 
     def reset_parameters(self) -> None:
         reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        from . import te_checkpoint
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        te_checkpoint.drop_extra_state(state_dict, prefix, args[3], type(self).__name__)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         if inp.shape[-1:] != (self.hidden_size,):

@@ -19,13 +19,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .attention import (DotProductAttention, apply_rotary_pos_emb, check_mask_type,
-                        check_qkv_format)
-from .layernorm_linear import LayerNormLinear
+from .attention import check_mask_type, check_qkv_format
 from .layernorm_mlp import LayerNormMLP
-from .linear import Linear
-from .norm_first import check_positive, check_unsupported, te_default_init
+from .multi_head_attention import MultiheadAttention
 from .recipe import Recipe
+from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
+                      te_only_arguments)
 
 
 def _check_dropout(owner: str, name: str, value) -> float:
@@ -34,145 +33,10 @@ def _check_dropout(owner: str, name: str, value) -> float:
     return float(value)
 
 
-def _one_dtype(owner: str, dtype, params_dtype):
-    if dtype is not None and params_dtype is not None and dtype != params_dtype:
-        raise ValueError(f"{owner}: 'dtype' ({dtype}) and 'params_dtype' ({params_dtype}) "
-                         "name the same thing and must agree; pass one")
-    return dtype if dtype is not None else params_dtype
-
-
-def _refuse_unless(owner: str, options: dict, name: str, allowed: tuple, why: str) -> None:
-    """Pop a Transformer Engine option that is accepted only at the values ``allowed``."""
-    if name in options:
-        value = options.pop(name)
-        if value not in allowed:
-            raise ValueError(f"{owner}: {name}={value!r} is not supported ({why}); leave it at "
-                             f"{allowed[0]!r}")
-
-
-class MultiheadAttention(torch.nn.Module):
-    """Transformer Engine's MultiheadAttention for self-attention with an input norm:
-    layernorm_qkv (LayerNormLinear, hidden -> (h + 2g) * d), core_attention
-    (DotProductAttention), proj (Linear, h * d -> hidden).
-
-    QKV layout of layernorm_qkv's weight rows: with fuse_qkv_params and qkv_weight_interleaved
-    (Transformer Engine's fused layout) per key/value group g: its h/g query heads, its key,
-    its value; otherwise [all queries | all keys | all values] (Transformer Engine's layout
-    without fuse_qkv_params, whose three parameters are here one: weight, and bias).
-    forward(hidden_states, attention_mask=None, attn_mask_type=None, rotary_pos_emb=None,
-    is_first_microbatch=None, checkpoint_core_attention=False) -> [s, b, hidden] (or
-    (out, norm output) with return_layernorm_output).
-    """
-
-    def __init__(self, hidden_size: int, num_attention_heads: int,
-                 kv_channels: Optional[int] = None, attention_dropout: float = 0.1,
-                 layernorm_epsilon: float = 1e-5, init_method: Optional[Callable] = None,
-                 output_layer_init_method: Optional[Callable] = None,
-                 layer_number: Optional[int] = None, attn_mask_type: str = "causal",
-                 num_gqa_groups: Optional[int] = None, return_layernorm_output: bool = False,
-                 input_layernorm: bool = True, attention_type: str = "self",
-                 fuse_qkv_params: bool = False, qkv_weight_interleaved: bool = True,
-                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm",
-                 bias: bool = True, params_dtype: Optional[torch.dtype] = None, device=None,
-                 qkv_format: str = "sbhd", softmax_scale: Optional[float] = None, *,
-                 dtype: Optional[torch.dtype] = None, recipe: Optional[Recipe] = None,
-                 **te_options):
-        super().__init__()
-        owner = "MultiheadAttention"
-        if attention_type != "self":
-            raise ValueError(f"{owner}: attention_type={attention_type!r} is not supported "
-                             "(no cross-attention); leave it at 'self'")
-        if not input_layernorm:
-            raise ValueError(f"{owner}: input_layernorm=False is not supported (the QKV "
-                             "projection is always a LayerNormLinear); leave it at True")
-        _refuse_unless(owner, te_options, "return_bias", (False,), "the projection's bias is "
-                       "always added")
-        _refuse_unless(owner, te_options, "window_size", (None, (-1, -1), (-1, 0)),
-                       "no sliding-window attention")
-        check_unsupported(owner, te_options)
-        dtype = _one_dtype(owner, dtype, params_dtype)
-        self.hidden_size = check_positive(owner, "hidden_size", hidden_size)
-        heads = check_positive(owner, "num_attention_heads", num_attention_heads)
-        if kv_channels is None:
-            if hidden_size % heads:
-                raise ValueError(f"{owner}: hidden_size ({hidden_size}) must be a multiple of "
-                                 f"num_attention_heads ({heads}) when kv_channels is not given")
-            kv_channels = hidden_size // heads
-        core_attention = DotProductAttention(
-            heads, kv_channels, num_gqa_groups=num_gqa_groups,
-            attention_dropout=attention_dropout, qkv_format=qkv_format,
-            attn_mask_type=attn_mask_type, layer_number=layer_number,
-            softmax_scale=softmax_scale)
-        self.num_attention_heads, self.kv_channels = heads, kv_channels
-        self.num_gqa_groups = core_attention.num_gqa_groups
-        self.qkv_format = core_attention.qkv_format
-        self.qkv_weight_interleaved = bool(fuse_qkv_params and qkv_weight_interleaved)
-        self.return_layernorm_output = bool(return_layernorm_output)
-        factory = dict(params_dtype=dtype, device=device, recipe=recipe)
-        qkv_out = (heads + 2 * self.num_gqa_groups) * kv_channels
-        self.layernorm_qkv = LayerNormLinear(
-            hidden_size, qkv_out, eps=layernorm_epsilon, init_method=init_method, bias=bias,
-            normalization=normalization, return_layernorm_output=return_layernorm_output,
-            zero_centered_gamma=zero_centered_gamma, **factory)
-        self.core_attention = core_attention
-        self.proj = Linear(heads * kv_channels, hidden_size, bias=bias, **factory)
-        self.output_layer_init_method = output_layer_init_method or te_default_init
-        self._reset_proj()
-
-    def _reset_proj(self) -> None:
-        if self.proj.weight.is_meta:
-            return
-        self.output_layer_init_method(self.proj.weight)
-        if self.proj.bias is not None:
-            with torch.no_grad():
-                self.proj.bias.zero_()
-
-    def split_qkv(self, mixed: torch.Tensor):
-        """The QKV projection's output [..., (h + 2g) * d] as q [..., h, d], k and v
-        [..., g, d] (views where the layout allows)."""
-        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
-        lead = mixed.shape[:-1]
-        if self.qkv_weight_interleaved:
-            per_group = mixed.view(*lead, g, h // g + 2, d)
-            q, k, v = per_group.split([h // g, 1, 1], dim=-2)
-            return q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
-        q, k, v = mixed.split([h * d, g * d, g * d], dim=-1)
-        return q.view(*lead, h, d), k.view(*lead, g, d), v.view(*lead, g, d)
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                attn_mask_type: Optional[str] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None,
-                is_first_microbatch: Optional[bool] = None,
-                checkpoint_core_attention: bool = False, **attention_options):
-        out = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
-        mixed, ln_out = out if self.return_layernorm_output else (out, None)
-        q, k, v = self.split_qkv(mixed)
-        if rotary_pos_emb is not None:
-            # One tensor for both, or (query angles, key angles) as Transformer Engine takes.
-            q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list))
-                                else (rotary_pos_emb, rotary_pos_emb))
-            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format)
-            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format)
-        context = self.core_attention(q, k, v, attention_mask=attention_mask,
-                                      attn_mask_type=attn_mask_type,
-                                      checkpoint_core_attention=checkpoint_core_attention,
-                                      **attention_options)
-        out = self.proj(context, is_first_microbatch=is_first_microbatch)
-        return (out, ln_out) if self.return_layernorm_output else out
-
-
-# Transformer Engine's TransformerLayer options accepted only at these values (first = default).
-_LAYER_OPTIONS = {
-    "drop_path_rate": ((0.0, 0), "no stochastic depth"),
-    "parallel_attention_mlp": ((False,), "attention and MLP run one after the other"),
-    "window_size": ((None, (-1, -1), (-1, 0)), "no sliding-window attention"),
-    "enc_dec_window_size": ((None,), "no cross-attention"),
-    "rotary_pos_interleaved": ((False,), "rotary embeddings rotate halves, not pairs"),
-}
-# Sizes Transformer Engine uses for sequence parallelism only: accepted, unused.
-_LAYER_HINTS = ("seq_length", "micro_batch_size", "enc_dec_attn_mask_type")
-_FORWARD_UNUSED = ("encoder_output", "enc_dec_attn_mask", "enc_dec_attn_mask_type",
-                   "enc_dec_window_size")
+# The communication-overlap switches only count with ub_tp_comm_overlap=True (several default
+# to True in TransformerLayer's signature).
+_UB_SWITCHES = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad",
+                "ub_bulk_wgrad")
 
 
 class TransformerLayer(torch.nn.Module):
@@ -181,11 +45,14 @@ class TransformerLayer(torch.nn.Module):
     LayerNormMLP; inside fp8_autocast every GEMM runs in FP8.
 
     hidden_states: [s, b, hidden] with attn_input_format "sbhd" (the default), [b, s, hidden]
-    with "bshd" (qkv_format is accepted as another name for it). forward(hidden_states,
-    attention_mask=None, self_attn_mask_type=None, rotary_pos_emb=None,
-    is_first_microbatch=None, checkpoint_core_attention=False): attention_mask and the mask
-    types as DotProductAttention's (True = masked out); rotary_pos_emb the [s, 1, 1, d] angles
-    of RotaryPositionEmbedding.
+    with "bshd" (qkv_format is accepted as another name for it). forward takes Transformer
+    Engine's arguments in its order (hidden_states, attention_mask, self_attn_mask_type, ...,
+    is_first_microbatch, checkpoint_core_attention, inference_params, rotary_pos_emb, ...):
+    attention_mask and the mask types as DotProductAttention's (True = masked out; ignored
+    with "causal"); rotary_pos_emb the [s, 1, 1, d] angles of RotaryPositionEmbedding. Under
+    torch.autocast the layer computes and returns the autocast dtype, as Transformer Engine.
+    Constructor arguments in Transformer Engine's order (then, by keyword: qkv_format, dtype,
+    recipe, softmax_scale).
     Weights are initialised as Transformer Engine does: init_method for the QKV projection and
     fc1, output_layer_init_method for proj and fc2 (both default normal(0, 0.023)), biases
     zero. params_dtype (or dtype), device and recipe reach every submodule.
@@ -199,18 +66,34 @@ class TransformerLayer(torch.nn.Module):
                  init_method: Optional[Callable] = None,
                  output_layer_init_method: Optional[Callable] = None,
                  layer_number: Optional[int] = None, kv_channels: Optional[int] = None,
-                 self_attn_mask_type: str = "causal",
+                 self_attn_mask_type: str = "causal", window_size=None,
+                 bottom_right_diagonal=None, enc_dec_attn_mask_type: str = "no_mask",
+                 enc_dec_bottom_right_diagonal=None, enc_dec_window_size=None, tp_group=None,
+                 tp_size: int = 1, params_dtype: Optional[torch.dtype] = None,
+                 get_rng_state_tracker=None, fuse_wgrad_accumulation: bool = False,
+                 seq_length=None, micro_batch_size=None, sequence_parallel: bool = False,
                  apply_residual_connection_post_layernorm: bool = False,
-                 output_layernorm: bool = False, layer_type: str = "encoder",
-                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm",
-                 activation: str = "gelu", bias: bool = True, fuse_qkv_params: bool = False,
-                 params_dtype: Optional[torch.dtype] = None, device=None,
-                 qkv_format: Optional[str] = None, attn_input_format: Optional[str] = None,
-                 dtype: Optional[torch.dtype] = None, recipe: Optional[Recipe] = None,
-                 qkv_weight_interleaved: bool = True, softmax_scale: Optional[float] = None,
-                 **te_options):
-        super().__init__()
+                 output_layernorm: bool = False, parallel_attention_mlp: bool = False,
+                 layer_type: str = "encoder", drop_path_rate: float = 0.0,
+                 set_parallel_mode: bool = False, fuse_qkv_params: bool = False,
+                 rotary_pos_interleaved: bool = False, zero_centered_gamma: bool = False,
+                 qkv_weight_interleaved: bool = True, ub_tp_comm_overlap: bool = False,
+                 ub_overlap_ag: bool = True, ub_overlap_rs: bool = True,
+                 ub_overlap_rs_dgrad: bool = False, ub_bulk_dgrad: bool = True,
+                 ub_bulk_wgrad: bool = True, bias: bool = True, activation: str = "gelu",
+                 activation_params: Optional[dict] = None, normalization: str = "LayerNorm",
+                 device=None, attn_input_format: Optional[str] = None, name=None,
+                 qk_norm_type=None, qk_norm_eps: float = 1e-6,
+                 qk_norm_before_rope: bool = False, softmax_type: str = "vanilla", *,
+                 qkv_format: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+                 recipe: Optional[Recipe] = None, softmax_scale: Optional[float] = None):
         owner = "TransformerLayer"
+        te_options = te_only_arguments(locals())
+        if not ub_tp_comm_overlap:
+            for switch in _UB_SWITCHES:
+                te_options.pop(switch)
+        check_te_options(owner, te_options)
+        super().__init__()
         if layer_type != "encoder":
             raise ValueError(f"{owner}: layer_type={layer_type!r} is not supported (no "
                              "cross-attention: a decoder-only model's blocks are 'encoder' "
@@ -218,11 +101,6 @@ class TransformerLayer(torch.nn.Module):
         if output_layernorm:
             raise ValueError(f"{owner}: output_layernorm=True is not supported (post-norm "
                              "layers); leave it at False")
-        for name, (allowed, why) in _LAYER_OPTIONS.items():
-            _refuse_unless(owner, te_options, name, allowed, why)
-        for name in _LAYER_HINTS:
-            te_options.pop(name, None)
-        check_unsupported(owner, te_options)
         if qkv_format is not None and attn_input_format is not None \
                 and qkv_format != attn_input_format:
             raise ValueError(f"{owner}: 'qkv_format' ({qkv_format!r}) and 'attn_input_format' "
@@ -230,7 +108,7 @@ class TransformerLayer(torch.nn.Module):
                              "pass one")
         fmt = check_qkv_format(owner, "attn_input_format",
                                attn_input_format or qkv_format or "sbhd")
-        dtype = _one_dtype(owner, dtype, params_dtype)
+        dtype = one_dtype(owner, dtype, params_dtype)
         self.hidden_size = check_positive(owner, "hidden_size", hidden_size)
         self.ffn_hidden_size = check_positive(owner, "ffn_hidden_size", ffn_hidden_size)
         self.hidden_dropout = _check_dropout(owner, "hidden_dropout", hidden_dropout)
@@ -245,9 +123,10 @@ class TransformerLayer(torch.nn.Module):
         common = dict(params_dtype=dtype, device=device, recipe=recipe, bias=bias,
                       normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                       init_method=init_method, output_layer_init_method=output_layer_init_method,
-                      return_layernorm_output=self.apply_residual_connection_post_layernorm)
+                      return_layernorm_output=self.apply_residual_connection_post_layernorm,
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         self.self_attention = MultiheadAttention(
-            hidden_size, num_attention_heads, kv_channels=kv_channels,
+            hidden_size, num_attention_heads, kv_channels=kv_channels, input_layernorm=True,
             attention_dropout=_check_dropout(owner, "attention_dropout", attention_dropout),
             layernorm_epsilon=layernorm_epsilon, layer_number=layer_number,
             attn_mask_type=self.self_attn_mask_type, num_gqa_groups=num_gqa_groups,
@@ -257,15 +136,23 @@ class TransformerLayer(torch.nn.Module):
                                           activation=activation, **common)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                self_attn_mask_type: Optional[str] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None,
-                is_first_microbatch: Optional[bool] = None,
-                checkpoint_core_attention: bool = False, **options) -> torch.Tensor:
+                self_attn_mask_type: Optional[str] = None, window_size=None,
+                bottom_right_diagonal=None, encoder_output=None, enc_dec_attn_mask=None,
+                enc_dec_attn_mask_type: Optional[str] = None, enc_dec_window_size=None,
+                enc_dec_bottom_right_diagonal=None, is_first_microbatch: Optional[bool] = None,
+                checkpoint_core_attention: bool = False, inference_params=None,
+                rotary_pos_emb: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
         owner = "TransformerLayer"
-        for name in _FORWARD_UNUSED:
-            if options.pop(name, None) not in (None, "no_mask"):
+        for name, value in (("encoder_output", encoder_output),
+                            ("enc_dec_attn_mask", enc_dec_attn_mask),
+                            ("enc_dec_attn_mask_type", enc_dec_attn_mask_type),
+                            ("enc_dec_window_size", enc_dec_window_size),
+                            ("enc_dec_bottom_right_diagonal", enc_dec_bottom_right_diagonal)):
+            if value not in (None, "no_mask"):
                 raise ValueError(f"{owner}.forward: {name} is not supported (no "
                                  "cross-attention); leave it at None")
+        options.update(window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+                       inference_params=inference_params)
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 \
                 or hidden_states.shape[-1] != self.hidden_size:
             lead = "s, b" if self.attn_input_format == "sbhd" else "b, s"
@@ -274,6 +161,11 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError(f"{owner}: hidden_states must have shape [{lead}, "
                              f"{self.hidden_size}] (attn_input_format "
                              f"{self.attn_input_format!r}), got {got}")
+        if torch.is_autocast_enabled(hidden_states.device.type):
+            # As Transformer Engine: under torch.autocast the layer works (residuals included)
+            # in the autocast dtype and returns it.
+            hidden_states = hidden_states.to(
+                torch.get_autocast_dtype(hidden_states.device.type))
         post_ln = self.apply_residual_connection_post_layernorm
         attn = self.self_attention(hidden_states, attention_mask=attention_mask,
                                    attn_mask_type=self_attn_mask_type,

@@ -1,0 +1,153 @@
+"""Transformer Engine's MultiheadAttention (self-attention), with its arguments and names.
+
+    qkv (Linear) or, with input_layernorm=True, layernorm_qkv (LayerNormLinear):
+        hidden -> (h + 2g) * d; Parameters query_weight, key_weight, value_weight (and
+        *_bias) by default, one weight (and bias) with fuse_qkv_params=True
+    core_attention: DotProductAttention (high precision)
+    proj: Linear, h * d -> hidden
+
+QKV layout of the projection's output: with fuse_qkv_params and qkv_weight_interleaved
+(Transformer Engine's fused layout) per key/value group: its h/g query heads, its key, its
+value; otherwise [all queries | all keys | all values], which is also how the query, key and
+value Parameters are joined.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .attention import DotProductAttention, apply_rotary_pos_emb
+from .layernorm_linear import LayerNormLinear
+from .linear import Linear
+from .recipe import Recipe
+from .te_args import check_positive, check_te_options, one_dtype, te_default_init, \
+    te_only_arguments
+
+
+class MultiheadAttention(torch.nn.Module):
+    """Transformer Engine's MultiheadAttention for self-attention (arguments in its order; see
+    the module docstring for the submodules and Parameter names).
+
+    input_layernorm: False (Transformer Engine's default) projects the input as it is (qkv, a
+    Linear); True normalises it first (layernorm_qkv, a LayerNormLinear; return_layernorm_output
+    then also returns the norm's output). return_bias returns proj's bias instead of adding it.
+    forward(hidden_states, attention_mask=None, encoder_output=None, attn_mask_type=None,
+    window_size=None, bottom_right_diagonal=None, is_first_microbatch=None,
+    checkpoint_core_attention=False, inference_params=None, rotary_pos_emb=None, ...) returns
+    out [s, b, hidden] (or [b, s, hidden] with qkv_format "bshd"), then proj's bias if
+    return_bias, then the norm's output if return_layernorm_output.
+    Not supported (refused): attention_type="cross", encoder_output, and the options te_args
+    lists at other values than their defaults.
+    """
+
+    def __init__(self, hidden_size: int, num_attention_heads: int,
+                 kv_channels: Optional[int] = None, attention_dropout: float = 0.1,
+                 layernorm_epsilon: float = 1e-5, init_method: Optional[Callable] = None,
+                 output_layer_init_method: Optional[Callable] = None,
+                 layer_number: Optional[int] = None, attn_mask_type: str = "causal",
+                 window_size=None, bottom_right_diagonal=None, tp_group=None, tp_size: int = 1,
+                 num_gqa_groups: Optional[int] = None, fuse_wgrad_accumulation: bool = False,
+                 get_rng_state_tracker=None, sequence_parallel: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, return_bias: bool = False,
+                 return_layernorm_output: bool = False, input_layernorm: bool = False,
+                 attention_type: str = "self", set_parallel_mode: bool = False,
+                 fuse_qkv_params: bool = False, zero_centered_gamma: bool = False,
+                 qkv_weight_interleaved: bool = True, rotary_pos_interleaved: bool = False,
+                 ub_overlap_ag: bool = False, ub_overlap_rs: bool = False,
+                 ub_overlap_rs_dgrad: bool = False, ub_bulk_dgrad: bool = False,
+                 ub_bulk_wgrad: bool = False, bias: bool = True,
+                 normalization: str = "LayerNorm", device=None, qkv_format: str = "sbhd",
+                 name=None, qk_norm_type=None, qk_norm_eps: float = 1e-6,
+                 qk_norm_before_rope: bool = False, seq_length=None, micro_batch_size=None,
+                 softmax_type: str = "vanilla", *, dtype: Optional[torch.dtype] = None,
+                 recipe: Optional[Recipe] = None, softmax_scale: Optional[float] = None):
+        owner = "MultiheadAttention"
+        check_te_options(owner, te_only_arguments(locals()))
+        super().__init__()
+        if attention_type != "self":
+            raise ValueError(f"{owner}: attention_type={attention_type!r} is not supported "
+                             "(no cross-attention); leave it at 'self'")
+        dtype = one_dtype(owner, dtype, params_dtype)
+        self.hidden_size = check_positive(owner, "hidden_size", hidden_size)
+        heads = check_positive(owner, "num_attention_heads", num_attention_heads)
+        if kv_channels is None:
+            if hidden_size % heads:
+                raise ValueError(f"{owner}: hidden_size ({hidden_size}) must be a multiple of "
+                                 f"num_attention_heads ({heads}) when kv_channels is not given")
+            kv_channels = hidden_size // heads
+        core_attention = DotProductAttention(
+            heads, kv_channels, num_gqa_groups=num_gqa_groups,
+            attention_dropout=attention_dropout, qkv_format=qkv_format,
+            attn_mask_type=attn_mask_type, layer_number=layer_number,
+            softmax_scale=softmax_scale)
+        self.num_attention_heads, self.kv_channels = heads, kv_channels
+        self.num_gqa_groups = groups = core_attention.num_gqa_groups
+        self.qkv_format = core_attention.qkv_format
+        self.input_layernorm = bool(input_layernorm)
+        self.qkv_weight_interleaved = bool(fuse_qkv_params and qkv_weight_interleaved)
+        self.return_layernorm_output = bool(return_layernorm_output and input_layernorm)
+        self.return_bias = bool(return_bias)
+        init_method = init_method or te_default_init
+        output_layer_init_method = output_layer_init_method or te_default_init
+        split = None if fuse_qkv_params else {"query": heads * kv_channels,
+                                              "key": groups * kv_channels,
+                                              "value": groups * kv_channels}
+        common = dict(params_dtype=dtype, device=device, recipe=recipe, bias=bias,
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation, parameters_split=split)
+        qkv_out = (heads + 2 * groups) * kv_channels
+        if self.input_layernorm:
+            self.layernorm_qkv = LayerNormLinear(
+                hidden_size, qkv_out, eps=layernorm_epsilon, init_method=init_method,
+                normalization=normalization, return_layernorm_output=return_layernorm_output,
+                zero_centered_gamma=zero_centered_gamma, **common)
+        else:
+            self.qkv = Linear(hidden_size, qkv_out, init_method=init_method, **common)
+        self.core_attention = core_attention
+        common["parameters_split"] = None
+        self.proj = Linear(heads * kv_channels, hidden_size, init_method=output_layer_init_method,
+                           return_bias=return_bias, **common)
+
+    def split_qkv(self, mixed: torch.Tensor):
+        """The QKV projection's output [..., (h + 2g) * d] as q [..., h, d], k and v
+        [..., g, d] (views where the layout allows)."""
+        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        lead = mixed.shape[:-1]
+        if self.qkv_weight_interleaved:
+            per_group = mixed.view(*lead, g, h // g + 2, d)
+            q, k, v = per_group.split([h // g, 1, 1], dim=-2)
+            return q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
+        q, k, v = mixed.split([h * d, g * d, g * d], dim=-1)
+        return q.view(*lead, h, d), k.view(*lead, g, d), v.view(*lead, g, d)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output=None,
+                attn_mask_type: Optional[str] = None, window_size=None,
+                bottom_right_diagonal=None, is_first_microbatch: Optional[bool] = None,
+                checkpoint_core_attention: bool = False, inference_params=None,
+                rotary_pos_emb: Optional[torch.Tensor] = None, **attention_options):
+        if encoder_output is not None:
+            raise ValueError("MultiheadAttention.forward: encoder_output is not supported (no "
+                             "cross-attention); leave it at None")
+        ln_out = None
+        if self.input_layernorm:
+            out = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+            mixed, ln_out = out if self.return_layernorm_output else (out, None)
+        else:
+            mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+        q, k, v = self.split_qkv(mixed)
+        if rotary_pos_emb is not None:
+            # One tensor for both, or (query angles, key angles) as Transformer Engine takes.
+            q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list))
+                                else (rotary_pos_emb, rotary_pos_emb))
+            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format)
+            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format)
+        context = self.core_attention(q, k, v, attention_mask=attention_mask,
+                                      attn_mask_type=attn_mask_type, window_size=window_size,
+                                      bottom_right_diagonal=bottom_right_diagonal,
+                                      checkpoint_core_attention=checkpoint_core_attention,
+                                      inference_params=inference_params, **attention_options)
+        out = self.proj(context, is_first_microbatch=is_first_microbatch)
+        outputs = list(out) if self.return_bias else [out]
+        if self.return_layernorm_output:
+            outputs.append(ln_out)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -1,0 +1,132 @@
+"""What the GEMM modules (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear) share to behave as
+Transformer Engine's do, besides their FP8 state:
+
+* parameters_split: a GEMM's weight (and bias) kept as several Parameters named
+  ``<name>_weight`` / ``<name>_bias``, joined along the output features in forward
+  (MultiheadAttention's query_weight, key_weight, value_weight);
+* fuse_wgrad_accumulation and delay_wgrad_compute (wgrad.py), backward_dw();
+* return_bias: an empty tensor for a module built with bias=False, as Transformer Engine;
+* loading Transformer Engine's checkpoints: its ``_extra_state`` entry (te_checkpoint.py).
+
+The module names its GEMM parameters logically ("weight", "bias", "fc1_weight", "weight3");
+``_param(logical)`` is the tensor its computation uses: the Parameter itself, or its parts
+joined, each part passed through the wgrad route when one is set.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import te_checkpoint, wgrad
+
+
+def split_sizes(owner: str, parameters_split, out_features: int) -> Optional[list]:
+    """Transformer Engine's parameters_split as [(name, rows)], or None (one Parameter).
+    A dict gives each part's rows; a sequence of names splits the rows evenly."""
+    if parameters_split is None:
+        return None
+    if isinstance(parameters_split, dict):
+        parts = [(str(name).rstrip("_"), size) for name, size in parameters_split.items()]
+    elif isinstance(parameters_split, (list, tuple)) and all(isinstance(n, str)
+                                                             for n in parameters_split):
+        count = len(parameters_split)
+        parts = [(name.rstrip("_"), out_features // count if count else 0)
+                 for name in parameters_split]
+    else:
+        raise TypeError(f"{owner}: parameters_split must be None, a dict of name -> rows or a "
+                        f"sequence of names, got {parameters_split!r}")
+    if not parts:
+        raise ValueError(f"{owner}: parameters_split must name at least one part, got "
+                         f"{parameters_split!r}")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for _, s in parts) or \
+            sum(s for _, s in parts) != out_features:
+        raise ValueError(f"{owner}: parameters_split must split the {out_features} output "
+                         f"features into positive parts, got {dict(parts)}")
+    return parts
+
+
+class TeModuleMixin:
+    """See the module docstring. Call ``_init_te_module`` before registering the GEMM
+    parameters with ``_register_gemm_parameter``."""
+
+    def _init_te_module(self, fuse_wgrad_accumulation: bool = False,
+                        delay_wgrad_compute: bool = False) -> None:
+        for name, value in (("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
+                            ("delay_wgrad_compute", delay_wgrad_compute)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{type(self).__name__}: {name} must be True or False, got "
+                                f"{value!r}")
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self._wgrad = (wgrad.WgradRouting(fuse_wgrad_accumulation, delay_wgrad_compute)
+                       if fuse_wgrad_accumulation or delay_wgrad_compute else None)
+        self._parts: dict[str, list[str]] = {}  # logical name -> Parameter names
+        self._wgrad_first: Optional[bool] = None  # is_first_microbatch of the running forward
+
+    def _register_gemm_parameter(self, logical: str, tensor: Optional[torch.Tensor],
+                                 parts: Optional[list] = None) -> None:
+        """Register ``tensor`` (rows = output features) as Parameter ``logical``, or as one
+        Parameter per part (``<part>_weight`` for a weight, ``<part>_bias`` for a bias)."""
+        if tensor is None:
+            self.register_parameter(logical, None)
+            self._parts[logical] = []
+            return
+        if parts is None:
+            self.register_parameter(logical, torch.nn.Parameter(tensor))
+            self._parts[logical] = [logical]
+            return
+        suffix = "_bias" if logical.endswith("bias") else "_weight"
+        names, start = [], 0
+        for part, rows in parts:
+            name = part + suffix
+            self.register_parameter(name, torch.nn.Parameter(tensor[start:start + rows].clone()))
+            names.append(name)
+            start += rows
+        self._parts[logical] = names
+
+    def _parameters_of(self, logical: str) -> list:
+        return [getattr(self, name) for name in self._parts.get(logical, [logical])]
+
+    def _param(self, logical: str, routed: bool = True) -> Optional[torch.Tensor]:
+        """The tensor the computation uses for ``logical`` (None for an absent bias)."""
+        params = [p for p in self._parameters_of(logical) if p is not None]
+        if not params:
+            return None
+        if routed and self._wgrad is not None:
+            is_weight = "bias" not in logical
+            params = [wgrad.route(p, self._wgrad, is_weight, self._wgrad_first) for p in params]
+        return params[0] if len(params) == 1 else torch.cat(params, dim=0)
+
+    def _returned_bias(self, logical: str, like: torch.Tensor) -> torch.Tensor:
+        """The bias that return_bias returns (not added to the output): in the output's
+        dtype, or an empty tensor when the module has none."""
+        bias = self._param(logical)
+        if bias is None:
+            weight = self._parameters_of(logical.replace("bias", "weight"))[0]
+            return torch.empty(0, dtype=like.dtype, device=weight.device)
+        return bias.to(like.dtype)
+
+    def backward_dw(self) -> None:
+        """With delay_wgrad_compute: hand the gradients left aside by the oldest backward pass
+        to the parameters (main_grad with fuse_wgrad_accumulation, else .grad). A no-op
+        otherwise, or when none are left."""
+        if self._wgrad is not None and self._wgrad.delay:
+            self._wgrad.backward_dw()
+
+    def need_backward_dw(self) -> bool:
+        return self._wgrad is not None and self._wgrad.delay
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + te_checkpoint.EXTRA_STATE
+        if key not in state_dict:
+            return
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        # Our own FP8 keys win when a checkpoint has both.
+        if prefix + "fp8_fwd_scale" not in state_dict:
+            te_checkpoint.load_extra_state(self, state_dict[key],
+                                           f"{type(self).__name__} '{prefix or '.'}'")

@@ -1,0 +1,127 @@
+"""Where a weight gradient goes: Transformer Engine's fuse_wgrad_accumulation and
+delay_wgrad_compute.
+
+fuse_wgrad_accumulation (Megatron-LM's gradient buffers): every weight has a ``main_grad``
+tensor (usually float32); its gradient is added to main_grad instead of .grad (written over it
+when the forward ran with is_first_microbatch=True, or when the weight has
+``overwrite_main_grad = True``). Autograd then gets no gradient for the weight, or zeros when
+the weight has a ``grad_added_to_main_grad`` attribute, which is set to True (Megatron's DDP
+reads it), as Transformer Engine does.
+
+delay_wgrad_compute: the backward pass leaves the weights' and biases' gradients aside;
+``module.backward_dw()`` hands them over later (to main_grad or .grad as above), oldest
+backward first. Pipeline schedules call it to order the weight-gradient work after the
+input-gradient work of other stages.
+
+Both are applied by an identity autograd function on each parameter, between the parameter and
+the module's computation (WgradRoute); its backward receives the parameter's gradient, computed
+in the parameter's dtype, so with fuse_wgrad_accumulation the gradient is rounded to the
+weight's dtype before it is added to main_grad (Transformer Engine's GEMM adds in float32).
+The GEMMs themselves run in backward as usual: delay_wgrad_compute changes when the gradients
+reach the parameters, not when they are computed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+import torch
+
+
+def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    getter = getattr(param, "get_main_grad", None)
+    main_grad = getter() if callable(getter) else getattr(param, "main_grad", None)
+    if not isinstance(main_grad, torch.Tensor):
+        raise RuntimeError("fuse_wgrad_accumulation=True needs every weight to have a "
+                           "'main_grad' tensor (its gradient buffer) before backward; a weight "
+                           f"of shape {tuple(param.shape)} has none")
+    if main_grad.shape != param.shape:
+        raise RuntimeError(f"a weight's main_grad must have its shape {tuple(param.shape)}, got "
+                           f"{tuple(main_grad.shape)}")
+    return main_grad
+
+
+def add_to_main_grad(param: torch.nn.Parameter, grad: torch.Tensor, overwrite: bool) -> None:
+    main_grad = _main_grad(param)
+    with torch.no_grad():
+        if overwrite or getattr(param, "overwrite_main_grad", False):
+            main_grad.copy_(grad)
+        else:
+            main_grad.add_(grad.to(main_grad.dtype))
+
+
+def add_to_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    with torch.no_grad():
+        grad = grad.to(param.dtype)
+        param.grad = grad if param.grad is None else param.grad + grad
+
+
+def _autograd_result(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """What autograd receives for a weight whose gradient went to main_grad."""
+    if hasattr(param, "grad_added_to_main_grad"):
+        param.grad_added_to_main_grad = True
+        return torch.zeros_like(param)
+    return None
+
+
+class WgradRouting:
+    """A module's setting (fuse, delay) and the gradients its delayed backward passes left."""
+
+    def __init__(self, fuse: bool, delay: bool):
+        self.fuse, self.delay = bool(fuse), bool(delay)
+        self.pending: deque = deque()  # per backward pass: [(param, is_weight, first, grad)]
+        self._open: Optional[list] = None
+
+    def routes(self, is_weight: bool) -> bool:
+        return self.delay or (self.fuse and is_weight)
+
+    def take(self, param, is_weight: bool, first: Optional[bool], grad: torch.Tensor):
+        """Backward of WgradRoute: the gradient for autograd (None: handled here)."""
+        if self.delay:
+            # The parameters of one forward reach their backward in one backward pass; a new
+            # entry starts when a parameter already in the open one comes again.
+            if self._open is None or any(p is param for p, *_ in self._open):
+                self._open = []
+                self.pending.append(self._open)
+            self._open.append((param, is_weight, first, grad))
+            return None
+        add_to_main_grad(param, grad, overwrite=bool(first))
+        return _autograd_result(param)
+
+    def backward_dw(self) -> None:
+        """Hand over the gradients of the oldest delayed backward pass."""
+        if not self.pending:
+            return
+        entry = self.pending.popleft()
+        if entry is self._open:
+            self._open = None
+        for param, is_weight, first, grad in entry:
+            if self.fuse and is_weight:
+                add_to_main_grad(param, grad, overwrite=bool(first))
+                if hasattr(param, "grad_added_to_main_grad"):
+                    param.grad_added_to_main_grad = True
+            else:
+                add_to_grad(param, grad)
+
+
+class WgradRoute(torch.autograd.Function):
+    """Identity on a parameter; its backward hands the parameter's gradient to a
+    WgradRouting."""
+
+    @staticmethod
+    def forward(ctx, param, routing, is_weight, first):
+        ctx.param, ctx.routing, ctx.is_weight, ctx.first = param, routing, is_weight, first
+        return param.view_as(param)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        return ctx.routing.take(ctx.param, ctx.is_weight, ctx.first, grad), None, None, None
+
+
+def route(param, routing: Optional[WgradRouting], is_weight: bool, first: Optional[bool]):
+    """The parameter as the module's computation should use it."""
+    if (routing is None or param is None or not param.requires_grad
+            or not torch.is_grad_enabled() or not routing.routes(is_weight)):
+        return param
+    return WgradRoute.apply(param, routing, is_weight, first)
