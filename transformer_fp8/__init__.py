@@ -16,6 +16,7 @@ from .normalization import LayerNorm, RMSNorm
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                      Float8RowwiseScaling, Format)
 from .transformer_layer import MultiheadAttention, TransformerLayer
+from . import debug  # noqa: E402 (after the modules it inspects)
 
 __version__ = "0.1.0"
 
@@ -53,6 +54,6 @@ __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention
            "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
-           "build_info", "checkpoint", "convert_to_fp8", "fp8_autocast", "fp8_model_init",
+           "build_info", "checkpoint", "convert_to_fp8", "debug", "fp8_autocast", "fp8_model_init",
            "fused_ops", "is_fp8_available", "make_graphed_callables", "ops",
            "quantized_model_init", "recipe", "strip_fp8_state"]
