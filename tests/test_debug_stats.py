@@ -202,7 +202,7 @@ def test_a_logged_step_without_casts_warns_once():
         stats.step()  # no second warning (pytest's filter would fail on an unexpected one)
 
 
-# ---- zero cost when off ---------------------------------------------------------------------------
+# ---- zero cost when off ------------------------------------------------------------------------
 
 class _OpLog(TorchDispatchMode):
     def __init__(self):
