@@ -20,7 +20,7 @@ BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 sys.path.insert(0, BENCH_DIR)
 
 BENCHMARKS = ["bench_cast", "bench_scaling", "bench_fused", "bench_gemm", "bench_linear",
-              "bench_gpt", "bench_te_modules", "bench_block_sqnr"]
+              "bench_gpt", "bench_te_modules", "bench_block_sqnr", "bench_parity"]
 
 try:
     import matplotlib  # noqa: F401
@@ -39,7 +39,7 @@ def one_thread():
 
 
 # Benchmarks that measure numerics rather than time: every row has every column, finite.
-NUMERIC_BENCHMARKS = {"bench_block_sqnr"}
+NUMERIC_BENCHMARKS = {"bench_block_sqnr", "bench_parity"}
 
 
 def check_payload(payload: dict, name: str) -> None:

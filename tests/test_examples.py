@@ -109,3 +109,14 @@ def test_train_gpt_tiny_te_layers(tmp_path):
     b, f = results["bf16"]["final_train_loss"], results["fp8"]["final_train_loss"]
     assert f == pytest.approx(b, rel=0.1)
     assert (tmp_path / "out" / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_inspect_fp8_points_at_the_outlier_layer(tmp_path, capsys):
+    inspect_fp8 = _load("inspect_fp8")
+    results = inspect_fp8.main(["--steps", "30", "--out", str(tmp_path)])
+    worst = results["worst"]
+    assert (worst["layer"], worst["gemm"], worst["tensor"]) == ("blocks.2.fc1", "", "input")
+    assert worst["underflow_frac"] > 0.3
+    assert _finite(results["losses"].values())
+    assert "blocks.2.fc1 in high precision" in capsys.readouterr().out
+    assert (tmp_path / "fp8_stats.jsonl").stat().st_size > 0

@@ -19,6 +19,7 @@ from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                      Float8RowwiseScaling, Format)
 from .multi_head_attention import MultiheadAttention
 from .transformer_layer import TransformerLayer
+from . import debug  # noqa: E402 (after the modules it inspects)
 
 __version__ = "0.1.0"
 
@@ -57,6 +58,7 @@ __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention
            "GroupedLinear",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
-           "build_info", "checkpoint", "convert_to_fp8", "fp8_autocast", "fp8_model_init",
-           "fused_ops", "is_fp8_available", "load_fp8_state", "make_graphed_callables", "ops",
+           "build_info", "checkpoint", "convert_to_fp8", "debug", "fp8_autocast",
+           "fp8_model_init", "fused_ops", "is_fp8_available", "load_fp8_state",
+           "make_graphed_callables", "ops",
            "quantized_model_init", "recipe", "strip_fp8_state"]

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import checkpointing, ops
+from . import _fp8_hooks, checkpointing, ops
 from . import fp8_context as _autocast
 from .blockwise_linear import blockwise_linear, is_block_recipe, quantize_weight
 from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
@@ -210,6 +210,8 @@ class Fp8StateMixin:
       forward.
     """
 
+    _fp8_override = None  # set per module by transformer_fp8.debug.override
+
     def _register_fp8_state(self, device, history_len: int = DEFAULT_HISTORY_LEN,
                             num_gemms: int = 1) -> None:
         f32 = dict(dtype=torch.float32, device=device)
@@ -387,6 +389,8 @@ class Fp8StateMixin:
         if self._in_recompute():
             return self._fp8_replay(inp)
         state = _autocast.current_state()
+        if self._fp8_override is not None and state is not None:
+            state = self._fp8_override.state_for(state)  # None: high precision
         if state is None or not state.enabled:
             if state is not None and state.calibrating:
                 from .calibration import recording_linear
@@ -427,6 +431,9 @@ class Fp8StateMixin:
             weights_used.append(weight_q)
             return blockwise_linear(x, weight, bias, recipe, weight_q)
 
+        if replay is None and _fp8_hooks.observer is not None and \
+                not torch.compiler.is_compiling():
+            linear = _fp8_hooks.observer.wrap_block_linear(self, linear, recipe)
         out = self._high_precision(inp, linear)
         if (replay is None and not torch.compiler.is_compiling()
                 and checkpointing.may_be_checkpointed()
@@ -469,6 +476,8 @@ class Fp8StateMixin:
                 # A compiled backward cannot queue the end-of-backward update: it runs at the
                 # next outermost fp8_autocast (or state_dict) instead.
                 _autocast.hold_backward_update(backward_step)
+        if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
+            casts = _fp8_hooks.observer.wrap_casts(self, casts)  # transformer_fp8.debug
         plans = tuple(
             Fp8Plan(input_cast, weight_cast, grad_cast,
                     self._weight_for_step(gemm, weight, weight_cast, is_first_microbatch),

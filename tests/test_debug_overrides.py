@@ -1,0 +1,102 @@
+"""transformer_fp8.debug.override: a layer overridden to high precision computes bit for bit
+what it computes outside fp8_autocast (forward and gradients) and records no FP8 state; one
+overridden to a stateless recipe computes bit for bit what that recipe's fp8_autocast gives;
+the other layers are unaffected; bad arguments are refused."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_bitwise_equal, randn
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import debug
+
+DELAYED = tfp8.DelayedScaling(amax_history_len=4)
+
+
+def make_model(device):
+    return torch.nn.Sequential(tfp8.Linear(64, 64, device=device), torch.nn.GELU(),
+                               tfp8.LayerNormMLP(64, 128, device=device))
+
+
+def step(model, x, grad, recipe):
+    """(output, input gradient, parameter gradients) of one step; recipe None: no autocast."""
+    x = x.clone().requires_grad_(True)
+    model.zero_grad()
+    if recipe is None:
+        out = model(x)
+    else:
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            out = model(x)
+    out.backward(grad)
+    return [out.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same(got, expected):
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert_bitwise_equal(g, e, f"tensor {i}")
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8BlockScaling()], ids=["delayed", "block"])
+def test_high_precision_override_is_bit_identical_to_the_layer_outside_fp8(gen, device, recipe):
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    model = make_model(device)
+    reference = copy.deepcopy(model)
+    assert debug.override(model, "2", fp8=False) == ["2"]
+    x, grad = randn(gen, 16, 64, device=device), randn(gen, 16, 64, device=device)
+    got = step(model, x, grad, recipe)
+    # Reference: layer 0 in FP8 (same recipe), layer 2 in high precision by hand.
+    x_in = x.clone().requires_grad_(True)
+    with tfp8.fp8_autocast(fp8_recipe=recipe):
+        hidden = reference[1](reference[0](x_in))
+    out = reference[2](hidden)  # outside the context: its torch composition
+    out.backward(grad)
+    assert_same(got, [out.detach(), x_in.grad] + [p.grad for p in reference.parameters()])
+    assert not model[2].fp8_fwd_amax_history.any() and not model[2].fp8_bwd_amax_history.any()
+    assert debug.overrides(model) == {"2": debug.PrecisionOverride(None)}
+    assert debug.clear_overrides(model) == ["0", "2"] and debug.overrides(model) == {}
+    step(model, x, grad, DELAYED)
+    assert model[2].fp8_fwd_amax_history.any()  # FP8 again
+
+
+@pytest.mark.parametrize("override_recipe", [tfp8.Float8CurrentScaling(),
+                                             tfp8.Float8BlockScaling(),
+                                             tfp8.Float8RowwiseScaling()],
+                         ids=["current", "block", "rowwise"])
+def test_recipe_override_is_bit_identical_to_that_recipe(gen, device, override_recipe):
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    model = make_model(device)
+    debug.override(model, ["0", "2"], recipe=override_recipe)
+    reference = copy.deepcopy(model)
+    debug.clear_overrides(reference)
+    x, grad = randn(gen, 16, 64, device=device), randn(gen, 16, 64, device=device)
+    assert_same(step(model, x, grad, DELAYED), step(reference, x, grad, override_recipe))
+    assert not model[0].fp8_fwd_amax_history.any()  # the delayed state is left alone
+
+
+def test_only_the_matching_layers_change(gen):
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    model = make_model("cpu")
+    reference = copy.deepcopy(model)
+    debug.override(model, "0", fp8=False)
+    x, grad = randn(gen, 16, 64), randn(gen, 16, 64)
+    step(model, x, grad, DELAYED)
+    step(reference, x, grad, DELAYED)
+    assert model[2].fp8_fwd_amax_history.any() and not model[0].fp8_fwd_amax_history.any()
+    assert reference[0].fp8_fwd_amax_history.any()
+
+
+def test_override_refuses_bad_arguments():
+    model = make_model("cpu")
+    with pytest.raises(ValueError, match="needs fp8=False .* or a recipe"):
+        debug.override(model, "0")
+    with pytest.raises(ValueError, match="either fp8=False or a recipe, not both"):
+        debug.override(model, "0", fp8=False, recipe=tfp8.Float8CurrentScaling())
+    with pytest.raises(TypeError, match="recipe must be a Float8CurrentScaling.*DelayedScaling"):
+        debug.override(model, "0", recipe=DELAYED)
+    with pytest.raises(ValueError, match=r"layers='9' matches no FP8 module"):
+        debug.override(model, "9", fp8=False)
+    with pytest.raises(TypeError, match="fp8 must be a bool, got 0"):
+        debug.override(model, "0", fp8=0)

@@ -1,0 +1,242 @@
+"""transformer_fp8.debug statistics: every figure against a pure-torch computation on hand-made
+tensors (exact fractions), per block for the block recipes, the collector end to end (records
+of a Linear and a LayerNormMLP step against the tensors they cast, frequency, layer filter,
+JSON lines, heat map) and its zero cost when off (the same operators dispatched)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import randn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import _fp8_hooks, debug, ops
+from transformer_fp8.blockwise_ops import quantize_blockwise
+from transformer_fp8.debug.stats import derive, operand_stats
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+DELAYED = tfp8.DelayedScaling(amax_history_len=4)
+
+
+def figures(x, q, scale, fp8_max, *blocks):
+    return derive(operand_stats(x, q, scale, fp8_max, *blocks).cpu())
+
+
+def test_per_tensor_figures_on_a_hand_made_tensor(device):
+    # scale 1, E4M3: 2**-11 flushes to zero (half the smallest subnormal 2**-9 rounds down),
+    # 500 and -1000 are clamped to +-448, 0 does not count.
+    x = torch.tensor([[0.0, 2.0 ** -11, 1.0, 500.0], [-1000.0, 2.0 ** -8, 2.0, 3.0]],
+                     device=device)
+    scale = torch.ones(1, device=device)
+    q = ops.cast_to_fp8(x, scale, E4M3)
+    f = figures(x, q, scale, 448.0)
+    assert f["nonzero"] == 7 and f["amax"] == 1000.0
+    assert f["underflow_frac"] == 1 / 7 and f["saturation_frac"] == 2 / 7
+    assert f["dynamic_range_log2"] == math.log2(1000.0 / 2.0 ** -11)
+    assert f["scale_min"] == f["scale_max"] == 1.0 and f["blocks"] == 1
+    back = q.double().cpu()  # scale 1
+    expected_db = 10 * math.log10((x.double().cpu() ** 2).sum().item()
+                                  / ((x.double().cpu() - back) ** 2).sum().item())
+    assert f["sqnr_db"] == pytest.approx(expected_db, rel=1e-12)
+    assert f["block_min_sqnr_db"] == pytest.approx(expected_db, rel=1e-12)
+
+
+def test_per_tensor_figures_with_a_scale_against_pure_torch(gen, device):
+    x = randn(gen, 64, 48, device=device, scale=1e-3)
+    x[3, :5] = 0
+    x[7, 7] = 80.0  # saturates under the scale below
+    scale = torch.tensor([2.0 ** 12], device=device)
+    q = ops.cast_to_fp8(x, scale, E5M2)
+    f = figures(x, q, scale, 57344.0)
+    xc, qc = x.cpu().double(), q.cpu().double()
+    nonzero = xc != 0
+    assert f["nonzero"] == nonzero.sum().item() == 64 * 48 - 5
+    assert f["underflow_frac"] == (nonzero & (qc == 0)).sum().item() / (64 * 48 - 5)
+    assert f["saturation_frac"] == ((xc * 2.0 ** 12).abs() > 57344).sum().item() / (64 * 48 - 5)
+    assert f["saturation_frac"] == 1 / (64 * 48 - 5)
+    back = qc / 2.0 ** 12
+    expected_db = 10 * math.log10((xc ** 2).sum().item() / ((xc - back) ** 2).sum().item())
+    assert f["sqnr_db"] == pytest.approx(expected_db, rel=1e-9)
+    assert f["dynamic_range_log2"] == pytest.approx(
+        math.log2(80.0 / xc.abs()[nonzero].min().item()), rel=1e-6)
+
+
+def test_exact_zero_and_all_zero_tensors(device):
+    x = torch.tensor([[0.0, 0.5, -0.25, 4.0]], device=device)  # exact in E4M3
+    scale = torch.ones(1, device=device)
+    f = figures(x, ops.cast_to_fp8(x, scale, E4M3), scale, 448.0)
+    assert f["sqnr_db"] == math.inf and f["underflow_frac"] == 0 and f["dynamic_range_log2"] == 4
+    zeros = torch.zeros(2, 16, device=device)
+    f = figures(zeros, ops.cast_to_fp8(zeros, scale, E4M3), scale, 448.0)
+    assert f["nonzero"] == 0 and f["underflow_frac"] == f["saturation_frac"] == 0.0
+    assert f["dynamic_range_log2"] == 0.0 and f["sqnr_db"] == math.inf
+
+
+@pytest.mark.parametrize("blocks", [(1, 128), (128, 128), "rowwise"])
+def test_block_figures_against_pure_torch(gen, device, blocks):
+    rows, cols = 130, 300  # partial edge blocks both ways
+    x = randn(gen, rows, cols, device=device)
+    x[:, 200:210] *= 1e4  # an outlier block column
+    x[5, :] *= 1e-30      # a row that flushes away in its own blocks only if scaled with others
+    block_rows, block_cols = (1, cols) if blocks == "rowwise" else blocks
+    q, scale_inv, _, _ = quantize_blockwise(x, block_rows, -1 if blocks == "rowwise"
+                                            else block_cols, E4M3, True)
+    f = figures(x, q, scale_inv.reciprocal(), 448.0, block_rows, block_cols)
+    # Pure torch, block by block.
+    xc, qc, si = x.cpu().double(), q.cpu().double(), scale_inv.cpu().double()
+    full = si.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)[:rows, :cols]
+    back = qc * full
+    nonzero = xc != 0
+    worst, amaxes, count = math.inf, [], 0
+    for r0 in range(0, rows, block_rows):
+        for c0 in range(0, cols, block_cols):
+            xb, bb = xc[r0:r0 + block_rows, c0:c0 + block_cols], back[r0:r0 + block_rows,
+                                                                       c0:c0 + block_cols]
+            count += 1
+            amaxes.append(xb.abs().max().item())
+            noise = ((xb - bb) ** 2).sum().item()
+            if noise:
+                worst = min(worst, 10 * math.log10((xb ** 2).sum().item() / noise))
+    assert f["blocks"] == count and f["block_amax_min"] == pytest.approx(min(amaxes), rel=1e-6)
+    assert f["block_min_sqnr_db"] == pytest.approx(worst, rel=1e-9)
+    assert f["underflow_frac"] == (nonzero & (qc == 0)).sum().item() / nonzero.sum().item()
+    assert f["saturation_frac"] == 0.0  # power-of-two block scales never clamp
+    assert f["scale_min"] == pytest.approx(1 / si.max().item()) and \
+        f["scale_max"] == pytest.approx(1 / si.min().item())
+    expected_db = 10 * math.log10((xc ** 2).sum().item() / ((xc - back) ** 2).sum().item())
+    assert f["sqnr_db"] == pytest.approx(expected_db, rel=1e-9)
+
+
+# ---- the collector ------------------------------------------------------------------------------
+
+def linear_step(layer, x, grad, recipe=DELAYED):
+    x = x.clone().requires_grad_(True)
+    with tfp8.fp8_autocast(fp8_recipe=recipe):
+        out = layer(x)
+    out.backward(grad)
+
+
+def test_linear_records_match_the_tensors_it_casts(gen, device):
+    layer = tfp8.Linear(64, 32, device=device)
+    x, grad = randn(gen, 20, 64, device=device), randn(gen, 20, 32, device=device, scale=1e-6)
+    linear_step(layer, x, grad)  # sets the delayed scales
+    fwd_scale, bwd_scale = layer.fp8_fwd_scale.clone(), layer.fp8_bwd_scale.clone()
+    model = torch.nn.Sequential(layer)
+    with debug.collect_stats(model) as stats:
+        linear_step(layer, x, grad)
+        records = {r["tensor"]: r for r in stats.step()}
+    assert _fp8_hooks.observer is None
+    assert sorted(records) == ["grad_output", "input", "weight"]
+    assert all(r["layer"] == "0" and r["gemm"] == "" and r["step"] == 0
+               for r in records.values())
+    for role, t, scale, fp8 in (("input", x, fwd_scale[0], E4M3),
+                                ("weight", layer.weight.detach(), fwd_scale[1], E4M3),
+                                ("grad_output", grad, bwd_scale[0], E5M2)):
+        q = ops.cast_to_fp8(t, scale.reshape(1), fp8)
+        expected = figures(t, q, scale.reshape(1), torch.finfo(fp8).max)
+        got = records[role]
+        for key in ("amax", "scale_min", "underflow_frac", "saturation_frac", "nonzero",
+                    "dynamic_range_log2"):
+            assert got[key] == expected[key], (role, key)
+        assert got["sqnr_db"] == pytest.approx(expected["sqnr_db"], rel=1e-12), role
+
+
+def test_fused_casts_of_layernorm_mlp_are_recorded(gen, device):
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    mlp = tfp8.LayerNormMLP(64, 128, device=device)
+    model = torch.nn.Sequential(mlp)
+    x = randn(gen, 16, 64, device=device)
+    for recipe in (DELAYED, tfp8.Float8CurrentScaling(), tfp8.Float8BlockScaling()):
+        with debug.collect_stats(model) as stats:
+            linear_step(model, x, randn(gen, 16, 64, device=device), recipe)
+            records = {(r["gemm"], r["tensor"]): r for r in stats.step()}
+        assert sorted(records) == [(g, t) for g in ("fc1", "fc2")
+                                   for t in ("grad_output", "input", "weight")]
+        ln = torch.nn.functional.layer_norm(x, (64,), mlp.layer_norm_weight,
+                                            mlp.layer_norm_bias, mlp.eps)
+        assert records["fc1", "input"]["amax"] == pytest.approx(ln.abs().max().item(),
+                                                                rel=1e-6)
+        assert records["fc2", "weight"]["amax"] == mlp.fc2_weight.abs().max().item()
+        assert all(r["sqnr_db"] > 20 for r in records.values()), recipe
+
+
+def test_frequency_and_layer_filter(gen, tmp_path):
+    model = torch.nn.Sequential(tfp8.Linear(32, 32), torch.nn.ReLU(), tfp8.Linear(32, 16))
+    path = str(tmp_path / "stats.jsonl")
+    with debug.collect_stats(model, layers="2", frequency=2, path=path) as stats:
+        counts = []
+        for _ in range(5):
+            linear_step(model, randn(gen, 8, 32), randn(gen, 8, 16))
+            counts.append(len(stats.step()))
+    assert counts == [3, 0, 3, 0, 3]
+    records = debug.read_records(path)
+    assert [r["step"] for r in records] == [0] * 3 + [2] * 3 + [4] * 3
+    assert {r["layer"] for r in records} == {"2"} and records == stats.records
+    labels, steps, matrix = debug.heatmap_matrix(path, "underflow_frac")
+    assert labels == ["2:grad_output", "2:input", "2:weight"] and steps == [0, 2, 4]
+    assert matrix[1][2] == records[7]["underflow_frac"]
+    table = debug.worst_report(path, top=2)
+    assert table.splitlines()[0].startswith("operand") and len(table.splitlines()) == 3
+    pytest.importorskip("matplotlib")
+    debug.plot_heatmap(path, "sqnr_db", out=str(tmp_path / "heat.png"))
+    assert (tmp_path / "heat.png").stat().st_size > 1000
+
+
+def test_collector_refuses_bad_arguments():
+    model = torch.nn.Sequential(tfp8.Linear(16, 16))
+    with pytest.raises(ValueError, match=r"layers='x\*' matches no FP8 module.*: 0"):
+        debug.collect_stats(model, layers="x*")
+    with pytest.raises(ValueError, match="frequency must be a positive integer, got 0"):
+        debug.collect_stats(model, frequency=0)
+    with pytest.raises(TypeError, match="layers must be a glob pattern"):
+        debug.collect_stats(model, layers=3)
+
+
+def test_a_logged_step_without_casts_warns_once():
+    model = torch.nn.Sequential(tfp8.Linear(16, 16))
+    with debug.collect_stats(model) as stats:
+        with pytest.warns(UserWarning, match="saw no FP8 cast.*eager mode only"):
+            assert stats.step() == []
+        stats.step()  # no second warning (pytest's filter would fail on an unexpected one)
+
+
+# ---- zero cost when off ------------------------------------------------------------------------
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_of_a_step(model, x, grad, recipe):
+    with _OpLog() as log:
+        linear_step(model, x, grad, recipe)
+    return log.ops
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8BlockScaling()], ids=["delayed", "block"])
+def test_off_unselected_or_unlogged_dispatches_the_same_operators(gen, recipe):
+    model = torch.nn.Sequential(tfp8.Linear(32, 32), torch.nn.ReLU(), tfp8.Linear(32, 32))
+    x, grad = randn(gen, 8, 32), randn(gen, 8, 32)
+    linear_step(model, x, grad, recipe)
+    baseline = _ops_of_a_step(model, x, grad, recipe)
+    with debug.collect_stats(model, layers="2", frequency=2) as stats:
+        with pytest.warns(UserWarning, match="saw no FP8 cast"):
+            stats.step()  # step 0 logged (nothing ran); step 1 is not logged
+        assert _ops_of_a_step(model, x, grad, recipe) == baseline
+        stats.step()
+        logged = _ops_of_a_step(model, x, grad, recipe)  # step 2: layer "2" logged
+        assert len(logged) > len(baseline) and stats.step()
+    alone = _ops_of_a_step(model[2], x, grad, recipe)
+    with debug.collect_stats(model, layers="0") as stats:  # logged, layer "2" not selected
+        linear_step(model[0], x, grad, recipe)
+        assert _ops_of_a_step(model[2], x, grad, recipe) == alone
+        assert {r["layer"] for r in stats.step()} == {"0"}
+    assert _fp8_hooks.observer is None
+    assert _ops_of_a_step(model, x, grad, recipe) == baseline  # off again

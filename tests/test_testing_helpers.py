@@ -1,0 +1,253 @@
+"""transformer_fp8.testing: sqnr / rel_error on hand-made tensors, compare_to_reference against
+a step computed by hand, assert_fp8_parity on models that pass and on planted errors that must
+fail, and the pytest plugin (fixture, ini thresholds, entry point, import cost)."""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import randn
+
+import transformer_fp8 as tfp8
+from transformer_fp8.testing import (DEFAULT_GRAD_MIN_SQNR_DB, DEFAULT_MIN_SQNR_DB,
+                                     assert_fp8_parity, compare_to_reference, rel_error, sqnr)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = tfp8.DelayedScaling(amax_history_len=16)
+
+
+# ---- sqnr / rel_error --------------------------------------------------------------------------
+
+def test_sqnr_and_rel_error_exact_values():
+    expected = torch.tensor([3.0, 4.0])            # norm 5
+    actual = torch.tensor([3.0, 4.0625])           # noise norm 1/16 (exact in float32)
+    assert sqnr(actual, expected) == pytest.approx(20 * math.log10(80), abs=1e-12)
+    assert rel_error(actual, expected) == 0.0125
+    assert sqnr(expected.bfloat16(), expected) == math.inf            # 3 and 4 are exact
+    assert rel_error(expected, expected) == 0.0
+    assert sqnr(torch.ones(3), torch.zeros(3)) == -math.inf
+    assert rel_error(torch.ones(3), torch.zeros(3)) == math.inf
+    assert math.isnan(sqnr(torch.tensor([math.nan, 1.0]), expected))
+    assert math.isnan(rel_error(expected, torch.tensor([1.0, math.nan])))
+
+
+def test_sqnr_is_in_float64_whatever_the_inputs_dtype(gen):
+    expected = randn(gen, 1000)
+    actual = expected + randn(gen, 1000) * 1e-3
+    by_hand = 20 * math.log10(expected.double().norm().item()
+                              / (actual.double() - expected.double()).norm().item())
+    assert sqnr(actual, expected) == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_sqnr_refuses_bad_arguments():
+    with pytest.raises(ValueError, match=r"same shape.*\(2,\).*\(3,\)"):
+        sqnr(torch.ones(2), torch.ones(3))
+    with pytest.raises(TypeError, match="expected must be a torch.Tensor, got list"):
+        rel_error(torch.ones(2), [1.0, 1.0])
+
+
+# ---- compare_to_reference ----------------------------------------------------------------------
+
+def linear_pair(gen, device, in_features=64, out_features=32):
+    model = tfp8.Linear(in_features, out_features, device=device)
+    with torch.no_grad():
+        model.weight.copy_(randn(gen, out_features, in_features, device=device)
+                           / in_features ** 0.5)
+        model.bias.copy_(randn(gen, out_features, device=device))
+    return model, copy.deepcopy(model)
+
+
+def test_compare_matches_a_step_computed_by_hand(gen, device):
+    model, reference = linear_pair(gen, device)
+    by_hand = copy.deepcopy(model)
+    x = randn(gen, 24, 64, device=device)
+    loss_fn = lambda out: (out ** 2).mean()  # noqa: E731
+    report = compare_to_reference(model, reference, x, loss_fn=loss_fn, recipe=RECIPE, steps=2)
+
+    for _ in range(2):  # the same two FP8 steps, by hand
+        x_fp8 = x.clone().requires_grad_(True)
+        by_hand.zero_grad()
+        with tfp8.fp8_autocast(fp8_recipe=RECIPE):
+            out = by_hand(x_fp8)
+        loss = loss_fn(out)
+        loss.backward()
+    x_ref = x.clone().requires_grad_(True)
+    ref_out = reference(x_ref)
+    ref_loss = loss_fn(ref_out)
+    ref_loss.backward()
+    assert [e.name for e in report.entries] == ["output", "loss", "input_grad[0]",
+                                                "grad:weight", "grad:bias"]
+    assert report["output"].sqnr_db == sqnr(out, ref_out)
+    assert report["loss"].rel_error == rel_error(loss, ref_loss)
+    assert report["input_grad[0]"].sqnr_db == sqnr(x_fp8.grad, x_ref.grad)
+    assert report["grad:weight"].sqnr_db == sqnr(by_hand.weight.grad, reference.weight.grad)
+    assert report["grad:weight"].shape == (32, 64)
+    assert 23 <= report["output"].sqnr_db < 60  # FP8, not high precision
+    # The FP8 state advanced as by hand; nothing was written to .grad.
+    assert torch.equal(model.fp8_fwd_scale, by_hand.fp8_fwd_scale)
+    assert torch.equal(model.fp8_bwd_amax_history, by_hand.fp8_bwd_amax_history)
+    assert model.weight.grad is None and model.bias.grad is None
+
+
+def test_compare_with_the_model_itself_as_reference(gen, device):
+    model, copy_ = linear_pair(gen, device)
+    x = randn(gen, 16, 64, device=device)
+    same = compare_to_reference(model, model, x, recipe=tfp8.Float8CurrentScaling())
+    separate = compare_to_reference(model, copy_, x, recipe=tfp8.Float8CurrentScaling())
+    assert [(e.name, e.sqnr_db) for e in same.entries] == \
+        [(e.name, e.sqnr_db) for e in separate.entries]
+    table = str(same)
+    assert "grad:weight" in table and "32x64" in table and "SQNR (dB)" in table
+
+
+def test_compare_bfloat16_model_against_float32_reference(gen, device):
+    model, _ = linear_pair(gen, device)
+    model = model.to(torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    x = randn(gen, 32, 64, device=device, dtype=torch.bfloat16)
+    report = assert_fp8_parity(model, reference, x, recipe=RECIPE)
+    assert report["output"].sqnr_db >= 23 and report["grad:weight"].sqnr_db >= 19
+
+
+def test_compare_same_dropout_masks_in_both_runs(gen, device):
+    model = torch.nn.Sequential(tfp8.Linear(64, 64, device=device), torch.nn.Dropout(0.5))
+    x = randn(gen, 32, 64, device=device)
+    report = compare_to_reference(model, copy.deepcopy(model), x, recipe=RECIPE)
+    assert report["output"].sqnr_db >= 23  # different masks would give ~0 dB
+
+
+def test_compare_refuses_bad_arguments(gen):
+    model, reference = linear_pair(gen, "cpu")
+    x = randn(gen, 16, 64)
+    with pytest.raises(ValueError, match="steps must be a positive integer, got 0"):
+        compare_to_reference(model, reference, x, steps=0)
+    with pytest.raises(ValueError, match=r"reference has no trainable parameter named \['1"):
+        compare_to_reference(torch.nn.Sequential(torch.nn.ReLU(), model), reference, x)
+    with pytest.raises(TypeError, match="reference must be a torch.nn.Module, got function"):
+        compare_to_reference(model, lambda t: t, x)
+    with pytest.raises(ValueError, match="loss_fn must return a one-element tensor"):
+        compare_to_reference(model, reference, x, loss_fn=lambda out: out)
+    with pytest.raises(ValueError, match="grad_min_sqnr_db must be a number of dB"):
+        assert_fp8_parity(model, reference, x, grad_min_sqnr_db="high")
+
+
+# ---- assert_fp8_parity -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", [RECIPE, tfp8.Float8CurrentScaling(),
+                                    tfp8.Float8BlockScaling()], ids=["delayed", "current",
+                                                                     "block"])
+def test_parity_passes_on_fp8_modules(gen, device, recipe):
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    model = torch.nn.Sequential(tfp8.LayerNormMLP(64, 128, device=device),
+                                tfp8.Linear(64, 32, device=device))
+    report = assert_fp8_parity(model, copy.deepcopy(model).float(),
+                               randn(gen, 4, 16, 64, device=device), recipe=recipe)
+    assert report.failures(DEFAULT_MIN_SQNR_DB, DEFAULT_GRAD_MIN_SQNR_DB) == []
+    assert len([e for e in report.entries if e.kind == "param_grad"]) == 8
+
+
+def test_planted_wrong_gradient_fails_and_is_named(gen, device):
+    model, reference = linear_pair(gen, device)
+    x = randn(gen, 32, 64, device=device)
+    assert_fp8_parity(model, reference, x, recipe=RECIPE)
+    model.weight.register_hook(lambda g: g * 2)  # a wrong scale in the weight gradient only
+    with pytest.raises(AssertionError) as failure:
+        assert_fp8_parity(model, reference, x, recipe=RECIPE)
+    message = str(failure.value)
+    assert message.startswith("FP8 parity failed for 1 tensor(s), worst first: grad:weight: ")
+    assert f"< {DEFAULT_GRAD_MIN_SQNR_DB} dB (rel. error " in message
+    entry = failure.value.args[0]
+    reported = float(entry.split("grad:weight: ")[1].split(" dB")[0])
+    assert abs(reported) < 0.1  # 2g against g: the noise is as large as the signal, 0 dB
+    assert "output" in message  # the whole table follows
+
+
+def test_planted_transposed_input_fails(gen, device):
+    """An FP8 path that multiplies the wrong operand layout (x reversed along the features)
+    is far from the reference: the output, input and weight gradients fail (the bias
+    gradient, grad_output's column sums, is the same)."""
+    model, reference = linear_pair(gen, device, 64, 64)
+
+    class Wrong(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            from transformer_fp8.fp8_context import current_state
+            return self.inner(x.flip(-1) if current_state() is not None else x)
+
+    wrapped, wrapped_ref = Wrong(model), Wrong(reference)
+    with pytest.raises(AssertionError) as failure:
+        assert_fp8_parity(wrapped, wrapped_ref, randn(gen, 32, 64, device=device),
+                          recipe=RECIPE)
+    listed = str(failure.value).split("\n")[0]
+    assert listed.startswith("FP8 parity failed for 3 tensor(s), worst first: ")
+    for name in ("output: ", "input_grad[0]: ", "grad:inner.weight: "):
+        assert name in listed
+    assert "grad:inner.bias: " not in listed
+
+
+def test_nan_fails_parity(gen):
+    model, reference = linear_pair(gen, "cpu")
+    with torch.no_grad():
+        model.weight[0, 0] = math.nan
+    with pytest.raises(AssertionError, match="output: nan dB"):
+        assert_fp8_parity(model, reference, randn(gen, 16, 64), recipe=RECIPE)
+
+
+# ---- the pytest plugin -------------------------------------------------------------------------
+
+def test_pyproject_declares_the_plugin_entry_point():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    assert project["project"]["entry-points"]["pytest11"] == {
+        "transformer_fp8": "pytest_transformer_fp8"}
+    assert "pytest_transformer_fp8" in project["tool"]["setuptools"]["py-modules"]
+
+
+def test_plugin_import_loads_neither_torch_nor_the_package():
+    code = ("import sys, pytest_transformer_fp8; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'transformer_fp8')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_plugin_fixture_and_ini_thresholds(tmp_path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\nfp8_grad_min_sqnr_db = 99\n")
+    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
+        import copy
+        import pytest
+        import torch
+        import transformer_fp8 as tfp8
+
+        def model_and_reference():
+            torch.manual_seed(0)
+            model = tfp8.Linear(64, 32)
+            return model, copy.deepcopy(model)
+
+        def test_ini_threshold_applies(fp8_parity):
+            with pytest.raises(AssertionError, match="< 99.0 dB"):
+                fp8_parity(*model_and_reference(), torch.randn(16, 64))
+
+        def test_keyword_overrides_ini(fp8_parity):
+            report = fp8_parity(*model_and_reference(), torch.randn(16, 64),
+                                grad_min_sqnr_db=15)
+            assert report["output"].sqnr_db > 20
+    """))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-p", "pytest_transformer_fp8", str(tmp_path)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout

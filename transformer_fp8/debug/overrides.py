@@ -1,0 +1,77 @@
+"""Per-layer precision overrides by name pattern: run matching FP8 modules in high precision
+(Transformer Engine's DisableFP8Layer) or under another, stateless recipe (current scaling,
+1x128 blocks, row-wise) whatever recipe the surrounding fp8_autocast uses.
+
+    tfp8.debug.override(model, "blocks.3.*", fp8=False)
+    tfp8.debug.override(model, "blocks.3.mlp", recipe=tfp8.Float8BlockScaling())
+    tfp8.debug.clear_overrides(model)
+
+The override is an attribute set once on each matching module (``_fp8_override``), read by the
+module's forward dispatch: no name is matched per forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import fp8_context as _autocast
+from ..recipe import Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
+from .collector import LayerFilter, select_layers
+
+STATELESS_RECIPES = (Float8CurrentScaling, Float8BlockScaling, Float8RowwiseScaling)
+
+
+@dataclass(frozen=True)
+class PrecisionOverride:
+    """What a module runs with inside an enabled fp8_autocast: high precision (recipe None)
+    or ``recipe`` instead of the context's."""
+
+    recipe: Optional[object]
+
+    def state_for(self, state):
+        """The autocast state the module dispatches on, given the context's (None: high
+        precision)."""
+        if not state.enabled:
+            return state
+        if self.recipe is None:
+            return None
+        return _autocast._state_for(True, self.recipe, state.group)
+
+
+def override(model, layers: LayerFilter, *, fp8: bool = True, recipe=None) -> list:
+    """Set the precision of the FP8 modules of ``model`` whose qualified names match
+    ``layers`` (glob pattern(s) or a callable name -> bool): ``fp8=False`` runs them in high
+    precision (exactly their computation outside fp8_autocast); ``recipe=`` a
+    Float8CurrentScaling, Float8BlockScaling or Float8RowwiseScaling runs them with that recipe.
+    Returns the names of the modules changed."""
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {fp8!r}")
+    if fp8 and recipe is None:
+        raise ValueError("override needs fp8=False (high precision) or a recipe")
+    if not fp8 and recipe is not None:
+        raise ValueError("pass either fp8=False or a recipe, not both")
+    if recipe is not None and not isinstance(recipe, STATELESS_RECIPES):
+        raise TypeError("recipe must be a Float8CurrentScaling, Float8BlockScaling or "
+                        "Float8RowwiseScaling (a recipe with no amax history), got "
+                        f"{type(recipe).__name__}")
+    selected = select_layers(model, layers)
+    if not selected:
+        raise ValueError(f"layers={layers!r} matches no FP8 module of the model")
+    value = PrecisionOverride(None if not fp8 else recipe)
+    for module in selected:
+        module._fp8_override = value
+    return sorted(selected.values())
+
+
+def clear_overrides(model, layers: LayerFilter = "*") -> list:
+    """Remove the overrides of the matching modules; returns their names."""
+    selected = select_layers(model, layers)
+    for module in selected:
+        module.__dict__.pop("_fp8_override", None)
+    return sorted(selected.values())
+
+
+def overrides(model) -> dict:
+    """{name: PrecisionOverride} of the modules of ``model`` that have one."""
+    return {name: m._fp8_override for m, name in select_layers(model, "*").items()
+            if m.__dict__.get("_fp8_override") is not None}

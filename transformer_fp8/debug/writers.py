@@ -1,0 +1,78 @@
+"""Where the statistics go: JSON lines (always available) and TensorBoard scalars (when the
+tensorboard package is installed)."""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from typing import Optional
+
+
+def _json_value(v):
+    # JSON has no inf / nan: written as strings, read back by read_records.
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class JsonLinesWriter:
+    """One JSON object per line: step, layer, gemm, tensor and the figures of stats.derive."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, records: list) -> None:
+        for record in records:
+            self._file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_records(path: str) -> list:
+    """The records of a JSON lines file written by JsonLinesWriter (inf / nan restored)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                out.append({k: float(v) if v in ("inf", "-inf", "nan") else v
+                            for k, v in record.items()})
+    return out
+
+
+SCALARS = ("amax", "scale_min", "underflow_frac", "saturation_frac", "dynamic_range_log2",
+           "sqnr_db", "block_min_sqnr_db")
+
+
+class TensorBoardWriter:
+    """Scalars fp8/<layer>[.<gemm>]/<tensor>/<figure> per logged step."""
+
+    def __init__(self, summary_writer):
+        self._writer = summary_writer
+
+    @classmethod
+    def create(cls, log_dir: Optional[str]) -> Optional["TensorBoardWriter"]:
+        if log_dir is None:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            warnings.warn("transformer_fp8.debug: tensorboard is not installed; statistics "
+                          "go to the JSON lines file only", stacklevel=3)
+            return None
+        return cls(SummaryWriter(log_dir))
+
+    def write(self, records: list) -> None:
+        for r in records:
+            label = r["layer"] + (f".{r['gemm']}" if r["gemm"] else "")
+            for figure in SCALARS:
+                if math.isfinite(r[figure]):
+                    self._writer.add_scalar(f"fp8/{label}/{r['tensor']}/{figure}", r[figure],
+                                            r["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

@@ -1,0 +1,286 @@
+"""Numeric-parity checks of an FP8 model against a high-precision reference, for users' tests.
+
+    from transformer_fp8.testing import assert_fp8_parity, compare_to_reference, sqnr
+
+``compare_to_reference`` runs the FP8 model inside ``fp8_autocast`` and the reference (a
+float32 / bfloat16 copy, or the same model, which then runs outside the context) on the same
+inputs, and reports the SQNR and relative error of the output, the loss, every input gradient
+and every parameter gradient, by parameter name. ``assert_fp8_parity`` raises AssertionError
+naming the tensors under the thresholds. Nothing here changes the parameters or their ``.grad``
+(gradients come from ``torch.autograd.grad``); the FP8 model's delayed-scaling state advances as
+one training step's would.
+
+Default thresholds (DEFAULT_MIN_SQNR_DB, DEFAULT_GRAD_MIN_SQNR_DB) come from measurements
+against float32 copies (benchmarks/bench_parity.py, results in benchmarks/results/parity-cpu/:
+HYBRID delayed scaling, 2 steps, hidden size 256, minimum over 8 seeds). One FP8 GEMM (Linear,
+LayerNormLinear): output 28.4 dB, gradients 23.8 dB. Two chained (LayerNormMLP, Linear-GELU-
+Linear): output 25.3 dB, gradients 20.5 dB. TransformerLayer (four GEMMs; the residual carries
+most of the output): output 41.2 dB, weight gradients 20.3 dB. The unit tests' bounds on
+smaller layers, over many random seeds, are 23 / 19 dB (one GEMM) and 21 / 15 dB (two). The
+defaults, 15 dB for outputs and losses and 10 dB for gradients, leave ~10 dB for deeper models
+and still fail a wrong scale (a factor 2 is 0 dB) or a wrong operand (< 3 dB). A model much
+deeper than a few layers loses more: measure it with compare_to_reference and pass your bounds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.utils import _pytree
+
+from .fp8_context import fp8_autocast
+
+DEFAULT_MIN_SQNR_DB = 15.0       # output and loss
+DEFAULT_GRAD_MIN_SQNR_DB = 10.0  # input and parameter gradients
+_PROBE_SEED = 0x5EED  # the random grad_output of the default loss
+_RUN_SEED = 0x0F8     # both runs start from this RNG state (dropout draws the same masks)
+
+
+def _as_float64(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    return t.detach().to(device="cpu", dtype=torch.float64)
+
+
+def _pair(actual, expected):
+    a, e = _as_float64(actual, "actual"), _as_float64(expected, "expected")
+    if a.shape != e.shape:
+        raise ValueError(f"actual and expected must have the same shape, got {tuple(a.shape)} "
+                         f"and {tuple(e.shape)}")
+    return a, e
+
+
+def sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Signal-to-quantisation-noise ratio of ``actual`` against ``expected`` in dB:
+    20 log10(||expected|| / ||actual - expected||), in float64. inf when they are equal, -inf
+    when expected is zero and actual is not, nan when either holds a NaN."""
+    a, e = _pair(actual, expected)
+    if torch.isnan(a).any() or torch.isnan(e).any():
+        return math.nan
+    noise = torch.linalg.vector_norm(a - e).item()
+    signal = torch.linalg.vector_norm(e).item()
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 20.0 * math.log10(signal / noise)
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64: 0 when equal, inf when expected is zero
+    and actual is not, nan when either holds a NaN."""
+    a, e = _pair(actual, expected)
+    if torch.isnan(a).any() or torch.isnan(e).any():
+        return math.nan
+    noise = torch.linalg.vector_norm(a - e).item()
+    signal = torch.linalg.vector_norm(e).item()
+    if noise == 0.0:
+        return 0.0
+    return math.inf if signal == 0.0 else noise / signal
+
+
+@dataclass(frozen=True)
+class TensorParity:
+    """One compared tensor: its name ("output", "loss", "input_grad[0]", "grad:fc1.weight"),
+    kind ("output", "loss", "input_grad", "param_grad"), shape and figures."""
+
+    name: str
+    kind: str
+    shape: tuple
+    sqnr_db: float
+    rel_error: float
+
+    @property
+    def is_gradient(self) -> bool:
+        return self.kind in ("input_grad", "param_grad")
+
+
+@dataclass
+class ParityReport:
+    """What compare_to_reference measured; ``str(report)`` is a table."""
+
+    entries: list = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> TensorParity:
+        for entry in self.entries:
+            if entry.name == name:
+                return entry
+        raise KeyError(f"no compared tensor named {name!r}; names: "
+                       f"{[e.name for e in self.entries]}")
+
+    def worst(self, n: Optional[int] = None) -> list:
+        """Entries by increasing SQNR (NaN first)."""
+        ranked = sorted(self.entries, key=lambda e: (not math.isnan(e.sqnr_db),
+                                                      e.sqnr_db if not math.isnan(e.sqnr_db)
+                                                      else 0.0))
+        return ranked if n is None else ranked[:n]
+
+    def failures(self, min_sqnr_db: float, grad_min_sqnr_db: float) -> list:
+        """Entries under their threshold (or NaN), worst first."""
+        def bound(e):
+            return grad_min_sqnr_db if e.is_gradient else min_sqnr_db
+        return [e for e in self.worst() if not e.sqnr_db >= bound(e)]
+
+    def table(self) -> str:
+        width = max([len("tensor")] + [len(e.name) for e in self.entries])
+        lines = [f"{'tensor':<{width}}  {'shape':<16} {'SQNR (dB)':>10} {'rel. error':>11}"]
+        for e in self.entries:
+            shape = "x".join(map(str, e.shape)) or "scalar"
+            lines.append(f"{e.name:<{width}}  {shape:<16} {e.sqnr_db:>10.2f} "
+                         f"{e.rel_error:>11.3e}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _inputs_tuple(inputs) -> tuple:
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs)
+    raise TypeError("inputs must be a tensor or a tuple/list of positional arguments, got "
+                    f"{type(inputs).__name__}")
+
+
+def _float_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return None
+
+
+def _prepared(inputs: tuple, dtype: Optional[torch.dtype]) -> tuple:
+    """Fresh leaves of the floating inputs (cast to dtype if given) that require grad."""
+    out = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            x = x.detach().to(dtype or x.dtype).requires_grad_(True)
+        out.append(x)
+    return tuple(out)
+
+
+def _float_outputs(output) -> list:
+    leaves, _ = _pytree.tree_flatten(output)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ValueError("the model's output holds no floating-point tensor to compare")
+    return tensors
+
+
+def _probe_loss(outputs: list) -> torch.Tensor:
+    """sum(out * probe) with a fixed standard-normal probe per output: backward sees a random
+    grad_output (a loss like out.sum() would give a constant one, exact in FP8)."""
+    gen = torch.Generator().manual_seed(_PROBE_SEED)
+    total = 0
+    for out in outputs:
+        probe = torch.randn(out.shape, generator=gen, dtype=torch.float32).to(out.device)
+        total = total + (out.float() * probe).sum()
+    return total
+
+
+def _one_run(module, inputs: tuple, loss_fn, dtype, seed_devices):
+    """(output tensors, loss or None, {name: gradient}) of one forward + backward."""
+    with torch.random.fork_rng(devices=seed_devices):
+        torch.manual_seed(_RUN_SEED)
+        args = _prepared(inputs, dtype)
+        output = module(*args)
+    outputs = _float_outputs(output)
+    loss = loss_fn(output) if loss_fn is not None else None
+    if loss is not None and (not isinstance(loss, torch.Tensor) or loss.numel() != 1):
+        raise ValueError("loss_fn must return a one-element tensor, got "
+                         f"{type(loss).__name__}{getattr(loss, 'shape', '')}")
+    objective = loss if loss is not None else _probe_loss(outputs)
+    named = {f"input_grad[{i}]": x for i, x in enumerate(args)
+             if isinstance(x, torch.Tensor) and x.requires_grad}
+    named.update({f"grad:{n}": p for n, p in module.named_parameters() if p.requires_grad})
+    grads = torch.autograd.grad(objective, list(named.values()), allow_unused=True)
+    grads = {n: g for n, g in zip(named, grads) if g is not None}
+    return [o.detach() for o in outputs], loss, grads
+
+
+def compare_to_reference(model: torch.nn.Module, reference: torch.nn.Module, inputs,
+                         loss_fn: Optional[Callable] = None, recipe=None, steps: int = 2,
+                         fp8_group=None) -> ParityReport:
+    """Run ``model`` in FP8 and ``reference`` in high precision on ``inputs`` and compare.
+
+    model: the FP8 model (its FP8 modules run in FP8 inside ``fp8_autocast(fp8_recipe=recipe)``).
+    reference: a high-precision copy with the same parameter names (e.g. ``copy.deepcopy(model)
+      .float()``), or ``model`` itself (it then runs outside the context). Floating inputs are
+      cast to the reference's parameter dtype for it.
+    inputs: a tensor or a tuple of positional arguments.
+    loss_fn: output -> one-element tensor; its value is compared too. Default: the sum of each
+      output times a fixed random tensor (a random grad_output), not reported.
+    steps: FP8 forward + backward passes on the inputs; the last one is compared. The earlier
+      ones let delayed scaling take its scales from these inputs (a fresh layer's are 1), as
+      they would be in training. No parameter is changed.
+    Both runs start from the same RNG state (dropout draws the same masks)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    for name, m in (("model", model), ("reference", reference)):
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"{name} must be a torch.nn.Module, got {type(m).__name__}")
+    inputs = _inputs_tuple(inputs)
+    seed_devices = sorted({x.device.index or 0 for x in inputs
+                           if isinstance(x, torch.Tensor) and x.device.type == "cuda"})
+    model_names = [n for n, p in model.named_parameters() if p.requires_grad]
+    ref_names = {n for n, p in reference.named_parameters() if p.requires_grad}
+    missing = [n for n in model_names if n not in ref_names]
+    if missing:
+        raise ValueError(f"reference has no trainable parameter named {missing[:5]} (the "
+                         "model's); build it as a copy of the model")
+    ref_out, ref_loss, ref_grads = _one_run(reference, inputs, loss_fn, _float_dtype(reference),
+                                            seed_devices)
+    for _ in range(steps):
+        with fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=fp8_group):
+            fp8_out, fp8_loss, fp8_grads = _one_run(model, inputs, loss_fn, None, seed_devices)
+    if len(fp8_out) != len(ref_out):
+        raise ValueError(f"model returned {len(fp8_out)} floating tensors, reference "
+                         f"{len(ref_out)}")
+    report = ParityReport()
+
+    def add(name, kind, actual, expected):
+        report.entries.append(TensorParity(name, kind, tuple(expected.shape),
+                                           sqnr(actual, expected), rel_error(actual, expected)))
+
+    for i, (a, e) in enumerate(zip(fp8_out, ref_out)):
+        add("output" if len(ref_out) == 1 else f"output[{i}]", "output", a, e)
+    if loss_fn is not None:
+        add("loss", "loss", fp8_loss.reshape(()), ref_loss.reshape(()))
+    for name, expected in ref_grads.items():
+        if name in fp8_grads:
+            add(name, "input_grad" if name.startswith("input_grad") else "param_grad",
+                fp8_grads[name], expected)
+    return report
+
+
+def assert_fp8_parity(model: torch.nn.Module, reference: torch.nn.Module, inputs,
+                      loss_fn: Optional[Callable] = None, recipe=None, steps: int = 2,
+                      min_sqnr_db: float = DEFAULT_MIN_SQNR_DB,
+                      grad_min_sqnr_db: float = DEFAULT_GRAD_MIN_SQNR_DB,
+                      fp8_group=None, max_listed: int = 5) -> ParityReport:
+    """compare_to_reference, then AssertionError if the output or loss is under
+    ``min_sqnr_db`` or a gradient under ``grad_min_sqnr_db`` (NaN always fails). The message
+    names the worst tensors with their figures and shows the whole table. Returns the report."""
+    for name, value in (("min_sqnr_db", min_sqnr_db), ("grad_min_sqnr_db", grad_min_sqnr_db)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise ValueError(f"{name} must be a number of dB, got {value!r}")
+    report = compare_to_reference(model, reference, inputs, loss_fn=loss_fn, recipe=recipe,
+                                  steps=steps, fp8_group=fp8_group)
+    failed = report.failures(min_sqnr_db, grad_min_sqnr_db)
+    if failed:
+        listed = "; ".join(
+            f"{e.name}: {e.sqnr_db:.2f} dB < "
+            f"{grad_min_sqnr_db if e.is_gradient else min_sqnr_db} dB "
+            f"(rel. error {e.rel_error:.3e})" for e in failed[:max_listed])
+        more = f" and {len(failed) - max_listed} more" if len(failed) > max_listed else ""
+        raise AssertionError(f"FP8 parity failed for {len(failed)} tensor(s), worst first: "
+                             f"{listed}{more}\n{report.table()}")
+    return report
+
+
+__all__: Sequence[str] = ("DEFAULT_GRAD_MIN_SQNR_DB", "DEFAULT_MIN_SQNR_DB", "ParityReport",
+                          "TensorParity", "assert_fp8_parity", "compare_to_reference",
+                          "rel_error", "sqnr")
