@@ -106,20 +106,34 @@ class AmaxStep:
     def add(self, key: int, getter: StateGetter) -> None:
         self.states.setdefault(key, getter)
 
-    def _add_modules_run_elsewhere(self) -> None:
+    def _add_unrecorded_modules(self, every_module: bool) -> None:
+        """The modules of the process that train with this recipe and registered nothing:
+        every one when ranks reduce (some may have run on other ranks only), else the compiled
+        ones (a compiled forward records its amaxes in the history but registers nothing: a
+        traced side effect is refused inside a checkpointed region). A module that recorded
+        nothing keeps its state: the update leaves an unrecorded column untouched. Modules on
+        another device than the recorded ones are left out (a CPU copy of the model, say),
+        unless none recorded."""
         devices = {get()[0].device for get in self.states.values()}
         for index, module in sorted(_MODULES.items()):
-            if index not in self.states:
+            if index not in self.states and (every_module or index in _COMPILED_MODULES):
                 getter = module._state_for_step(self.recipe, self.role)
-                if getter is not None and getter()[0].device in devices:
+                if getter is not None and (not devices or getter()[0].device in devices):
                     self.states[index] = getter
 
+    def _reduces(self) -> bool:
+        return self.recipe.reduce_amax and _world_size(self.group) > 1
+
+    def _complete(self) -> None:
+        reduce = self._reduces()
+        if self.include_unrecorded and (reduce or _COMPILED_MODULES):
+            self._add_unrecorded_modules(every_module=reduce)
+
     def reduce_and_update(self) -> None:
+        self._complete()
         if not self.states:
             return
-        reduce = self.recipe.reduce_amax and _world_size(self.group) > 1
-        if reduce and self.include_unrecorded:
-            self._add_modules_run_elsewhere()
+        reduce = self._reduces()
         tensors = [self.states[key]() for key in sorted(self.states)]
         histories = [t[0] for t in tensors]
         if reduce:
@@ -141,6 +155,7 @@ class AmaxStep:
 
     def discard(self) -> None:
         """Forget the amaxes recorded since the last update (after an exception)."""
+        self._complete()
         for get in self.states.values():
             get()[0][0].zero_()
 
@@ -215,13 +230,22 @@ def discard_failed_backward_passes() -> None:
         step.discard()
 
 
-# The backward updates of compiled forwards, whose compiled backward cannot queue them: they
-# run at the next outermost fp8_autocast (appended from compiled code, which takes no lock).
+# The backward steps of the last forward passes in a process that compiles FP8 modules: a
+# compiled backward cannot queue its update, which runs at the next outermost fp8_autocast (or
+# state_dict). (After an eager backward's own update it finds nothing recorded: a no-op.)
 _HELD_BACKWARD_STEPS: list = []
 
+# Creation indices of the FP8 modules that torch.compile has traced (see note_compiled).
+_COMPILED_MODULES: set = set()
 
-def hold_backward_update(step: BackwardStep) -> None:
-    _HELD_BACKWARD_STEPS.append(step)
+
+@torch.compiler.assume_constant_result
+def note_compiled(index: int) -> bool:
+    """Called by a traced FP8 forward: torch.compile runs it once, while tracing (its result is
+    baked into the graph as a constant), so this side effect is allowed even inside a
+    checkpointed region, and costs nothing at run time."""
+    _COMPILED_MODULES.add(index)
+    return True
 
 
 def has_pending_backward_updates() -> bool:
@@ -234,8 +258,11 @@ def flush_pending_backward_updates() -> None:
         pending = list(_PENDING_BACKWARD_STEPS.values())
         held = list(dict.fromkeys(_HELD_BACKWARD_STEPS))  # each step once, in order
         _HELD_BACKWARD_STEPS.clear()
-    for step in pending + held:
+    for step in pending:
         step.update()
+    for step in held:
+        if not step._queued:
+            step.update()
 
 
 class _ThreadAutocast(threading.local):
@@ -269,11 +296,11 @@ def current_state() -> Optional[AutocastState]:
     return _LOCAL.stack[-1] if _LOCAL.stack else None
 
 
-def record_forward(state: AutocastState, key: int, fwd_getter: StateGetter,
-                   bwd_getter: StateGetter) -> BackwardStep:
-    """Called by an FP8 module running with delayed scaling: registers its forward state for the
-    update at context exit and its backward state with the forward pass's BackwardStep, which
-    it returns (its backward calls on_backward())."""
+def _prepare_steps(state: AutocastState):
+    """The forward and backward steps of ``state``'s recipe and group under the outermost
+    context, made when a context is entered (eagerly, outside any compiled region) or at the
+    first record. A compiled forward records its amaxes but registers nothing: the steps cover
+    every module of the recipe (see AmaxStep._add_unrecorded_modules)."""
     k = _key(state)
     if k not in _LOCAL.forward_steps:
         everywhere = not _LOCAL.isolated
@@ -281,6 +308,15 @@ def record_forward(state: AutocastState, key: int, fwd_getter: StateGetter,
                                            include_unrecorded=everywhere)
         _LOCAL.backward_steps[k] = BackwardStep(state.recipe, state.group,
                                                 include_unrecorded=everywhere)
+    return k
+
+
+def record_forward(state: AutocastState, key: int, fwd_getter: StateGetter,
+                   bwd_getter: StateGetter) -> BackwardStep:
+    """Called by an FP8 module running with delayed scaling: registers its forward state for the
+    update at context exit and its backward state with the forward pass's BackwardStep, which
+    it returns (its backward calls on_backward())."""
+    k = _prepare_steps(state)
     _LOCAL.forward_steps[k].add(key, fwd_getter)
     _LOCAL.backward_steps[k].add(key, bwd_getter)
     return _LOCAL.backward_steps[k]
@@ -288,6 +324,7 @@ def record_forward(state: AutocastState, key: int, fwd_getter: StateGetter,
 
 def _exit_outermost(failed: bool) -> None:
     steps = list(_LOCAL.forward_steps.values())
+    backward_steps = list(_LOCAL.backward_steps.values())
     _LOCAL.forward_steps.clear()
     _LOCAL.backward_steps.clear()
     for step in steps:
@@ -295,6 +332,8 @@ def _exit_outermost(failed: bool) -> None:
             step.discard()
         else:
             step.reduce_and_update()
+    if _COMPILED_MODULES and not failed and not _LOCAL.isolated and torch.is_grad_enabled():
+        _HELD_BACKWARD_STEPS.extend(backward_steps)  # for a compiled backward
 
 
 _STATES: dict = {}
@@ -353,11 +392,14 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False,
         _LOCAL.pass_id = next(_pass_ids)
         # (Not in an isolated context, which a graph may be capturing: the held updates
         # belong to the surrounding step and run at its next outermost context.)
-        if has_pending_backward_updates() and not _LOCAL.isolated:
-            flush_pending_backward_updates()
         if _QUEUED_BACKWARD_STEPS and not _LOCAL.isolated:
             discard_failed_backward_passes()
-    _LOCAL.stack.append(_state_for(enabled, fp8_recipe, fp8_group, calibrating and not enabled))
+        if has_pending_backward_updates() and not _LOCAL.isolated:
+            flush_pending_backward_updates()
+    state = _state_for(enabled, fp8_recipe, fp8_group, calibrating and not enabled)
+    if enabled and isinstance(fp8_recipe, DelayedScaling):
+        _prepare_steps(state)
+    _LOCAL.stack.append(state)
     failed = False
     try:
         yield

@@ -470,12 +470,15 @@ class Fp8StateMixin:
         else:
             self._adopt_recipe(recipe)
             casts = self._delayed_casts(fmt)
-            backward_step = _autocast.record_forward(state, self._fp8_index, self._fwd_state,
-                                                     self._bwd_state)
             if torch.compiler.is_compiling():
-                # A compiled backward cannot queue the end-of-backward update: it runs at the
-                # next outermost fp8_autocast (or state_dict) instead.
-                _autocast.hold_backward_update(backward_step)
+                # A traced forward registers nothing (a side effect would be refused inside a
+                # checkpointed region): noted once as compiled, it is covered by every step of
+                # its recipe, and its backward's update runs at the next outermost fp8_autocast.
+                _autocast.note_compiled(self._fp8_index)
+                backward_step = None
+            else:
+                backward_step = _autocast.record_forward(state, self._fp8_index,
+                                                         self._fwd_state, self._bwd_state)
         if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
             casts = _fp8_hooks.observer.wrap_casts(self, casts)  # transformer_fp8.debug
         plans = tuple(
@@ -547,7 +550,8 @@ class Fp8StateMixin:
         """_weight_for_step for the block-scaled recipes: the quantised weight to reuse, or
         None to quantise it in the call. A copy kept under another recipe is not reused."""
         if is_first_microbatch is None:
-            self._weight_cache[gemm] = None
+            if self._weight_cache[gemm] is not None:  # (no write when there is nothing to drop:
+                self._weight_cache[gemm] = None       # torch.compile traces no side effect)
             return None
         cached = self._weight_cache[gemm]
         if is_first_microbatch or not (isinstance(cached, tuple) and len(cached) == 2
@@ -559,7 +563,8 @@ class Fp8StateMixin:
         """None: cast the weight in this call. True: cast it now and keep it. False: reuse the
         copy kept by the last True (gradient accumulation: the weight has not changed)."""
         if is_first_microbatch is None:
-            self._weight_cache[gemm] = None
+            if self._weight_cache[gemm] is not None:  # (no write when there is nothing to drop:
+                self._weight_cache[gemm] = None       # torch.compile traces no side effect)
             return None
         cached = self._weight_cache[gemm]
         if is_first_microbatch or cached is None or len(cached) != 4:  # (a block recipe's: 2)

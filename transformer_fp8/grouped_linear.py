@@ -119,7 +119,8 @@ class GroupedLinear(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
                                  "supported; leave it at None")
         rows = inp.numel() // inp.shape[-1] if inp.dim() and inp.shape[-1] else 0
         self._m_splits = self._check_splits(m_splits, rows)
-        self._wgrad_first = is_first_microbatch
+        if self._wgrad is not None:  # (no attribute write otherwise: torch.compile)
+            self._wgrad_first = is_first_microbatch
         result = self._dispatch(inp, is_first_microbatch, self.in_features)
         if self.return_bias:
             return result, [self._returned_bias(f"bias{i}", result)

@@ -184,7 +184,8 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
         check_forward_flags("Linear", fp8_output, fp8_grad)
-        self._wgrad_first = is_first_microbatch
+        if self._wgrad is not None:  # (no attribute write otherwise: torch.compile)
+            self._wgrad_first = is_first_microbatch
         out = self._dispatch(inp, is_first_microbatch, self.in_features)
         if getattr(self, "return_bias", False):
             return out, self._returned_bias("bias", out)

@@ -74,7 +74,8 @@ class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         """Transformer Engine's return convention: out, then the bias ``returned_bias`` names
         if return_bias (it was not added; empty without one), then the norm's output if
         return_layernorm_output."""
-        self._wgrad_first = is_first_microbatch
+        if self._wgrad is not None:  # (no attribute write otherwise: torch.compile)
+            self._wgrad_first = is_first_microbatch
         result = self._dispatch(inp, is_first_microbatch, in_features)
         out, ln_out = result if self.return_layernorm_output else (result, None)
         outputs = [out]
