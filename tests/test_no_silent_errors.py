@@ -336,3 +336,20 @@ def test_update_keeps_an_underflowing_scale_normal(device):
     assert scale_inv.tolist() == [2.0 ** 126, 2.0 ** 126]
     assert torch.equal(ops.compute_scale_from_amax(torch.tensor([1e38], device=device), 448.0,
                                                    margin=200), torch.tensor([tiny], device=device))
+
+
+def test_a_negated_view_as_amax_slot_is_refused():
+    slot = torch.zeros(1)._neg_view()
+    with pytest.raises(ValueError, match="'amax' is written in place and must not be a negated"):
+        ops.cast_to_fp8(torch.randn(4, 4), scalar(1.0), E4M3, slot)
+
+
+def test_meta_input_to_a_meta_built_linear_inside_fp8_autocast():
+    """Shape inference on "meta" (torch.autocast knows no such device): the FP8 path runs on
+    the fake kernels and gives the output's shape and dtype."""
+    layer = tfp8.Linear(32, 16, device="meta")
+    with fp8_autocast():
+        out = layer(torch.empty(4, 32, device="meta"))
+    assert out.device.type == "meta" and out.shape == (4, 16) and out.dtype == torch.float32
+    with fp8_autocast(), pytest.raises(RuntimeError, match="must be on the same device"):
+        tfp8.Linear(32, 16)(torch.empty(4, 32, device="meta"))

@@ -25,6 +25,7 @@ import torch
 from .blockwise_ops import BLOCK, fp8_gemm_blockwise, quantize_blockwise
 from .ops import pad_rows
 from .recipe import Float8BlockScaling, Float8RowwiseScaling
+from .torch_autocast import autocast_dtype
 
 @dataclass(frozen=True)
 class _BlockPlan:
@@ -111,8 +112,7 @@ def blockwise_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     """``F.linear(inp, weight, bias)`` with its three GEMMs block-scaled FP8 under ``recipe``
     (weight [out_features, in_features]). weight_q: the weight already quantised by
     quantize_weight (is_first_microbatch=False reuses it); else it is quantised here."""
-    out_dtype = (torch.get_autocast_dtype(inp.device.type)
-                 if torch.is_autocast_enabled(inp.device.type) else inp.dtype)
+    out_dtype = autocast_dtype(inp.device.type) or inp.dtype
     return _BlockwiseLinearFunction.apply(inp, weight, bias, _plan_for(recipe, out_dtype),
                                           weight_q)
 

@@ -107,6 +107,11 @@ def check_wrapper_arguments(op: str, tensors: dict = (), dtypes: dict = (), ints
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{op}: argument '{name}' must be a tensor, got "
                             f"{type(value).__name__}")
+        if name == "amax" and not torch.compiler.is_compiling() and \
+                (value.is_neg() or value.is_conj()):
+            # (the kernel writes the slot's memory, which a lazy negation would misread)
+            raise ValueError(f"{op}: argument 'amax' is written in place and must not be a "
+                             "negated or conjugated view; pass amax.resolve_neg()")
     for name, value in dict(dtypes).items():
         if not isinstance(value, torch.dtype):
             raise TypeError(f"{op}: argument '{name}' must be a torch.dtype, got {value!r}")

@@ -26,6 +26,7 @@ from . import fp8_context as _autocast
 from .blockwise_linear import blockwise_linear, is_block_recipe, quantize_weight
 from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
 from .state_validation import fp8_state_error
+from .torch_autocast import autocast_dtype
 
 FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
                    "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv")
@@ -397,7 +398,7 @@ class Fp8StateMixin:
                 return self._high_precision(inp, recording_linear(self, state))
             return self._high_precision(inp)
         weight_dtype = self.fp8_weights()[0].dtype
-        if inp.dtype != weight_dtype and not torch.is_autocast_enabled(inp.device.type):
+        if inp.dtype != weight_dtype and autocast_dtype(inp.device.type) is None:
             # torch.nn.Linear refuses this (F.linear: "expected m1 and m2 to have the same
             # dtype"); the FP8 path would accept it silently.
             raise RuntimeError(f"{name}: input dtype {inp.dtype} differs from the weight's "
@@ -460,8 +461,7 @@ class Fp8StateMixin:
         if fmt is Format.E5M2:
             raise ValueError(f"Format.E5M2 cannot train a {type(self).__name__}: FP8 GEMMs take "
                              "no E5M2 x E5M2 product; use Format.HYBRID or Format.E4M3")
-        out_dtype = (torch.get_autocast_dtype(inp.device.type)
-                     if torch.is_autocast_enabled(inp.device.type) else inp.dtype)
+        out_dtype = autocast_dtype(inp.device.type) or inp.dtype
         if isinstance(recipe, Float8CurrentScaling):
             casts = [tuple(Fp8Cast.current(dtype, state.group)
                            for dtype in (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype))

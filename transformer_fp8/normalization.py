@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .torch_autocast import autocast_dtype
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
@@ -49,10 +51,7 @@ def norm_hp(x: torch.Tensor, normalization: str, weight: torch.Tensor,
         y = F.layer_norm(x.float(), shape, gamma, None if bias is None else bias.float(), eps)
     else:
         y = F.rms_norm(x.float(), shape, gamma, eps)
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return y.to(torch.get_autocast_dtype(device_type))
-    return y.to(x.dtype)
+    return y.to(autocast_dtype(x.device.type) or x.dtype)
 
 
 @dataclass(frozen=True)

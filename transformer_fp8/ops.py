@@ -41,7 +41,8 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
     finite overflow and +-inf become +-448 (E4M3) or +-57344 (E5M2); NaN stays NaN.
     If ``amax`` (1-element float32) is given it becomes max(amax, max |x|), in the same pass.
     """
-    check_wrapper_arguments("cast_to_fp8", tensors={"x": x, "scale": scale},
+    check_wrapper_arguments("cast_to_fp8", tensors={"x": x, "scale": scale} if amax is None
+                            else {"x": x, "scale": scale, "amax": amax},
                             dtypes={"fp8_dtype": fp8_dtype})
     if amax is None and torch.compiler.is_compiling():
         # Inductor cannot lower this operator (one output, an optional mutated argument) when
@@ -53,7 +54,8 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
 def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
                           amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The cast of a 2-D x and its contiguous transpose, from one read of x (amax fused)."""
-    check_wrapper_arguments("cast_transpose_to_fp8", tensors={"x": x, "scale": scale},
+    check_wrapper_arguments("cast_transpose_to_fp8", tensors={"x": x, "scale": scale} if amax is None
+                            else {"x": x, "scale": scale, "amax": amax},
                             dtypes={"fp8_dtype": fp8_dtype})
     return _ops.cast_transpose_to_fp8(x, scale, fp8_dtype, amax)
 

@@ -25,6 +25,7 @@ from .multi_head_attention import MultiheadAttention
 from .recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
                       te_only_arguments)
+from .torch_autocast import autocast_dtype
 
 
 def _check_dropout(owner: str, name: str, value) -> float:
@@ -161,11 +162,11 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError(f"{owner}: hidden_states must have shape [{lead}, "
                              f"{self.hidden_size}] (attn_input_format "
                              f"{self.attn_input_format!r}), got {got}")
-        if torch.is_autocast_enabled(hidden_states.device.type):
+        work_dtype = autocast_dtype(hidden_states.device.type)
+        if work_dtype is not None:
             # As Transformer Engine: under torch.autocast the layer works (residuals included)
             # in the autocast dtype and returns it.
-            hidden_states = hidden_states.to(
-                torch.get_autocast_dtype(hidden_states.device.type))
+            hidden_states = hidden_states.to(work_dtype)
         post_ln = self.apply_residual_connection_post_layernorm
         attn = self.self_attention(hidden_states, attention_mask=attention_mask,
                                    attn_mask_type=self_attn_mask_type,
