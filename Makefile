@@ -26,7 +26,8 @@ deps:
 	@$(PYTHON) -c "import setuptools, wheel, ninja, pytest, numpy, matplotlib, tqdm, transformers" 2>/dev/null || $(PIP) install $(TOOLS)
 
 # The build flags (README) in effect: a change of them rebuilds too.
-BUILD_FLAGS := archs=$(TRANSFORMER_FP8_CUDA_ARCHS) force_cuda=$(TRANSFORMER_FP8_FORCE_CUDA)
+BUILD_FLAGS := archs=$(TRANSFORMER_FP8_CUDA_ARCHS) force_cuda=$(TRANSFORMER_FP8_FORCE_CUDA)$(if \
+	$(TRANSFORMER_FP8_CPU_ONLY), cpu_only=$(TRANSFORMER_FP8_CPU_ONLY))
 
 # (Re)build the extension when a source or a build flag changed, or it does not import.
 install: deps

@@ -5,6 +5,8 @@ build and nvcc is found. Environment flags:
   TRANSFORMER_FP8_CUDA_ARCHS  compute capabilities, ";"-separated (default "8.9;9.0": FP8 tensor
                               cores start at sm_89)
   TRANSFORMER_FP8_FORCE_CUDA  "1": a missing CUDA toolkit is a build error, not a CPU-only build
+  TRANSFORMER_FP8_CPU_ONLY    "1": the CPU kernels only, even where CUDA kernels could be built
+                              (a build in a fraction of the time; tests/test_wheel.py uses it)
   MAX_JOBS                    parallel compile jobs (read by torch's ninja build)
 """
 import glob
@@ -19,6 +21,10 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARCHS = os.environ.get("TRANSFORMER_FP8_CUDA_ARCHS", "8.9;9.0").replace(",", ";")
 FORCE_CUDA = os.environ.get("TRANSFORMER_FP8_FORCE_CUDA", "0") == "1"
+CPU_ONLY = os.environ.get("TRANSFORMER_FP8_CPU_ONLY", "0") == "1"
+if FORCE_CUDA and CPU_ONLY:
+    raise RuntimeError("TRANSFORMER_FP8_FORCE_CUDA=1 and TRANSFORMER_FP8_CPU_ONLY=1 contradict "
+                       "each other: set at most one of them")
 
 
 def nvcc_version():
@@ -49,7 +55,7 @@ def write_build_config(with_cuda, cuda_version):
     return folder
 
 
-cuda_version = nvcc_version()
+cuda_version = None if CPU_ONLY else nvcc_version()
 with_cuda = torch.version.cuda is not None and cuda_version is not None
 if FORCE_CUDA and not with_cuda:
     raise RuntimeError(
@@ -74,6 +80,7 @@ else:
 print(f"transformer_fp8 build: torch {torch.__version__}, "
       f"CUDA kernels {'ON' if with_cuda else 'OFF'}"
       + (f" (nvcc {cuda_version}, archs {ARCHS})" if with_cuda else
+         " (TRANSFORMER_FP8_CPU_ONLY=1)" if CPU_ONLY else
          f" (torch.version.cuda={torch.version.cuda}, nvcc={cuda_version})")
       + f", MAX_JOBS={os.environ.get('MAX_JOBS', 'default')}", flush=True)
 
