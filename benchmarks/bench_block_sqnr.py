@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from transformer_fp8 import ops  # noqa: E402
-from transformer_fp8.blockwise_ops import quantize_blockwise  # noqa: E402
+from transformer_fp8.ops.blockwise import quantize_blockwise  # noqa: E402
 from transformer_fp8.reference import dequantize_blockwise_reference  # noqa: E402
 
 NAME = "bench_block_sqnr"

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from transformer_fp8.layernorm_mlp import LayerNormMLP  # noqa: E402
-from transformer_fp8.transformer_layer import TransformerLayer  # noqa: E402
+from transformer_fp8.modules.layernorm_mlp import LayerNormMLP  # noqa: E402
+from transformer_fp8.modules.transformer_layer import TransformerLayer  # noqa: E402
 
 NAME = "bench_te_modules"
 TITLE, WHAT = common.doc_summary(__doc__)
@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
     notes = ["bf16 = the same module outside fp8_autocast (its torch composition, bf16 GEMMs); "
              "FP8 recipes use Format.HYBRID (E4M3 input and weight, E5M2 gradients)",
              "TransformerLayer: attention (SDPA, causal, GQA) runs in bf16 in every row",
-             "the FP8 path of LayerNormMLP/LayerNormLinear needs transformer_fp8.fused_ops"]
+             "the FP8 path of LayerNormMLP/LayerNormLinear needs transformer_fp8.ops.fused"]
     extra = {"seq": shape[0], "batch": shape[1], "hidden": shape[2], "ffn": shape[3],
              "heads": shape[4], "kv_groups": shape[5]}
     return common.report(args, NAME, TITLE, WHAT, COLUMNS, rows, plot=plot, notes=notes,

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import transformer_fp8 as tf8
-from transformer_fp8.transformer_layer import TransformerLayer
+from transformer_fp8.modules.transformer_layer import TransformerLayer
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = HERE / "data"

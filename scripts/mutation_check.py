@@ -46,7 +46,7 @@ class Mutant:
 
 
 MUTANTS = [
-    Mutant("compiled block wgrad x100", "blockwise_linear.py",
+    Mutant("compiled block wgrad x100", "quantization/blockwise.py",
            "            grad_weight = fp8_gemm_blockwise(g_t_fp8, g_t_si, x_t_fp8, x_t_si, "
            "ctx.weight_dtype)\n",
            "            grad_weight = fp8_gemm_blockwise(g_t_fp8, g_t_si, x_t_fp8, x_t_si, "
@@ -54,52 +54,52 @@ MUTANTS = [
            "            if torch.compiler.is_compiling():\n"
            "                grad_weight = grad_weight * 100\n",
            ("tests/test_blockwise_linear.py",), "test_compile_matches_eager"),
-    Mutant("float16 Linear output x1.25", "linear.py",
+    Mutant("float16 Linear output x1.25", "modules/linear.py",
            "        ctx.save_for_backward(x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv)\n",
            "        ctx.save_for_backward(x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv)\n"
            "        if plan.out_dtype == torch.float16:\n"
            "            out = out * 1.25\n",
            ("tests/test_linear.py",), "low_precision or dtype_casts"),
-    Mutant("bf16 LayerNormMLP fc1 wgrad x4", "layernorm_mlp.py",
+    Mutant("bf16 LayerNormMLP fc1 wgrad x4", "modules/layernorm_mlp.py",
            "                                               w1_dtype)\n",
            "                                               w1_dtype)\n"
            "                if w1_dtype == torch.bfloat16:\n"
            "                    grad_fc1_weight = grad_fc1_weight * 4\n",
            ("tests/test_te_modules.py",), "low_precision"),
-    Mutant("amax all-reduce SUM for MAX", "fp8_context.py",
+    Mutant("amax all-reduce SUM for MAX", "quantization/autocast.py",
            "op=torch.distributed.ReduceOp.MAX", "op=torch.distributed.ReduceOp.SUM",
            ("tests/test_distributed.py",), "reduced_amax or ddp_training"),
-    Mutant("Linear wgrad x8 (training curves)", "linear.py",
+    Mutant("Linear wgrad x8 (training curves)", "modules/linear.py",
            "                                       ctx.weight_dtype)\n",
            "                                       ctx.weight_dtype) * 8\n",
            ("tests/test_linear.py", "tests/test_convert.py"),
            "mlp_trains_like_bfloat16 or converted_model_trains"),
-    Mutant("grad_output scale from 448", "fp8_state.py",
+    Mutant("grad_output scale from 448", "quantization/state.py",
            "self._fp8_maxes = (recipe.fp8_format.max_fwd, recipe.fp8_format.max_bwd)",
            "self._fp8_maxes = (recipe.fp8_format.max_fwd, recipe.fp8_format.max_fwd)",
            ("tests/test_autocast.py",)),
-    Mutant("backward scale_inv of the next step", "fp8_state.py",
+    Mutant("backward scale_inv of the next step", "quantization/state.py",
            "        return self.scale, self.scale_inv.clone(), self.amax_slot\n",
            "        return self.scale, self.scale_inv, self.amax_slot\n",
            ("tests/test_linear.py",), "backward_uses_the_scale",
            alternatives=(("return self.scale, copy(self.scale_inv), self.amax_slot",
                           "return self.scale, self.scale_inv, self.amax_slot"),)),
-    Mutant("compiled: scale_inv of the next step", "fp8_state.py",
+    Mutant("compiled: scale_inv of the next step", "quantization/state.py",
            "        return self.scale, self.scale_inv.clone(), self.amax_slot\n",
            "        return self.scale, (self.scale_inv if torch.compiler.is_compiling() else "
            "self.scale_inv.clone()), self.amax_slot\n",
            ("tests/test_compile.py",), "bit_identical and delayed",
            alternatives=(("copy = ops.snapshot if torch.compiler.is_compiling() else",
                           "copy = (lambda t: t) if torch.compiler.is_compiling() else"),)),
-    Mutant("compiled: amax record skipped", "fp8_state.py",
+    Mutant("compiled: amax record skipped", "quantization/state.py",
            "            ops.record_amax(self.history, amax_slot, self.column)\n",
            "            pass\n",
            ("tests/test_compile.py",), "bit_identical and delayed"),
-    Mutant("checkpoint replay with the updated scale", "fp8_state.py",
+    Mutant("checkpoint replay with the updated scale", "quantization/state.py",
            "Fp8Cast.replay(fmt.fwd_dtype, x_scale.clone(), x_scale_inv)",
            "Fp8Cast.replay(fmt.fwd_dtype, x_scale, x_scale_inv)",
            ("tests/test_checkpointing.py",), "bit_identical and delayed"),
-    Mutant("transposed block-scale index", "blockwise_linear.py",
+    Mutant("transposed block-scale index", "quantization/blockwise.py",
            "        out = fp8_gemm_blockwise(x_fp8, x_si, w_fp8, w_si, plan.out_dtype,\n",
            "        if w_si.shape[0] == w_si.shape[1]:\n"
            "            w_si = w_si.t()\n"

@@ -13,7 +13,7 @@ from conftest import (CUDA_SKIP, DEVICE_PARAMS, FP8_DTYPES, HP_DTYPES, assert_bi
                       assert_same_values, randn, sqnr)
 
 from transformer_fp8 import reference as ref
-from transformer_fp8.blockwise_ops import fp8_gemm_blockwise, quantize_blockwise
+from transformer_fp8.ops.blockwise import fp8_gemm_blockwise, quantize_blockwise
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OPS = torch.ops.transformer_fp8

@@ -13,7 +13,7 @@ from integration_compare import assert_bit_identical, counting_aot_eager, step_b
 import transformer_fp8 as tfp8
 from transformer_fp8 import (Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling,
                              Format, fp8_autocast)
-from transformer_fp8.blockwise_ops import BLOCK
+from transformer_fp8.ops.blockwise import BLOCK
 
 RECIPES = [Float8BlockScaling(), Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
            Float8BlockScaling(w_block_scaling_dim=1, grad_block_scaling_dim=2),

@@ -43,7 +43,7 @@ def test_state_dict_is_plain_tensors():
     model = make_model()
     state = model.state_dict()
     fp8_keys = [k for k in state if "fp8_" in k]
-    assert len(fp8_keys) == 2 * len(tfp8.linear.FP8_STATE_KEYS)
+    assert len(fp8_keys) == 2 * len(tfp8.quantization.state.FP8_STATE_KEYS)
     assert all(type(v) is torch.Tensor for v in state.values())
     loaded = roundtrip(state)
     assert loaded.keys() == state.keys()

@@ -139,7 +139,7 @@ def _reference_step(first, block, x, g, recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
 def test_isolated_forward_of_a_graphed_module_matches_eager_steps(recipe):
-    from transformer_fp8.cuda_graphs import _Fp8Callable
+    from transformer_fp8.integrations.cuda_graphs import _Fp8Callable
 
     first, block = _two_stage_models("cpu", recipe)
     ref_first, ref_block = copy.deepcopy(first), copy.deepcopy(block)
@@ -257,7 +257,7 @@ def test_make_graphed_callables_takes_several_modules_in_order():
 
 
 def test_graphing_keeps_the_modes_of_submodules():
-    from transformer_fp8.cuda_graphs import _Fp8Callable
+    from transformer_fp8.integrations.cuda_graphs import _Fp8Callable
 
     block = torch.nn.Sequential(tfp8.Linear(64, 64), torch.nn.Dropout(0.5), tfp8.Linear(64, 64))
     block[1].eval()  # switched off by the user inside a training model
@@ -268,7 +268,7 @@ def test_graphing_keeps_the_modes_of_submodules():
 def test_a_graphed_module_refuses_a_replaced_fp8_state(gen):
     """The graphs hold the state's addresses: a replaced state must not replay (the check runs
     before torch's replay, so it is tested here with the eager wrapper)."""
-    from transformer_fp8.cuda_graphs import _Fp8Callable, _graphed_forward, _state_pointers
+    from transformer_fp8.integrations.cuda_graphs import _Fp8Callable, _graphed_forward, _state_pointers
 
     recipe = DelayedScaling(amax_history_len=4)
     block = make_model("cpu", recipe)

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import _fp8_hooks, debug, ops
-from transformer_fp8.blockwise_ops import quantize_blockwise
+from transformer_fp8.ops.blockwise import quantize_blockwise
 from transformer_fp8.debug.stats import derive, operand_stats
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -93,8 +93,8 @@ def test_train_llama_tiny_resume_is_exact(tmp_path):
 def test_train_gpt_tiny_te_layers(tmp_path):
     """examples/train_gpt.py --tiny --te-layers: the blocks are transformer_fp8.TransformerLayer
     (three FP8 modules each, nothing converted), both precisions learn and FP8 tracks bf16."""
-    pytest.importorskip("transformer_fp8.fused_ops",
-                        reason="the FP8 path of TransformerLayer needs transformer_fp8.fused_ops")
+    pytest.importorskip("transformer_fp8.ops.fused",
+                        reason="the FP8 path of TransformerLayer needs transformer_fp8.ops.fused")
     train_gpt = _load("train_gpt")
     summary = train_gpt.main(["--tiny", "--te-layers", "--precision", "both", "--out",
                               str(tmp_path / "out"), "--no-progress"])

@@ -1,4 +1,4 @@
-"""Fused norm / activation / dbias operators (transformer_fp8/fused_ops.py).
+"""Fused norm / activation / dbias operators (transformer_fp8/ops/fused.py).
 
 * CPU kernel against the pure-torch reference (transformer_fp8/reference.py): FP8 bytes,
   amax, dbias and high-precision outputs bit for bit (the norms' references take the kernel's

@@ -309,7 +309,7 @@ def test_dtype_casts_keep_fp8_state_float32(gen, cast):
     training in FP8 with float32 accuracy bounds."""
     layer, _ = make_pair(gen, 64, 32, "cpu")
     fp8_step(layer, randn(gen, 16, 64), randn(gen, 16, 32))
-    state = {name: getattr(layer, name).clone() for name in tfp8.linear.FP8_FLOAT_STATE}
+    state = {name: getattr(layer, name).clone() for name in tfp8.quantization.state.FP8_FLOAT_STATE}
     layer = layer.half() if cast == "half" else layer.to(torch.bfloat16)
     dtype = layer.weight.dtype
     for name, before in state.items():

@@ -11,7 +11,7 @@ from conftest import scalar
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, fp8_autocast, fused_ops, ops
-from transformer_fp8.blockwise_ops import fp8_gemm_blockwise, quantize_blockwise
+from transformer_fp8.ops.blockwise import fp8_gemm_blockwise, quantize_blockwise
 
 E4M3 = torch.float8_e4m3fn
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import transformer_fp8 as te
 from transformer_fp8 import DelayedScaling
-from transformer_fp8.te_args import TE_ACCEPTED, TE_IGNORED
+from transformer_fp8.modules.te_args import TE_ACCEPTED, TE_IGNORED
 
 # ---- 8. autocast's signature and calibration ------------------------------------------------
 

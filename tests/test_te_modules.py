@@ -18,7 +18,7 @@ from integration_compare import (assert_bit_identical, counting_aot_eager, step_
 import transformer_fp8 as tfp8
 from transformer_fp8 import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                              Float8RowwiseScaling, fp8_autocast)
-from transformer_fp8.activations import ACTIVATIONS, activation_hp
+from transformer_fp8.modules.activations import ACTIVATIONS, activation_hp
 
 RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
 RECIPE_IDS = ["delayed", "current"]

@@ -180,7 +180,7 @@ def test_planted_transposed_input_fails(gen, device):
             self.inner = inner
 
         def forward(self, x):
-            from transformer_fp8.fp8_context import current_state
+            from transformer_fp8.quantization.autocast import current_state
             return self.inner(x.flip(-1) if current_state() is not None else x)
 
     wrapped, wrapped_ref = Wrong(model), Wrong(reference)

@@ -20,17 +20,17 @@ from conftest import assert_bitwise_equal, randn, sqnr
 from integration_compare import assert_bit_identical, step_batches, train
 
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
-from transformer_fp8.activations import activation_hp
-from transformer_fp8.attention import (DotProductAttention, RotaryPositionEmbedding,
+from transformer_fp8.modules.activations import activation_hp
+from transformer_fp8.modules.attention import (DotProductAttention, RotaryPositionEmbedding,
                                        apply_rotary_pos_emb)
-from transformer_fp8.transformer_layer import TransformerLayer
+from transformer_fp8.modules.transformer_layer import TransformerLayer
 
 RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
 RECIPE_IDS = ["delayed", "current"]
 # The FP8 paths of LayerNormLinear and LayerNormMLP run the fused norm/activation operators.
 NEEDS_FUSED_OPS = pytest.mark.skipif(
-    importlib.util.find_spec("transformer_fp8.fused_ops") is None,
-    reason="transformer_fp8.fused_ops (the FP8 path of LayerNormLinear/LayerNormMLP) is not "
+    importlib.util.find_spec("transformer_fp8.ops.fused") is None,
+    reason="transformer_fp8.ops.fused (the FP8 path of LayerNormLinear/LayerNormMLP) is not "
            "in this tree yet")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -3,22 +3,25 @@
 Importing this package loads the compiled operators (torch.ops.transformer_fp8) but never
 initialises CUDA.
 """
-from . import blockwise_ops, fused_ops, ops, recipe
-from .fp8_context import autocast, fp8_autocast, fp8_model_init, quantized_model_init
-from .checkpointing import checkpoint
-from .convert import Conv1D, ConversionSummary, convert_to_fp8
-from .attention import DotProductAttention, RotaryPositionEmbedding
-from .cuda_graphs import make_graphed_callables
-from .grouped_linear import GroupedLinear
-from .layernorm_linear import LayerNormLinear
-from .layernorm_mlp import LayerNormMLP
-from .linear import Linear, strip_fp8_state
-from .normalization import LayerNorm, RMSNorm
-from .pretrained import load_fp8_state
-from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                     Float8RowwiseScaling, Format)
-from .multi_head_attention import MultiheadAttention
-from .transformer_layer import TransformerLayer
+from . import ops
+from .integrations.convert import Conv1D, ConversionSummary, convert_to_fp8
+from .integrations.cuda_graphs import make_graphed_callables
+from .integrations.pretrained import load_fp8_state
+from .modules.attention import DotProductAttention, RotaryPositionEmbedding
+from .modules.grouped_linear import GroupedLinear
+from .modules.layernorm_linear import LayerNormLinear
+from .modules.layernorm_mlp import LayerNormMLP
+from .modules.linear import Linear, strip_fp8_state
+from .modules.multi_head_attention import MultiheadAttention
+from .modules.normalization import LayerNorm, RMSNorm
+from .modules.transformer_layer import TransformerLayer
+from .ops import blockwise as blockwise_ops
+from .ops import fused as fused_ops
+from .quantization import recipe
+from .quantization.autocast import autocast, fp8_autocast, fp8_model_init, quantized_model_init
+from .quantization.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                                  Float8RowwiseScaling, Format)
+from .quantization.replay import checkpoint
 from . import debug  # noqa: E402 (after the modules it inspects)
 
 __version__ = "0.1.0"

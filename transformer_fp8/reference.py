@@ -341,7 +341,7 @@ def block_scale_reference(amax: torch.Tensor, fp8_max: float, power_2_scale: boo
 
 def _quantize_blocks_reference(xf: torch.Tensor, block_rows: int, block_cols: int,
                                fp8_dtype: torch.dtype, power_2_scale: bool, mode: str):
-    from .blockwise_ops import scale_shape_and_strides
+    from .ops.blockwise import scale_shape_and_strides
 
     rows, cols = xf.shape
     fp8_max = FP8_MAX[fp8_dtype]
@@ -368,7 +368,7 @@ def quantize_blockwise_reference(x: torch.Tensor, block_rows: int, block_cols: i
                                  fp8_dtype: torch.dtype, power_2_scale: bool = True,
                                  with_transpose: bool = False):
     """(x_fp8, scale_inv, x_t_fp8, scale_inv_t) as quantize_blockwise computes them (CPU)."""
-    from .blockwise_ops import block_mode
+    from .ops.blockwise import block_mode
 
     xf = x.detach().cpu().float()
     rows, cols = xf.shape

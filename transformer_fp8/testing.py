@@ -30,7 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.utils import _pytree
 
-from .fp8_context import fp8_autocast
+from .quantization.autocast import fp8_autocast
 
 DEFAULT_MIN_SQNR_DB = 15.0       # output and loss
 DEFAULT_GRAD_MIN_SQNR_DB = 10.0  # input and parameter gradients

@@ -12,9 +12,9 @@ import itertools
 
 import torch
 
-from ..blockwise_linear import _plan_for, _quantize
-from ..blockwise_ops import BLOCK
-from ..fp8_state import Fp8Cast, pad_rows
+from ..quantization.blockwise import _plan_for, _quantize
+from ..ops.blockwise import BLOCK
+from ..quantization.state import Fp8Cast, pad_rows
 from .stats import operand_stats
 
 ROLES = ("input", "weight", "grad_output")

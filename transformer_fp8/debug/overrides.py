@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import fp8_context as _autocast
-from ..recipe import Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
+from ..quantization import autocast as _autocast
+from ..quantization.recipe import Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
 from .collector import LayerFilter, select_layers
 
 STATELESS_RECIPES = (Float8CurrentScaling, Float8BlockScaling, Float8RowwiseScaling)

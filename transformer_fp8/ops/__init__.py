@@ -10,9 +10,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import _C  # noqa: F401  (loads the library and registers the operators)
-from .fake_checks import check_wrapper_arguments, register_fake
-from .recipe import AmaxComputeAlgo
+from .. import _C  # noqa: F401  (loads the library and registers the operators)
+from .checks import check_wrapper_arguments, register_fake
+from ..quantization.recipe import AmaxComputeAlgo
 
 _ops = torch.ops.transformer_fp8
 
@@ -127,7 +127,7 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
     # The callable path is the pure-torch reference itself, with the operator's checks.
     # Every result is computed before any state is written: a callable that fails or returns
     # the wrong shape for one tensor leaves every state as it was.
-    from .reference import check_delayed_scaling_lists, delayed_scaling_result
+    from ..reference import check_delayed_scaling_lists, delayed_scaling_result
     check_delayed_scaling_lists(histories, scales, scale_invs, maxes)
     results = [delayed_scaling_result(history, scale, scale_inv, fp8_max, margin,
                                       amax_compute_algo, scaling_factor_compute_algo, recipe)

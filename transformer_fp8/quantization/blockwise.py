@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from .blockwise_ops import BLOCK, fp8_gemm_blockwise, quantize_blockwise
-from .ops import pad_rows
+from ..ops.blockwise import BLOCK, fp8_gemm_blockwise, quantize_blockwise
+from ..ops import pad_rows
 from .recipe import Float8BlockScaling, Float8RowwiseScaling
 from .torch_autocast import autocast_dtype
 

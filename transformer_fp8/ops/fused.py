@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from . import _C  # noqa: F401  (loads the library and registers the operators)
-from .fake_checks import register_fake
+from .. import _C  # noqa: F401  (loads the library and registers the operators)
+from .checks import register_fake
 
 _ops = torch.ops.transformer_fp8
 

@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from . import fp8_context as _autocast
-from .fp8_state import Fp8StateMixin, history_len_for
+from ..quantization import autocast as _autocast
+from ..quantization.state import Fp8StateMixin, history_len_for
 from .normalization import (NormStep, check_eps, check_normalization, norm_hp,
                             reset_norm_parameters)
 from .te_args import check_positive, check_te_options, te_default_init  # noqa: F401

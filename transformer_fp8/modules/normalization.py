@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .torch_autocast import autocast_dtype
+from ..quantization.torch_autocast import autocast_dtype
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -67,7 +67,7 @@ class NormStep:
             row_multiple):
         """(y_fp8 [M_pad, N], y_t_fp8, y_hp or None, stats): the norm's output cast to FP8 in
         the same pass (from its float32 value), rows zero-padded to row_multiple."""
-        from . import fused_ops
+        from ..ops import fused as fused_ops
         if self.normalization == "LayerNorm":
             y_fp8, y_t_fp8, y_hp, mean, rstd = fused_ops.layernorm_fwd_fp8(
                 x, weight, bias, self.eps, self.zero_centered_gamma, scale, fp8_dtype, amax,
@@ -82,7 +82,7 @@ class NormStep:
 
     def hp(self, x, weight, bias):
         """(y in x's dtype, stats)."""
-        from . import fused_ops
+        from ..ops import fused as fused_ops
         if self.normalization == "LayerNorm":
             y, mean, rstd = fused_ops.layernorm_fwd(x, weight, bias, self.eps,
                                                     self.zero_centered_gamma)
@@ -92,7 +92,7 @@ class NormStep:
 
     def backward(self, dy, x, stats, weight):
         """(dx, dweight, dbias or None)."""
-        from . import fused_ops
+        from ..ops import fused as fused_ops
         if self.normalization == "LayerNorm":
             return fused_ops.layernorm_bwd(dy, x, *stats, weight, self.zero_centered_gamma)
         dx, dweight = fused_ops.rmsnorm_bwd(dy, x, *stats, weight, self.zero_centered_gamma)
@@ -165,7 +165,7 @@ class _Norm(torch.nn.Module):
         reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
-        from . import te_checkpoint
+        from ..integrations import te_checkpoint
         super()._load_from_state_dict(state_dict, prefix, *args)
         te_checkpoint.drop_extra_state(state_dict, prefix, args[3], type(self).__name__)
 

@@ -15,8 +15,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from . import fp8_context as _autocast
-from . import ops
+from . import autocast as _autocast
+from .. import ops
 from .recipe import DelayedScaling
 
 

@@ -13,10 +13,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from . import ops
-from .fp8_state import ALIGN, pad_rows
+from .. import ops
+from ..quantization.state import ALIGN, pad_rows
 from .norm_first import NormFirstModule, check_positive
-from .recipe import Recipe
+from ..quantization.recipe import Recipe
 from .te_args import check_forward_flags, te_only_arguments
 from .te_module import split_sizes
 

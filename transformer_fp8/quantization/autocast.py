@@ -22,7 +22,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import checkpointing, ops
+from . import replay as checkpointing
+
+from .. import ops
 from .recipe import RECIPE_TYPES, DelayedScaling, Recipe
 
 # What a module hands over for the update: () -> (history [L, n], scale [n], scale_inv [n], fp8_max)

@@ -21,8 +21,8 @@ from typing import Optional, Union
 
 import torch
 
-from . import fp8_context
-from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from ..quantization import autocast as fp8_context
+from ..quantization.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 
 def _fp8_layers(module: torch.nn.Module) -> list:

@@ -19,7 +19,7 @@ from typing import Union
 
 import torch
 
-from .fp8_state import FP8_STATE_KEYS, Fp8StateMixin
+from ..quantization.state import FP8_STATE_KEYS, Fp8StateMixin
 
 
 def _is_fp8_key(key: str) -> bool:

@@ -18,7 +18,9 @@ from typing import Optional
 
 import torch
 
-from . import te_checkpoint, wgrad
+from ..integrations import te_checkpoint
+
+from . import wgrad
 
 
 def split_sizes(owner: str, parameters_split, out_features: int) -> Optional[list]:

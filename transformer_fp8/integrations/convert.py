@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
-from . import fp8_context
-from .fp8_state import ALIGN, history_len_for
-from .linear import Linear
-from .recipe import DelayedScaling, Recipe
+from ..quantization import autocast as fp8_context
+from ..quantization.state import ALIGN, history_len_for
+from ..modules.linear import Linear
+from ..quantization.recipe import DelayedScaling, Recipe
 
 
 class Conv1D(Linear):

@@ -20,7 +20,7 @@ import torch
 from .attention import DotProductAttention, apply_rotary_pos_emb
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
-from .recipe import Recipe
+from ..quantization.recipe import Recipe
 from .te_args import check_positive, check_te_options, one_dtype, te_default_init, \
     te_only_arguments
 

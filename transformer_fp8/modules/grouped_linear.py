@@ -15,10 +15,10 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from . import fp8_context as _autocast
-from .fp8_state import Fp8StateMixin, history_len_for
+from ..quantization import autocast as _autocast
+from ..quantization.state import Fp8StateMixin, history_len_for
 from .linear import _Fp8LinearFunction
-from .recipe import Recipe
+from ..quantization.recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
                       te_only_arguments)
 from .te_module import TeModuleMixin

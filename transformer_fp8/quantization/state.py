@@ -21,9 +21,11 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _fp8_hooks, checkpointing, ops
-from . import fp8_context as _autocast
-from .blockwise_linear import blockwise_linear, is_block_recipe, quantize_weight
+from .. import _fp8_hooks, ops
+
+from . import replay as checkpointing
+from . import autocast as _autocast
+from .blockwise import blockwise_linear, is_block_recipe, quantize_weight
 from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
 from .state_validation import fp8_state_error
 from .torch_autocast import autocast_dtype
@@ -155,7 +157,7 @@ class Fp8Cast:
         if not with_dbias:
             g_fp8, g_t_fp8, scale_inv, _ = self.cast(pad_rows(g), with_transpose)
             return g_fp8, g_t_fp8, scale_inv, None
-        from . import fused_ops
+        from ..ops import fused as fused_ops
 
         def fused(scale, amax_slot, dtype):
             return fused_ops.cast_transpose_dbias(g, scale, dtype, amax_slot, ALIGN)

@@ -18,18 +18,18 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from .. import ops
 from .activations import activation_hp, check_activation, is_gated
-from .fp8_state import ALIGN, pad_rows
+from ..quantization.state import ALIGN, pad_rows
 from .layernorm_linear import cast_norm_output
 from .norm_first import NormFirstModule, check_positive, te_default_init
-from .recipe import Recipe
+from ..quantization.recipe import Recipe
 from .te_args import te_only_arguments
 
 
 def _cast_activation(plan, activation, fc1_out, with_transpose):
     """act(fc1_out) cast to FP8 as fc2's input: (fp8, fp8_t or None, scale_inv, scale)."""
-    from . import fused_ops
+    from ..ops import fused as fused_ops
 
     def fused(scale, amax_slot, dtype):
         y_fp8, y_t_fp8 = fused_ops.activation_fwd_fp8(fc1_out, activation, scale, dtype,
@@ -47,7 +47,7 @@ def _cast_activation(plan, activation, fc1_out, with_transpose):
 def _cast_activation_grad(plan, activation, grad_act, fc1_out, with_transpose, with_dbias):
     """d(loss)/d(fc1_out) from the activation's backward, cast to FP8 as fc1's grad_output:
     (fp8, fp8_t or None, scale_inv, fc1's bias gradient or None)."""
-    from . import fused_ops
+    from ..ops import fused as fused_ops
 
     def fused(scale, amax_slot, dtype):
         dx_fp8, dx_t_fp8, dbias = fused_ops.activation_bwd_fp8(

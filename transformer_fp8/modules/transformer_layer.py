@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from .attention import check_mask_type, check_qkv_format
 from .layernorm_mlp import LayerNormMLP
 from .multi_head_attention import MultiheadAttention
-from .recipe import Recipe
+from ..quantization.recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
                       te_only_arguments)
-from .torch_autocast import autocast_dtype
+from ..quantization.torch_autocast import autocast_dtype
 
 
 def _check_dropout(owner: str, name: str, value) -> float:
