@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from conftest import DEVICE_PARAMS, assert_bitwise_equal
+from conftest import DEVICE_PARAMS
 from integration_compare import assert_bit_identical, record_step, step_batches, train
 
 import transformer_fp8 as tfp8

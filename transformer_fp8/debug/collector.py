@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from .. import _fp8_hooks
-from ..quantization.state import Fp8StateMixin
+from ..modules.base import Fp8StateMixin
 from . import observer as _observer
 from .stats import FIELDS, MAX_FIELDS, MIN_FIELDS, SUM_FIELDS, combine, derive
 from .writers import JsonLinesWriter, TensorBoardWriter

@@ -14,7 +14,7 @@ import torch
 
 from ..quantization.blockwise import _plan_for, _quantize
 from ..ops.blockwise import BLOCK
-from ..quantization.state import Fp8Cast, pad_rows
+from ..quantization.quantizer import Fp8Cast, pad_rows
 from .stats import operand_stats
 
 ROLES = ("input", "weight", "grad_output")

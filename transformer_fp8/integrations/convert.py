@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from ..quantization import autocast as fp8_context
-from ..quantization.state import ALIGN, history_len_for
+from ..quantization.quantizer import ALIGN
+from ..quantization.state import history_len_for
 from ..modules.linear import Linear
 from ..quantization.recipe import DelayedScaling, Recipe
 

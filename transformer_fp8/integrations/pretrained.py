@@ -19,7 +19,7 @@ from typing import Union
 
 import torch
 
-from ..quantization.state import FP8_STATE_KEYS, Fp8StateMixin
+from ..quantization.state import FP8_STATE_KEYS, Fp8State
 
 
 def _is_fp8_key(key: str) -> bool:
@@ -68,7 +68,7 @@ def load_fp8_state(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, d
     else:
         raise TypeError("load_fp8_state: 'checkpoint' must be a directory path or a state_dict, "
                         f"got {type(checkpoint).__name__}")
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8StateMixin)}
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8State)}
     if not layers:
         raise ValueError("load_fp8_state: the model has no FP8 layers; convert it first "
                          "(transformer_fp8.convert_to_fp8(model, recipe=...))")

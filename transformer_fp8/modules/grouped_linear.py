@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ..quantization import autocast as _autocast
-from ..quantization.state import Fp8StateMixin, history_len_for
+from ..quantization.state import history_len_for
+from .base import Fp8StateMixin
 from .linear import _Fp8LinearFunction
 from ..quantization.recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..quantization.state import ALIGN, pad_rows
+from ..quantization.quantizer import ALIGN, pad_rows
 from .norm_first import NormFirstModule, check_positive
 from ..quantization.recipe import Recipe
 from .te_args import check_forward_flags, te_only_arguments

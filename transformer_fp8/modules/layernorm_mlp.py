@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from .activations import activation_hp, check_activation, is_gated
-from ..quantization.state import ALIGN, pad_rows
+from ..quantization.quantizer import ALIGN, pad_rows
 from .layernorm_linear import cast_norm_output
 from .norm_first import NormFirstModule, check_positive, te_default_init
 from ..quantization.recipe import Recipe

@@ -12,12 +12,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..quantization import autocast as _autocast
 from .. import ops
-from ..quantization.state import (ALIGN, DEFAULT_HISTORY_LEN, FP8_FLOAT_STATE,  # noqa: F401 (tests)
-                        FP8_INPUT_DTYPES, FP8_STATE_KEYS, Fp8StateMixin, history_len_for,
-                        pad_rows)
+from ..quantization import autocast as _autocast
+from ..quantization.quantizer import pad_rows
 from ..quantization.recipe import Recipe
+from ..quantization.state import FP8_STATE_KEYS, history_len_for
+from .base import Fp8StateMixin
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes
 

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from ..quantization import autocast as _autocast
-from ..quantization.state import Fp8StateMixin, history_len_for
+from ..quantization.state import history_len_for
+from .base import Fp8StateMixin
 from .normalization import (NormStep, check_eps, check_normalization, norm_hp,
                             reset_norm_parameters)
 from .te_args import check_positive, check_te_options, te_default_init  # noqa: F401
