@@ -59,7 +59,7 @@ def update_delayed_scaling_reference(
         margin: int = 0,
         amax_compute_algo: Union[str, Callable[[torch.Tensor], torch.Tensor]] = "max",
         scaling_factor_compute_algo: Optional[Callable] = None, recipe=None) -> None:
-    """One history [L, n] with its scale [n] and scale_inv [n], in place (see ops.py)."""
+    """One history [L, n] with its scale [n] and scale_inv [n], in place (see ops/__init__.py)."""
     new_state = delayed_scaling_result(history, scale, scale_inv, fp8_max, margin,
                                        amax_compute_algo, scaling_factor_compute_algo, recipe)
     for old, new in zip((history, scale, scale_inv), new_state):
@@ -178,7 +178,7 @@ def _span(t: torch.Tensor) -> int:
 
 
 # ----------------------------------------------------------------------------- fused operators
-# References of transformer_fp8/fused_ops.py. All math in float32, in the order the CPU kernels
+# References of transformer_fp8/ops/fused.py. All math in float32, in the order the CPU kernels
 # (csrc/cpu/norm.cpp, activation.cpp) use, so that the CPU results are bit-identical. The norms
 # accept the kernel's own mean / rstd, which makes the elementwise part exactly determined.
 
@@ -325,7 +325,7 @@ def cast_transpose_dbias_reference(x, scale, fp8_dtype, amax=None, row_multiple=
 # ---------------------------------------------------------------------------- block scaling
 
 def block_scale_reference(amax: torch.Tensor, fp8_max: float, power_2_scale: bool) -> torch.Tensor:
-    """Per-block scale (see blockwise_ops.py): fp8_max / amax in fp64, rounded once to fp32
+    """Per-block scale (see ops/blockwise.py): fp8_max / amax in fp64, rounded once to fp32
     (overflow to FLT_MAX); with power_2_scale the fp64 quotient rounded down to a power of two
     (2**127 at most); 1.0 where amax is 0 or not finite."""
     usable = torch.isfinite(amax) & (amax > 0)

@@ -107,7 +107,7 @@ class Fp8Stats:
     def logging_this_step(self) -> bool:
         return self.step_index % self.frequency == 0
 
-    # ---- called by the FP8 modules (fp8_state.py) ----------------------------------------
+    # ---- called by the FP8 modules (modules/base.py) -------------------------------------
 
     def wrap_casts(self, module, casts: list) -> list:
         name = self.selected.get(module)

@@ -3,7 +3,7 @@ steps only, by ObservedCast (the same cast, then its statistics), and the block-
 wrapped so that their operands are quantised once more for statistics (the quantisation is
 deterministic: the same values the GEMM used).
 
-fp8_state.py asks the collector (transformer_fp8._fp8_hooks.observer, None when off) for these
+modules/base.py asks the collector (transformer_fp8._fp8_hooks.observer, None when off) for these
 once per module forward; nothing here runs when statistics are off.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ entry: a pickled dict (scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd,
 stored in a uint8 tensor, or an empty tensor when it never ran in FP8. Its layout per GEMM g:
 forward columns 3g (input), 3g+1 (weight), 3g+2 (output, unused here); backward columns 2g
 (grad_output), 2g+1 (grad_input, unused here). Ours keeps 2g, 2g+1 forward and g backward
-(fp8_state.py), so the columns map one to one.
+(quantization/state.py), so the columns map one to one.
 
 The pickle is read with an unpickler that builds tensors (through torch.load with
 weights_only=True) and dicts only: Transformer Engine's own classes (the recipe) become inert

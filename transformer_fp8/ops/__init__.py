@@ -54,7 +54,8 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
 def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
                           amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The cast of a 2-D x and its contiguous transpose, from one read of x (amax fused)."""
-    check_wrapper_arguments("cast_transpose_to_fp8", tensors={"x": x, "scale": scale} if amax is None
+    check_wrapper_arguments("cast_transpose_to_fp8",
+                            tensors={"x": x, "scale": scale} if amax is None
                             else {"x": x, "scale": scale, "amax": amax},
                             dtypes={"fp8_dtype": fp8_dtype})
     return _ops.cast_transpose_to_fp8(x, scale, fp8_dtype, amax)

@@ -99,7 +99,8 @@ def register_fake(qualname: str) -> Callable:
     return decorator
 
 
-def check_wrapper_arguments(op: str, tensors: dict = (), dtypes: dict = (), ints: dict = ()) -> None:
+def check_wrapper_arguments(op: str, tensors: dict = (), dtypes: dict = (),
+                            ints: dict = ()) -> None:
     """Checks the dispatcher would report obscurely, made before the call: a None where a tensor
     is needed ("There were no tensor arguments to this function"), an int where a dtype is
     needed (5 would read as torch.float16), an int beyond int64 ("Expected int ... found int")."""

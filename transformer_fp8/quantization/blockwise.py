@@ -1,7 +1,7 @@
 """The FP8 forward and backward of transformer_fp8.Linear under Float8BlockScaling and
 Float8RowwiseScaling.
 
-Every tensor takes its scales from its own blocks at the time of the cast (blockwise_ops.py):
+Every tensor takes its scales from its own blocks at the time of the cast (ops/blockwise.py):
 there is no amax history, no scale update and no collective. In a multi-rank run nothing needs
 reducing: each rank quantises the blocks of the tensors it holds, and no two ranks share a
 block's scale (a tensor sharded across ranks would need its blocks aligned to the shards, which
