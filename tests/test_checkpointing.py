@@ -88,7 +88,8 @@ def test_recomputation_outside_fp8_autocast_still_runs_fp8():
     high_precision = copy.deepcopy(model)
     x.grad = None
     high_precision(x).sum().backward()  # outside fp8_autocast: nn.Linear numerics
-    assert not torch.equal(model.blocks[0].fc1.weight.grad, high_precision.blocks[0].fc1.weight.grad)
+    assert not torch.equal(model.blocks[0].fc1.weight.grad,
+                           high_precision.blocks[0].fc1.weight.grad)
     # (the state_dict runs the backward update that the reentrant mode holds back)
     history = model.state_dict()["blocks.0.fc1.fp8_bwd_amax_history"]
     assert history[-1].item() > 0 and history[0].item() == 0, "grad amax recorded and rolled"

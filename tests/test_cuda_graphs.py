@@ -268,7 +268,8 @@ def test_graphing_keeps_the_modes_of_submodules():
 def test_a_graphed_module_refuses_a_replaced_fp8_state(gen):
     """The graphs hold the state's addresses: a replaced state must not replay (the check runs
     before torch's replay, so it is tested here with the eager wrapper)."""
-    from transformer_fp8.integrations.cuda_graphs import _Fp8Callable, _graphed_forward, _state_pointers
+    from transformer_fp8.integrations.cuda_graphs import (_Fp8Callable, _graphed_forward,
+                                                          _state_pointers)
 
     recipe = DelayedScaling(amax_history_len=4)
     block = make_model("cpu", recipe)
