@@ -12,6 +12,7 @@ import torch
 
 from .. import _C  # noqa: F401  (loads the library and registers the operators)
 from .checks import check_wrapper_arguments, register_fake
+from .update_callable import check_delayed_scaling_lists, delayed_scaling_result
 from ..quantization.recipe import AmaxComputeAlgo
 
 _ops = torch.ops.transformer_fp8
@@ -125,10 +126,9 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
     if not (scaling_factor_compute_algo is None or callable(scaling_factor_compute_algo)):
         raise TypeError("scaling_factor_compute_algo must be None or a callable, "
                         f"got {type(scaling_factor_compute_algo).__name__}")
-    # The callable path is the pure-torch reference itself, with the operator's checks.
-    # Every result is computed before any state is written: a callable that fails or returns
-    # the wrong shape for one tensor leaves every state as it was.
-    from ..reference import check_delayed_scaling_lists, delayed_scaling_result
+    # Callables run in torch ops (update_callable.py), with the operator's checks. Every
+    # result is computed before any state is written: a callable that fails or returns the
+    # wrong shape for one tensor leaves every state as it was.
     check_delayed_scaling_lists(histories, scales, scale_invs, maxes)
     results = [delayed_scaling_result(history, scale, scale_inv, fp8_max, margin,
                                       amax_compute_algo, scaling_factor_compute_algo, recipe)
