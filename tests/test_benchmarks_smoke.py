@@ -20,7 +20,8 @@ BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 sys.path.insert(0, BENCH_DIR)
 
 BENCHMARKS = ["bench_cast", "bench_scaling", "bench_fused", "bench_gemm", "bench_linear",
-              "bench_gpt", "bench_te_modules", "bench_block_sqnr", "bench_parity"]
+              "bench_gpt", "bench_te_modules", "bench_block_sqnr", "bench_parity",
+              "bench_host"]
 
 try:
     import matplotlib  # noqa: F401

@@ -1,0 +1,160 @@
+"""Host cost: CPU time per training step of FP8 layers against the torch layers they replace.
+
+Thread CPU time (time.thread_time) per call, one CPU thread, the cases timed in interleaved
+rounds: nn.Linear against tfp8.Linear under DelayedScaling and Float8CurrentScaling (forward +
+backward), 24 layers in one step (fp8_autocast's exit and the backward update included), a
+TransformerLayer inside and outside fp8_autocast, and the delayed-scaling update of 300 amax
+histories (AmaxStep.reduce_and_update). Shapes are tiny (16 rows, 16 features) so that the
+kernels' own work is small, but on the CPU it is not zero: the FP8 rows include the CPU
+emulation of the casts and GEMMs, so the ratios are an upper bound of the host overhead.
+
+    python benchmarks/bench_host.py [--smoke] [--out DIR]
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import transformer_fp8 as tfp8  # noqa: E402
+from transformer_fp8.quantization.amax_step import AmaxStep  # noqa: E402
+
+NAME = "bench_host"
+TITLE, WHAT = common.doc_summary(__doc__)
+# Targets of the host-overhead work: FP8 time over torch time (update: microseconds).
+TARGETS = {"Linear fwd+bwd": 1.2, "24 Linear layers, one step": 1.0,
+           "TransformerLayer fwd+bwd": 1.2}
+UPDATE_TARGET_US = 20.0
+
+COLUMNS = [
+    ["case", "case", "{}"],
+    ["recipe", "FP8 recipe", "{}"],
+    ["time_torch_us", "torch CPU time / step (µs)", "{:.1f}"],
+    ["time_fp8_us", "FP8 CPU time / step (µs)", "{:.1f}"],
+    ["ratio", "FP8 / torch", "{:.2f}"],
+    ["target", "target", "{}"],
+]
+
+
+def thread_time_per_call(fns: dict, reps: int, rounds: int = 4, warmup: int = 3) -> dict:
+    """{name: median thread CPU seconds per call}, the functions timed in turns."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(max(1, reps // rounds)):
+                start = time.thread_time()
+                fn()
+                samples[name].append(time.thread_time() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def linear_step(model, x, recipe=None):
+    def step():
+        if recipe is None:
+            out = model(x)
+        else:
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                out = model(x)
+        out.sum().backward()
+    return step
+
+
+def stack(layer_type, depth, width, **kwargs):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[layer_type(width, width, **kwargs) for _ in range(depth)])
+
+
+def update_step(count: int):
+    """AmaxStep.reduce_and_update over ``count`` recorded states of Linear layers."""
+    recipe = tfp8.DelayedScaling(amax_history_len=16)
+    layers = [tfp8.Linear(16, 16, recipe=recipe) for _ in range(count)]
+    step = AmaxStep(recipe, None, include_unrecorded=False)
+    for layer in layers:
+        step.add(layer._fp8_index, layer._fwd_state)
+
+    def run():
+        for layer in layers:
+            layer.fp8_fwd_amax_history[0].fill_(1.0)  # something recorded, as after a step
+        step.reduce_and_update()
+
+    def refill_only():
+        for layer in layers:
+            layer.fp8_fwd_amax_history[0].fill_(1.0)
+    return run, refill_only
+
+
+def main(argv=None) -> dict:
+    args = common.parse_args(TITLE, argv)
+    reps = 8 if args.smoke else 200
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = []
+        width = 16
+        x = torch.randn(16, width)
+        delayed, current = tfp8.DelayedScaling(amax_history_len=16), tfp8.Float8CurrentScaling()
+        # one Linear, forward + backward
+        nn_layer = stack(torch.nn.Linear, 1, width)
+        fp8_delayed = stack(tfp8.Linear, 1, width, recipe=delayed)
+        fp8_current = stack(tfp8.Linear, 1, width, recipe=current)
+        t = thread_time_per_call({"nn": linear_step(nn_layer, x),
+                                  "delayed": linear_step(fp8_delayed, x, delayed),
+                                  "current": linear_step(fp8_current, x, current)}, reps)
+        for recipe in ("delayed", "current"):
+            rows.append({"case": "Linear fwd+bwd", "recipe": recipe,
+                         "time_torch_us": t["nn"] * 1e6, "time_fp8_us": t[recipe] * 1e6})
+        # 24 layers in one step
+        depth = 4 if args.smoke else 24
+        t = thread_time_per_call({"nn": linear_step(stack(torch.nn.Linear, depth, width), x),
+                                  "delayed": linear_step(stack(tfp8.Linear, depth, width,
+                                                               recipe=delayed), x, delayed)},
+                                 max(4, reps // 4))
+        rows.append({"case": "24 Linear layers, one step" if not args.smoke else
+                     f"{depth} Linear layers, one step", "recipe": "delayed",
+                     "time_torch_us": t["nn"] * 1e6, "time_fp8_us": t["delayed"] * 1e6})
+        # TransformerLayer: its high-precision form (outside fp8_autocast) against FP8
+        torch.manual_seed(0)
+        layer = tfp8.TransformerLayer(64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                      recipe=delayed)
+        h = torch.randn(8, 2, 64)
+        t = thread_time_per_call({"torch": linear_step(layer, h),
+                                  "delayed": linear_step(layer, h, delayed)},
+                                 max(4, reps // 4))
+        rows.append({"case": "TransformerLayer fwd+bwd", "recipe": "delayed",
+                     "time_torch_us": t["torch"] * 1e6, "time_fp8_us": t["delayed"] * 1e6})
+        # the update of 300 histories (the refill of row 0 timed apart and subtracted)
+        count = 16 if args.smoke else 300
+        run, refill = update_step(count)
+        t = thread_time_per_call({"update": run, "refill": refill}, max(4, reps // 4))
+        rows.append({"case": f"update of {count} histories", "recipe": "delayed",
+                     "time_fp8_us": max(t["update"] - t["refill"], 0.0) * 1e6 or None})
+    finally:
+        torch.set_num_threads(threads)
+    for row in rows:
+        row["ratio"] = common.ratio(row["time_fp8_us"], row.get("time_torch_us"))
+        row["target"] = (f"<= {TARGETS[row['case']]}x" if row["case"] in TARGETS
+                         else f"<= {UPDATE_TARGET_US:.0f} µs" if "update" in row["case"]
+                         else None)
+    notes = ["thread CPU time (time.thread_time), one CPU thread, median over interleaved "
+             "rounds; the FP8 rows include the CPU kernels' emulation of casts and GEMMs"]
+    return common.report(args, NAME, TITLE, WHAT, COLUMNS, rows, plot=plot, notes=notes)
+
+
+def plot(ax, payload):
+    rows = [r for r in payload["rows"] if r.get("ratio") is not None]
+    common.bar_plot(ax, [f"{r['case']}\n{r['recipe']}" for r in rows],
+                    [r["ratio"] for r in rows], "FP8 / torch CPU time",
+                    "host cost per step", reference=1.0, reference_label="torch")
+
+
+if __name__ == "__main__":
+    main()
