@@ -19,9 +19,9 @@
 #include <type_traits>
 #include <utility>
 
-#include "../gemm_checks.h"
+#include "../../checks/gemm_checks.h"
 #include "cublaslt_shared.h"
-#include "cuda_checks.h"
+#include "../cuda_checks.h"
 
 namespace transformer_fp8 {
 namespace {

@@ -27,9 +27,9 @@
 #include <type_traits>
 #include <utility>
 
-#include "../blockwise_checks.h"
+#include "../../checks/blockwise_checks.h"
 #include "cublaslt_shared.h"
-#include "cuda_checks.h"
+#include "../cuda_checks.h"
 
 namespace transformer_fp8 {
 namespace {

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "blockwise_common.h"
+#include "../blockwise_common.h"
 #include "checks.h"
 
 namespace transformer_fp8 {
