@@ -1,7 +1,7 @@
 // CUDA fp8_gemm_blockwise through cuBLASLt (12.9+, Hopper): block-scaled FP8 operands.
 // Reference: csrc/cpu/blockwise.cpp; scale layouts: csrc/blockwise_common.h.
 //
-// Same TN mapping as gemm_cublaslt.cpp: cuBLASLt computes out^T [N, M] = b . a^T, its "A" is our
+// The TN mapping of cublaslt_shared.h: cuBLASLt computes out^T [N, M] = b . a^T, its "A" is our
 // b [N, K] (K x N column-major, ld K, transposed) and its "B" our a [M, K] (K x M, ld K). Both are
 // scaled along K, their contraction dimension:
 //   1x128   -> CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F: one float per 128 K-elements of each
@@ -15,21 +15,16 @@
 // split (CUBLASLT_MATMUL_DESC_FAST_ACCUM = 0): block scaling is defined only with it.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cublasLt.h>
-#include <functional>
 #include <torch/library.h>
 
-#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
-#include <type_traits>
-#include <utility>
 
 #include "../../checks/blockwise_checks.h"
-#include "cublaslt_shared.h"
 #include "../cuda_checks.h"
+#include "cublaslt_shared.h"
 
 namespace transformer_fp8 {
 namespace {
@@ -45,40 +40,14 @@ cublasLtMatmulMatrixScale_t cublas_scale_mode(BlockMode mode) {
   }
 }
 
-cudaDataType_t cuda_type_of(at::ScalarType st) {
-  switch (st) {
-    case at::kFloat8_e4m3fn: return CUDA_R_8F_E4M3;
-    case at::kFloat8_e5m2: return CUDA_R_8F_E5M2;
-    case at::kBFloat16: return CUDA_R_16BF;
-    case at::kHalf: return CUDA_R_16F;
-    default: return CUDA_R_32F;
-  }
-}
-
 // Shapes, types, modes, epilogue and the alignment of every buffer: what the choice of
 // algorithm depends on.
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, bool,
                            uint32_t, uint32_t, uint32_t>;
 
-struct Plan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo = {};
-  bool bias_in_epilogue = false;  // else the bias is added after the product
-  Plan() = default;
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  ~Plan() {
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
 // Per thread, so that a call takes no lock and may set pointers on a cached descriptor.
-std::map<PlanKey, std::unique_ptr<Plan>>& thread_plans() {
-  thread_local std::map<PlanKey, std::unique_ptr<Plan>> plans;
+CublasLtPlanCache<PlanKey>& thread_plans() {
+  thread_local CublasLtPlanCache<PlanKey> plans;
   return plans;
 }
 
@@ -88,94 +57,46 @@ std::string describe_problem(const at::Tensor& a, const at::Tensor& b, Blockwise
                   ", ", b.size(1), "] ", b.scalar_type(), " (", block_mode_name(m.b), " scales)");
 }
 
-// The buffers whose pointers cuBLASLt reads from the descriptor. They are set before the
-// algorithm query: for the block scale modes (VEC128, BLK128x128, OUTER_VEC) cuBLASLt checks the
-// scale pointers at the query and finds no algorithm without them. A cached plan gets the
-// pointers of each call set again before it runs.
-struct PlanPointers {
-  const void* a_scale;  // our a's scales (cuBLASLt's B)
-  const void* b_scale;  // our b's scales (cuBLASLt's A)
-  const void* bias;     // nullptr without a bias epilogue
-};
-
-void set_pointers(cublasLtMatmulDesc_t op, const PlanPointers& pointers, bool bias_in_epilogue,
-                  const std::function<void(cublasStatus_t, const char*)>& check) {
-  auto set_pointer = [&](cublasLtMatmulDescAttributes_t attribute, const char* name,
-                         const void* pointer) {
-    check(cublasLtMatmulDescSetAttribute(op, attribute, &pointer, sizeof(pointer)), name);
-  };
-  // cuBLASLt's A is our b, its B our a.
-  set_pointer(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, "A_SCALE_POINTER", pointers.b_scale);
-  set_pointer(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, "B_SCALE_POINTER", pointers.a_scale);
-  if (bias_in_epilogue) set_pointer(CUBLASLT_MATMUL_DESC_BIAS_POINTER, "BIAS_POINTER", pointers.bias);
+void check_status(cublasStatus_t status, const char* what, const at::Tensor& a,
+                  const at::Tensor& b, BlockwiseGemmModes modes) {
+  check_cublaslt(status, what, [&] { return describe_problem(a, b, modes); });
 }
 
-std::unique_ptr<Plan> make_plan(const PlanKey& key, cublasLtHandle_t handle, const at::Tensor& a,
-                                const at::Tensor& b, BlockwiseGemmModes modes,
-                                at::ScalarType out_dtype, bool bias_in_epilogue,
-                                const PlanPointers& pointers) {
-  const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
-  auto plan = std::make_unique<Plan>();
+// Descriptors and heuristic choice of a new problem. The scale and bias pointers are set before
+// the algorithm query: for the block scale modes (VEC128, BLK128x128, OUTER_VEC) cuBLASLt checks
+// the scale pointers at the query and finds no algorithm without them. A cached plan gets the
+// pointers of each call set again before it runs.
+std::unique_ptr<CublasLtPlan> make_plan(cublasLtHandle_t handle, const at::Tensor& a,
+                                        const at::Tensor& b, BlockwiseGemmModes modes,
+                                        at::ScalarType out_dtype, bool bias_in_epilogue,
+                                        const GemmPointers& pointers,
+                                        const GemmAlignments& align) {
+  auto plan = std::make_unique<CublasLtPlan>();
   auto check = [&](cublasStatus_t status, const char* what) {
-    TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "transformer_fp8: ", what, " failed with ",
-                cublaslt_status_string(status), " ", describe_problem(a, b, modes));
+    check_status(status, what, a, b, modes);
   };
-  auto set_op = [&](cublasLtMatmulDescAttributes_t attribute, const char* name, const auto& value) {
-    check(cublasLtMatmulDescSetAttribute(plan->op, attribute, &value, sizeof(value)), name);
-  };
-  check(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-        "cublasLtMatmulDescCreate");
-  set_op(CUBLASLT_MATMUL_DESC_TRANSA, "TRANSA", CUBLAS_OP_T);
-  set_op(CUBLASLT_MATMUL_DESC_TRANSB, "TRANSB", CUBLAS_OP_N);
-  set_op(CUBLASLT_MATMUL_DESC_FAST_ACCUM, "FAST_ACCUM", static_cast<int8_t>(0));
+  create_tn_matmul_desc(*plan, /*fast_accum=*/false, check);
   // cuBLASLt's A is our b, its B our a.
-  set_op(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, "A_SCALE_MODE",
-         static_cast<int32_t>(cublas_scale_mode(modes.b)));
-  set_op(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, "B_SCALE_MODE",
-         static_cast<int32_t>(cublas_scale_mode(modes.a)));
-  if (bias_in_epilogue) {
-    set_op(CUBLASLT_MATMUL_DESC_EPILOGUE, "EPILOGUE", CUBLASLT_EPILOGUE_BIAS);
-    set_op(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, "BIAS_DATA_TYPE",
-           static_cast<int32_t>(cuda_type_of(out_dtype)));
-  }
-  set_pointers(plan->op, pointers, bias_in_epilogue, check);
-  check(cublasLtMatrixLayoutCreate(&plan->a, cuda_type_of(b.scalar_type()), K, N, K),
-        "layout of b");
-  check(cublasLtMatrixLayoutCreate(&plan->b, cuda_type_of(a.scalar_type()), K, M, K),
-        "layout of a");
-  check(cublasLtMatrixLayoutCreate(&plan->d, cuda_type_of(out_dtype), N, M, N), "layout of out");
-
-  cublasLtMatmulPreference_t pref = nullptr;
-  check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
-  std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
-                  decltype(&cublasLtMatmulPreferenceDestroy)>
-      pref_owner(pref, &cublasLtMatmulPreferenceDestroy);
-  auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attribute, const char* name,
-                      const auto& value) {
-    check(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)), name);
-  };
-  const size_t workspace_bytes = cublaslt_workspace_bytes();
-  set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, "MAX_WORKSPACE_BYTES", workspace_bytes);
-  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, "MIN_ALIGNMENT_A", std::get<10>(key));
-  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, "MIN_ALIGNMENT_B", std::get<11>(key));
-  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, "MIN_ALIGNMENT_C", std::get<12>(key));
-  set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, "MIN_ALIGNMENT_D", std::get<12>(key));
-  cublasLtMatmulHeuristicResult_t heuristic = {};
-  int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      handle, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &heuristic, &found);
-  const bool unsupported = status == CUBLAS_STATUS_NOT_SUPPORTED ||
-                           (status == CUBLAS_STATUS_SUCCESS && found == 0);
-  if (bias_in_epilogue && unsupported) {
+  set_matmul_attribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, "A_SCALE_MODE",
+                       static_cast<int32_t>(cublas_scale_mode(modes.b)), check);
+  set_matmul_attribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, "B_SCALE_MODE",
+                       static_cast<int32_t>(cublas_scale_mode(modes.a)), check);
+  if (bias_in_epilogue) set_bias_epilogue(plan->op, out_dtype, check);
+  set_gemm_pointers(plan->op, pointers, bias_in_epilogue, check);
+  create_tn_layouts(*plan, a, b, out_dtype, check);
+  const CublasLtPreference pref = create_preference(align, check);
+  const HeuristicAnswer answer = query_algorithm(handle, *plan, pref);
+  if (bias_in_epilogue && answer.unsupported()) {
     // Block-scaled kernels may come without a bias epilogue: plan the bare product instead
     // and let the caller add the bias afterwards. (Any other failure is an error.)
-    return make_plan(key, handle, a, b, modes, out_dtype, /*bias_in_epilogue=*/false, pointers);
+    return make_plan(handle, a, b, modes, out_dtype, /*bias_in_epilogue=*/false, pointers,
+                     align);
   }
-  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0, "transformer_fp8: cuBLASLt has no "
-              "block-scaled FP8 algorithm ", describe_problem(a, b, modes), " and out_dtype ",
-              out_dtype, " (status ", cublaslt_status_string(status), "; block-scaled FP8 "
-              "GEMMs run on Hopper, sm_90, with cuBLASLt 12.9 or newer)");
-  plan->algo = heuristic.algo;
+  TORCH_CHECK(answer.status == CUBLAS_STATUS_SUCCESS && answer.found,
+              "transformer_fp8: cuBLASLt has no block-scaled FP8 algorithm ",
+              describe_problem(a, b, modes), " and out_dtype ", out_dtype, " (status ",
+              cublaslt_status_string(answer.status), "; block-scaled FP8 GEMMs run on Hopper, "
+              "sm_90, with cuBLASLt 12.9 or newer)");
   plan->bias_in_epilogue = bias_in_epilogue;
   return plan;
 }
@@ -219,47 +140,31 @@ at::Tensor fp8_gemm_blockwise_cuda(const at::Tensor& a_in, const at::Tensor& a_s
   const c10::cuda::CUDAGuard guard(a_in.device());
   at::Tensor out = at::empty({M, N}, a_in.options().dtype(out_dtype));
   if (fill_trivial_product(out, K, bias)) return out;
-  const at::Tensor a = cublaslt_operand(a_in), b = cublaslt_operand(b_in);
+  const CublasLtCall call = prepare_cublaslt_call(a_in, b_in, bias);
+  const at::Tensor &a = call.a, &b = call.b;
   const at::Tensor a_si = scales_for_cublas(a, a_scale_inv, modes.a);
   const at::Tensor b_si = scales_for_cublas(b, b_scale_inv, modes.b);
-  const c10::optional<at::Tensor> bias_c =
-      bias.has_value() ? c10::optional<at::Tensor>(cublaslt_operand(*bias)) : c10::nullopt;
-  const int device = a.get_device();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  cublasLtHandle_t handle = cublaslt_handle(device);
-  void* workspace = cublaslt_workspace(device, stream);
 
   // The bias epilogue takes a bias of the output type for bf16 / fp16 outputs; for float32
   // outputs, or when cuBLASLt has no block-scaled kernel with that epilogue (the plan says),
   // the bias is added after the product.
   const bool try_bias_epilogue = bias.has_value() && out_dtype != at::kFloat;
-  const PlanPointers pointers{a_si.data_ptr(), b_si.data_ptr(),
-                              bias_c.has_value() ? bias_c->data_ptr() : nullptr};
-  const PlanKey key{device, M, N, K, static_cast<int>(a.scalar_type()),
+  const GemmPointers pointers{a_si.data_ptr(), b_si.data_ptr(),
+                              call.bias.has_value() ? call.bias->data_ptr() : nullptr};
+  const GemmAlignments align = gemm_alignments(a, b, out);
+  // cuBLASLt's A is our b, its B is our a (cublaslt_shared.h).
+  const PlanKey key{call.device, M, N, K, static_cast<int>(a.scalar_type()),
                     static_cast<int>(b.scalar_type()), static_cast<int>(out_dtype),
                     static_cast<int>(modes.a), static_cast<int>(modes.b), try_bias_epilogue,
-                    cublaslt_alignment_of(b.data_ptr()), cublaslt_alignment_of(a.data_ptr()),
-                    cublaslt_alignment_of(out.data_ptr())};
-  auto& plans = thread_plans();
-  auto it = plans.find(key);
-  if (it == plans.end()) {
-    auto plan = make_plan(key, handle, a, b, modes, out_dtype, try_bias_epilogue, pointers);
-    if (plans.size() >= 512) plans.clear();
-    it = plans.emplace(key, std::move(plan)).first;
-  }
-  Plan& plan = *it->second;
+                    align.b, align.a, align.out};
+  const CublasLtPlan& plan = find_or_make_plan(thread_plans(), key, [&] {
+    return make_plan(call.handle, a, b, modes, out_dtype, try_bias_epilogue, pointers, align);
+  });
   auto check = [&](cublasStatus_t status, const char* what) {
-    TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "transformer_fp8: ", what, " failed with ",
-                cublaslt_status_string(status), " ", describe_problem(a, b, modes));
+    check_status(status, what, a, b, modes);
   };
-  const bool bias_in_epilogue = plan.bias_in_epilogue;
-  set_pointers(plan.op, pointers, bias_in_epilogue, check);
-  const float alpha = 1.0f, beta = 0.0f;
-  check(cublasLtMatmul(handle, plan.op, &alpha, b.data_ptr(), plan.a, a.data_ptr(), plan.b, &beta,
-                       out.data_ptr(), plan.d, out.data_ptr(), plan.d, &plan.algo, workspace,
-                       cublaslt_workspace_bytes(), stream),
-        "cublasLtMatmul");
-  if (bias_c.has_value() && !bias_in_epilogue) out.add_(*bias_c);
+  // The plan says whether the bias is in its epilogue or added after the product.
+  run_plan(call, plan, pointers, out, check);
   return out;
 #endif
 }
