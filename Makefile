@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.11.0
 TOOLS := setuptools wheel ninja pytest numpy matplotlib tqdm transformers==5.23.0
 # Debian/Ubuntu mark their system Python as externally managed; let pip install there.
 export PIP_BREAK_SYSTEM_PACKAGES ?= 1
-SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/*/*.cuh)
+SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh')
 
 .PHONY: demo test install deps clean
 

@@ -55,6 +55,12 @@ def write_build_config(with_cuda, cuda_version):
     return folder
 
 
+def sources_below(folder, *endings):
+    """Every file with one of these endings in folder and its subfolders, sorted."""
+    return sorted(path for ending in endings
+                  for path in glob.glob(os.path.join(folder, "**", "*" + ending), recursive=True))
+
+
 cuda_version = None if CPU_ONLY else nvcc_version()
 with_cuda = torch.version.cuda is not None and cuda_version is not None
 if FORCE_CUDA and not with_cuda:
@@ -63,12 +69,15 @@ if FORCE_CUDA and not with_cuda:
         f"torch.version.cuda={torch.version.cuda!r}, CUDA_HOME={CUDA_HOME!r}, "
         f"nvcc version={cuda_version!r}")
 
-sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+CUDA_FOLDER = os.path.join("csrc", "cuda")
+# csrc/registration.cpp, the shared checks and the CPU kernels; csrc/cuda/ only in a CUDA build.
+sources = [path for path in sources_below("csrc", ".cpp")
+           if not path.startswith(CUDA_FOLDER + os.sep)]
 include_dirs = [write_build_config(with_cuda, cuda_version)]
 cxx_flags = ["-O3"]
 if with_cuda:
     os.environ["TORCH_CUDA_ARCH_LIST"] = ARCHS
-    sources += sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
+    sources += sources_below(CUDA_FOLDER, ".cpp", ".cu")
     extension = CUDAExtension(
         "transformer_fp8._C", sources, include_dirs=include_dirs, libraries=["cublasLt"],
         define_macros=[("TRANSFORMER_FP8_WITH_CUDA", None)],

@@ -1,12 +1,12 @@
 // CPU kernels of activation_fwd(_fp8), activation_bwd(_fp8) and cast_transpose_dbias.
 // The float32 math is the ATen composition that transformer_fp8/reference.py writes in torch
-// (bit-identical to it); the CUDA kernels (csrc/cuda/activation.cu) follow the same formulas.
+// (bit-identical to it); the CUDA kernels (csrc/cuda/kernels/activation.cu) follow the same formulas.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <tuple>
 
-#include "../fused_checks.h"
+#include "../checks/fused_checks.h"
 #include "fp8_cast_cpu.h"
 
 namespace transformer_fp8 {

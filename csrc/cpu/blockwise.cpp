@@ -1,6 +1,6 @@
 // CPU kernels of quantize_blockwise and fp8_gemm_blockwise: the executable reference of the
-// CUDA ones (csrc/cuda/blockwise.cu, csrc/cuda/gemm_blockwise_cublaslt.cpp). Numerics and
-// layouts: csrc/blockwise_common.h.
+// CUDA ones (csrc/cuda/kernels/blockwise.cu, csrc/cuda/cublaslt/gemm_blockwise_cublaslt.cpp).
+// Numerics and layouts: csrc/blockwise_common.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <tuple>
 
-#include "../blockwise_checks.h"
+#include "../checks/blockwise_checks.h"
 
 namespace transformer_fp8 {
 namespace {

@@ -7,7 +7,7 @@
 
 #include <algorithm>
 
-#include "../checks.h"
+#include "../checks/checks.h"
 #include "fp8_cast_cpu.h"
 
 namespace transformer_fp8 {

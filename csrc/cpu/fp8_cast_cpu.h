@@ -12,7 +12,7 @@
 #include <cstring>
 #include <tuple>
 
-#include "../checks.h"
+#include "../checks/checks.h"
 
 namespace transformer_fp8 {
 

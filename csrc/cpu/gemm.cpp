@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "../gemm_checks.h"
+#include "../checks/gemm_checks.h"
 
 namespace transformer_fp8 {
 namespace {

@@ -1,13 +1,13 @@
 // CPU kernels of layernorm_fwd(_fp8), layernorm_bwd, rmsnorm_fwd(_fp8) and rmsnorm_bwd.
 // The float32 math is a fixed composition of ATen ops, the one that transformer_fp8/reference.py
 // writes in torch, so that the CPU results (and the FP8 bytes) are bit-identical to it; the CUDA
-// kernels (csrc/cuda/norm.cu) compute the same formulas with their own rounding.
+// kernels (csrc/cuda/kernels/norm.cu) compute the same formulas with their own rounding.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <tuple>
 
-#include "../fused_checks.h"
+#include "../checks/fused_checks.h"
 #include "fp8_cast_cpu.h"
 
 namespace transformer_fp8 {

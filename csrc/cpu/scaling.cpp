@@ -1,9 +1,9 @@
 // CPU kernels of update_delayed_scaling and compute_scale_from_amax: the reference of the CUDA
-// ones (csrc/cuda/scaling.cu), column by column as fp8_common.h describes.
+// ones (csrc/cuda/kernels/scaling.cu), column by column as fp8_common.h describes.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "../checks.h"
+#include "../checks/checks.h"
 
 namespace transformer_fp8 {
 namespace {

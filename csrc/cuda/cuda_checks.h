@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
-#include "../checks.h"
+#include "../checks/checks.h"
 
 namespace transformer_fp8 {
 

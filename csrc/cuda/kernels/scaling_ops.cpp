@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "cuda_checks.h"
+#include "../cuda_checks.h"
 #include "kernels.h"
 
 namespace transformer_fp8 {

@@ -1,6 +1,7 @@
 // Every operator schema of the transformer_fp8 namespace, in one place, and the Python module
 // that loads them. Kernels: csrc/cpu/*.cpp (CPU, also the executable reference) and
-// csrc/cuda/* (CUDA). Fake kernels for torch.compile live in transformer_fp8/ops.py.
+// csrc/cuda/kernels/, csrc/cuda/cublaslt/ (CUDA). Fake kernels for torch.compile live in
+// transformer_fp8/ops.py.
 #include <torch/extension.h>
 
 #include <string>
@@ -35,10 +36,11 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // out[M, N] = (a[M, K] * a_scale_inv) @ (b[N, K] * b_scale_inv)^T (+ bias[N]).
   m.def("fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None, bool use_fast_accum=False) -> Tensor");
 
-  // Fused norm / activation / dbias operators (csrc/cpu/norm.cpp, activation.cpp; csrc/cuda/
-  // norm.cu, activation.cu). x is 2-D [M, N]; all math in float32; FP8 outputs are the saturating
-  // cast of the float32 result, with M padded to a multiple of row_multiple by zero rows, amax
-  // over the M real rows, and an empty [0] where a transpose / hp output / dbias is not asked for.
+  // Fused norm / activation / dbias operators (csrc/cpu/norm.cpp, activation.cpp;
+  // csrc/cuda/kernels/norm.cu, activation.cu). x is 2-D [M, N]; all math in float32; FP8
+  // outputs are the saturating cast of the float32 result, with M padded to a multiple of
+  // row_multiple by zero rows, amax over the M real rows, and an empty [0] where a transpose /
+  // hp output / dbias is not asked for.
   // LayerNorm: y = (x - mean) * rstd * gamma + bias (gamma = weight (+1 if zero-centred)).
   m.def("layernorm_fwd(Tensor x, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma) -> (Tensor y, Tensor mean, Tensor rstd)");
   // LayerNorm emitting FP8 y (and its transpose, and y in x's dtype if return_hp).

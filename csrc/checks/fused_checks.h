@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "activation_kind.h"
+#include "../activation_kind.h"
 #include "checks.h"
 
 namespace transformer_fp8 {

@@ -10,7 +10,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "../fp8_common.h"
+#include "../../fp8_common.h"
 
 namespace transformer_fp8 {
 namespace cuda {

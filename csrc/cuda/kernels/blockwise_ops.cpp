@@ -7,9 +7,9 @@
 
 #include <tuple>
 
-#include "../blockwise_checks.h"
+#include "../../checks/blockwise_checks.h"
 #include "blockwise_kernels.h"
-#include "cuda_checks.h"
+#include "../cuda_checks.h"
 
 namespace transformer_fp8 {
 namespace {

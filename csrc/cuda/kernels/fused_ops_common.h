@@ -5,8 +5,8 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
-#include "../fused_checks.h"
-#include "cuda_checks.h"
+#include "../../checks/fused_checks.h"
+#include "../cuda_checks.h"
 #include "kernels.h"
 
 namespace transformer_fp8 {

@@ -4,7 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include "../activation_kind.h"
+#include "../../activation_kind.h"
 
 namespace transformer_fp8 {
 namespace cuda {

@@ -5,7 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "cuda_checks.h"
+#include "../cuda_checks.h"
 #include "kernels.h"
 
 namespace transformer_fp8 {

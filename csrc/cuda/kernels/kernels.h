@@ -1,14 +1,14 @@
-// Launchers of the raw CUDA kernels (csrc/cuda/*.cu). They take plain pointers and the stream,
-// know nothing of ATen, and return the launch status; csrc/cuda/*_ops.cpp check the arguments,
-// allocate and call them.
+// Launchers of the raw CUDA kernels (the *.cu files beside this one). They take plain pointers
+// and the stream, know nothing of ATen, and return the launch status; the *_ops.cpp files here
+// check the arguments, allocate and call them.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "../activation_kind.h"
-#include "../fp8_common.h"
+#include "../../activation_kind.h"
+#include "../../fp8_common.h"
 
 namespace transformer_fp8 {
 namespace cuda {
@@ -51,7 +51,7 @@ cudaError_t launch_compute_scale_from_amax(const float* amax, int64_t n, double 
                                            int margin, float* scale, cudaStream_t stream);
 
 // ---------------------------------------------------------------- fused operators
-// (csrc/cuda/norm.cu, activation.cu, fused_common.cu; operators in norm_ops.cpp and
+// (norm.cu, activation.cu, fused_common.cu; operators in norm_ops.cpp and
 // activation_ops.cpp). Matrices are contiguous and row-major.
 
 // Where a fused kernel writes its float32 result: rounded to the input's type (hp, or null)

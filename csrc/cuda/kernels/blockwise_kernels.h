@@ -1,12 +1,12 @@
-// Launcher of the block-scaled quantisation kernels (csrc/cuda/blockwise.cu). Plain pointers
-// and the stream; csrc/cuda/blockwise_ops.cpp checks the arguments, allocates and calls it.
+// Launcher of the block-scaled quantisation kernels (blockwise.cu). Plain pointers
+// and the stream; blockwise_ops.cpp checks the arguments, allocates and calls it.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "../blockwise_common.h"
+#include "../../blockwise_common.h"
 
 namespace transformer_fp8 {
 namespace cuda {

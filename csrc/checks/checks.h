@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "fp8_common.h"
+#include "../fp8_common.h"
 
 namespace transformer_fp8 {
 
