@@ -1,7 +1,7 @@
 """torch.library.opcheck on every operator (schema, autograd registration, fake kernel,
 AOT dispatch), and a torch.compile(fullgraph=True) smoke test.
 
-Arguments are positional, in the order of the schemas in csrc/ops.cpp.
+Arguments are positional, in the order of the schemas in csrc/registration.cpp.
 """
 from __future__ import annotations
 

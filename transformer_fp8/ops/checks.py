@@ -4,7 +4,7 @@ A fake kernel runs where no real kernel does: under torch.compile (FakeTensor) a
 tensors, and the dispatcher also picks it when ONE argument is on "meta" and the rest on the CPU
 (the meta key wins). Without these checks such a call returned uninitialised memory and skipped
 the in-place update, and a fake accepted what the real kernel refuses. ``register_fake`` wraps
-each fake with the checks every backend makes, with the C++ messages (csrc/checks.h): every
+each fake with the checks every backend makes, with the C++ messages (csrc/checks/checks.h): every
 tensor argument on one device, then the dtype and size of each argument by its name, which
 means the same thing in every schema of the library.
 """
