@@ -118,7 +118,7 @@ def test_fake_kernels_refuse_what_the_real_kernels_refuse(case, backend):
 
 # ---- record_amax and the update ----------------------------------------------------------------
 
-@pytest.mark.parametrize("column", [2, -1, 100])
+@pytest.mark.parametrize("column", [2, -1, 100, 2**63])
 def test_record_amax_refuses_a_column_outside_the_history(column):
     history = torch.zeros(4, 2)
     with pytest.raises(ValueError, match=r"'column' must be in \[0, 2\)"):

@@ -245,7 +245,10 @@ def test_plugin_fixture_and_ini_thresholds(tmp_path):
                                 grad_min_sqnr_db=15)
             assert report["output"].sqnr_db > 20
     """))
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # The checkout's plugin, loaded by name: whether or not an installed package has already
+    # registered it through its pytest11 entry point (which would register it twice).
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              "-p", "pytest_transformer_fp8", str(tmp_path)],
                             cwd=tmp_path, env=env, capture_output=True, text=True)

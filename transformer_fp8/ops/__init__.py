@@ -141,18 +141,25 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
 
 
 @torch.library.custom_op("transformer_fp8::record_amax", mutates_args=("history",))
-def record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
-    """history[0, column] = max(history[0, column], amax), NaN propagating: how a traced (torch.
-    compile) cast records its amax (eager casts fold it into the slot in their own kernel)."""
+def _record_amax_op(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
     _check_record_amax(history, amax, column)
     slot = history[0, column:column + 1]
     slot.copy_(torch.maximum(slot, amax.reshape(1)))
 
 
-@record_amax.register_fake
+@_record_amax_op.register_fake
 def _record_amax_fake(history, amax, column):
     _check_record_amax(history, amax, column)
     return None
+
+
+def record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
+    """history[0, column] = max(history[0, column], amax), NaN propagating: how a traced (torch.
+    compile) cast records its amax (eager casts fold it into the slot in their own kernel)."""
+    if isinstance(column, bool) or not isinstance(column, int):
+        raise TypeError(f"record_amax: 'column' must be an int, got {type(column).__name__}")
+    _check_record_amax(history, amax, column)  # (before the dispatcher reads column as int64)
+    _record_amax_op(history, amax, column)
 
 
 def _check_record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:

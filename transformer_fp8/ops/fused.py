@@ -1,7 +1,7 @@
 """Typed wrappers and fake kernels of the fused norm / activation / dbias operators.
 
-The operators (csrc/cpu/norm.cpp, activation.cpp; csrc/cuda/kernels/norm.cu, activation.cu) take a 2-D
-x [M, N] (float32, bfloat16 or float16, any strides) and do all their math in float32:
+The operators (csrc/cpu/norm.cpp, activation.cpp; csrc/cuda/kernels/norm.cu, activation.cu)
+take a 2-D x [M, N] (float32, bfloat16 or float16, any strides) and do all their math in float32:
 
 * High-precision results (y, y_hp, dx, activation outputs) have x's dtype; mean and rstd are
   float32 [M]; the norms' dweight / dbias have weight's dtype.
