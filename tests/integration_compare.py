@@ -192,3 +192,29 @@ def counting_aot_eager() -> tuple:
         return debugging.aot_eager(gm, example_inputs)
 
     return backend, graphs
+
+
+def data_parallel_in_one_process(model: torch.nn.Module, batch: Callable, recipe, world: int,
+                                 steps: int, lr: float) -> list:
+    """What ``world`` data-parallel ranks compute, in one process: every rank's batch
+    (``batch(rank, step)``) in one forward, the ranks' losses summed, the gradients divided by
+    the world size (DDP's and FSDP2's average; a power of two, so exact) before each SGD step.
+    The amax of the whole batch is the MAX of the ranks' amaxes, so the FP8 casts are the same.
+    Per rank, a StepRecord per step (its own loss, the shared gradients and FP8 state)."""
+    import transformer_fp8 as tfp8
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    records = [[] for _ in range(world)]
+    for step in range(steps):
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            out = model(torch.cat([batch(rank, step) for rank in range(world)]))
+        losses = [part.square().mean() for part in out.chunk(world)]
+        sum(losses).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad /= world
+        for rank in range(world):
+            records[rank].append(record_step(losses[rank], model))
+        opt.step()
+        opt.zero_grad()
+    return records

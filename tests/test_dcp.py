@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from integration_compare import (STEP_SCALES, StepRecord, assert_bit_identical, assert_close,
-                                 record_step)
+                                 data_parallel_in_one_process, record_step)
 from multiprocess import WORLD, run_ranks
 
 import transformer_fp8 as tfp8
@@ -91,21 +91,7 @@ def _single_process_run(steps: int) -> list:
     torch.manual_seed(0)
     model = tfp8.convert_to_fp8(torch.nn.Sequential(
         torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)), recipe=RECIPE)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    records = [[] for _ in range(WORLD)]
-    for step in range(steps):
-        with tfp8.fp8_autocast(fp8_recipe=RECIPE):
-            out = model(torch.cat([_batch(rank, step) for rank in range(WORLD)]))
-        losses = [part.square().mean() for part in out.chunk(WORLD)]
-        sum(losses).backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.grad /= WORLD  # a power of two: exact
-        for rank in range(WORLD):
-            records[rank].append(record_step(losses[rank], model))
-        opt.step()
-        opt.zero_grad()
-    return records
+    return data_parallel_in_one_process(model, _batch, RECIPE, WORLD, steps, lr=0.05)
 
 
 def test_dcp_roundtrip_with_fsdp2_is_bit_identical(tmp_path):

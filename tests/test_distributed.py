@@ -12,7 +12,8 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.distributed as dist
-from integration_compare import STEP_SCALES, StepRecord, assert_close, record_step
+from integration_compare import (STEP_SCALES, StepRecord, assert_close,
+                                 data_parallel_in_one_process, record_step)
 from multiprocess import WORLD, run_ranks
 
 import transformer_fp8 as tfp8
@@ -97,22 +98,7 @@ def single_process_run(mode):
     the whole batch is the MAX of the ranks' amaxes, so the FP8 casts are the same. One record
     per rank (its own loss, the shared gradients and FP8 state) per step."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    records = [[] for _ in range(WORLD)]
-    for step in range(STEPS):
-        x = torch.cat([_batch(rank, step) for rank in range(WORLD)])
-        with tfp8.fp8_autocast(fp8_recipe=_recipe(mode)):
-            out = model(x)
-        losses = [out[rank * ROWS:(rank + 1) * ROWS].square().mean() for rank in range(WORLD)]
-        sum(losses).backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.grad /= WORLD  # a power of two: exact
-        for rank in range(WORLD):
-            records[rank].append(record_step(losses[rank], model))
-        opt.step()
-        opt.zero_grad()
-    return records
+    return data_parallel_in_one_process(model, _batch, _recipe(mode), WORLD, STEPS, lr=LR)
 
 
 @pytest.mark.parametrize("explicit_group", [False, True], ids=["world", "fp8_group"])
