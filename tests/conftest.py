@@ -46,6 +46,12 @@ def pytest_report_header(config):
     return f"transformer_fp8 tests: TFP8_TEST_SEED={SESSION_SEED}"
 
 
+def pytest_terminal_summary(terminalreporter):
+    # Also at the end, where `pytest -q` (which prints no header) shows it: a failure on random
+    # inputs is replayed with this seed.
+    terminalreporter.write_line(f"transformer_fp8 tests: TFP8_TEST_SEED={SESSION_SEED}")
+
+
 def pytest_make_parametrize_id(config, val, argname):
     """Readable test ids for dtypes: test_x[float8_e4m3fn-...] rather than [fp8_dtype0-...]."""
     if isinstance(val, torch.dtype):

@@ -619,7 +619,12 @@ def test_fp8_sqnr_against_float32(gen, device, recipe, config):
     assert sqnr(out_ref, out) >= 20
     assert sqnr(x_ref.grad, x_in.grad) >= 17
     for (name, p), q in zip(layer.named_parameters(), ref.parameters()):
-        assert sqnr(q.grad, p.grad) >= 17, name
+        # Weights >= 17 dB. Biases and norm parameters get sums over tokens that largely cancel
+        # (the key bias most: its gradient is ~4% of the query bias's), so their SQNR has a
+        # long tail: minimum over 600 seeds 14.9 dB (key_bias), 17.4 (norm bias); 13 dB still
+        # fails a gradient off by a factor 1.25 (12 dB).
+        bound = 17 if name.endswith("weight") and "layer_norm" not in name else 13
+        assert sqnr(q.grad, p.grad) >= bound, name
     # Every GEMM ran in FP8 with its own scales: each module's forward history is filled.
     for module in (layer.self_attention.layernorm_qkv, layer.self_attention.proj,
                    layer.layernorm_mlp):

@@ -143,9 +143,12 @@ CublasLtPreference create_preference(const GemmAlignments& align, CublasLtCheck 
 struct HeuristicAnswer {
   cublasStatus_t status;
   bool found;
-  // cuBLASLt has no kernel for the problem (rather than failing to answer).
+  // cuBLASLt has no kernel for the problem (rather than failing to answer). It refuses a
+  // descriptor it has no kernel for with NOT_SUPPORTED or, for some block-scaled attribute
+  // combinations, INVALID_VALUE.
   bool unsupported() const {
-    return status == CUBLAS_STATUS_NOT_SUPPORTED || (status == CUBLAS_STATUS_SUCCESS && !found);
+    return status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE ||
+           (status == CUBLAS_STATUS_SUCCESS && !found);
   }
 };
 // Asks the heuristic for the best algorithm of plan's descriptors (C = D); stores it in

@@ -41,9 +41,9 @@ cublasLtMatmulMatrixScale_t cublas_scale_mode(BlockMode mode) {
 }
 
 // Shapes, types, modes, epilogue and the alignment of every buffer: what the choice of
-// algorithm depends on.
+// algorithm depends on (the scale and bias pointers too: they are set at the query).
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, bool,
-                           uint32_t, uint32_t, uint32_t>;
+                           uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 // Per thread, so that a call takes no lock and may set pointers on a cached descriptor.
 CublasLtPlanCache<PlanKey>& thread_plans() {
@@ -88,7 +88,8 @@ std::unique_ptr<CublasLtPlan> make_plan(cublasLtHandle_t handle, const at::Tenso
   const HeuristicAnswer answer = query_algorithm(handle, *plan, pref);
   if (bias_in_epilogue && answer.unsupported()) {
     // Block-scaled kernels may come without a bias epilogue: plan the bare product instead
-    // and let the caller add the bias afterwards. (Any other failure is an error.)
+    // and let the caller add the bias afterwards. (Any other failure is an error; so is this
+    // one when the bare product is refused too.)
     return make_plan(handle, a, b, modes, out_dtype, /*bias_in_epilogue=*/false, pointers,
                      align);
   }
@@ -156,7 +157,9 @@ at::Tensor fp8_gemm_blockwise_cuda(const at::Tensor& a_in, const at::Tensor& a_s
   const PlanKey key{call.device, M, N, K, static_cast<int>(a.scalar_type()),
                     static_cast<int>(b.scalar_type()), static_cast<int>(out_dtype),
                     static_cast<int>(modes.a), static_cast<int>(modes.b), try_bias_epilogue,
-                    align.b, align.a, align.out};
+                    align.b, align.a, align.out, cublaslt_alignment_of(pointers.a_scale),
+                    cublaslt_alignment_of(pointers.b_scale),
+                    pointers.bias ? cublaslt_alignment_of(pointers.bias) : 0u};
   const CublasLtPlan& plan = find_or_make_plan(thread_plans(), key, [&] {
     return make_plan(call.handle, a, b, modes, out_dtype, try_bias_epilogue, pointers, align);
   });
