@@ -23,7 +23,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from ..integrations import te_checkpoint
+from . import te_checkpoint
 from .te_args import check_positive, check_te_options as check_unsupported
 
 QKV_FORMATS = ("sbhd", "bshd")

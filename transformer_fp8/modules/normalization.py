@@ -165,7 +165,7 @@ class _Norm(torch.nn.Module):
         reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
-        from ..integrations import te_checkpoint
+        from . import te_checkpoint
         super()._load_from_state_dict(state_dict, prefix, *args)
         te_checkpoint.drop_extra_state(state_dict, prefix, args[3], type(self).__name__)
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..integrations import te_checkpoint
+from . import te_checkpoint
 
 from . import wgrad
 

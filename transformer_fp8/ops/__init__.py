@@ -6,16 +6,18 @@ slots are 1-element float32 tensors on the data's device: nothing here reads the
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from .. import _C  # noqa: F401  (loads the library and registers the operators)
 from .checks import check_wrapper_arguments, register_fake
 from .update_callable import check_delayed_scaling_lists, delayed_scaling_result
-from ..quantization.recipe import AmaxComputeAlgo
 
 _ops = torch.ops.transformer_fp8
+
+# How update_delayed_scaling picks the amax of a history window (a recipe's amax_compute_algo).
+AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 
 GEMM_ALIGN = 16  # on CUDA, fp8_gemm's M, N and K must be multiples of 16
 
