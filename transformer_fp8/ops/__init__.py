@@ -30,9 +30,22 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 
+# The wrappers check their arguments' types (check_wrapper_arguments) only when a cheap test
+# fails: these calls sit on every FP8 step's hot path.
+def _cast_arguments_suspect(x, scale, fp8_dtype, amax) -> bool:
+    if not (isinstance(x, torch.Tensor) and isinstance(scale, torch.Tensor)
+            and isinstance(fp8_dtype, torch.dtype)):
+        return True
+    # (a lazily negated amax slot would be written through its raw memory; the check is eager
+    # only: torch.compile cannot trace is_neg)
+    return amax is not None and not torch.compiler.is_compiling() and \
+        (amax.is_neg() or amax.is_conj())
+
+
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 0-dim tensor; NaN propagates; 0 for an empty x."""
-    check_wrapper_arguments("amax", tensors={"x": x})
+    if not isinstance(x, torch.Tensor):
+        check_wrapper_arguments("amax", tensors={"x": x})
     return _ops.amax(x)
 
 
@@ -44,9 +57,10 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
     finite overflow and +-inf become +-448 (E4M3) or +-57344 (E5M2); NaN stays NaN.
     If ``amax`` (1-element float32) is given it becomes max(amax, max |x|), in the same pass.
     """
-    check_wrapper_arguments("cast_to_fp8", tensors={"x": x, "scale": scale} if amax is None
-                            else {"x": x, "scale": scale, "amax": amax},
-                            dtypes={"fp8_dtype": fp8_dtype})
+    if _cast_arguments_suspect(x, scale, fp8_dtype, amax):
+        check_wrapper_arguments("cast_to_fp8", tensors={"x": x, "scale": scale} if amax is None
+                                else {"x": x, "scale": scale, "amax": amax},
+                                dtypes={"fp8_dtype": fp8_dtype})
     if amax is None and torch.compiler.is_compiling():
         # Inductor cannot lower this operator (one output, an optional mutated argument) when
         # the argument is None ("getitem is not an OpOverload"): give it a scratch slot.
@@ -57,17 +71,21 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
 def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
                           amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The cast of a 2-D x and its contiguous transpose, from one read of x (amax fused)."""
-    check_wrapper_arguments("cast_transpose_to_fp8",
-                            tensors={"x": x, "scale": scale} if amax is None
-                            else {"x": x, "scale": scale, "amax": amax},
-                            dtypes={"fp8_dtype": fp8_dtype})
+    if _cast_arguments_suspect(x, scale, fp8_dtype, amax):
+        check_wrapper_arguments("cast_transpose_to_fp8",
+                                tensors={"x": x, "scale": scale} if amax is None
+                                else {"x": x, "scale": scale, "amax": amax},
+                                dtypes={"fp8_dtype": fp8_dtype})
     return _ops.cast_transpose_to_fp8(x, scale, fp8_dtype, amax)
 
 
 def cast_from_fp8(x_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Dequantise: ``(x_fp8.float() * scale_inv).to(dtype)``."""
-    check_wrapper_arguments("cast_from_fp8", tensors={"x_fp8": x_fp8, "scale_inv": scale_inv},
-                            dtypes={"dtype": dtype})
+    if not (isinstance(x_fp8, torch.Tensor) and isinstance(scale_inv, torch.Tensor)
+            and isinstance(dtype, torch.dtype)):
+        check_wrapper_arguments("cast_from_fp8",
+                                tensors={"x_fp8": x_fp8, "scale_inv": scale_inv},
+                                dtypes={"dtype": dtype})
     return _ops.cast_from_fp8(x_fp8, scale_inv, dtype)
 
 
@@ -87,9 +105,12 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
     periodic promotion of partial sums: faster, slightly less accurate). bias has out_dtype.
     On CUDA, M, N and K must be multiples of 16.
     """
-    check_wrapper_arguments("fp8_gemm", tensors={"a": a, "a_scale_inv": a_scale_inv, "b": b,
-                                                 "b_scale_inv": b_scale_inv},
-                            dtypes={"out_dtype": out_dtype})
+    if not (isinstance(a, torch.Tensor) and isinstance(a_scale_inv, torch.Tensor)
+            and isinstance(b, torch.Tensor) and isinstance(b_scale_inv, torch.Tensor)
+            and isinstance(out_dtype, torch.dtype)):
+        check_wrapper_arguments("fp8_gemm", tensors={"a": a, "a_scale_inv": a_scale_inv,
+                                                     "b": b, "b_scale_inv": b_scale_inv},
+                                dtypes={"out_dtype": out_dtype})
     return _ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum)
 
 

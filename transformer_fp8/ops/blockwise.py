@@ -47,9 +47,12 @@ def quantize_blockwise(x: torch.Tensor, block_rows: int = 1, block_cols: int = B
     Without with_transpose the last two are empty tensors. See the module docstring for the
     numerics.
     """
-    check_wrapper_arguments("quantize_blockwise", tensors={"x": x},
-                            dtypes={"fp8_dtype": fp8_dtype},
-                            ints={"block_rows": block_rows, "block_cols": block_cols})
+    if not (isinstance(x, torch.Tensor) and isinstance(fp8_dtype, torch.dtype)
+            and type(block_rows) is int and type(block_cols) is int
+            and -2**63 <= block_rows < 2**63 and -2**63 <= block_cols < 2**63):
+        check_wrapper_arguments("quantize_blockwise", tensors={"x": x},
+                                dtypes={"fp8_dtype": fp8_dtype},
+                                ints={"block_rows": block_rows, "block_cols": block_cols})
     return _ops.quantize_blockwise(x, block_rows, block_cols, fp8_dtype, power_2_scale,
                                    with_transpose)
 
