@@ -46,23 +46,23 @@ class Mutant:
 
 
 MUTANTS = [
-    Mutant("compiled block wgrad x100", "quantization/blockwise.py",
-           "            grad_weight = fp8_gemm_blockwise(g_t_fp8, g_t_si, x_t_fp8, x_t_si, "
-           "ctx.weight_dtype)\n",
-           "            grad_weight = fp8_gemm_blockwise(g_t_fp8, g_t_si, x_t_fp8, x_t_si, "
-           "ctx.weight_dtype)\n"
+    Mutant("compiled block wgrad x100", "modules/linear.py",
+           "                                    ctx.weight_dtype)\n",
+           "                                    ctx.weight_dtype)\n"
            "            if torch.compiler.is_compiling():\n"
            "                grad_weight = grad_weight * 100\n",
            ("tests/test_blockwise_linear.py",), "test_compile_matches_eager"),
     Mutant("float16 Linear output x1.25", "modules/linear.py",
-           "        ctx.save_for_backward(x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv)\n",
-           "        ctx.save_for_backward(x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv)\n"
+           "        ctx.save_for_backward(x_q.data_t, x_q.scale_inv_t, w_q.data_t, "
+           "w_q.scale_inv_t)\n",
+           "        ctx.save_for_backward(x_q.data_t, x_q.scale_inv_t, w_q.data_t, "
+           "w_q.scale_inv_t)\n"
            "        if plan.out_dtype == torch.float16:\n"
            "            out = out * 1.25\n",
            ("tests/test_linear.py",), "low_precision or dtype_casts"),
     Mutant("bf16 LayerNormMLP fc1 wgrad x4", "modules/layernorm_mlp.py",
-           "                                               w1_dtype)\n",
-           "                                               w1_dtype)\n"
+           "                                                ln_t_scale_inv, w1_dtype)\n",
+           "                                                ln_t_scale_inv, w1_dtype)\n"
            "                if w1_dtype == torch.bfloat16:\n"
            "                    grad_fc1_weight = grad_fc1_weight * 4\n",
            ("tests/test_te_modules.py",), "low_precision"),
@@ -70,8 +70,8 @@ MUTANTS = [
            "op=torch.distributed.ReduceOp.MAX", "op=torch.distributed.ReduceOp.SUM",
            ("tests/test_distributed.py",), "reduced_amax or ddp_training"),
     Mutant("Linear wgrad x8 (training curves)", "modules/linear.py",
-           "                                       ctx.weight_dtype)\n",
-           "                                       ctx.weight_dtype) * 8\n",
+           "                                    ctx.weight_dtype)\n",
+           "                                    ctx.weight_dtype) * 8\n",
            ("tests/test_linear.py", "tests/test_convert.py"),
            "mlp_trains_like_bfloat16 or converted_model_trains"),
     Mutant("grad_output scale from 448", "quantization/state.py",
@@ -95,15 +95,15 @@ MUTANTS = [
            "            ops.record_amax(self.history, amax_slot, self.column)\n",
            "            pass\n",
            ("tests/test_compile.py",), "bit_identical and delayed"),
-    Mutant("checkpoint replay with the updated scale", "modules/base.py",
-           "Fp8Cast.replay(fmt.fwd_dtype, x_scale.clone(), x_scale_inv)",
-           "Fp8Cast.replay(fmt.fwd_dtype, x_scale, x_scale_inv)",
+    Mutant("checkpoint replay with the updated scale", "quantization/quantizer.py",
+           "TensorQuantizer.replay(self.dtype, used.scale.clone(), used.scale_inv)",
+           "TensorQuantizer.replay(self.dtype, used.scale, used.scale_inv)",
            ("tests/test_checkpointing.py",), "bit_identical and delayed"),
     Mutant("transposed block-scale index", "quantization/blockwise.py",
-           "        out = fp8_gemm_blockwise(x_fp8, x_si, w_fp8, w_si, plan.out_dtype,\n",
-           "        if w_si.shape[0] == w_si.shape[1]:\n"
-           "            w_si = w_si.t()\n"
-           "        out = fp8_gemm_blockwise(x_fp8, x_si, w_fp8, w_si, plan.out_dtype,\n",
+           "    return fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)\n",
+           "    if b_scale_inv.shape[0] == b_scale_inv.shape[1]:\n"
+           "        b_scale_inv = b_scale_inv.t()\n"
+           "    return fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)\n",
            ("tests/test_blockwise_linear.py",), "different_magnitudes"),
 ]
 

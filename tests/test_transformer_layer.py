@@ -623,8 +623,21 @@ def test_fp8_sqnr_against_float32(gen, device, recipe, config):
         # (the key bias most: its gradient is ~4% of the query bias's), so their SQNR has a
         # long tail: minimum over 600 seeds 14.9 dB (key_bias), 17.4 (norm bias); 13 dB still
         # fails a gradient off by a factor 1.25 (12 dB).
+        # The key bias's gradient nearly cancels (zero without the rotary embedding: a bias
+        # common to every key shifts each query's scores equally): alone it reached 9.5 dB
+        # (seed 1854409619), so it is held to 6 dB alone and, with the query and value biases
+        # (the bias gradient of one GEMM: min 18.9 dB over 150 seeds), to 13 dB.
         bound = 17 if name.endswith("weight") and "layer_norm" not in name else 13
+        if name.endswith("key_bias"):
+            bound = 6
         assert sqnr(q.grad, p.grad) >= bound, name
+    qkv_biases = [(p.grad, q.grad) for (name, p), q in zip(layer.named_parameters(),
+                                                           ref.parameters())
+                  if name.startswith("self_attention.layernorm_qkv.")
+                  and name.endswith(("query_bias", "key_bias", "value_bias"))]
+    assert len(qkv_biases) == 3
+    assert sqnr(torch.cat([r for _, r in qkv_biases]),
+                torch.cat([f for f, _ in qkv_biases])) >= 13, "query, key and value biases"
     # Every GEMM ran in FP8 with its own scales: each module's forward history is filled.
     for module in (layer.self_attention.layernorm_qkv, layer.self_attention.proj,
                    layer.layernorm_mlp):

@@ -109,17 +109,11 @@ class Fp8Stats:
 
     # ---- called by the FP8 modules (modules/base.py) -------------------------------------
 
-    def wrap_casts(self, module, casts: list) -> list:
+    def wrap_quantizers(self, module, quantizers: list) -> list:
         name = self.selected.get(module)
         if name is None or not self.logging_this_step:
-            return casts
-        return _observer.observed_casts(module, name, casts, self)
-
-    def wrap_block_linear(self, module, linear, recipe):
-        name = self.selected.get(module)
-        if name is None or not self.logging_this_step:
-            return linear
-        return _observer.observed_block_linear(module, name, linear, recipe, self)
+            return quantizers
+        return _observer.observed_quantizers(module, name, quantizers, self)
 
     def record(self, key: tuple, values: torch.Tensor) -> None:
         self._pending.setdefault(key, []).append(values)

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..quantization import autocast as _autocast
-from ..quantization.recipe import Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
+from ..quantization.recipe import STATELESS_RECIPES
 from .collector import LayerFilter, select_layers
-
-STATELESS_RECIPES = (Float8CurrentScaling, Float8BlockScaling, Float8RowwiseScaling)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from ..quantization import autocast as fp8_context
 from ..quantization.quantizer import ALIGN
 from ..quantization.state import history_len_for
 from ..modules.linear import Linear
-from ..quantization.recipe import DelayedScaling, Recipe
+from ..quantization.recipe import Recipe
 
 
 class Conv1D(Linear):
@@ -122,8 +122,8 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
         child.__class__ = new_class
         child._register_fp8_state(child.weight.device, history_len)
         child._init_converted()
-        if isinstance(recipe, DelayedScaling):
-            child._adopt_recipe(recipe)
+        if recipe is not None:
+            child.prepare_fp8_recipe(recipe)
         summary.converted.append(name)
     if summary.skipped or not summary.converted:
         warnings.warn(str(summary), stacklevel=2)

@@ -22,7 +22,7 @@ from typing import Optional, Union
 import torch
 
 from ..quantization import autocast as fp8_context
-from ..quantization.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from ..quantization.recipe import GRAPHABLE_RECIPES, DelayedScaling, Recipe
 
 
 def _fp8_layers(module: torch.nn.Module) -> list:
@@ -93,7 +93,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
         raise TypeError(f"fp8_enabled must be True or False, got {type(fp8_enabled).__name__}")
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
-    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
+    if not isinstance(fp8_recipe, GRAPHABLE_RECIPES):
         raise TypeError("fp8_recipe must be None, a DelayedScaling or a Float8CurrentScaling, "
                         f"got {type(fp8_recipe).__name__}")
     for name, value in (("fp8_calibrating", fp8_calibrating),

@@ -2,7 +2,9 @@
 
 Inside fp8_autocast the norm writes its output straight to FP8 (and the transpose the weight
 gradient needs, and its amax into the input's history slot) in one pass: the high-precision
-norm output is never written, unless return_layernorm_output asks for it. Backward: grad_output
+norm output is never written, unless return_layernorm_output asks for it (DelayedScaling;
+a recipe whose scale needs the output's amax first, current or block scaling, quantises the
+norm's high-precision output). Backward: grad_output
 cast (fused with the bias gradient), dgrad and wgrad in FP8, then the norm's backward.
 Outside fp8_autocast it computes exactly norm -> torch.nn.functional.linear.
 """
@@ -13,7 +15,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .. import ops
 from ..quantization.quantizer import ALIGN, pad_rows
 from .norm_first import NormFirstModule, check_positive
 from ..quantization.recipe import Recipe
@@ -22,8 +23,9 @@ from .te_module import split_sizes
 
 
 def cast_norm_output(plan, norm, x, ln_weight, ln_bias, with_transpose, return_hp):
-    """The norm of x [M, K] cast to FP8 as a GEMM input, through plan.input_cast.
-    Returns (ln_fp8, ln_t_fp8 or None, scale_inv, scale, ln_out or None, stats)."""
+    """The norm of x [M, K] quantised as a GEMM input by plan.input_quantizer: in the norm's
+    kernel where the quantizer allows, else from the norm's high-precision output.
+    Returns (Quantized, ln_out or None, stats)."""
 
     def fused(scale, amax_slot, dtype):
         y_fp8, y_t_fp8, y_hp, stats = norm.fp8(x, ln_weight, ln_bias, scale, amax_slot, dtype,
@@ -34,9 +36,8 @@ def cast_norm_output(plan, norm, x, ln_weight, ln_bias, with_transpose, return_h
         y, stats = norm.hp(x, ln_weight, ln_bias)
         return pad_rows(y), (y, stats)
 
-    ln_fp8, ln_t_fp8, scale_inv, scale, (ln_out, stats) = plan.input_cast.cast_fused(
-        fused, unfused, with_transpose)
-    return ln_fp8, ln_t_fp8, scale_inv, scale, (ln_out if return_hp else None), stats
+    ln_q, (ln_out, stats) = plan.input_quantizer.cast_fused(fused, unfused, with_transpose)
+    return ln_q, (ln_out if return_hp else None), stats
 
 
 class _LayerNormLinearFunction(torch.autograd.Function):
@@ -46,17 +47,15 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         needs_weight_grad = ctx.needs_input_grad[3]
         out_features, in_features = weight.shape
         x = inp.reshape(-1, in_features)
-        ln_fp8, ln_t_fp8, x_scale_inv, x_scale, ln_out, stats = cast_norm_output(
-            plan, norm, x, ln_weight, ln_bias, needs_weight_grad, return_ln_out)
-        w_fp8, w_t_fp8, w_scale_inv, w_scale = (
-            plan.weight_fp8 if plan.weight_fp8 is not None else
-            plan.weight_cast.cast(weight, needs_norm_grad))
-        plan.keep_scales(x_scale, x_scale_inv, w_scale, w_scale_inv)
-        out = ops.fp8_gemm(ln_fp8, x_scale_inv, w_fp8, w_scale_inv, plan.out_dtype,
-                           bias=None if bias is None else bias.to(plan.out_dtype),
-                           use_fast_accum=True)
+        ln_q, ln_out, stats = cast_norm_output(plan, norm, x, ln_weight, ln_bias,
+                                               needs_weight_grad, return_ln_out)
+        w_q = plan.quantize_weight(weight, with_transpose=needs_norm_grad)
+        plan.keep_used(ln_q, w_q)
+        out = plan.gemm(ln_q.data, ln_q.scale_inv, w_q.data, w_q.scale_inv, plan.out_dtype,
+                        bias=None if bias is None else bias.to(plan.out_dtype), fast_accum=True)
         # Backward keeps the input (for the norm's backward) and the FP8 copies only.
-        ctx.save_for_backward(x, ln_weight, ln_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv, *stats)
+        ctx.save_for_backward(x, ln_weight, ln_q.data_t, ln_q.scale_inv_t, w_q.data_t,
+                              w_q.scale_inv_t, *stats)
         ctx.plan, ctx.norm = plan, norm
         ctx.rows, ctx.lead_shape = x.shape[0], inp.shape[:-1]
         ctx.in_features, ctx.out_features = in_features, out_features
@@ -70,18 +69,20 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_ln_out=None):
-        x, ln_weight, ln_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv, *stats = ctx.saved_tensors
+        x, ln_weight, ln_t_fp8, ln_t_scale_inv, w_t_fp8, w_t_scale_inv, *stats = \
+            ctx.saved_tensors
         needs_norm_grad = any(ctx.needs_input_grad[:3])
         needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[3:5]
         plan = ctx.plan
         plan.on_backward()  # the grad_output update runs when this backward pass ends
         g = grad_out.reshape(-1, ctx.out_features)
-        g_fp8, g_t_fp8, g_scale_inv, grad_bias = plan.grad_cast.cast_grad_output(
+        g_q, grad_bias = plan.grad_quantizer.cast_grad_output(
             g, with_transpose=needs_weight_grad, with_dbias=needs_bias_grad)
         grad_inp = grad_ln_weight = grad_ln_bias = grad_weight = None
         if needs_norm_grad:
             # dgrad of the GEMM [M, K] = grad_out [M, N] @ weight [N, K], then the norm's.
-            grad_ln = ops.fp8_gemm(g_fp8, g_scale_inv, w_t_fp8, w_scale_inv, x.dtype)[:ctx.rows]
+            grad_ln = plan.gemm(g_q.data, g_q.scale_inv, w_t_fp8, w_t_scale_inv,
+                                x.dtype)[:ctx.rows]
             if grad_ln_out is not None:
                 grad_ln = grad_ln + grad_ln_out.reshape(grad_ln.shape).to(grad_ln.dtype)
             grad_x, grad_ln_weight, grad_ln_bias = ctx.norm.backward(grad_ln, x, stats,
@@ -89,8 +90,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             grad_inp = grad_x.reshape(*ctx.lead_shape, ctx.in_features)
         if needs_weight_grad:
             # wgrad [N, K] = grad_out^T [N, M] @ ln_out [M, K]; the b operand is ln_out^T.
-            grad_weight = ops.fp8_gemm(g_t_fp8, g_scale_inv, ln_t_fp8, x_scale_inv,
-                                       ctx.weight_dtype)
+            grad_weight = plan.gemm(g_q.data_t, g_q.scale_inv_t, ln_t_fp8, ln_t_scale_inv,
+                                    ctx.weight_dtype)
         if needs_bias_grad:
             grad_bias = grad_bias.to(ctx.bias_dtype)
         return (grad_inp, grad_ln_weight, grad_ln_bias, grad_weight, grad_bias,

@@ -2,7 +2,9 @@
 
 Inside fp8_autocast both GEMMs run in FP8, each with its own input, weight and grad_output
 scales (columns 0-1 / 2-3 of the forward history: fc1 input and weight, fc2 input and weight;
-columns 0 / 1 of the backward one: fc1's and fc2's grad_output). Fusions, each one pass:
+columns 0 / 1 of the backward one: fc1's and fc2's grad_output). Fusions, each one pass (the
+casts only where the quantizer fuses them, DelayedScaling's: current and block scaling need
+the tensor's amax first and quantise the high-precision output):
   forward:  norm + cast of its output (fc1's input, with its transpose and amax);
             activation + cast of its output (fc2's input, with its transpose and amax);
   backward: fc2's grad_output cast + fc2's bias gradient;
@@ -18,7 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from ..ops import fused as fused_ops
 from .activations import activation_hp, check_activation, is_gated
 from ..quantization.quantizer import ALIGN, pad_rows
 from .layernorm_linear import cast_norm_output
@@ -28,8 +30,8 @@ from .te_args import te_only_arguments
 
 
 def _cast_activation(plan, activation, fc1_out, with_transpose):
-    """act(fc1_out) cast to FP8 as fc2's input: (fp8, fp8_t or None, scale_inv, scale)."""
-    from ..ops import fused as fused_ops
+    """act(fc1_out) quantised as fc2's input (in the activation's kernel where the quantizer
+    allows): Quantized."""
 
     def fused(scale, amax_slot, dtype):
         y_fp8, y_t_fp8 = fused_ops.activation_fwd_fp8(fc1_out, activation, scale, dtype,
@@ -39,35 +41,24 @@ def _cast_activation(plan, activation, fc1_out, with_transpose):
     def unfused():
         return pad_rows(fused_ops.activation_fwd(fc1_out, activation)), None
 
-    act_fp8, act_t_fp8, scale_inv, scale, _ = plan.input_cast.cast_fused(fused, unfused,
-                                                                         with_transpose)
-    return act_fp8, act_t_fp8, scale_inv, scale
+    return plan.input_quantizer.cast_fused(fused, unfused, with_transpose)[0]
 
 
 def _cast_activation_grad(plan, activation, grad_act, fc1_out, with_transpose, with_dbias):
-    """d(loss)/d(fc1_out) from the activation's backward, cast to FP8 as fc1's grad_output:
-    (fp8, fp8_t or None, scale_inv, fc1's bias gradient or None)."""
-    from ..ops import fused as fused_ops
+    """d(loss)/d(fc1_out) from the activation's backward, quantised as fc1's grad_output:
+    (Quantized, fc1's bias gradient or None)."""
 
     def fused(scale, amax_slot, dtype):
-        dx_fp8, dx_t_fp8, dbias = fused_ops.activation_bwd_fp8(
-            grad_act, fc1_out, activation, scale, dtype, amax_slot, with_transpose, with_dbias,
-            ALIGN)
-        return dx_fp8, dx_t_fp8, dbias
+        return fused_ops.activation_bwd_fp8(grad_act, fc1_out, activation, scale, dtype,
+                                            amax_slot, with_transpose, with_dbias, ALIGN)
 
     def unfused():
         dx = fused_ops.activation_bwd(grad_act, fc1_out, activation)
         dbias = dx.sum(dim=0, dtype=torch.float32).to(dx.dtype) if with_dbias else None
         return pad_rows(dx), dbias
 
-    dx_fp8, dx_t_fp8, scale_inv, _, dbias = plan.grad_cast.cast_fused(fused, unfused,
-                                                                      with_transpose)
-    return dx_fp8, dx_t_fp8, scale_inv, (dbias if with_dbias else None)
-
-
-def _weight_fp8(plan, weight, with_transpose):
-    return plan.weight_fp8 if plan.weight_fp8 is not None else \
-        plan.weight_cast.cast(weight, with_transpose)
+    dx_q, dbias = plan.grad_quantizer.cast_fused(fused, unfused, with_transpose)
+    return dx_q, (dbias if with_dbias else None)
 
 
 class _LayerNormMLPFunction(torch.autograd.Function):
@@ -82,25 +73,24 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         hidden = inp.shape[-1]
         x = inp.reshape(-1, hidden)
         rows = x.shape[0]
-        ln_fp8, ln_t_fp8, ln_scale_inv, ln_scale, ln_out, stats = cast_norm_output(
-            fc1_plan, norm, x, ln_weight, ln_bias, grads[3], return_ln_out)
-        w1_fp8, w1_t_fp8, w1_scale_inv, w1_scale = _weight_fp8(fc1_plan, fc1_weight,
-                                                               needs_fc1_dgrad)
-        fc1_plan.keep_scales(ln_scale, ln_scale_inv, w1_scale, w1_scale_inv)
-        fc1_out = ops.fp8_gemm(ln_fp8, ln_scale_inv, w1_fp8, w1_scale_inv, fc1_plan.out_dtype,
-                               bias=None if fc1_bias is None else fc1_bias.to(fc1_plan.out_dtype),
-                               use_fast_accum=True)[:rows]
-        act_fp8, act_t_fp8, act_scale_inv, act_scale = _cast_activation(
-            fc2_plan, activation, fc1_out, grads[5])
-        w2_fp8, w2_t_fp8, w2_scale_inv, w2_scale = _weight_fp8(fc2_plan, fc2_weight,
-                                                               needs_fc2_dgrad)
-        fc2_plan.keep_scales(act_scale, act_scale_inv, w2_scale, w2_scale_inv)
-        out = ops.fp8_gemm(act_fp8, act_scale_inv, w2_fp8, w2_scale_inv, fc2_plan.out_dtype,
-                           bias=None if fc2_bias is None else fc2_bias.to(fc2_plan.out_dtype),
-                           use_fast_accum=True)[:rows]
-        ctx.save_for_backward(x, ln_weight, fc1_out, ln_t_fp8, ln_scale_inv, w1_t_fp8,
-                              w1_scale_inv, act_t_fp8, act_scale_inv, w2_t_fp8, w2_scale_inv,
-                              *stats)
+        ln_q, ln_out, stats = cast_norm_output(fc1_plan, norm, x, ln_weight, ln_bias, grads[3],
+                                               return_ln_out)
+        w1_q = fc1_plan.quantize_weight(fc1_weight, with_transpose=needs_fc1_dgrad)
+        fc1_plan.keep_used(ln_q, w1_q)
+        fc1_out = fc1_plan.gemm(
+            ln_q.data, ln_q.scale_inv, w1_q.data, w1_q.scale_inv, fc1_plan.out_dtype,
+            bias=None if fc1_bias is None else fc1_bias.to(fc1_plan.out_dtype),
+            fast_accum=True)[:rows]
+        act_q = _cast_activation(fc2_plan, activation, fc1_out, grads[5])
+        w2_q = fc2_plan.quantize_weight(fc2_weight, with_transpose=needs_fc2_dgrad)
+        fc2_plan.keep_used(act_q, w2_q)
+        out = fc2_plan.gemm(
+            act_q.data, act_q.scale_inv, w2_q.data, w2_q.scale_inv, fc2_plan.out_dtype,
+            bias=None if fc2_bias is None else fc2_bias.to(fc2_plan.out_dtype),
+            fast_accum=True)[:rows]
+        ctx.save_for_backward(x, ln_weight, fc1_out, ln_q.data_t, ln_q.scale_inv_t, w1_q.data_t,
+                              w1_q.scale_inv_t, act_q.data_t, act_q.scale_inv_t, w2_q.data_t,
+                              w2_q.scale_inv_t, *stats)
         ctx.plans, ctx.norm, ctx.activation = plans, norm, activation
         ctx.lead_shape, ctx.hidden = inp.shape[:-1], hidden
         ctx.dtypes = (fc1_weight.dtype, None if fc1_bias is None else fc1_bias.dtype,
@@ -113,8 +103,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_ln_out=None):
-        (x, ln_weight, fc1_out, ln_t_fp8, ln_scale_inv, w1_t_fp8, w1_scale_inv, act_t_fp8,
-         act_scale_inv, w2_t_fp8, w2_scale_inv, *stats) = ctx.saved_tensors
+        (x, ln_weight, fc1_out, ln_t_fp8, ln_t_scale_inv, w1_t_fp8, w1_t_scale_inv, act_t_fp8,
+         act_t_scale_inv, w2_t_fp8, w2_t_scale_inv, *stats) = ctx.saved_tensors
         grads = ctx.needs_input_grad
         needs_norm_grad = any(grads[:3])
         needs_fc2_dgrad = any(grads[:5])
@@ -122,28 +112,28 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         fc1_plan.on_backward()  # one queue for the module: the plans share the backward step
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        g_fp8, g_t_fp8, g_scale_inv, grad_fc2_bias = fc2_plan.grad_cast.cast_grad_output(
+        g_q, grad_fc2_bias = fc2_plan.grad_quantizer.cast_grad_output(
             g, with_transpose=grads[5], with_dbias=grads[6])
         grad_inp = grad_ln_weight = grad_ln_bias = None
         grad_fc1_weight = grad_fc1_bias = grad_fc2_weight = None
         if grads[5]:
             # fc2 wgrad [H, F] = grad_out^T [H, M] @ act [M, F]; the b operand is act^T.
-            grad_fc2_weight = ops.fp8_gemm(g_t_fp8, g_scale_inv, act_t_fp8, act_scale_inv,
-                                           w2_dtype)
+            grad_fc2_weight = fc2_plan.gemm(g_q.data_t, g_q.scale_inv_t, act_t_fp8,
+                                            act_t_scale_inv, w2_dtype)
         if needs_fc2_dgrad:
             # fc2 dgrad [M, F] = grad_out [M, H] @ fc2_weight [H, F]
-            grad_act = ops.fp8_gemm(g_fp8, g_scale_inv, w2_t_fp8, w2_scale_inv,
-                                    fc1_out.dtype)[:x.shape[0]]
-            d1_fp8, d1_t_fp8, d1_scale_inv, grad_fc1_bias = _cast_activation_grad(
+            grad_act = fc2_plan.gemm(g_q.data, g_q.scale_inv, w2_t_fp8, w2_t_scale_inv,
+                                     fc1_out.dtype)[:x.shape[0]]
+            d1_q, grad_fc1_bias = _cast_activation_grad(
                 fc1_plan, ctx.activation, grad_act, fc1_out, with_transpose=grads[3],
                 with_dbias=grads[4])
             if grads[3]:
                 # fc1 wgrad [F', H] = d1^T [F', M] @ ln_out [M, H]; the b operand is ln_out^T.
-                grad_fc1_weight = ops.fp8_gemm(d1_t_fp8, d1_scale_inv, ln_t_fp8, ln_scale_inv,
-                                               w1_dtype)
+                grad_fc1_weight = fc1_plan.gemm(d1_q.data_t, d1_q.scale_inv_t, ln_t_fp8,
+                                                ln_t_scale_inv, w1_dtype)
             if needs_norm_grad:
-                grad_ln = ops.fp8_gemm(d1_fp8, d1_scale_inv, w1_t_fp8, w1_scale_inv,
-                                       x.dtype)[:x.shape[0]]
+                grad_ln = fc1_plan.gemm(d1_q.data, d1_q.scale_inv, w1_t_fp8, w1_t_scale_inv,
+                                        x.dtype)[:x.shape[0]]
                 if grad_ln_out is not None:
                     grad_ln = grad_ln + grad_ln_out.reshape(grad_ln.shape).to(grad_ln.dtype)
                 grad_x, grad_ln_weight, grad_ln_bias = ctx.norm.backward(grad_ln, x, stats,

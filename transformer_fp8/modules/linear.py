@@ -12,7 +12,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .. import ops
 from ..quantization import autocast as _autocast
 from ..quantization.quantizer import pad_rows
 from ..quantization.recipe import Recipe
@@ -23,23 +22,22 @@ from .te_module import TeModuleMixin, split_sizes
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
+    """F.linear with its three GEMMs in FP8, each operand quantised by the plan's quantizer for
+    its role (any recipe)."""
+
     @staticmethod
     def forward(ctx, inp, weight, bias, plan):
         needs_input_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         out_features, in_features = weight.shape
         inp_2d = inp.reshape(-1, in_features)
         # The transposed copies feed wgrad (input^T) and dgrad (weight^T): made only if needed.
-        x_fp8, x_t_fp8, x_scale_inv, x_scale = plan.input_cast.cast(
-            pad_rows(inp_2d), with_transpose=needs_weight_grad)
-        w_fp8, w_t_fp8, w_scale_inv, w_scale = (
-            plan.weight_fp8 if plan.weight_fp8 is not None else
-            plan.weight_cast.cast(weight, needs_input_grad))
-        plan.keep_scales(x_scale, x_scale_inv, w_scale, w_scale_inv)
-        out = ops.fp8_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, plan.out_dtype,
-                           bias=None if bias is None else bias.to(plan.out_dtype),
-                           use_fast_accum=True)
-        # Backward needs only the FP8 copies: the high-precision input is not kept.
-        ctx.save_for_backward(x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv)
+        x_q = plan.input_quantizer.cast(pad_rows(inp_2d), with_transpose=needs_weight_grad)
+        w_q = plan.quantize_weight(weight, with_transpose=needs_input_grad)
+        plan.keep_used(x_q, w_q)
+        out = plan.gemm(x_q.data, x_q.scale_inv, w_q.data, w_q.scale_inv, plan.out_dtype,
+                        bias=None if bias is None else bias.to(plan.out_dtype), fast_accum=True)
+        # Backward needs only the FP8 transposes: the high-precision input is not kept.
+        ctx.save_for_backward(x_q.data_t, x_q.scale_inv_t, w_q.data_t, w_q.scale_inv_t)
         ctx.plan = plan
         ctx.rows, ctx.lead_shape = inp_2d.shape[0], inp.shape[:-1]
         ctx.in_features, ctx.out_features = in_features, out_features
@@ -50,23 +48,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv = ctx.saved_tensors
+        x_t_fp8, x_t_scale_inv, w_t_fp8, w_t_scale_inv = ctx.saved_tensors
         needs_input_grad, needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[:3]
         plan = ctx.plan
         plan.on_backward()  # the grad_output update runs when this backward pass ends
         g_2d = grad_out.reshape(-1, ctx.out_features)
         # The bias gradient comes from the same read of grad_output as its cast.
-        g_fp8, g_t_fp8, g_scale_inv, grad_bias = plan.grad_cast.cast_grad_output(
+        g_q, grad_bias = plan.grad_quantizer.cast_grad_output(
             g_2d, with_transpose=needs_weight_grad, with_dbias=needs_bias_grad)
         grad_inp = grad_weight = None
         if needs_input_grad:
             # dgrad [M, K] = grad_out [M, N] @ weight [N, K]; the b operand is weight^T [K, N]
-            grad_inp = ops.fp8_gemm(g_fp8, g_scale_inv, w_t_fp8, w_scale_inv, ctx.inp_dtype)
+            grad_inp = plan.gemm(g_q.data, g_q.scale_inv, w_t_fp8, w_t_scale_inv, ctx.inp_dtype)
             grad_inp = grad_inp[:ctx.rows].reshape(*ctx.lead_shape, ctx.in_features)
         if needs_weight_grad:
             # wgrad [N, K] = grad_out^T [N, M] @ input [M, K]; the b operand is input^T [K, M]
-            grad_weight = ops.fp8_gemm(g_t_fp8, g_scale_inv, x_t_fp8, x_scale_inv,
-                                       ctx.weight_dtype)
+            grad_weight = plan.gemm(g_q.data_t, g_q.scale_inv_t, x_t_fp8, x_t_scale_inv,
+                                    ctx.weight_dtype)
         if needs_bias_grad:
             grad_bias = grad_bias.to(ctx.bias_dtype)
         return grad_inp, grad_weight, grad_bias, None

@@ -1,12 +1,17 @@
-"""Per-tensor quantizers: how one tensor role (a GEMM's input, weight or grad_output) is cast to
-FP8 under DelayedScaling (the stored scale, the amax recorded into the history in the same
-pass) or Float8CurrentScaling (the scale of the tensor's own amax), and the plan one FP8 GEMM's
-forward and backward share. (The block-scaled recipes quantise in quantization/blockwise.py.)
+"""Quantizers: how one tensor role (a GEMM's input, weight or grad_output) becomes an FP8 GEMM
+operand, and the plan one FP8 GEMM's forward and backward share.
+
+Every recipe's quantizer returns the same operand type, ``Quantized`` (the FP8 data and its
+scale_inv, and the transpose with its own scale_inv when a backward GEMM needs it), and names the
+GEMM that multiplies such operands, so the modules' autograd functions never ask which recipe
+runs. The per-tensor quantizer (DelayedScaling, Float8CurrentScaling) is here; the block-scaled
+one (Float8BlockScaling, Float8RowwiseScaling) in blockwise.py; which recipe gives which
+quantizer for each role, in roles.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -18,8 +23,92 @@ ALIGN = ops.GEMM_ALIGN  # FP8 GEMM dimensions must be multiples of it
 pad_rows = ops.pad_rows
 
 
-class Fp8Cast:
-    """How one tensor role (a GEMM's input, weight or grad_output) is cast to FP8."""
+class Quantized(NamedTuple):
+    """An FP8 GEMM operand: data [rows, cols] (x ~= data * scale_inv) and, when asked, its
+    transpose data_t [cols, rows] with scale_inv_t (the same tensor under per-tensor scaling,
+    the transpose's own block scales under block scaling). scale: the per-tensor scale used
+    (None for block scaling), kept for checkpoint replay and statistics."""
+
+    data: torch.Tensor
+    data_t: Optional[torch.Tensor]
+    scale_inv: torch.Tensor
+    scale_inv_t: Optional[torch.Tensor]
+    scale: Optional[torch.Tensor]
+
+
+class Quantizer:
+    """The interface of a quantizer. A subclass provides ``cast``, ``gemm``, ``for_replay`` and
+    ``block_dims``, and sets ``fuses_cast`` when it casts a kernel's output in that kernel
+    (``_cast_in_kernel``)."""
+
+    dtype: torch.dtype
+    fuses_cast = False  # True: a norm / activation kernel can write its output straight to FP8
+    cache_key: tuple = ()  # a quantised weight is reused only by a quantizer with the same key
+
+    def cast(self, x: torch.Tensor, with_transpose: bool = True) -> Quantized:
+        """x (2-D, rows a multiple of 16) quantised; the transpose only if with_transpose."""
+        raise NotImplementedError
+
+    @staticmethod
+    def gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None, fast_accum=False):
+        """``out[M, N] = dequant(a [M, K]) @ dequant(b [N, K]).T (+ bias)`` of two operands of
+        this quantizer's kind."""
+        raise NotImplementedError
+
+    def for_replay(self, used: Quantized) -> "Quantizer":
+        """The quantizer that repeats the cast that gave ``used`` (activation checkpointing's
+        recomputation), recording nothing."""
+        raise NotImplementedError
+
+    def block_dims(self, cols: int) -> tuple:
+        """(block rows, block cols) of the scales, (0, 0) for one scale per tensor."""
+        raise NotImplementedError
+
+    def dequant_scale(self, q: Quantized) -> torch.Tensor:
+        """The scale(s) that multiplied the tensor before the cast (statistics)."""
+        return q.scale if q.scale is not None else q.scale_inv.reciprocal()
+
+    def cast_fused(self, fused: Callable, unfused: Callable, with_transpose: bool):
+        """The cast of a tensor that a kernel computes (a norm's or an activation's output):
+        ``fused(scale, amax_slot, dtype) -> (x_fp8, x_t_fp8, extra)`` computes and casts it in
+        one pass where this quantizer can (``fuses_cast``); else ``unfused() -> (x_hp with
+        padded rows, extra)`` makes it in high precision and it is cast after.
+        Returns (Quantized, extra)."""
+        if self.fuses_cast:
+            return self._cast_in_kernel(fused, with_transpose)
+        x_hp, extra = unfused()
+        return self.cast(x_hp, with_transpose), extra
+
+    def _cast_in_kernel(self, fused: Callable, with_transpose: bool):
+        raise NotImplementedError
+
+    def cast_grad_output(self, g: torch.Tensor, with_transpose: bool, with_dbias: bool):
+        """The cast of a 2-D grad_output (rows padded to 16) and, if with_dbias, the bias
+        gradient (column sums, float32 accumulation, in g's dtype) from the same read of g where
+        the quantizer fuses casts. Returns (Quantized, dbias or None)."""
+        if not with_dbias:
+            return self.cast(pad_rows(g), with_transpose), None
+
+        def fused(scale, amax_slot, dtype):
+            return fused_ops.cast_transpose_dbias(g, scale, dtype, amax_slot, ALIGN)
+
+        def unfused():
+            return pad_rows(g), g.sum(dim=0, dtype=torch.float32).to(g.dtype)
+
+        return self.cast_fused(fused, unfused, with_transpose)
+
+
+def _tensor_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None, fast_accum=False):
+    return ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=bias,
+                        use_fast_accum=fast_accum)
+
+
+class TensorQuantizer(Quantizer):
+    """One scale per tensor: DelayedScaling's stored scale (the amax recorded into the history
+    in the same pass) or Float8CurrentScaling's scale of the tensor's own amax."""
+
+    gemm = staticmethod(_tensor_gemm)
+    cache_key = ("tensor",)
 
     def __init__(self, dtype, scale=None, scale_inv=None, amax_slot=None, group=None,
                  fixed=False, history=None, column=0):
@@ -28,6 +117,7 @@ class Fp8Cast:
         self.group = group
         self.fixed = fixed
         self.history, self.column = history, column  # amax_slot is history[0, column]
+        self.fuses_cast = not self.is_current  # current scaling needs the amax first
 
     @classmethod
     def delayed(cls, dtype, history, scale, scale_inv, column):
@@ -49,6 +139,14 @@ class Fp8Cast:
     @property
     def is_current(self) -> bool:
         return self.scale is None and not self.fixed
+
+    def for_replay(self, used: Quantized) -> "TensorQuantizer":
+        # The scale is copied: the delayed update changes it at the context's exit, before the
+        # recomputation runs (scale_inv is already a copy, see _known_scale).
+        return TensorQuantizer.replay(self.dtype, used.scale.clone(), used.scale_inv)
+
+    def block_dims(self, cols: int) -> tuple:
+        return 0, 0
 
     def _known_scale(self):
         """(scale, scale_inv, amax slot or None) of a cast whose scale is known beforehand."""
@@ -72,9 +170,8 @@ class Fp8Cast:
             ops.record_amax(self.history, amax_slot, self.column)
         return results
 
-    def cast(self, x: torch.Tensor, with_transpose: bool = True):
-        """(x_fp8, x_t_fp8 or None, scale_inv used, scale used). The transpose is produced in
-        the same pass, only when a backward GEMM needs it."""
+    def cast(self, x: torch.Tensor, with_transpose: bool = True) -> Quantized:
+        """The transpose is produced in the same pass, only when a backward GEMM needs it."""
         if self.is_current:
             amax = ops.amax(x)
             amax_step.all_reduce_max(amax, self.group)
@@ -89,59 +186,52 @@ class Fp8Cast:
             return ops.cast_to_fp8(x, scale, self.dtype, amax_slot), None
 
         x_fp8, x_t_fp8 = self._run(kernel, scale, amax_slot)
-        return x_fp8, x_t_fp8, scale_inv, scale
+        return Quantized(x_fp8, x_t_fp8, scale_inv, scale_inv, scale)
 
-    def cast_fused(self, fused: Callable, unfused: Callable, with_transpose: bool):
-        """The cast of a tensor that a kernel computes and casts in one pass (a norm's or an
-        activation's output): ``fused(scale, amax_slot, dtype) -> (x_fp8, x_t_fp8, extra)``.
-        Current scaling needs the tensor's amax before its scale, so there the tensor is made
-        in high precision first: ``unfused() -> (x_hp with padded rows, extra)``.
-        Returns (x_fp8, x_t_fp8 or None, scale_inv, scale, extra)."""
-        if self.is_current:
-            x_hp, extra = unfused()
-            x_fp8, x_t_fp8, scale_inv, scale = self.cast(x_hp, with_transpose)
-            return x_fp8, x_t_fp8, scale_inv, scale, extra
+    def _cast_in_kernel(self, fused: Callable, with_transpose: bool):
         scale, scale_inv, amax_slot = self._known_scale()
         x_fp8, x_t_fp8, extra = self._run(lambda s, a: fused(s, a, self.dtype), scale, amax_slot)
-        return x_fp8, (x_t_fp8 if with_transpose else None), scale_inv, scale, extra
-
-    def cast_grad_output(self, g: torch.Tensor, with_transpose: bool, with_dbias: bool):
-        """The cast of a 2-D grad_output (rows padded to 16) and, if with_dbias, the bias
-        gradient (column sums, float32 accumulation, in g's dtype) from the same read of g.
-        Returns (g_fp8, g_t_fp8 or None, scale_inv, dbias or None)."""
-        if not with_dbias:
-            g_fp8, g_t_fp8, scale_inv, _ = self.cast(pad_rows(g), with_transpose)
-            return g_fp8, g_t_fp8, scale_inv, None
-        def fused(scale, amax_slot, dtype):
-            return fused_ops.cast_transpose_dbias(g, scale, dtype, amax_slot, ALIGN)
-
-        def unfused():
-            return pad_rows(g), g.sum(dim=0, dtype=torch.float32).to(g.dtype)
-
-        g_fp8, g_t_fp8, scale_inv, _, dbias = self.cast_fused(fused, unfused, with_transpose)
-        return g_fp8, g_t_fp8, scale_inv, dbias
+        x_t_fp8 = x_t_fp8 if with_transpose else None
+        return Quantized(x_fp8, x_t_fp8, scale_inv, scale_inv, scale), extra
 
 
 @dataclass
 class Fp8Plan:
-    """Everything one FP8 GEMM's forward and backward need besides the tensors."""
+    """Everything one FP8 GEMM's forward and backward need besides the tensors: a quantizer per
+    role, the weight already quantised (kept across microbatches) if any, the backward step of
+    delayed scaling (None otherwise) and the output dtype."""
 
-    input_cast: Fp8Cast
-    weight_cast: Fp8Cast
-    grad_cast: Fp8Cast
-    weight_fp8: Optional[tuple]  # cached (w_fp8, w_t_fp8, scale_inv, scale), or None
-    backward_step: Optional[amax_step.BackwardStep]  # None with current scaling
+    input_quantizer: Quantizer
+    weight_quantizer: Quantizer
+    grad_quantizer: Quantizer
+    weight_fp8: Optional[Quantized]  # cached, or None: quantised in the call
+    backward_step: Optional[amax_step.BackwardStep]  # None without delayed scaling
     out_dtype: torch.dtype
-    # Set by the forward: (input scale, input scale_inv, weight scale, weight scale_inv) used.
-    scales_used: Optional[tuple] = None
+    # Set by the forward: the input and weight operands as quantised (their scales).
+    used: Optional[tuple] = None
+
+    @property
+    def gemm(self) -> Callable:
+        return self.input_quantizer.gemm
+
+    def quantize_weight(self, weight: torch.Tensor, with_transpose: bool) -> Quantized:
+        if self.weight_fp8 is not None:
+            return self.weight_fp8
+        return self.weight_quantizer.cast(weight, with_transpose)
 
     def on_backward(self) -> None:
         """Called first thing by the backward: queue the grad_output update for the end of
-        this backward pass (see fp8_context.BackwardStep)."""
+        this backward pass (see amax_step.BackwardStep)."""
         if self.backward_step is not None and not torch.compiler.is_compiling():
             self.backward_step.on_backward()
 
-    def keep_scales(self, x_scale, x_scale_inv, w_scale, w_scale_inv) -> None:
+    def keep_used(self, x_q: Quantized, w_q: Quantized) -> None:
         if not torch.compiler.is_compiling():  # for checkpoint replay, which runs eagerly
-            self.scales_used = (x_scale, x_scale_inv, w_scale, w_scale_inv)
+            self.used = (x_q, w_q)
 
+    def for_replay(self) -> "Fp8Plan":
+        """The plan that repeats this forward exactly (activation checkpointing)."""
+        x_q, w_q = self.used
+        return Fp8Plan(self.input_quantizer.for_replay(x_q),
+                       self.weight_quantizer.for_replay(w_q), self.grad_quantizer,
+                       self.weight_fp8, self.backward_step, self.out_dtype)

@@ -184,5 +184,9 @@ class Float8RowwiseScaling:
 
 BLOCK_RECIPES = (Float8BlockScaling, Float8RowwiseScaling)
 RECIPE_TYPES = (DelayedScaling, Float8CurrentScaling) + BLOCK_RECIPES
+# The recipes whose steps a captured CUDA graph can hold (integrations/cuda_graphs.py).
+GRAPHABLE_RECIPES = (DelayedScaling, Float8CurrentScaling)
+# The recipes with no amax history or scale in the module state.
+STATELESS_RECIPES = (Float8CurrentScaling,) + BLOCK_RECIPES
 
 Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Float8RowwiseScaling]

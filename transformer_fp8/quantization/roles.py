@@ -1,0 +1,117 @@
+"""Which quantizer each recipe gives each tensor role, per GEMM of a module: the one place that
+knows the recipes apart. Adding a recipe means adding its quantizer (a Quantizer subclass) and a
+function here, registered in QUANTIZERS.
+
+A function takes (recipe, module state, autocast state) and returns, per GEMM of the module, the
+(input, weight, grad_output) quantizers, and the backward step that updates grad_output scales
+(delayed scaling only; else None).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import amax_step
+from . import autocast as _autocast
+from .blockwise import BlockQuantizer
+from .quantizer import TensorQuantizer
+from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                     Float8RowwiseScaling, Format)
+from .state import FP8_FLOAT_STATE
+
+
+def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):
+    """The stored scales of the module's state, its amaxes recorded into its histories; the
+    forward registers the state for the update at the context's exit."""
+    fp8_state._adopt_recipe(recipe)
+    quantizers = delayed_quantizers(fp8_state, recipe.fp8_format)
+    if torch.compiler.is_compiling():
+        # A traced forward registers nothing (a side effect would be refused inside a
+        # checkpointed region): noted once as compiled, it is covered by every step of its
+        # recipe, and its backward's update runs at the next outermost fp8_autocast.
+        amax_step.note_compiled(fp8_state._fp8_index)
+        return quantizers, None
+    backward_step = _autocast.record_forward(autocast_state, fp8_state._fp8_index,
+                                             fp8_state._fwd_state, fp8_state._bwd_state)
+    return quantizers, backward_step
+
+
+def delayed_quantizers(fp8_state, fmt: Format) -> list:
+    """Per GEMM, the (input, weight, grad_output) quantizers of delayed scaling: views of the
+    state's scales, scale_invs and history row 0. Made once and reused while the state buffers
+    are the same tensors (slicing them on every forward costs more host time than the cast)."""
+    buffers = tuple(fp8_state._buffers[name] for name in FP8_FLOAT_STATE)
+    fwd_h, fwd_s, fwd_si, bwd_h, bwd_s, bwd_si = buffers
+
+    def make():
+        return [(TensorQuantizer.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, 2 * gemm),
+                 TensorQuantizer.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, 2 * gemm + 1),
+                 TensorQuantizer.delayed(fmt.bwd_dtype, bwd_h, bwd_s, bwd_si, gemm))
+                for gemm in range(fp8_state._num_gemms)]
+
+    if torch.compiler.is_compiling():
+        return make()  # traced once: the slicing is part of the graph
+    cached = fp8_state._delayed_cast_cache
+    if (cached is not None and cached[0] is fmt
+            and all(old is new for old, new in zip(cached[1], buffers))):
+        return cached[2]
+    quantizers = make()
+    fp8_state._delayed_cast_cache = (fmt, buffers, quantizers)
+    return quantizers
+
+
+def _current(recipe: Float8CurrentScaling, fp8_state, autocast_state):
+    """Each tensor's own amax, all-reduced across the context's group."""
+    fmt, group = recipe.fp8_format, autocast_state.group
+    return [tuple(TensorQuantizer.current(dtype, group)
+                  for dtype in (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype))
+            for _ in range(fp8_state._num_gemms)], None
+
+
+def _block_roles(recipe) -> tuple:
+    """(input, weight, grad_output) block quantizers of a block recipe."""
+    fmt, pow2 = recipe.fp8_format, recipe.power_2_scale
+    if isinstance(recipe, Float8RowwiseScaling):  # one scale per row of every operand
+        dims = ("rowwise",) * 3
+    else:
+        dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
+                recipe.grad_block_scaling_dim)
+    dtypes = (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype)
+    return tuple(BlockQuantizer(dim, dtype, pow2) for dim, dtype in zip(dims, dtypes))
+
+
+# Block quantizers hold no state: made once per recipe (in eager mode; a trace makes its own).
+_BLOCK_ROLES: dict = {}
+
+
+def _block(recipe, fp8_state, autocast_state):
+    """Scales per block, each role with the recipe's block dimension."""
+    if torch.compiler.is_compiling():
+        roles = _block_roles(recipe)
+    else:
+        roles = _BLOCK_ROLES.get(recipe)
+        if roles is None:
+            roles = _BLOCK_ROLES.setdefault(recipe, _block_roles(recipe))
+    return [roles] * fp8_state._num_gemms, None
+
+
+QUANTIZERS: dict[type, Callable] = {
+    DelayedScaling: _delayed,
+    Float8CurrentScaling: _current,
+    Float8BlockScaling: _block,
+    Float8RowwiseScaling: _block,
+}
+
+
+def quantizers_for_step(recipe, fp8_state, autocast_state):
+    """(per GEMM (input, weight, grad_output) quantizers, backward step or None) of a module
+    with state ``fp8_state`` running under ``recipe`` in ``autocast_state``."""
+    if recipe.fp8_format is Format.E5M2:
+        raise ValueError(f"Format.E5M2 cannot train a {type(fp8_state).__name__}: FP8 GEMMs "
+                         "take no E5M2 x E5M2 product; use Format.HYBRID or Format.E4M3")
+    for kind in type(recipe).__mro__:  # (a subclass of a recipe gets its base's quantizers)
+        if kind in QUANTIZERS:
+            return QUANTIZERS[kind](recipe, fp8_state, autocast_state)
+    raise TypeError(f"no quantizers for the recipe type {type(recipe).__name__}")
+
