@@ -1,8 +1,11 @@
-"""Per-layer precision overrides by name pattern: run matching FP8 modules in high precision
-(Transformer Engine's DisableFP8Layer) or under another, stateless recipe (current scaling,
-1x128 blocks, row-wise) whatever recipe the surrounding fp8_autocast uses.
+"""Per-layer and per-GEMM precision overrides by name pattern: run matching FP8 modules in high
+precision (Transformer Engine's DisableFP8Layer), some of their GEMMs only (DisableFP8GEMM:
+fprop, dgrad, wgrad, optionally of one GEMM of the module, e.g. "fc2.wgrad"), or under
+another, stateless recipe (current scaling, 1x128 blocks, row-wise) whatever recipe the
+surrounding fp8_autocast uses.
 
     tfp8.debug.override(model, "blocks.3.*", fp8=False)
+    tfp8.debug.override(model, "blocks.*.mlp", fp8=False, gemms=["fc2.wgrad"])
     tfp8.debug.override(model, "blocks.3.mlp", recipe=tfp8.Float8BlockScaling())
     tfp8.debug.clear_overrides(model)
 
@@ -11,39 +14,54 @@ module's forward dispatch: no name is matched per forward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ..quantization import autocast as _autocast
 from ..quantization.recipe import STATELESS_RECIPES
 from .collector import LayerFilter, select_layers
+from .gemm_override import parse_gemms, with_high_precision_gemms
+from .observer import gemm_names
 
 
 @dataclass(frozen=True)
 class PrecisionOverride:
-    """What a module runs with inside an enabled fp8_autocast: high precision (recipe None)
-    or ``recipe`` instead of the context's."""
+    """What a module runs with inside an enabled fp8_autocast: high precision (recipe None,
+    no gemms), some GEMMs in high precision (gemms: {GEMM index: kinds}), or ``recipe``
+    instead of the context's."""
 
     recipe: Optional[object]
+    gemms: dict = field(default_factory=dict)
 
     def state_for(self, state):
         """The autocast state the module dispatches on, given the context's (None: high
         precision)."""
-        if not state.enabled:
+        if not state.enabled or self.gemms:
             return state
         if self.recipe is None:
             return None
         return _autocast._state_for(True, self.recipe, state.group)
 
+    def wrap_quantizers(self, quantizers: list) -> list:
+        """The module's quantizers with the chosen GEMMs in high precision."""
+        if not self.gemms:
+            return quantizers
+        return with_high_precision_gemms(quantizers, self.gemms)
 
-def override(model, layers: LayerFilter, *, fp8: bool = True, recipe=None) -> list:
+
+def override(model, layers: LayerFilter, *, fp8: bool = True, recipe=None, gemms=None) -> list:
     """Set the precision of the FP8 modules of ``model`` whose qualified names match
     ``layers`` (glob pattern(s) or a callable name -> bool): ``fp8=False`` runs them in high
-    precision (exactly their computation outside fp8_autocast); ``recipe=`` a
-    Float8CurrentScaling, Float8BlockScaling or Float8RowwiseScaling runs them with that recipe.
-    Returns the names of the modules changed."""
+    precision (exactly their computation outside fp8_autocast); with ``gemms`` (names among
+    "fprop", "dgrad", "wgrad", each optionally after a GEMM name of the module and a dot, e.g.
+    "fc2.wgrad"), only those GEMMs run in high precision (torch's matmul in the output dtype)
+    and the others in FP8 as before; ``recipe=`` a Float8CurrentScaling, Float8BlockScaling or
+    Float8RowwiseScaling runs them with that recipe. Returns the names of the modules changed."""
     if not isinstance(fp8, bool):
         raise TypeError(f"fp8 must be a bool, got {fp8!r}")
+    if gemms is not None and (fp8 or recipe is not None):
+        raise ValueError("gemms= chooses GEMMs to run in high precision: pass it with "
+                         "fp8=False and no recipe")
     if fp8 and recipe is None:
         raise ValueError("override needs fp8=False (high precision) or a recipe")
     if not fp8 and recipe is not None:
@@ -55,8 +73,11 @@ def override(model, layers: LayerFilter, *, fp8: bool = True, recipe=None) -> li
     selected = select_layers(model, layers)
     if not selected:
         raise ValueError(f"layers={layers!r} matches no FP8 module of the model")
-    value = PrecisionOverride(None if not fp8 else recipe)
-    for module in selected:
+    values = {module: PrecisionOverride(
+        None if not fp8 else recipe,
+        {} if gemms is None else parse_gemms(gemms, gemm_names(module), name))
+        for module, name in selected.items()}  # (all checked before any module changes)
+    for module, value in values.items():
         module._fp8_override = value
     return sorted(selected.values())
 

@@ -83,6 +83,8 @@ class Fp8StateMixin(Fp8State):
         quantizers, backward_step = quantizers_for_step(state.recipe, self, state)
         if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
             quantizers = _fp8_hooks.observer.wrap_quantizers(self, quantizers)  # debug stats
+        if self._fp8_override is not None:  # debug.override(..., gemms=...)
+            quantizers = self._fp8_override.wrap_quantizers(quantizers)
         out_dtype = autocast_dtype(inp.device.type) or inp.dtype
         plans = tuple(
             Fp8Plan(input_q, weight_q, grad_q,
