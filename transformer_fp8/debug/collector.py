@@ -56,9 +56,9 @@ class Fp8Stats:
     or a callable name -> bool, default every FP8 module; frequency: log every n-th step
     (steps 0, n, 2n, ...); path: JSON lines file (one record per step, layer, GEMM and
     tensor) or None; tensorboard_dir: also write TensorBoard scalars there (needs the
-    tensorboard package); group: the process group to reduce over (default: the world, when
-    torch.distributed is initialised); keep_records: keep every written record in
-    ``self.records`` (default True)."""
+    tensorboard package: ImportError without it); group: the process group to reduce over
+    (default: the world, when torch.distributed is initialised); keep_records: keep every
+    written record in ``self.records`` (default True)."""
 
     def __init__(self, model: torch.nn.Module, layers: LayerFilter = "*", frequency: int = 1,
                  path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
@@ -74,8 +74,8 @@ class Fp8Stats:
                                  n for n, m in model.named_modules()
                                  if isinstance(m, Fp8StateMixin)))
         self.frequency, self.group = frequency, group
-        self.writers = [w for w in (JsonLinesWriter(path) if path else None,
-                                    TensorBoardWriter.create(tensorboard_dir)) if w]
+        tensorboard = TensorBoardWriter.create(tensorboard_dir)  # before a file is opened
+        self.writers = [w for w in (JsonLinesWriter(path) if path else None, tensorboard) if w]
         self.keep_records = keep_records
         self.records: list = []
         self.step_index = 0
