@@ -5,6 +5,7 @@ the host and a GPU, or wait for one, is counted)."""
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -57,8 +58,8 @@ def test_operators_per_operand_are_few_and_do_not_grow_with_the_shape(gen, shape
     for block_rows, block_cols in ((1, 128), (128, 128)):
         qb, scale_inv, _, _ = quantize_blockwise(x, block_rows, block_cols, E4M3, True)
         block_scale = scale_inv.reciprocal()
-        per_block = _computing_ops(lambda: operand_stats(x, qb, block_scale, 448.0,
-                                                         block_rows, block_cols))
+        per_block = _computing_ops(functools.partial(operand_stats, x, qb, block_scale, 448.0,
+                                                     block_rows, block_cols))
         assert len(per_block) <= MAX_OPS_PER_BLOCKS, collections.Counter(per_block)
     assert not any(op.startswith(_HOST_DEVICE_OPS) for op in per_tensor + per_block)
 
