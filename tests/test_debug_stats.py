@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import transformer_fp8 as tfp8
 from transformer_fp8 import _fp8_hooks, debug, ops
 from transformer_fp8.ops.blockwise import quantize_blockwise
-from transformer_fp8.debug.stats import derive, operand_stats
+from transformer_fp8.debug.stats import combine, derive, operand_stats
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DELAYED = tfp8.DelayedScaling(amax_history_len=4)
@@ -240,3 +240,25 @@ def test_off_unselected_or_unlogged_dispatches_the_same_operators(gen, recipe):
         assert {r["layer"] for r in stats.step()} == {"0"}
     assert _fp8_hooks.observer is None
     assert _ops_of_a_step(model, x, grad, recipe) == baseline  # off again
+
+
+def test_microbatches_combine_to_the_figures_of_the_whole_batch(gen, device):
+    # One scale for both halves (as in one step): every count and extremum of the whole batch.
+    x = randn(gen, 40, 48, device=device, scale=1e-2)
+    x[:20, :6] = 0
+    x[31, 3] = 9.0  # clamps under the scale below
+    scale = torch.tensor([64.0], device=device)
+    q = ops.cast_to_fp8(x, scale, E4M3)
+    halves = torch.stack([operand_stats(x[:20], q[:20], scale, 448.0),
+                          operand_stats(x[20:], q[20:], scale, 448.0)])
+    combined = derive(combine(halves).cpu())
+    whole = figures(x, q, scale, 448.0)
+    for key in ("amax", "scale_min", "scale_max", "nonzero", "underflow_frac",
+                "saturation_frac", "dynamic_range_log2"):
+        assert combined[key] == whole[key], key
+    assert combined["sqnr_db"] == pytest.approx(whole["sqnr_db"], rel=1e-12)
+    assert combined["blocks"] == 2 and combined["block_min_sqnr_db"] == pytest.approx(min(
+        figures(x[:20], q[:20], scale, 448.0)["sqnr_db"],
+        figures(x[20:], q[20:], scale, 448.0)["sqnr_db"]), rel=1e-12)
+    empty = operand_stats(x[:0], q[:0], scale, 448.0)  # a cast of no rows counts nowhere
+    assert derive(combine(torch.stack([halves[0], empty])).cpu()) == derive(halves[0].cpu())

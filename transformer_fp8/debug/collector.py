@@ -8,7 +8,9 @@
 
 During a logged step the casts of the selected layers compute their statistics on the device
 (stats.py) and keep them there; ``step()`` combines them (microbatches: per operand), reduces
-them across ranks (two all_reduce calls), copies them to the host once and writes them. Other
+them across ranks (two all_reduce calls; the ranks' operands are agreed once, at the first
+logged step), copies them to the host once (the step's only device-to-host transfer; nothing
+goes from the host to the device either) and writes them. Other
 steps and other layers run exactly as without a collector. Off (outside the context), the FP8
 modules pay one ``is None`` test per forward. Under torch.compile no statistics are collected
 (the casts are traced without them); a logged step that saw no cast says so in a warning.
@@ -24,7 +26,7 @@ import torch
 from .. import _fp8_hooks
 from ..modules.base import Fp8StateMixin
 from . import observer as _observer
-from .stats import FIELDS, MAX_FIELDS, MIN_FIELDS, SUM_FIELDS, combine, derive
+from .stats import FIELD_INDEX, MAX_FIELDS, MIN_FIELDS, SUM_FIELDS, combine, derive, neutral
 from .writers import JsonLinesWriter, TensorBoardWriter
 
 LayerFilter = Union[str, Sequence[str], Callable[[str], bool]]
@@ -54,9 +56,9 @@ class Fp8Stats:
     or a callable name -> bool, default every FP8 module; frequency: log every n-th step
     (steps 0, n, 2n, ...); path: JSON lines file (one record per step, layer, GEMM and
     tensor) or None; tensorboard_dir: also write TensorBoard scalars there (needs the
-    tensorboard package); group: the process group to reduce over (default: the world, when
-    torch.distributed is initialised); keep_records: keep every written record in
-    ``self.records`` (default True)."""
+    tensorboard package: ImportError without it); group: the process group to reduce over
+    (default: the world, when torch.distributed is initialised); keep_records: keep every
+    written record in ``self.records`` (default True)."""
 
     def __init__(self, model: torch.nn.Module, layers: LayerFilter = "*", frequency: int = 1,
                  path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
@@ -72,8 +74,8 @@ class Fp8Stats:
                                  n for n, m in model.named_modules()
                                  if isinstance(m, Fp8StateMixin)))
         self.frequency, self.group = frequency, group
-        self.writers = [w for w in (JsonLinesWriter(path) if path else None,
-                                    TensorBoardWriter.create(tensorboard_dir)) if w]
+        tensorboard = TensorBoardWriter.create(tensorboard_dir)  # before a file is opened
+        self.writers = [w for w in (JsonLinesWriter(path) if path else None, tensorboard) if w]
         self.keep_records = keep_records
         self.records: list = []
         self.step_index = 0
@@ -81,6 +83,7 @@ class Fp8Stats:
         self._enabled = False
         self._previous = None
         self._warned_nothing = False
+        self._all_keys = None  # distributed: every rank's operands, gathered once
 
     # ---- switching on and off ------------------------------------------------------------
 
@@ -140,22 +143,19 @@ class Fp8Stats:
 
     def _gather(self) -> list:
         pending, self._pending = self._pending, {}
-        keys = sorted(pending)
-        keys = self._agreed_keys(keys)
+        rows = _combined_rows(pending)
+        keys = self._agreed_keys(rows) if self._distributed() else sorted(rows)
         if not keys:
             return []
-        neutral = torch.tensor([_NEUTRAL[op] for _, op in FIELDS], dtype=torch.float64)
-        device = next(iter(pending.values()))[0].device if pending else self._idle_device()
-        rows = [combine(torch.stack(pending[k])) if k in pending else neutral.to(device)
-                for k in keys]
-        table = torch.stack(rows)
+        device = next(iter(rows.values())).device if rows else self._idle_device()
+        empty = neutral(device) if len(rows) < len(keys) else None
+        table = torch.stack([rows.get(k, empty) for k in keys])
         self._all_reduce(table)
-        values = table.cpu()  # the one device-to-host copy of the step
-        out = []
-        for (layer, gemm, tensor), row in zip(keys, values):
-            out.append({"step": self.step_index, "layer": layer, "gemm": gemm,
-                        "tensor": tensor, **derive(row)})
-        return out
+        values = table.tolist()  # the one device-to-host copy of the step
+        blocks = FIELD_INDEX["blocks"]
+        return [{"step": self.step_index, "layer": layer, "gemm": gemm, "tensor": tensor,
+                 **derive(row)}
+                for (layer, gemm, tensor), row in zip(keys, values) if row[blocks] > 0]
 
     def _distributed(self) -> bool:
         return torch.distributed.is_available() and torch.distributed.is_initialized() and \
@@ -167,28 +167,51 @@ class Fp8Stats:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _agreed_keys(self, keys: list) -> list:
-        """The union of every rank's keys (ranks may run different layers)."""
-        if not self._distributed():
-            return keys
-        gathered = [None] * torch.distributed.get_world_size(self.group)
-        torch.distributed.all_gather_object(gathered, keys, group=self.group)
-        return sorted({tuple(k) for rank_keys in gathered for k in rank_keys})
+    def _agreed_keys(self, rows: dict) -> list:
+        """Every key any rank may record (ranks may run different layers): the union of the
+        ranks' selected layers' operands, gathered once; operands that ran on no rank this
+        step reduce to blocks == 0 and are left out by _gather."""
+        if self._all_keys is None:
+            local = sorted((name, gemm, role) for module, name in self.selected.items()
+                           for gemm in _observer.gemm_names(module) for role in _observer.ROLES)
+            gathered = [None] * torch.distributed.get_world_size(self.group)
+            torch.distributed.all_gather_object(gathered, local, group=self.group)
+            self._all_keys = sorted({tuple(k) for rank_keys in gathered for k in rank_keys})
+        unknown = set(rows) - set(self._all_keys)
+        if unknown:
+            raise RuntimeError(f"transformer_fp8.debug: statistics of {sorted(unknown)} are not "
+                               "among the selected layers' operands agreed across ranks")
+        return self._all_keys
 
     def _all_reduce(self, table: torch.Tensor) -> None:
         if not self._distributed():
             return
         dist = torch.distributed
         sums = table[:, SUM_FIELDS].contiguous()
-        maxes = torch.cat([table[:, MAX_FIELDS], -table[:, MIN_FIELDS]], dim=1).contiguous()
+        maxes = torch.cat([table[:, MAX_FIELDS], -table[:, MIN_FIELDS]], dim=1)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.group)
+        n_max = MAX_FIELDS.stop - MAX_FIELDS.start
         table[:, SUM_FIELDS] = sums
-        table[:, MAX_FIELDS] = maxes[:, :len(MAX_FIELDS)]
-        table[:, MIN_FIELDS] = -maxes[:, len(MAX_FIELDS):]
+        table[:, MAX_FIELDS] = maxes[:, :n_max]
+        table[:, MIN_FIELDS] = -maxes[:, n_max:]
 
 
-_NEUTRAL = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+def _combined_rows(pending: dict) -> dict:
+    """{key: one FIELDS vector}: each key's casts (microbatches) combined, the keys with the
+    same number of casts together, so that a step costs a few operators whatever the number of
+    layers."""
+    by_count: dict = {}
+    for key, vectors in pending.items():
+        by_count.setdefault(len(vectors), []).append(key)
+    rows = {}
+    for count, keys in by_count.items():
+        if count == 1:
+            rows.update((k, pending[k][0]) for k in keys)
+        else:
+            stacked = torch.stack([v for k in keys for v in pending[k]])
+            rows.update(zip(keys, combine(stacked.view(len(keys), count, -1)).unbind()))
+    return rows
 
 
 def collect_stats(model: torch.nn.Module, layers: LayerFilter = "*", frequency: int = 1,

@@ -20,80 +20,106 @@ import math
 
 import torch
 
-# (name, how partial values of several casts or ranks combine)
-FIELDS = (("amax", "max"), ("scale_min", "min"), ("scale_max", "max"), ("nonzero", "sum"),
-          ("underflow", "sum"), ("saturated", "sum"), ("min_nonzero", "min"),
-          ("signal", "sum"), ("noise", "sum"), ("blocks", "sum"), ("block_amax_min", "min"),
-          ("block_worst_noise_ratio", "max"))
+# (name, how partial values of several casts or ranks combine), grouped by that combination so
+# that each group is one slice of the vector; the first five are reduced in float32 (the
+# operand's magnitudes and scales), the others in float64.
+FIELDS = (("scale_min", "min"), ("min_nonzero", "min"), ("block_amax_min", "min"),
+          ("amax", "max"), ("scale_max", "max"), ("block_worst_noise_ratio", "max"),
+          ("underflow", "sum"), ("nonzero", "sum"), ("saturated", "sum"),
+          ("signal", "sum"), ("noise", "sum"), ("blocks", "sum"))
 FIELD_INDEX = {name: i for i, (name, _) in enumerate(FIELDS)}
-_OPS = tuple(op for _, op in FIELDS)
-SUM_FIELDS = [i for i, op in enumerate(_OPS) if op == "sum"]
-MAX_FIELDS = [i for i, op in enumerate(_OPS) if op == "max"]
-MIN_FIELDS = [i for i, op in enumerate(_OPS) if op == "min"]
+NEUTRAL = {"min": math.inf, "max": -math.inf, "sum": 0.0}
 
 
-def _expand_blocks(per_block: torch.Tensor, rows: int, cols: int, block_rows: int,
-                   block_cols: int) -> torch.Tensor:
-    return per_block.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)[
-        :rows, :cols]
+def _group(op: str) -> slice:
+    where = [i for i, (_, o) in enumerate(FIELDS) if o == op]
+    assert where == list(range(where[0], where[-1] + 1)), f"the {op} fields must be adjacent"
+    return slice(where[0], where[-1] + 1)
 
 
-def _block_sums(t: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
-    """Sums of t [rows, cols] over each block_rows x block_cols block (edge blocks partial)."""
-    rows, cols = t.shape
-    padded = torch.nn.functional.pad(t, (0, -cols % block_cols, 0, -rows % block_rows))
-    r, c = padded.shape
-    return padded.reshape(r // block_rows, block_rows, c // block_cols, block_cols).sum((1, 3))
+MIN_FIELDS, MAX_FIELDS, SUM_FIELDS = _group("min"), _group("max"), _group("sum")
+# operand_stats writes the vector in five parts: the float32 minima and maxima, the worst
+# block's noise ratio, the three counts, the two sums of squares, the number of blocks.
+_OUT_PARTS = (5, 1, 3, 2, 1)
+
+
+def neutral(device) -> torch.Tensor:
+    """The FIELDS vector of no values (combines with any other to that other; blocks 0)."""
+    out = torch.empty(len(FIELDS), dtype=torch.float64, device=device)
+    for op, group in (("min", MIN_FIELDS), ("max", MAX_FIELDS), ("sum", SUM_FIELDS)):
+        out[group].fill_(NEUTRAL[op])
+    return out
 
 
 def operand_stats(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                   block_rows: int = 0, block_cols: int = 0) -> torch.Tensor:
     """The FIELDS vector (float64, on x's device) of x [rows, cols] quantised to q with
     ``scale``: a 1-element tensor (per-tensor scaling; block dims 0) or one scale per
-    block_rows x block_cols block of x ([ceil(rows/br), ceil(cols/bc)])."""
+    block_rows x block_cols block of x ([ceil(rows/br), ceil(cols/bc)]).
+
+    The element-wise quantities are computed on stacked tensors and reduced together: the
+    same number of operators whatever the shape (tests/test_debug_stats_cost.py counts them).
+    No value goes to or comes from the host."""
     rows = min(x.shape[0], q.shape[0])  # a fused cast's rows may be padded further
-    xf = x[:rows].float()
-    qf = q[:rows].float()
-    ax = xf.abs()
-    nonzero = xf != 0
+    x, q = x[:rows], q[:rows]
+    device = x.device
+    if x.numel() == 0:
+        return neutral(device)
     if block_rows:
-        s = _expand_blocks(scale.float(), rows, xf.shape[1], block_rows, block_cols)
+        cols = x.shape[1]
+        br, bc, nr, nc = block_rows, block_cols, -(-rows // block_rows), -(-cols // block_cols)
+        s = scale.float()[:nr, :nc]
+        shape = (nr * br, nc * bc)
+    else:  # per-tensor scaling: one block, the whole tensor
+        br, bc, nr, nc = 1, x.numel(), 1, 1
+        s = scale.float().reshape(1, 1)
+        shape = x.shape
+    padded = shape != x.shape
+    out = torch.empty(len(FIELDS), dtype=torch.float64, device=device)
+    out_f32, out_worst, out_counts, out_squares, out_blocks = out.split(_OUT_PARTS)
+
+    # q, x and x * s in float32, zero padded to whole blocks (zeros count nowhere).
+    v = (torch.zeros if padded else torch.empty)((3, *shape), dtype=torch.float32,
+                                                  device=device)
+    vq, vx, _ = v.unbind()
+    (vq[:rows, :cols] if padded else vq).copy_(q)
+    (vx[:rows, :cols] if padded else vx).copy_(x)
+    s_blocked = s.reshape(nr, 1, nc, 1)
+    bq, bx, bxs = v.view(3, nr, br, nc, bc).unbind()
+    torch.mul(bx, s_blocked, out=bxs)
+    flags = torch.empty(v.shape, dtype=torch.bool, device=device)
+    torch.ne(v[:2], 0, out=flags[:2])          # q != 0, x != 0
+    underflow, nonzero, saturated = flags.unbind()
+    torch.gt(nonzero, underflow, out=underflow)  # x != 0 and q == 0: flushed to zero
+    abs_x, abs_xs = v[1:].abs().unbind()
+    torch.gt(abs_xs, fp8_max, out=saturated)    # clamped to +-fp8_max
+    torch.sum(flags.view(3, -1), 1, dtype=torch.float64, out=out_counts)
+
+    f32 = torch.empty(5, dtype=torch.float32, device=device)  # out_f32, in FIELDS order
+    scale_min, min_nonzero, block_amax_min, amax, scale_max = f32.unbind()
+    torch.amin(torch.where(nonzero, abs_x, math.inf), out=min_nonzero)
+    torch.aminmax(abs_x.view(nr, br, nc, bc).amax((1, 3)), out=(block_amax_min, amax))
+    torch.aminmax(s, out=(scale_min, scale_max))
+    out_f32.copy_(f32)
+
+    # x - q / s in float32 (as the GEMM sees q), then x^2 and the error^2 in float64.
+    torch.addcdiv(bx, bq, s_blocked, value=-1, out=bxs)
+    squares = v[1:].double().square_()
+    if nr * nc == 1:  # one block: its sums are the totals
+        block_squares = torch.sum(squares.view(2, -1), 1, out=out_squares)
     else:
-        s = scale.float().reshape(1, 1).expand_as(xf) if xf.dim() == 2 else scale.float()
-    err = xf - qf / s
-    sq, err_sq = xf.double().square(), err.double().square()
-    if block_rows:
-        block_signal = _block_sums(sq, block_rows, block_cols)
-        block_noise = _block_sums(err_sq, block_rows, block_cols)
-        block_amax = torch.nn.functional.pad(
-            ax, (0, -ax.shape[1] % block_cols, 0, -rows % block_rows)).reshape(
-            -(-rows // block_rows), block_rows, -1, block_cols).amax((1, 3))
-        with_signal = block_signal > 0
-        ratio = torch.where(with_signal, block_noise / block_signal.clamp_min(1e-300), 0)
-        blocks = float(block_amax.numel())
-        block_amax_min, worst = block_amax.amin().double(), ratio.amax()
-        signal, noise = block_signal.sum(), block_noise.sum()
-    else:
-        signal, noise = sq.sum(), err_sq.sum()
-        blocks, block_amax_min = 1.0, None
-        worst = torch.where(signal > 0, noise / signal.clamp_min(1e-300), 0)
-    amax = ax.amax().double()
-    values = [amax, s.amin().double(), s.amax().double(),
-              nonzero.sum().double(), (nonzero & (qf == 0)).sum().double(),
-              ((xf * s).abs() > fp8_max).sum().double(),
-              torch.where(nonzero, ax, math.inf).amin().double(), signal, noise,
-              torch.tensor(blocks, dtype=torch.float64, device=x.device),
-              amax if block_amax_min is None else block_amax_min, worst.double()]
-    return torch.stack([v.reshape(()) for v in values])
+        block_squares = squares.view(2, nr, br, nc, bc).sum((2, 4))
+        torch.sum(block_squares.view(2, -1), 1, out=out_squares)
+    signal, noise = block_squares.unbind()
+    torch.amax(torch.where(signal > 0, noise / signal, 0), out=out_worst.view(()))
+    out_blocks.fill_(nr * nc)
+    return out
 
 
 def combine(stacked: torch.Tensor) -> torch.Tensor:
-    """Partial FIELDS vectors [n, F] of the same operand combined into one [F]."""
-    out = stacked[0].clone()
-    out[SUM_FIELDS] = stacked[:, SUM_FIELDS].sum(0)
-    out[MAX_FIELDS] = stacked[:, MAX_FIELDS].amax(0)
-    out[MIN_FIELDS] = stacked[:, MIN_FIELDS].amin(0)
-    return out
+    """Partial FIELDS vectors [..., n, F] of the same operand combined into one [..., F]."""
+    return torch.cat([stacked[..., MIN_FIELDS].amin(-2), stacked[..., MAX_FIELDS].amax(-2),
+                      stacked[..., SUM_FIELDS].sum(-2)], dim=-1)
 
 
 def _db(signal: float, noise: float) -> float:
@@ -104,6 +130,8 @@ def _db(signal: float, noise: float) -> float:
 
 def derive(values) -> dict:
     """The reported figures (see the module docstring) from a combined FIELDS vector."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
     v = {name: float(values[i]) for name, i in FIELD_INDEX.items()}
     nonzero = v["nonzero"]
     worst = v["block_worst_noise_ratio"]

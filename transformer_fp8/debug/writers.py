@@ -1,10 +1,9 @@
-"""Where the statistics go: JSON lines (always available) and TensorBoard scalars (when the
-tensorboard package is installed)."""
+"""Where the statistics go: JSON lines (always available) and TensorBoard scalars (asked for
+with tensorboard_dir=; they need the tensorboard package)."""
 from __future__ import annotations
 
 import json
 import math
-import warnings
 from typing import Optional
 
 
@@ -59,10 +58,9 @@ class TensorBoardWriter:
             return None
         try:
             from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            warnings.warn("transformer_fp8.debug: tensorboard is not installed; statistics "
-                          "go to the JSON lines file only", stacklevel=3)
-            return None
+        except ImportError as e:
+            raise ImportError(f"tensorboard_dir={log_dir!r} needs the tensorboard package, "
+                              "which is not installed (pip install tensorboard)") from e
         return cls(SummaryWriter(log_dir))
 
     def write(self, records: list) -> None:
