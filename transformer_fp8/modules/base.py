@@ -145,8 +145,7 @@ class Fp8StateMixin(Fp8State):
                 amax_step.note_compiled(self._fp8_index)
                 backward_step = None
             else:
-                backward_step = _autocast.record_forward(state, self._fp8_index,
-                                                         self._fwd_state, self._bwd_state)
+                backward_step = _autocast.record_forward(state, *self._scaling_states)
         if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
             casts = _fp8_hooks.observer.wrap_casts(self, casts)  # transformer_fp8.debug
         plans = tuple(
