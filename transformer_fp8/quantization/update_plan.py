@@ -54,8 +54,8 @@ class UpdatePlan:
             lists = by_device.setdefault(s.device, ([], [], [], []))
             for target, value in zip(lists, (s.history, s.scale, s.scale_inv, fp8_max)):
                 target.append(value)
-        self.by_device = list(by_device.values())
-        self._batches: Optional[list] = None
+        self.by_device = list(by_device.items())
+        self._batches: Optional[list] = None  # per device: a DelayedScalingBatch or None
         self._rows: Optional[tuple] = None
         # Plans of the steps that also cover the unrecorded states (see amax_step), by key.
         self.completions: dict = {}
@@ -75,23 +75,26 @@ class UpdatePlan:
         torch._foreach_copy_(rows, list(recorded.split(sizes)))
 
     def update(self) -> None:
-        """The delayed-scaling update of every state, one call per device."""
+        """The delayed-scaling update of every state, one call per device: a prepared batch for
+        the built-in algorithms on the CPU and CUDA, else the operator (recipe callables, meta
+        tensors, torch.compile)."""
         recipe = self.recipe
         algo = recipe.amax_compute_algo
-        if (_BATCH is not None and isinstance(algo, str)
-                and recipe.scaling_factor_compute_algo is None
-                and not torch.compiler.is_compiling()):
-            if self._batches is None:
-                self._batches = [_BATCH(*lists) for lists in self.by_device]
-            margin = ops._check_margin(recipe.margin)
-            for batch in self._batches:
-                batch.update(margin, algo)
-            return
-        for histories, scales, scale_invs, maxes in self.by_device:
-            ops.update_delayed_scaling(
-                histories, scales, scale_invs, maxes, margin=recipe.margin,
-                amax_compute_algo=algo,
-                scaling_factor_compute_algo=recipe.scaling_factor_compute_algo, recipe=recipe)
+        batched = (_BATCH is not None and isinstance(algo, str)
+                   and recipe.scaling_factor_compute_algo is None
+                   and not torch.compiler.is_compiling())
+        if batched and self._batches is None:
+            self._batches = [_BATCH(*lists) if device.type in ("cpu", "cuda") else None
+                             for device, lists in self.by_device]
+        margin = ops._check_margin(recipe.margin)
+        for i, (_, lists) in enumerate(self.by_device):
+            if batched and self._batches[i] is not None:
+                self._batches[i].update(margin, algo)
+            else:
+                ops.update_delayed_scaling(
+                    *lists, margin=margin, amax_compute_algo=algo,
+                    scaling_factor_compute_algo=recipe.scaling_factor_compute_algo,
+                    recipe=recipe)
 
     def discard(self) -> None:
         """Forget the amaxes recorded since the last update (row 0 of every history)."""
