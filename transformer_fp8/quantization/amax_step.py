@@ -95,15 +95,15 @@ class AmaxStep:
         self._plan = plan
         return plan
 
-    def _plan_for_step(self):
+    def _plan_for_step(self, reduce: bool):
         """The plan of the step's states, or None when it has none. The step also covers the
         states of the process that train with this recipe and recorded nothing: every one when
         ranks reduce (some may have run on other ranks only), else the compiled ones (a compiled
         forward records its amaxes in the history but registers nothing: a traced side effect
         is refused inside a checkpointed region). A state that recorded nothing keeps its
         values: the update leaves an unrecorded column untouched. States on another device than
-        the recorded ones are left out (a CPU copy of the model, say), unless none recorded."""
-        reduce = self._reduces()
+        the recorded ones are left out (a CPU copy of the model, say), unless none recorded.
+        ``reduce``: whether ranks reduce (_reduces())."""
         if not (self.include_unrecorded and (reduce or _COMPILED_MODULES)):
             return self._recorded_plan() if self.states else None
         recorded = self._recorded_plan() if self.states else None
@@ -131,16 +131,17 @@ class AmaxStep:
         return plan
 
     def reduce_and_update(self) -> None:
-        plan = self._plan_for_step()
+        reduce = self._reduces()
+        plan = self._plan_for_step(reduce)
         if plan is None:
             return
-        if self._reduces():
+        if reduce:
             plan.reduce(self.group)
         plan.update()
 
     def discard(self) -> None:
         """Forget the amaxes recorded since the last update (after an exception)."""
-        plan = self._plan_for_step()
+        plan = self._plan_for_step(self._reduces())
         if plan is not None:
             plan.discard()
 

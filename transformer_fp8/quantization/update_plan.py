@@ -46,6 +46,7 @@ class UpdatePlan:
     def __init__(self, states: list[ScalingState], recipe: DelayedScaling, role: str):
         self.generation = generation()  # read first: a change while building invalidates it
         self.recipe, self.count = recipe, len(states)
+        self.margin = ops._check_margin(recipe.margin)
         self.devices = frozenset(s.device for s in states)
         fp8_max = recipe.fp8_format.max_fwd if role == "fwd" else recipe.fp8_format.max_bwd
         self.histories = [s.history for s in states]
@@ -86,7 +87,7 @@ class UpdatePlan:
         if batched and self._batches is None:
             self._batches = [_BATCH(*lists) if device.type in ("cpu", "cuda") else None
                              for device, lists in self.by_device]
-        margin = ops._check_margin(recipe.margin)
+        margin = self.margin
         for i, (_, lists) in enumerate(self.by_device):
             if batched and self._batches[i] is not None:
                 self._batches[i].update(margin, algo)
