@@ -7,6 +7,7 @@ from conftest import randn
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, fp8_autocast, ops
+from transformer_fp8.quantization import update_plan
 
 RECIPE = DelayedScaling(amax_history_len=8)
 
@@ -48,7 +49,8 @@ def assert_scales_follow_histories(model, recipe=RECIPE):
 
 @pytest.fixture
 def update_calls(monkeypatch):
-    """Counts ops.update_delayed_scaling calls (and the tensors each one updated)."""
+    """Counts the update calls of the step machinery (and the tensors each one updated): those
+    of ops.update_delayed_scaling and of the prepared batches (update_plan.py) alike."""
     calls = []
     real = ops.update_delayed_scaling
 
@@ -56,7 +58,18 @@ def update_calls(monkeypatch):
         calls.append(len(histories))
         return real(histories, *args, **kwargs)
 
+    class CountingBatch:
+        def __init__(self, *lists):
+            self.batch = real_batch(*lists)
+
+        def update(self, *args):
+            calls.append(len(self.batch))
+            return self.batch.update(*args)
+
     monkeypatch.setattr(ops, "update_delayed_scaling", counting)
+    real_batch = update_plan._BATCH
+    if real_batch is not None:
+        monkeypatch.setattr(update_plan, "_BATCH", CountingBatch)
     return calls
 
 

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "../checks/checks.h"
+#include "../prepared_update.h"
 
 namespace transformer_fp8 {
 namespace {
@@ -32,21 +33,27 @@ void update_column(float* history, int64_t L, int64_t n, float* scale, float* sc
   *scale_inv = 1.0f / *scale;
 }
 
+// The update of checked tensors (see prepared_update.h).
+void run_update_cpu(const UpdateTensor* tensors, size_t count, int margin, AmaxAlgo algo,
+                    c10::Device) {
+  for (size_t i = 0; i < count; ++i) {
+    const UpdateTensor& t = tensors[i];
+    for (int64_t c = 0; c < t.columns; ++c)
+      update_column(t.history + c, t.history_len, t.columns, t.scale + c, t.scale_inv + c,
+                    t.fp8_max, margin, algo);
+  }
+}
+
+const RegisterUpdateRunner register_cpu_runner(c10::DeviceType::CPU, &run_update_cpu);
+
 void update_delayed_scaling_cpu(at::TensorList amax_histories, at::TensorList scales,
                                 at::TensorList scale_invs, at::ArrayRef<double> fp8_maxes,
                                 int64_t margin, c10::string_view amax_compute_algo) {
   check_delayed_scaling_args(amax_histories, scales, scale_invs, fp8_maxes, margin);
   const AmaxAlgo algo = parse_amax_algo(amax_compute_algo);
-  for (size_t i = 0; i < amax_histories.size(); ++i) {
-    const at::Tensor& h = amax_histories[i];
-    const int64_t L = h.size(0), n = h.size(1);
-    float* hist = h.data_ptr<float>();
-    float* s = scales[i].data_ptr<float>();
-    float* si = scale_invs[i].data_ptr<float>();
-    for (int64_t c = 0; c < n; ++c)
-      update_column(hist + c, L, n, s + c, si + c, fp8_maxes[i],
-                    static_cast<int>(margin), algo);
-  }
+  const auto tensors = update_tensors(amax_histories, scales, scale_invs, fp8_maxes);
+  run_update_cpu(tensors.data(), tensors.size(), static_cast<int>(margin), algo,
+                 amax_histories[0].device());
 }
 
 at::Tensor compute_scale_from_amax_cpu(const at::Tensor& amax, double fp8_max, int64_t margin) {

@@ -1,79 +1,64 @@
-"""The step machinery of delayed scaling: the amax states (history, scale, scale_inv) recorded
-under one recipe and process group, reduced across ranks in ONE collective and updated in ONE
-launch per device (AmaxStep), once at the outermost fp8_autocast's exit for the forward and once
-per backward pass for grad_output (BackwardStep); the registry of FP8 modules that lays out the
-cross-rank reduction; the updates held back for reentrant checkpointing and compiled backwards.
+"""The step machinery of delayed scaling: the amax states (ScalingState: history, scale,
+scale_inv) recorded under one recipe and process group, reduced across ranks in ONE collective
+and updated in ONE call per device (AmaxStep), once at the outermost fp8_autocast's exit for the
+forward and once per backward pass for grad_output (BackwardStep); the updates held back for
+reentrant checkpointing and compiled backwards. The registry of states that lays out the
+cross-rank reduction is scaling_state.py's; the prepared updates, update_plan.py's.
 """
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable
 
 import torch
 
-from .. import ops
 from . import replay as checkpointing
+from . import scaling_state
 from .recipe import DelayedScaling
-
-# What a module hands over for the update: () -> (history [L, n], scale [n], scale_inv [n], fp8_max)
-StateGetter = Callable[[], tuple]
-
-
-def _world_size(group) -> int:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 1
-    return torch.distributed.get_world_size(group)
+from .scaling_state import ScalingState
+from .update_plan import UpdatePlan, all_reduce_max, world_size  # noqa: F401 (all_reduce_max: quantizer's)
 
 
-def all_reduce_max(buffer: torch.Tensor, group) -> None:
-    """In-place MAX across the group (a no-op for a single process)."""
-    if _world_size(group) > 1:
-        torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
-
-
-# Every FP8 module of the process by creation index (weak references): the layout of the
-# cross-rank reduction, identical on every rank that built the same model.
-_MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
-
-
-def register_module(index: int, module: torch.nn.Module) -> None:
-    """Called by an FP8 module for its creation index. The module provides
-    _state_for_step(recipe, role) -> StateGetter or None (see AmaxStep)."""
-    _MODULES[index] = module
-
-
-# FP8 modules with no recipe yet (built without one, reset, or reloaded): an fp8_autocast with a
-# DelayedScaling recipe adopts it for them at its entry, before any of them runs, so that a
-# compiled region never has to resize a history. Empty in steady state: a check per entry.
-_AWAITING_RECIPE: "weakref.WeakValueDictionary[int, torch.nn.Module]" = \
+# The forward states of FP8 modules with no recipe yet (built without one, reset, or reloaded):
+# an fp8_autocast with a DelayedScaling recipe adopts it for them at its entry, before any of
+# them runs, so that a compiled region never has to resize a history. Empty in steady state.
+_AWAITING_RECIPE: "weakref.WeakValueDictionary[int, ScalingState]" = \
     weakref.WeakValueDictionary()
 
 
-def await_recipe(index: int, module: torch.nn.Module) -> None:
-    _AWAITING_RECIPE[index] = module
+def await_recipe(state: ScalingState) -> None:
+    _AWAITING_RECIPE[state.key] = state
 
 
-def recipe_adopted(index: int) -> None:
-    _AWAITING_RECIPE.pop(index, None)
+def recipe_adopted(key: int) -> None:
+    _AWAITING_RECIPE.pop(key, None)
 
 
 def adopt_recipe_for_waiting_modules(recipe: DelayedScaling) -> None:
     """Called when an fp8_autocast under ``recipe`` is entered (see _AWAITING_RECIPE)."""
-    for module in list(_AWAITING_RECIPE.values()):
-        if not module.fp8_fwd_scale.is_meta:  # (a meta module adopts when materialised)
-            module.prepare_fp8_recipe(recipe)
+    for state in list(_AWAITING_RECIPE.values()):
+        if not state.scale.is_meta:  # (a meta module adopts when materialised)
+            state.takes_recipe(recipe)
+
+
+# Plans of the steps that cover every state of a recipe (ranks reduce), by (recipe, role,
+# devices, compiled count): the same whichever states recorded. Entries of older generations
+# are dropped when a new one is made.
+_EVERY_STATE_PLANS: dict = {}
+_NO_PLAN = object()  # what AmaxStep._plan holds when the states added have different plans
 
 
 class AmaxStep:
-    """The scaling states (history, scale, scale_inv) recorded under one (recipe, group), reduced
-    and updated together; role is "fwd" or "bwd". Keys (creation indices) order the states
-    identically on every rank.
+    """The scaling states recorded under one (recipe, group), reduced and updated together; role
+    is "fwd" or "bwd". Keys (creation indices) order the states identically on every rank.
 
     Ranks may run different subsets of the modules in a step (mixture-of-experts routing): the
-    reduction then covers every module of the process that trains with this recipe, so that
+    reduction then covers every state of the process that trains with this recipe, so that
     every rank's buffer has the same layout; a module that ran on no rank keeps its state (the
-    update leaves a column with no recorded amax untouched)."""
+    update leaves a column with no recorded amax untouched).
+
+    A step whose states are exactly those of its states' last plan (UpdatePlan), still current,
+    reuses it: noted state by state as they are added, so the step does no O(states) work."""
 
     def __init__(self, recipe: DelayedScaling, group, role: str = "fwd",
                  include_unrecorded: bool = True):
@@ -81,63 +66,84 @@ class AmaxStep:
         # False in a graphed callable (see isolated_fp8_autocast): the step covers exactly the
         # modules that recorded, which are the same on every rank (a graph is static).
         self.include_unrecorded = include_unrecorded
-        self.states: dict[int, StateGetter] = {}
+        self.states: dict[int, ScalingState] = {}
+        self._plan = None  # the plan of every state added so far, or _NO_PLAN
 
-    def add(self, key: int, getter: StateGetter) -> None:
-        self.states.setdefault(key, getter)
-
-    def _add_unrecorded_modules(self, every_module: bool) -> None:
-        """The modules of the process that train with this recipe and registered nothing:
-        every one when ranks reduce (some may have run on other ranks only), else the compiled
-        ones (a compiled forward records its amaxes in the history but registers nothing: a
-        traced side effect is refused inside a checkpointed region). A module that recorded
-        nothing keeps its state: the update leaves an unrecorded column untouched. Modules on
-        another device than the recorded ones are left out (a CPU copy of the model, say),
-        unless none recorded."""
-        devices = {get()[0].device for get in self.states.values()}
-        for index, module in sorted(_MODULES.items()):
-            if index not in self.states and (every_module or index in _COMPILED_MODULES):
-                getter = module._state_for_step(self.recipe, self.role)
-                if getter is not None and (not devices or getter()[0].device in devices):
-                    self.states[index] = getter
+    def add(self, state: ScalingState) -> None:
+        states = self.states
+        if state.key in states:
+            return
+        states[state.key] = state
+        if len(states) == 1:
+            self._plan = state.plan
+        elif state.plan is not self._plan:
+            self._plan = _NO_PLAN
 
     def _reduces(self) -> bool:
-        return self.recipe.reduce_amax and _world_size(self.group) > 1
+        return self.recipe.reduce_amax and world_size(self.group) > 1
 
-    def _complete(self) -> None:
-        reduce = self._reduces()
-        if self.include_unrecorded and (reduce or _COMPILED_MODULES):
-            self._add_unrecorded_modules(every_module=reduce)
+    def _recorded_plan(self) -> UpdatePlan:
+        """The plan of exactly the states added (made, and noted in them, if none is current)."""
+        plan = self._plan
+        if (isinstance(plan, UpdatePlan) and plan.count == len(self.states)
+                and plan.is_current(self.recipe)):
+            return plan
+        states = [self.states[key] for key in sorted(self.states)]
+        plan = UpdatePlan(states, self.recipe, self.role)
+        for state in states:
+            state.plan = plan
+        self._plan = plan
+        return plan
+
+    def _plan_for_step(self, reduce: bool):
+        """The plan of the step's states, or None when it has none. The step also covers the
+        states of the process that train with this recipe and recorded nothing: every one when
+        ranks reduce (some may have run on other ranks only), else the compiled ones (a compiled
+        forward records its amaxes in the history but registers nothing: a traced side effect
+        is refused inside a checkpointed region). A state that recorded nothing keeps its
+        values: the update leaves an unrecorded column untouched. States on another device than
+        the recorded ones are left out (a CPU copy of the model, say), unless none recorded.
+        ``reduce``: whether ranks reduce (_reduces())."""
+        if not (self.include_unrecorded and (reduce or _COMPILED_MODULES)):
+            return self._recorded_plan() if self.states else None
+        recorded = self._recorded_plan() if self.states else None
+        devices = recorded.devices if recorded is not None else frozenset()
+        if reduce:
+            key = (self.recipe, self.role, devices, len(_COMPILED_MODULES))
+            cache = _EVERY_STATE_PLANS
+        else:
+            key = (self.recipe, self.role, len(_COMPILED_MODULES))
+            cache = recorded.completions if recorded is not None else _EVERY_STATE_PLANS
+        plan = cache.get(key)
+        if plan is not None and plan.is_current(self.recipe):
+            return plan
+        states = dict(self.states)
+        for state in scaling_state.registered(self.role):
+            if state.key not in states and (reduce or state.key in _COMPILED_MODULES):
+                if state.takes_recipe(self.recipe) and (not devices or state.device in devices):
+                    states[state.key] = state
+        if not states:
+            return None
+        plan = UpdatePlan([states[key] for key in sorted(states)], self.recipe, self.role)
+        for old in [k for k, p in cache.items() if p.generation != plan.generation]:
+            del cache[old]  # (made before a change: they would hold tensors no longer in use)
+        cache[key] = plan
+        return plan
 
     def reduce_and_update(self) -> None:
-        self._complete()
-        if not self.states:
-            return
         reduce = self._reduces()
-        tensors = [self.states[key]() for key in sorted(self.states)]
-        histories = [t[0] for t in tensors]
+        plan = self._plan_for_step(reduce)
+        if plan is None:
+            return
         if reduce:
-            # One collective for the whole step: gather row 0 of every history, reduce, scatter.
-            recorded = torch.cat([h[0] for h in histories])
-            all_reduce_max(recorded, self.group)
-            torch._foreach_copy_([h[0] for h in histories],
-                                 list(recorded.split([h.shape[1] for h in histories])))
-        by_device: dict[torch.device, list] = {}
-        for t in tensors:
-            by_device.setdefault(t[0].device, []).append(t)
-        for group in by_device.values():  # one launch per device and 640 tensors
-            ops.update_delayed_scaling(
-                [t[0] for t in group], [t[1] for t in group], [t[2] for t in group],
-                [t[3] for t in group], margin=self.recipe.margin,
-                amax_compute_algo=self.recipe.amax_compute_algo,
-                scaling_factor_compute_algo=self.recipe.scaling_factor_compute_algo,
-                recipe=self.recipe)
+            plan.reduce(self.group)
+        plan.update()
 
     def discard(self) -> None:
         """Forget the amaxes recorded since the last update (after an exception)."""
-        self._complete()
-        for get in self.states.values():
-            get()[0][0].zero_()
+        plan = self._plan_for_step(self._reduces())
+        if plan is not None:
+            plan.discard()
 
 
 class BackwardStep:
@@ -156,8 +162,8 @@ class BackwardStep:
         self.step = AmaxStep(recipe, group, role="bwd", include_unrecorded=include_unrecorded)
         self._queued = False
 
-    def add(self, key: int, getter: StateGetter) -> None:
-        self.step.add(key, getter)
+    def add(self, state: ScalingState) -> None:
+        self.step.add(state)
 
     def on_backward(self) -> None:
         if not self._queued:

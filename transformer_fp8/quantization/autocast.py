@@ -20,10 +20,11 @@ from typing import Iterator, Optional
 
 import torch
 
-from .amax_step import (AmaxStep, BackwardStep, StateGetter, adopt_recipe_for_waiting_modules,
+from .amax_step import (AmaxStep, BackwardStep, adopt_recipe_for_waiting_modules,
                         discard_failed_backward_passes, flush_pending_backward_updates,
                         has_pending_backward_updates, hold_for_compiled_backward)
 from .recipe import RECIPE_TYPES, DelayedScaling, Recipe
+from .scaling_state import ScalingState
 
 
 @dataclass(frozen=True)
@@ -85,15 +86,16 @@ def _prepare_steps(state: AutocastState):
     return k
 
 
-def record_forward(state: AutocastState, key: int, fwd_getter: StateGetter,
-                   bwd_getter: StateGetter) -> BackwardStep:
+def record_forward(state: AutocastState, fwd_state: ScalingState,
+                   bwd_state: ScalingState) -> BackwardStep:
     """Called by an FP8 module running with delayed scaling: registers its forward state for the
     update at context exit and its backward state with the forward pass's BackwardStep, which
     it returns (its backward calls on_backward())."""
     k = _prepare_steps(state)
-    _LOCAL.forward_steps[k].add(key, fwd_getter)
-    _LOCAL.backward_steps[k].add(key, bwd_getter)
-    return _LOCAL.backward_steps[k]
+    _LOCAL.forward_steps[k].add(fwd_state)
+    backward_step = _LOCAL.backward_steps[k]
+    backward_step.add(bwd_state)
+    return backward_step
 
 
 def _exit_outermost(failed: bool) -> None:

@@ -26,7 +26,7 @@ def recording_linear(module, state):
     if not isinstance(state.recipe, DelayedScaling) or torch.compiler.is_compiling():
         return F.linear
     module._adopt_recipe(state.recipe)
-    _autocast.record_forward(state, module._fp8_index, module._fwd_state, module._bwd_state)
+    _autocast.record_forward(state, *module._scaling_states)
     history = module.fp8_fwd_amax_history
     gemms = itertools.count()
 

@@ -32,8 +32,7 @@ def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):
         # recipe, and its backward's update runs at the next outermost fp8_autocast.
         amax_step.note_compiled(fp8_state._fp8_index)
         return quantizers, None
-    backward_step = _autocast.record_forward(autocast_state, fp8_state._fp8_index,
-                                             fp8_state._fwd_state, fp8_state._bwd_state)
+    backward_step = _autocast.record_forward(autocast_state, *fp8_state._scaling_states)
     return quantizers, backward_step
 
 

@@ -9,9 +9,9 @@ state_dict (kept float32 by .half() and the like):
   fp8_recipe_fields [4] int64   the recipe in use, as a record: margin, format,
                                 amax_history_len, amax algo (-1: never used)
 Fp8State owns these buffers and everything that keeps them valid (meta init, device moves,
-checkpoints, copies, recipe changes). The step machinery (quantization/autocast.py) reads and
-updates them through the getters _fwd_state / _bwd_state; the forward that casts with them is
-modules/base.py's.
+checkpoints, copies, recipe changes). The step machinery (quantization/amax_step.py) reads and
+updates them through two ScalingStates (_scaling_states: forward, backward), which it binds again
+whenever its buffers are replaced; the forward that casts with them is modules/base.py's.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import torch
 
 from . import amax_step
 from . import replay as checkpointing
+from . import scaling_state
+from .scaling_state import ScalingState
 from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
 from .state_validation import fp8_state_error
 
@@ -29,6 +31,7 @@ FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
                    "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv")
 FP8_STATE_KEYS = FP8_FLOAT_STATE + ("fp8_recipe_fields",)
 HISTORIES = ("fp8_fwd_amax_history", "fp8_bwd_amax_history")
+_FLOAT_STATE_NAMES = frozenset(FP8_FLOAT_STATE)
 _FORMAT_CODES = {Format.E4M3: 0, Format.E5M2: 1, Format.HYBRID: 2}
 _ALGO_CODES = {"max": 0, "most_recent": 1}
 DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
@@ -73,15 +76,38 @@ class Fp8State:
         self.register_buffer("fp8_recipe_fields",
                              torch.full((4,), -1, dtype=torch.int64, device=device))
         self._num_gemms = num_gemms
-        self._fp8_index = next(_creation_index)
-        amax_step.register_module(self._fp8_index, self)
         self._recipe_code: Optional[list[int]] = None
-        amax_step.await_recipe(self._fp8_index, self)
+        self._new_scaling_states()
         self._fp8_maxes = (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd)
         self._weight_cache = [None] * num_gemms
         self._delayed_cast_cache = None  # see _delayed_casts
         self._replay_records = checkpointing.ReplayRecords()
         self._warned_high_precision = False
+
+    def _new_scaling_states(self) -> None:
+        """A creation index and the (forward, backward) ScalingStates of this module, registered
+        with the step machinery."""
+        self._fp8_index = next(_creation_index)
+        takes_recipe = scaling_state.weak_method(self._takes_recipe)
+        self._scaling_states = (ScalingState(self._fp8_index, "fwd", takes_recipe),
+                                ScalingState(self._fp8_index, "bwd", takes_recipe))
+        self._bind_scaling_states()
+        for state in self._scaling_states:
+            scaling_state.register(state)
+        if self._recipe_code is None:
+            amax_step.await_recipe(self._scaling_states[0])
+
+    def _bind_scaling_states(self) -> None:
+        """The ScalingStates hold the current buffers (after any change of them)."""
+        fwd, bwd = self._scaling_states
+        b = self._buffers
+        fwd.bind(b["fp8_fwd_amax_history"], b["fp8_fwd_scale"], b["fp8_fwd_scale_inv"])
+        bwd.bind(b["fp8_bwd_amax_history"], b["fp8_bwd_scale"], b["fp8_bwd_scale_inv"])
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in _FLOAT_STATE_NAMES and "_scaling_states" in self.__dict__:
+            self._bind_scaling_states()  # a state buffer replaced by assignment
 
     def fp8_state_tensors(self) -> list[torch.Tensor]:
         """The float32 FP8 state (histories, scales, scale_invs), as the update writes it."""
@@ -102,7 +128,8 @@ class Fp8State:
                     getattr(self, name).fill_(1.0)
             self.fp8_recipe_fields.fill_(-1)
         self._recipe_code = None
-        amax_step.await_recipe(self._fp8_index, self)
+        self._bind_scaling_states()  # (which steps cover it may change with the recipe)
+        amax_step.await_recipe(self._scaling_states[0])
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
         self._replay_records.clear()
@@ -110,10 +137,7 @@ class Fp8State:
     def __setstate__(self, state):
         # A copy (copy.deepcopy, unpickling) is a module of its own in the amax reduction.
         super().__setstate__(state)
-        self._fp8_index = next(_creation_index)
-        amax_step.register_module(self._fp8_index, self)
-        if self._recipe_code is None:
-            amax_step.await_recipe(self._fp8_index, self)
+        self._new_scaling_states()
         self._delayed_cast_cache = None
         self._replay_records = checkpointing.ReplayRecords()
 
@@ -121,6 +145,7 @@ class Fp8State:
         # Replay records hold autograd bookkeeping of a step in flight: never copied or pickled.
         state = dict(self.__dict__)
         state["_replay_records"] = None
+        state.pop("_scaling_states", None)  # the copy gets its own (__setstate__)
         return state
 
     def _apply(self, fn, recurse=True):
@@ -141,6 +166,7 @@ class Fp8State:
                 buffer.to(device=moved.device)
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None  # views of the old buffers
+        self._bind_scaling_states()
         if was_meta and not self.fp8_fwd_scale.is_meta:
             # Out of "meta" (to_empty, the FSDP2 / large-model pattern): the new buffers hold
             # uninitialised memory and nobody may call reset_parameters(): start a fresh state.
@@ -171,23 +197,19 @@ class Fp8State:
         self._fp8_maxes = (recipe.fp8_format.max_fwd, recipe.fp8_format.max_bwd)
         self._recipe_code = code
         amax_step.recipe_adopted(self._fp8_index)
+        if torch.compiler.is_compiling():
+            scaling_state.bump_generation()  # (no buffer was replaced: a resize is refused)
+        else:
+            self._bind_scaling_states()
 
-    def _fwd_state(self):
-        return (self.fp8_fwd_amax_history, self.fp8_fwd_scale, self.fp8_fwd_scale_inv,
-                self._fp8_maxes[0])
-
-    def _bwd_state(self):
-        return (self.fp8_bwd_amax_history, self.fp8_bwd_scale, self.fp8_bwd_scale_inv,
-                self._fp8_maxes[1])
-
-    def _state_for_step(self, recipe: DelayedScaling, role: str):
-        """The state getter with which a step under ``recipe`` that this module did not run in
-        on this rank reduces and updates it (it may have run on another rank); None when the
-        module trains with another recipe."""
+    def _takes_recipe(self, recipe: DelayedScaling) -> bool:
+        """Whether a step under ``recipe`` that this module did not run in on this rank reduces
+        and updates its states (it may have run on another rank): False when the module trains
+        with another recipe; else the recipe is adopted."""
         if self._recipe_code is not None and self._recipe_code != recipe_code(recipe):
-            return None
+            return False
         self._adopt_recipe(recipe)
-        return self._fwd_state if role == "fwd" else self._bwd_state
+        return True
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A backward update held back by reentrant checkpointing (see autocast.BackwardStep)
@@ -221,7 +243,8 @@ class Fp8State:
                 if prefix + key in missing_keys:
                     missing_keys.remove(prefix + key)
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
-        amax_step.await_recipe(self._fp8_index, self)
+        self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
+        amax_step.await_recipe(self._scaling_states[0])
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
 

@@ -8,9 +8,28 @@
 
 #include "../cuda_checks.h"
 #include "kernels.h"
+#include "../../prepared_update.h"
 
 namespace transformer_fp8 {
 namespace {
+
+// The update of checked tensors (see prepared_update.h): one launch for all of them.
+void run_update_cuda(const UpdateTensor* tensors, size_t count, int margin, AmaxAlgo algo,
+                     c10::Device device) {
+  const c10::cuda::CUDAGuard guard(device);
+  std::vector<cuda::DelayedScalingTensor> desc(count);
+  for (size_t i = 0; i < count; ++i) {
+    const UpdateTensor& t = tensors[i];
+    desc[i] = {t.history, t.scale, t.scale_inv, t.history_len, t.columns, t.fp8_max};
+  }
+  // The descriptors travel as kernel parameters: no device copy, nothing kept between calls.
+  const auto status = cuda::launch_update_delayed_scaling(
+      desc.data(), static_cast<int64_t>(count), margin, algo,
+      c10::cuda::getCurrentCUDAStream());
+  TFP8_CHECK_LAUNCH(status, "update_delayed_scaling");
+}
+
+const RegisterUpdateRunner register_cuda_runner(c10::DeviceType::CUDA, &run_update_cuda);
 
 void update_delayed_scaling_cuda(at::TensorList amax_histories, at::TensorList scales,
                                  at::TensorList scale_invs, at::ArrayRef<double> fp8_maxes,
@@ -18,19 +37,9 @@ void update_delayed_scaling_cuda(at::TensorList amax_histories, at::TensorList s
   check_delayed_scaling_args(amax_histories, scales, scale_invs, fp8_maxes, margin);
   const AmaxAlgo algo = parse_amax_algo(amax_compute_algo);
   check_cuda_tensor(amax_histories[0], "amax_histories[0]");
-  const c10::cuda::CUDAGuard guard(amax_histories[0].device());
-
-  std::vector<cuda::DelayedScalingTensor> desc(amax_histories.size());
-  for (size_t i = 0; i < desc.size(); ++i) {
-    desc[i] = {amax_histories[i].data_ptr<float>(), scales[i].data_ptr<float>(),
-               scale_invs[i].data_ptr<float>(), amax_histories[i].size(0),
-               amax_histories[i].size(1), fp8_maxes[i]};
-  }
-  // The descriptors travel as kernel parameters: no device copy, nothing kept between calls.
-  const auto status = cuda::launch_update_delayed_scaling(
-      desc.data(), static_cast<int64_t>(desc.size()), static_cast<int>(margin), algo,
-      c10::cuda::getCurrentCUDAStream());
-  TFP8_CHECK_LAUNCH(status, "update_delayed_scaling");
+  const auto tensors = update_tensors(amax_histories, scales, scale_invs, fp8_maxes);
+  run_update_cuda(tensors.data(), tensors.size(), static_cast<int>(margin), algo,
+                  amax_histories[0].device());
 }
 
 at::Tensor compute_scale_from_amax_cuda(const at::Tensor& amax, double fp8_max, int64_t margin) {

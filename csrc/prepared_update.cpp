@@ -1,0 +1,110 @@
+// DelayedScalingBatch: the tensors of one delayed-scaling update, checked once and kept, so that
+// a training step's update is one call with no list to convert or check again (converting and
+// checking 900 tensors cost ~100 us of host time per call). Every call still compares each
+// tensor's address, type and shape with those it checked (a few ns per tensor) and checks them
+// all again when any differs, so memory swapped behind its back (.data = ...) is never written
+// through a stale pointer. (The tensors are held: their memory cannot be freed meanwhile.)
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "checks/checks.h"
+#include "prepared_update.h"
+
+namespace transformer_fp8 {
+
+UpdateRunner& update_runner(c10::DeviceType device) {
+  static std::array<UpdateRunner, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>
+      runners{};
+  return runners.at(static_cast<size_t>(device));
+}
+
+namespace {
+
+// Where a checked tensor's data was and its shape: if a tensor still matches, the checks still
+// hold for it (its memory is the same bytes, of the same type and layout).
+struct Seen {
+  const void* data;
+  int64_t size0, size1;  // size1: -1 for a 1-d tensor
+  caffe2::TypeMeta dtype;
+
+  static Seen of(const c10::TensorImpl* t) {
+    return {address(t), t->size(0), t->dim() == 2 ? t->size(1) : -1, t->dtype()};
+  }
+  static const void* address(const c10::TensorImpl* t) {
+    return static_cast<const char*>(t->storage().data()) + t->storage_offset() * t->itemsize();
+  }
+  // (Cheaper than Seen::of(t) == *this: no copy, and the dimension is compared first.)
+  bool matches(const c10::TensorImpl* t, int64_t dims) const {
+    return t->dim() == dims && t->is_contiguous() && t->dtype() == dtype &&
+           t->size(0) == size0 && (dims == 1 || t->size(1) == size1) && address(t) == data;
+  }
+};
+
+class DelayedScalingBatch : public torch::CustomClassHolder {
+ public:
+  DelayedScalingBatch(std::vector<at::Tensor> amax_histories, std::vector<at::Tensor> scales,
+                      std::vector<at::Tensor> scale_invs, std::vector<double> fp8_maxes)
+      : histories_(std::move(amax_histories)), scales_(std::move(scales)),
+        scale_invs_(std::move(scale_invs)), fp8_maxes_(std::move(fp8_maxes)) {
+    check();
+  }
+
+  // update_delayed_scaling(histories, scales, scale_invs, fp8_maxes, margin, amax_compute_algo)
+  void update(int64_t margin, const std::string& amax_compute_algo) {
+    check_margin(margin);
+    const AmaxAlgo algo = parse_amax_algo(amax_compute_algo);
+    if (!unchanged()) check();
+    const c10::Device device = histories_[0].device();
+    const UpdateRunner runner = update_runner(device.type());
+    TORCH_CHECK(runner != nullptr, "transformer_fp8: update_delayed_scaling has no kernel for ",
+                device, " in this build");
+    runner(tensors_.data(), tensors_.size(), static_cast<int>(margin), algo, device);
+  }
+
+  int64_t size() const { return static_cast<int64_t>(histories_.size()); }
+
+ private:
+  void check() {
+    check_delayed_scaling_args(histories_, scales_, scale_invs_, fp8_maxes_, 0);
+    tensors_ = update_tensors(histories_, scales_, scale_invs_, fp8_maxes_);
+    seen_.clear();
+    seen_.reserve(3 * histories_.size());
+    for (const auto* list : {&histories_, &scales_, &scale_invs_})
+      for (const at::Tensor& t : *list) seen_.push_back(Seen::of(t.unsafeGetTensorImpl()));
+  }
+
+  bool unchanged() const {
+    const size_t count = histories_.size();
+    for (size_t i = 0; i < count; ++i) {
+      if (!seen_[i].matches(histories_[i].unsafeGetTensorImpl(), 2) ||
+          !seen_[count + i].matches(scales_[i].unsafeGetTensorImpl(), 1) ||
+          !seen_[2 * count + i].matches(scale_invs_[i].unsafeGetTensorImpl(), 1))
+        return false;
+    }
+    return true;
+  }
+
+  std::vector<at::Tensor> histories_, scales_, scale_invs_;
+  std::vector<double> fp8_maxes_;
+  std::vector<UpdateTensor> tensors_;  // the raw pointers the runner reads, made by check()
+  std::vector<Seen> seen_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(transformer_fp8, m) {
+  // DelayedScalingBatch(amax_histories, scales, scale_invs, fp8_maxes): checked as
+  // update_delayed_scaling checks them; .update(margin, amax_compute_algo) then does what
+  // update_delayed_scaling does with them.
+  m.class_<DelayedScalingBatch>("DelayedScalingBatch")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<double>>())
+      .def("update", &DelayedScalingBatch::update)
+      .def("__len__", &DelayedScalingBatch::size);
+}
+
+}  // namespace transformer_fp8

@@ -1,0 +1,102 @@
+"""ScalingState: one module's delayed-scaling state for one role ("fwd": input and weight of each
+GEMM; "bwd": grad_output of each GEMM), the object the step machinery (amax_step.py) registers,
+reduces and updates: the module's amax history [L, n], scale [n] and scale_inv [n] buffers. (The
+format maximum and the margin are the step's recipe's: every state a step covers has adopted it.)
+
+The step machinery keeps prepared updates (update_plan.py) built from these tensors. So that it
+never updates a tensor the module no longer holds, every change of what a state holds goes
+through ``bind``, which bumps one process-wide generation number: a prepared update made under
+an older generation is made again. The states' owner (quantization/state.py's Fp8State) binds
+them when its buffers are made, moved, replaced, reloaded or re-sized, or its recipe changes.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+_current = [0]  # the generation number now; read on every step
+
+
+def generation() -> int:
+    return _current[0]
+
+
+def bump_generation() -> None:
+    """Something the prepared updates were built from has changed: they are made again."""
+    _current[0] += 1  # (a plain list item: torch.compile traces it as a side effect)
+
+
+class ScalingState:
+    """One module's (history, scale, scale_inv) for one role. ``key`` is the module's
+    creation index: it orders the states of a step identically on every rank. ``recipe_code``
+    is the owner's recipe record (None: no recipe adopted yet); ``takes_recipe(recipe)`` asks
+    the owner whether a step under ``recipe`` covers this state, adopting the recipe if it has
+    none (see amax_step.AmaxStep)."""
+
+    __slots__ = ("key", "role", "history", "scale", "scale_inv", "device", "plan",
+                 "_takes_recipe", "__weakref__")
+
+    def __init__(self, key: int, role: str, takes_recipe: Callable[[object], bool]):
+        self.key, self.role = key, role
+        self._takes_recipe = takes_recipe
+        self.history = self.scale = self.scale_inv = None
+        self.device = None
+        self.plan = None  # the last prepared update built with this state (update_plan.py)
+
+    def bind(self, history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        self.history, self.scale, self.scale_inv = history, scale, scale_inv
+        self.device = history.device
+        self.plan = None
+        bump_generation()
+
+    def takes_recipe(self, recipe) -> bool:
+        return self._takes_recipe(recipe)
+
+    def __repr__(self) -> str:
+        shape = None if self.history is None else tuple(self.history.shape)
+        return f"ScalingState(key={self.key}, role={self.role!r}, history={shape})"
+
+
+def weak_method(method) -> Callable:
+    """A callable that calls ``method`` (bound) without keeping its object alive: a state must
+    not keep its module alive (False once the module is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        return False if bound is None else bound(*args)
+    return call
+
+
+# Every state of the process by (creation index, role), weakly: the layout of the cross-rank
+# reduction, identical on every rank that built the same model. A state that goes away bumps
+# the generation (it leaves the reductions that covered every state).
+_STATES: dict = {}
+
+
+def register(state: ScalingState) -> None:
+    k = (state.key, state.role)
+
+    def gone(_ref, k=k):
+        if _STATES.get(k) is _ref:
+            del _STATES[k]
+        bump_generation()
+    _STATES[k] = weakref.ref(state, gone)
+    bump_generation()
+
+
+def registered(role: str) -> list[ScalingState]:
+    """The live states of ``role``, by creation index."""
+    found = []
+    for (key, r), ref in sorted(list(_STATES.items())):
+        state = ref()
+        if r == role and state is not None:
+            found.append(state)
+    return found
+
+
+def find(key: int, role: str) -> Optional[ScalingState]:
+    ref = _STATES.get((key, role))
+    return None if ref is None else ref()

@@ -1,0 +1,103 @@
+"""UpdatePlan: what one step's reduction and update do with a set of ScalingStates, prepared once
+and reused by every step that covers the same states while nothing they hold has changed (see
+scaling_state.generation): the lists of histories, scales and scale_invs per device, each held by
+a DelayedScalingBatch of the C++ library (checked once; one call per step and device, no list
+converted or checked again), and the rows that the cross-rank reduction gathers.
+
+Building a plan is O(states) of Python; a step that finds its plan does O(devices) host work.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import ops
+from .recipe import DelayedScaling
+from .scaling_state import ScalingState, generation
+
+
+def _batch_class():
+    try:
+        return torch.classes.transformer_fp8.DelayedScalingBatch
+    except (AttributeError, RuntimeError):  # a library built before it existed: the lists
+        return None
+
+
+_BATCH = _batch_class()
+
+
+def world_size(group) -> int:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1
+    return torch.distributed.get_world_size(group)
+
+
+def all_reduce_max(buffer: torch.Tensor, group) -> None:
+    """In-place MAX across the group (a no-op for a single process)."""
+    if world_size(group) > 1:
+        torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
+
+
+class UpdatePlan:
+    """The prepared update of ``states`` (ordered by creation index) under ``recipe``, valid
+    while the generation it was built under is the current one."""
+
+    def __init__(self, states: list[ScalingState], recipe: DelayedScaling, role: str):
+        self.generation = generation()  # read first: a change while building invalidates it
+        self.recipe, self.count = recipe, len(states)
+        self.margin = ops._check_margin(recipe.margin)
+        self.devices = frozenset(s.device for s in states)
+        fp8_max = recipe.fp8_format.max_fwd if role == "fwd" else recipe.fp8_format.max_bwd
+        self.histories = [s.history for s in states]
+        by_device: dict = {}
+        for s in states:
+            lists = by_device.setdefault(s.device, ([], [], [], []))
+            for target, value in zip(lists, (s.history, s.scale, s.scale_inv, fp8_max)):
+                target.append(value)
+        self.by_device = list(by_device.items())
+        self._batches: Optional[list] = None  # per device: a DelayedScalingBatch or None
+        self._rows: Optional[tuple] = None
+        # Plans of the steps that also cover the unrecorded states (see amax_step), by key.
+        self.completions: dict = {}
+
+    def is_current(self, recipe) -> bool:
+        return self.generation == generation() and (self.recipe is recipe or self.recipe == recipe)
+
+    def reduce(self, group) -> None:
+        """One collective for the whole step: gather row 0 of every history (in creation-index
+        order, the same layout on every rank), MAX-reduce it, scatter it back."""
+        if self._rows is None:
+            rows = [h[0] for h in self.histories]
+            self._rows = (rows, [r.shape[0] for r in rows])
+        rows, sizes = self._rows
+        recorded = torch.cat(rows)
+        all_reduce_max(recorded, group)
+        torch._foreach_copy_(rows, list(recorded.split(sizes)))
+
+    def update(self) -> None:
+        """The delayed-scaling update of every state, one call per device: a prepared batch for
+        the built-in algorithms on the CPU and CUDA, else the operator (recipe callables, meta
+        tensors, torch.compile)."""
+        recipe = self.recipe
+        algo = recipe.amax_compute_algo
+        batched = (_BATCH is not None and isinstance(algo, str)
+                   and recipe.scaling_factor_compute_algo is None
+                   and not torch.compiler.is_compiling())
+        if batched and self._batches is None:
+            self._batches = [_BATCH(*lists) if device.type in ("cpu", "cuda") else None
+                             for device, lists in self.by_device]
+        margin = self.margin
+        for i, (_, lists) in enumerate(self.by_device):
+            if batched and self._batches[i] is not None:
+                self._batches[i].update(margin, algo)
+            else:
+                ops.update_delayed_scaling(
+                    *lists, margin=margin, amax_compute_algo=algo,
+                    scaling_factor_compute_algo=recipe.scaling_factor_compute_algo,
+                    recipe=recipe)
+
+    def discard(self) -> None:
+        """Forget the amaxes recorded since the last update (row 0 of every history)."""
+        for history in self.histories:
+            history[0].zero_()
