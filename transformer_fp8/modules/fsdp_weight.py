@@ -29,7 +29,7 @@ _KEEPS_TYPE = {
     aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
     aten.as_strided.default, aten.slice.Tensor, aten.split.Tensor,
     aten.split_with_sizes.default, aten.new_zeros.default, aten.new_empty.default,
-    aten.new_empty_strided.default, aten.empty_like.default, aten.zeros_like.default,
+    aten.new_empty_strided.default, aten.empty_like.default,
     aten.clone.default, aten._to_copy.default, aten._pin_memory.default,
 }
 
