@@ -8,6 +8,7 @@ from .integrations.convert import Conv1D, ConversionSummary, convert_to_fp8
 from .integrations.cuda_graphs import make_graphed_callables
 from .integrations.pretrained import load_fp8_state
 from .modules.attention import DotProductAttention, RotaryPositionEmbedding
+from .modules.fsdp_all_gather import enable_fp8_all_gather
 from .modules.grouped_linear import GroupedLinear
 from .modules.layernorm_linear import LayerNormLinear
 from .modules.layernorm_mlp import LayerNormMLP
@@ -61,7 +62,8 @@ __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention
            "GroupedLinear",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
-           "build_info", "checkpoint", "convert_to_fp8", "debug", "fp8_autocast",
+           "build_info", "checkpoint", "convert_to_fp8", "debug", "enable_fp8_all_gather",
+           "fp8_autocast",
            "fp8_model_init", "fused_ops", "is_fp8_available", "load_fp8_state",
            "make_graphed_callables", "ops",
            "quantized_model_init", "recipe", "strip_fp8_state"]

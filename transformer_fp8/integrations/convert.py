@@ -15,6 +15,7 @@ import torch
 from ..quantization import autocast as fp8_context
 from ..quantization.quantizer import ALIGN
 from ..quantization.state import history_len_for
+from ..modules.fsdp_all_gather import enable_fp8_all_gather
 from ..modules.linear import Linear
 from ..quantization.recipe import Recipe
 
@@ -79,7 +80,8 @@ class ConversionSummary:
 
 
 def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
-                   recipe: Optional[Recipe] = None, return_summary: bool = False):
+                   recipe: Optional[Recipe] = None, return_summary: bool = False,
+                   fp8_all_gather: bool = False):
     """Turn, in place, every torch.nn.Linear in ``module`` into a transformer_fp8.Linear, and
     every HuggingFace transformers Conv1D (GPT-2's transposed linear layer) into a
     transformer_fp8.Conv1D.
@@ -90,11 +92,17 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     way, as nn.MultiheadAttention's out_proj does). filter_fn(layer, fully_qualified_name) ->
     bool chooses which layers; by default those whose in_features and out_features are
     multiples of 16. recipe: the recipe the layers will train with, so that their FP8 state has
-    its final shapes from the start (see Linear).
+    its final shapes from the start (see Linear). fp8_all_gather: under FSDP2's fully_shard
+    the converted Linear layers' weights are all-gathered in FP8 (modules/fsdp_all_gather.py;
+    their weight Parameters become ShardedWeight, the same objects); call it before
+    fully_shard. Conv1D weights, stored transposed, are gathered in high precision.
 
     Returns ``module``, or with return_summary=True a ConversionSummary. Layers left in high
     precision are reported in one warning, with the reason for each.
     """
+    if not isinstance(fp8_all_gather, bool):
+        raise TypeError(f"convert_to_fp8: fp8_all_gather must be True or False, got "
+                        f"{fp8_all_gather!r}")
     filter_fn = filter_fn or _default_filter
     if recipe is None:
         recipe = fp8_context.init_recipe()  # from quantized_model_init, if any
@@ -125,6 +133,15 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
         if recipe is not None:
             child.prepare_fp8_recipe(recipe)
         summary.converted.append(name)
+    if fp8_all_gather:
+        for name in summary.converted:
+            layer = module.get_submodule(name)
+            if type(layer) is Linear:
+                enable_fp8_all_gather(layer)
+            else:
+                warnings.warn(f"convert_to_fp8: the weight of {name or '(the module itself)'} "
+                              f"({type(layer).__name__}) is all-gathered in high precision",
+                              stacklevel=2)
     if summary.skipped or not summary.converted:
         warnings.warn(str(summary), stacklevel=2)
     return summary if return_summary else module

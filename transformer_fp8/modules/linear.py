@@ -17,6 +17,7 @@ from ..quantization.quantizer import pad_rows
 from ..quantization.recipe import Recipe
 from ..quantization.state import FP8_STATE_KEYS, history_len_for
 from .base import Fp8StateMixin
+from .fsdp_all_gather import check_fp8_all_gather, enable_fp8_all_gather
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes
 
@@ -86,7 +87,9 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
     e.g. query_weight / key_weight / value_weight), fuse_wgrad_accumulation and
     delay_wgrad_compute (wgrad.py); its parallelism options are accepted at their defaults
     (te_args.py). recipe: the recipe the layer will train with, which sizes its amax histories
-    now rather than at the first FP8 forward.
+    now rather than at the first FP8 forward. fp8_all_gather: under FSDP2's fully_shard the
+    weight is all-gathered in FP8 (fsdp_all_gather.py; not with parameters_split,
+    fuse_wgrad_accumulation or delay_wgrad_compute).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
@@ -94,7 +97,8 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
                  params_dtype: Optional[torch.dtype] = None, recipe: Optional[Recipe] = None,
                  init_method: Optional[Callable] = None, return_bias: bool = False,
                  parameters_split=None, fuse_wgrad_accumulation: bool = False,
-                 delay_wgrad_compute: bool = False, **te_options):
+                 delay_wgrad_compute: bool = False, fp8_all_gather: bool = False,
+                 **te_options):
         if isinstance(device, torch.dtype):
             raise TypeError(f"Linear: argument 'device' must be a device, got the dtype {device} "
                             "(the fourth argument is device, as in torch.nn.Linear; pass the "
@@ -104,6 +108,9 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
             raise ValueError(f"Linear: 'dtype' ({dtype}) and 'params_dtype' ({params_dtype}) are "
                              "two names for the parameters' dtype and must agree; pass one")
         parts = split_sizes("Linear", parameters_split, out_features)
+        check_fp8_all_gather("Linear", fp8_all_gather, parameters_split=parts,
+                             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                             delay_wgrad_compute=delay_wgrad_compute)
         super().__init__(in_features, out_features, bias=bias, device=device,
                          dtype=dtype if dtype is not None else params_dtype)
         self._init_te_module(fuse_wgrad_accumulation, delay_wgrad_compute)
@@ -120,6 +127,8 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
             recipe = _autocast.init_recipe()  # from quantized_model_init, if any
         self._register_fp8_state(self.weight_nk().device, history_len_for(recipe))
         self.prepare_fp8_recipe(recipe)
+        if fp8_all_gather:
+            enable_fp8_all_gather(self)
 
     def _init_converted(self) -> None:
         """The Transformer Engine attributes of an nn.Linear that convert_to_fp8 turned into

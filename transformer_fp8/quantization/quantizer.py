@@ -217,6 +217,11 @@ class Fp8Plan:
     def quantize_weight(self, weight: torch.Tensor, with_transpose: bool) -> Quantized:
         if self.weight_fp8 is not None:
             return self.weight_fp8
+        gathered = getattr(weight, "fp8_operand", None)  # FSDP2's FP8 all-gather gave it
+        if gathered is not None and self.weight_quantizer.cache_key == TensorQuantizer.cache_key:
+            operand = gathered(self.weight_quantizer.dtype, with_transpose)
+            if operand is not None:
+                return operand
         return self.weight_quantizer.cast(weight, with_transpose)
 
     def on_backward(self) -> None:

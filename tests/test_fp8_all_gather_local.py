@@ -1,0 +1,110 @@
+"""fp8_all_gather in one process (no FSDP2): the weights it turns into ShardedWeight compute,
+train and checkpoint exactly as plain Parameters; the FP8 operand of a gathered weight is bit
+for bit the cast of the weight and of its transpose; bad arguments are refused before anything
+changes. (Under FSDP2: tests/test_fsdp_fp8_all_gather.py.)"""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from integration_compare import assert_bit_identical, step_batches, train
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import ops
+from transformer_fp8.modules.fsdp_weight import GatheredFp8Weight, ShardedWeight
+
+RECIPE = tfp8.DelayedScaling(amax_history_len=8, amax_compute_algo="most_recent")
+
+
+def _model(fp8_all_gather: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tfp8.Linear(32, 48, recipe=RECIPE, fp8_all_gather=fp8_all_gather),
+                                torch.nn.ReLU(), tfp8.LayerNormMLP(48, 64, recipe=RECIPE))
+    if fp8_all_gather:
+        tfp8.enable_fp8_all_gather(model)
+    return model
+
+
+def test_sharded_weights_train_exactly_as_plain_parameters():
+    batches = step_batches(torch.Generator().manual_seed(1), 4, 16, 32)
+    plain, wrapped = _model(False), _model(True)
+    assert isinstance(wrapped[0].weight, ShardedWeight)
+    assert isinstance(wrapped[0].weight, torch.nn.Parameter)
+    assert isinstance(wrapped[2].fc2_weight, ShardedWeight)
+    assert_bit_identical(train(wrapped, wrapped, batches, RECIPE),
+                         train(plain, plain, batches, RECIPE))
+    x = batches[0]
+    assert torch.equal(wrapped(x), plain(x)), "outside fp8_autocast"
+    assert isinstance(wrapped[0].weight, ShardedWeight), "the optimizer keeps the type"
+
+
+def test_state_dict_holds_plain_weights_and_loads_back():
+    wrapped = _model(True)
+    state = wrapped.state_dict()
+    assert list(state) == list(_model(False).state_dict())
+    assert all(type(v) is torch.Tensor for v in state.values())
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    other = _model(True)
+    with torch.no_grad():
+        other[0].weight.mul_(2)
+    other.load_state_dict(loaded)
+    assert isinstance(other[0].weight, ShardedWeight)
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+def test_gathered_operand_is_the_cast_of_the_weight_and_its_transpose():
+    torch.manual_seed(2)
+    weight = torch.randn(48, 32)
+    scale = torch.tensor([37.5])
+    data, data_t = ops.cast_transpose_to_fp8(weight, scale, torch.float8_e4m3fn)
+    gathered = GatheredFp8Weight(data, scale, scale.reciprocal(), torch.float32)
+    operand = gathered.fp8_operand(torch.float8_e4m3fn, with_transpose=True)
+    assert torch.equal(operand.data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(operand.data_t.view(torch.uint8), data_t.view(torch.uint8))
+    assert gathered.fp8_operand(torch.float8_e5m2, with_transpose=False) is None
+    # Any other use sees the dequantised weight; writing into it is refused.
+    expected = ops.cast_from_fp8(data, scale.reciprocal(), torch.float32)
+    x = torch.randn(4, 32)
+    assert torch.equal(torch.nn.functional.linear(x, gathered), x @ expected.t())
+    with pytest.raises(RuntimeError, match="read-only"):
+        gathered.add_(1.0)
+
+
+def test_bad_arguments_are_refused_before_anything_changes():
+    with pytest.raises(TypeError, match="fp8_all_gather must be True or False"):
+        tfp8.Linear(32, 32, fp8_all_gather=1)
+    with pytest.raises(TypeError, match="fp8_all_gather must be True or False"):
+        tfp8.convert_to_fp8(torch.nn.Linear(32, 32), fp8_all_gather="yes")
+    for options in ({"parameters_split": ["a", "b"]}, {"fuse_wgrad_accumulation": True},
+                    {"delay_wgrad_compute": True}):
+        with pytest.raises(ValueError, match=f"fp8_all_gather=True cannot be combined with "
+                                             f"\\['{next(iter(options))}'\\]"):
+            tfp8.Linear(32, 32, fp8_all_gather=True, **options)
+    model = torch.nn.Sequential(tfp8.Linear(32, 32),
+                                tfp8.Linear(32, 32, parameters_split=["a", "b"]))
+    with pytest.raises(ValueError, match=r"cannot be all-gathered in FP8 .*\['1'\]"):
+        tfp8.enable_fp8_all_gather(model)
+    assert type(model[0].weight) is torch.nn.Parameter, "nothing changed"
+
+
+class Conv1D(torch.nn.Module):
+    """transformers' Conv1D layout (weight [in, out]), recognised by convert_to_fp8."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = torch.nn.Parameter(torch.zeros(nf))
+
+
+def test_convert_gathers_a_transposed_weight_in_high_precision_with_a_warning():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), Conv1D(32, 32))
+    with pytest.warns(UserWarning, match=r"weight of 1 \(Conv1D\) is all-gathered in high"):
+        tfp8.convert_to_fp8(model, recipe=RECIPE, fp8_all_gather=True)
+    assert isinstance(model[0].weight, ShardedWeight)
+    assert type(model[1]) is tfp8.Conv1D and type(model[1].weight) is torch.nn.Parameter

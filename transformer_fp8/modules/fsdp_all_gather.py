@@ -1,0 +1,284 @@
+"""FP8 weight all-gather under FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+``enable_fp8_all_gather(model)`` turns the GEMM weights of the model's FP8 modules into
+ShardedWeight (fsdp_weight.py). When FSDP2 all-gathers such a weight:
+
+* in the forward, inside an enabled fp8_autocast with DelayedScaling: each rank casts its shard
+  with the module's current weight scale (the same on every rank: the scales are the result of
+  the step's all-reduced amaxes) and records the shard's amax into the weight's history slot.
+  One byte per element crosses the wire; the gathered data is bit for bit the cast of the full
+  weight, and the step's amax reduction (MAX across the group, which must contain the FSDP
+  group) turns the shards' amaxes into the full weight's, with no extra collective. The module's
+  GEMMs take the gathered FP8 weight as their operand (quantizer.Fp8Plan.quantize_weight).
+* in the backward (FSDP2 gathers again where it resharded after forward): the forward's form,
+  with the forward's scale and no amax recorded, so the backward sees the forward's weight.
+* anywhere else (outside fp8_autocast, calibration, a module that runs in high precision, a
+  recipe other than DelayedScaling, amaxes not reduced over the FSDP group): the high-precision
+  shard, so that the module computes exactly what it computes without FSDP. Under another recipe
+  this is said once in a warning.
+
+FSDP2 sizes its all-gather buffers at the first all-gather of a weight and reuses them; when a
+weight switches between the FP8 and the high-precision form, its buffers are dropped so that
+FSDP2 makes new ones (``_drop_fsdp_buffers``, which reads FSDP2's per-parameter state of torch
+2.11).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import ops
+from ..quantization import autocast as _autocast
+from ..quantization.quantizer import ALIGN
+from ..quantization.recipe import DelayedScaling, Format
+from ..quantization.roles import delayed_quantizers
+from .fsdp_weight import GatheredFp8Weight, ShardedWeight
+
+
+class GatherForm(NamedTuple):
+    """How a weight is all-gathered: in high precision (fp8_dtype None) or cast to fp8_dtype
+    with ``scale`` (``scale_inv`` its inverse; copies, which the scale update leaves alone)."""
+
+    fp8_dtype: Optional[torch.dtype] = None
+    scale: Optional[torch.Tensor] = None
+    scale_inv: Optional[torch.Tensor] = None
+
+
+HIGH_PRECISION = GatherForm()
+_warned: set = set()
+
+
+def _warn_once(key, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _group_ranks(group) -> frozenset:
+    import torch.distributed as dist
+    return frozenset(dist.get_process_group_ranks(group))
+
+
+def _amaxes_reduced_over(state, mesh) -> bool:
+    """Whether the step's amax reduction covers every rank of the FSDP group (then every rank
+    holds the same scales, and the shards' amaxes become the full weight's)."""
+    if mesh.size() == 1:
+        return True
+    if not state.recipe.reduce_amax:
+        return False
+    if state.group is None:
+        return True  # the default group: every rank
+    return _group_ranks(mesh.get_group()) <= _group_ranks(state.group)
+
+
+def _forward_form(module) -> GatherForm:
+    """FP8 with the module's delayed weight scale where its forward will run FP8 GEMMs under
+    DelayedScaling; else high precision."""
+    state = _autocast.current_state()
+    if module._fp8_override is not None and state is not None:
+        state = module._fp8_override.state_for(state)
+    if state is None or not state.enabled:
+        return HIGH_PRECISION
+    recipe = state.recipe
+    if not isinstance(recipe, DelayedScaling):
+        _warn_once(type(recipe), f"fp8_all_gather: under {type(recipe).__name__} the weights are "
+                   "all-gathered in high precision (FP8 all-gather is implemented for "
+                   "DelayedScaling only)")
+        return HIGH_PRECISION
+    if recipe.fp8_format is Format.E5M2:
+        return HIGH_PRECISION  # the module refuses it in its forward
+    if any(d % ALIGN for dims in module._gemm_dims() for d in dims):
+        return HIGH_PRECISION  # the module runs in high precision
+    return GatherForm(recipe.fp8_format.fwd_dtype)
+
+
+def _cast_shard(shard: ShardedWeight, module, form: GatherForm) -> tuple:
+    """(the shard cast to FP8, the form with the scale used). Without a scale yet (the
+    forward's gather): the module's delayed weight scale, the shard's amax recorded into the
+    weight's history slot; with one (the backward's): that scale, nothing recorded."""
+    x = shard._data
+    if form.scale is not None:
+        return ops.cast_to_fp8(x, form.scale, form.fp8_dtype), form
+    state = _autocast.current_state()
+    if module._fp8_override is not None:
+        state = module._fp8_override.state_for(state)
+    module._adopt_recipe(state.recipe)
+    quantizer = delayed_quantizers(module, state.recipe.fp8_format)[shard._gemm][1]
+    q = quantizer.cast(x, with_transpose=False)
+    return q.data, GatherForm(form.fp8_dtype, q.scale.clone(), q.scale_inv)
+
+
+def all_gather_inputs(shard: ShardedWeight, mesh, outer_size, module, mp_policy):
+    """fsdp_pre_all_gather: (the tensors this rank contributes, metadata)."""
+    if _in_backward() and shard._forward_form is not None:
+        form = shard._forward_form
+    else:
+        form = _forward_form(module)
+        if form.fp8_dtype is not None and not _amaxes_reduced_over(
+                _autocast.current_state(), mesh):
+            _warn_once("group", "fp8_all_gather: the amax reduction of fp8_autocast does not "
+                       "cover the FSDP group (reduce_amax=False or another fp8_group): the "
+                       "weights are all-gathered in high precision")
+            form = HIGH_PRECISION
+    x = shard._data
+    if form.fp8_dtype is None:
+        param_dtype = mp_policy.param_dtype if mp_policy is not None else None
+        data = x if param_dtype is None or param_dtype == x.dtype else x.to(param_dtype)
+    else:
+        data, form = _cast_shard(shard, module, form)
+        data = data.view(torch.uint8)  # one byte per element (any backend moves uint8)
+    if not _in_backward():
+        shard._forward_form = form
+    layout = (form.fp8_dtype is None, data.dtype)
+    if shard._last_layout is not None and shard._last_layout != layout:
+        _drop_fsdp_buffers(shard)
+    shard._last_layout = layout
+    # FSDP2 gathers equal pieces: pad this shard's rows to the padded shard size.
+    padded_rows = math.ceil(outer_size[0] / mesh.size())
+    if data.shape[0] != padded_rows:
+        padded = data.new_zeros((padded_rows,) + tuple(data.shape[1:]))
+        padded[:data.shape[0]].copy_(data)
+        data = padded
+    return (data,), (form, outer_size[0])
+
+
+def gathered_weight(all_gather_outputs, metadata, param_dtype, out):
+    """fsdp_post_all_gather: the full weight from what arrived (a GatheredFp8Weight, or the
+    high-precision tensor), and the tensors whose storage FSDP2 frees after use."""
+    (gathered,), (form, rows) = all_gather_outputs, metadata
+    if form.fp8_dtype is None:
+        if out is not None:
+            return None  # out is a view of the same buffer, which FSDP2 has refilled
+        return gathered, (gathered,)
+    data = gathered.view(form.fp8_dtype)[:rows]
+    if out is not None:
+        out._refill(data, form.scale, form.scale_inv)
+        return None
+    return GatheredFp8Weight(data, form.scale, form.scale_inv, param_dtype), (gathered,)
+
+
+def _drop_fsdp_buffers(shard: ShardedWeight) -> None:
+    """Let FSDP2 make the all-gather buffers and the unsharded Parameter of ``shard`` afresh
+    (its gathered form changed: other dtype or size)."""
+    from torch.distributed._composable_state import _module_state_mapping
+    for state_ref in list(_module_state_mapping.values()):
+        group = getattr(state_ref(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            if fsdp_param.sharded_param._local_tensor is not shard:
+                continue
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None and (unsharded.grad is not None
+                                          or fsdp_param.unsharded_accumulated_grad is not None):
+                raise RuntimeError(
+                    "fp8_all_gather: a weight holding an unreduced gradient (gradient "
+                    "accumulation without reduce-scatter) cannot switch between FP8 and "
+                    "high-precision all-gather; run every microbatch of a step inside or "
+                    "outside fp8_autocast alike")
+            fsdp_param.all_gather_outputs = []
+            fsdp_param._unsharded_inner_tensors = []
+            if unsharded is not None:
+                del fsdp_param._unsharded_param
+            return
+    raise RuntimeError("fp8_all_gather: FSDP2's state for a weight was not found")
+
+
+# ---- turning it on ---------------------------------------------------------------------------
+
+def _plain_weights_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict hook: the weights as plain high-precision tensors (a DTensor of the plain
+    shard under FSDP2), sharing their storage, so checkpoints hold no tensor subclass and a
+    load (torch.distributed.checkpoint loads in place) writes into the weights."""
+    for name, param in module._parameters.items():
+        key = prefix + name
+        value = state_dict.get(key)
+        if value is None or not isinstance(param, ShardedWeight) and not _is_sharded_dtensor(
+                value):
+            continue
+        state_dict[key] = _plain(value)
+
+
+def _is_sharded_dtensor(value) -> bool:
+    return isinstance(getattr(value, "_local_tensor", None), ShardedWeight)
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, ShardedWeight):
+        return value._data
+    if _is_sharded_dtensor(value):
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(value._local_tensor._data, value.device_mesh,
+                                  value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    return value
+
+
+def _weight_parameter_names(module) -> list:
+    """(GEMM index, Parameter name) of each GEMM weight of an FP8 module that is a Parameter of
+    its own (not split into parts, not stored transposed)."""
+    names = []
+    for gemm, weight in enumerate(module.fp8_weights()):
+        for name, param in module._parameters.items():
+            if param is weight:
+                names.append((gemm, name))
+    return names
+
+
+def check_fp8_all_gather(owner: str, fp8_all_gather, **options) -> None:
+    """A module's fp8_all_gather argument: a bool, and not with the options (name -> value)
+    that keep its weight from being gathered in FP8."""
+    if not isinstance(fp8_all_gather, bool):
+        raise TypeError(f"{owner}: fp8_all_gather must be True or False, got {fp8_all_gather!r}")
+    if fp8_all_gather:
+        given = [name for name, value in options.items() if value]
+        if given:
+            raise ValueError(f"{owner}: fp8_all_gather=True cannot be combined with {given} "
+                             "(the weight must be one Parameter, with no gradient routing)")
+
+
+def enable_fp8_all_gather(model: torch.nn.Module) -> list:
+    """Make the GEMM weights of every FP8 module in ``model`` all-gather in FP8 under FSDP2
+    (see the module docstring). Call it before ``fully_shard`` and before building the
+    optimizer: each weight Parameter becomes a ShardedWeight (the same object where
+    torch.utils.swap_tensors can change it in place). Returns the qualified names of the
+    weights changed; the FP8 modules whose weights cannot be (parameters_split, a weight stored
+    transposed, fuse_wgrad_accumulation or delay_wgrad_compute) are named in an error."""
+    from .base import Fp8StateMixin
+    modules = [(q, m) for q, m in model.named_modules() if isinstance(m, Fp8StateMixin)]
+    refused = [q or type(m).__name__ for q, m in modules
+               if len(_weight_parameter_names(m)) != len(m.fp8_weights())
+               or getattr(m, "_wgrad", None) is not None]
+    if refused:  # checked before anything changes
+        raise ValueError(
+            "fp8_all_gather: the weights of these FP8 modules cannot be all-gathered in FP8 "
+            "(parameters_split, a weight stored transposed such as Conv1D's, "
+            f"fuse_wgrad_accumulation or delay_wgrad_compute): {refused}")
+    for qualified, module in modules:
+        for gemm, name in _weight_parameter_names(module):
+            param = module._parameters[name]
+            if type(param) is not torch.nn.Parameter and not isinstance(param, ShardedWeight):
+                raise TypeError(f"enable_fp8_all_gather: {qualified}.{name} is a "
+                                f"{type(param).__name__}; call it before fully_shard")
+    changed = []
+    for qualified, module in modules:
+        for gemm, name in _weight_parameter_names(module):
+            param = module._parameters[name]
+            if isinstance(param, ShardedWeight):
+                continue
+            new = torch.nn.Parameter(ShardedWeight(param.data, gemm),
+                                     requires_grad=param.requires_grad)
+            try:
+                torch.utils.swap_tensors(param, new)
+            except RuntimeError:
+                module._parameters[name] = new
+            changed.append(f"{qualified}.{name}" if qualified else name)
+        if not getattr(module, "_fp8_all_gather_hook", False):
+            module._register_state_dict_hook(_plain_weights_in_state_dict)
+            module._fp8_all_gather_hook = True
+    return changed
