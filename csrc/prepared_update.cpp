@@ -4,10 +4,12 @@
 // tensor's address, type and shape with those it checked (a few ns per tensor) and checks them
 // all again when any differs, so memory swapped behind its back (.data = ...) is never written
 // through a stale pointer. (The tensors are held: their memory cannot be freed meanwhile.)
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <array>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -30,9 +32,10 @@ struct Seen {
   const void* data;
   int64_t size0, size1;  // size1: -1 for a 1-d tensor
   caffe2::TypeMeta dtype;
+  c10::Device device;
 
   static Seen of(const c10::TensorImpl* t) {
-    return {address(t), t->size(0), t->dim() == 2 ? t->size(1) : -1, t->dtype()};
+    return {address(t), t->size(0), t->dim() == 2 ? t->size(1) : -1, t->dtype(), t->device()};
   }
   static const void* address(const c10::TensorImpl* t) {
     return static_cast<const char*>(t->storage().data()) + t->storage_offset() * t->itemsize();
@@ -40,7 +43,8 @@ struct Seen {
   // (Cheaper than Seen::of(t) == *this: no copy, and the dimension is compared first.)
   bool matches(const c10::TensorImpl* t, int64_t dims) const {
     return t->dim() == dims && t->is_contiguous() && t->dtype() == dtype &&
-           t->size(0) == size0 && (dims == 1 || t->size(1) == size1) && address(t) == data;
+           t->size(0) == size0 && (dims == 1 || t->size(1) == size1) && address(t) == data &&
+           t->device() == device;
   }
 };
 
@@ -55,26 +59,36 @@ class DelayedScalingBatch : public torch::CustomClassHolder {
 
   // update_delayed_scaling(histories, scales, scale_invs, fp8_maxes, margin, amax_compute_algo)
   void update(int64_t margin, const std::string& amax_compute_algo) {
+    RECORD_FUNCTION("transformer_fp8::DelayedScalingBatch.update", std::vector<c10::IValue>());
     check_margin(margin);
     const AmaxAlgo algo = parse_amax_algo(amax_compute_algo);
+    // Python calls custom-class methods without the GIL: one update (and re-check) at a time.
+    std::lock_guard<std::mutex> lock(mutex_);
     if (!unchanged()) check();
     const c10::Device device = histories_[0].device();
     const UpdateRunner runner = update_runner(device.type());
     TORCH_CHECK(runner != nullptr, "transformer_fp8: update_delayed_scaling has no kernel for ",
                 device, " in this build");
     runner(tensors_.data(), tensors_.size(), static_cast<int>(margin), algo, device);
+    // As the operator's Tensor(a!) schema would: the tensors were written in place.
+    for (const auto* list : {&histories_, &scales_, &scale_invs_})
+      for (const at::Tensor& t : *list) t.unsafeGetTensorImpl()->bump_version();
   }
 
   int64_t size() const { return static_cast<int64_t>(histories_.size()); }
 
  private:
+  // Checks everything; only then replaces what update() reads (a refusal changes nothing).
   void check() {
     check_delayed_scaling_args(histories_, scales_, scale_invs_, fp8_maxes_, 0);
-    tensors_ = update_tensors(histories_, scales_, scale_invs_, fp8_maxes_);
-    seen_.clear();
-    seen_.reserve(3 * histories_.size());
+    std::vector<UpdateTensor> tensors = update_tensors(histories_, scales_, scale_invs_,
+                                                       fp8_maxes_);
+    std::vector<Seen> seen;
+    seen.reserve(3 * histories_.size());
     for (const auto* list : {&histories_, &scales_, &scale_invs_})
-      for (const at::Tensor& t : *list) seen_.push_back(Seen::of(t.unsafeGetTensorImpl()));
+      for (const at::Tensor& t : *list) seen.push_back(Seen::of(t.unsafeGetTensorImpl()));
+    tensors_.swap(tensors);
+    seen_.swap(seen);
   }
 
   bool unchanged() const {
@@ -92,6 +106,7 @@ class DelayedScalingBatch : public torch::CustomClassHolder {
   std::vector<double> fp8_maxes_;
   std::vector<UpdateTensor> tensors_;  // the raw pointers the runner reads, made by check()
   std::vector<Seen> seen_;
+  std::mutex mutex_;
 };
 
 }  // namespace

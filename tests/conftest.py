@@ -66,6 +66,19 @@ def device(request) -> str:
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def _forget_compiled_fp8_modules():
+    """A test that compiled FP8 modules leaves them noted for every later step of their recipe
+    (amax_step.note_compiled) while torch.compile's caches keep them alive: forget them after
+    it, so that tests run in any order see only their own modules."""
+    yield
+    from transformer_fp8.quantization import amax_step
+    if amax_step._COMPILED_MODULES:
+        torch._dynamo.reset()
+        amax_step._COMPILED_MODULES.clear()
+        amax_step._HELD_BACKWARD_STEPS.clear()
+
+
 @pytest.fixture
 def gen(request) -> torch.Generator:
     """A CPU generator seeded from the session seed and this test's id."""

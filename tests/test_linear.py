@@ -372,7 +372,12 @@ def test_zero_rows_and_1d_input(gen, shape):
     out, d_x, _ = fp8_step(layer, x, grad)
     assert out.shape == (*shape[:-1], 16) and d_x.shape == x.shape
     if x.numel():
-        assert sqnr(ref(x), out) >= 23
+        # 16 output values make a noisy SQNR (median 31.5 dB, minimum 16.7 over 600 seeds): a
+        # loose bound for the values, and the exact property: a 1-d input is one row.
+        assert sqnr(ref(x), out) >= 12
+        with fp8_autocast(fp8_recipe=RECIPE):
+            as_vector, as_rows = layer(x), layer(x.reshape(-1, 32))
+        assert torch.equal(as_vector, as_rows.reshape(as_vector.shape))
 
 
 def test_float64_input_runs_in_high_precision(gen):

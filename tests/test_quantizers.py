@@ -160,3 +160,20 @@ def test_a_recipe_is_added_by_registering_its_quantizers(gen, monkeypatch):
     # bias gradients come with the grad_output cast (cast_fused -> cast here: current scaling)
     assert _CountingQuantizer.casts == ["input", "weight", "grad_output"]
     assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+
+
+def test_a_pickled_module_holds_no_quantizer(gen, tmp_path):
+    """Whole-module pickles (torch.save(model)) carry the state, not the caches made from it:
+    no quantizer or quantised weight, so they load whatever those classes become."""
+    import pickle
+    recipe = tfp8.DelayedScaling(amax_history_len=4)
+    layer = tfp8.Linear(32, 32, recipe=recipe)
+    x = randn(gen, 16, 32)
+    with tfp8.fp8_autocast(fp8_recipe=recipe):
+        layer(x, is_first_microbatch=True).sum().backward()
+    assert layer._delayed_cast_cache is not None and layer._weight_cache[0] is not None
+    data = pickle.dumps(layer)
+    assert b"Quantizer" not in data and b"Quantized" not in data
+    loaded = pickle.loads(data)
+    with tfp8.fp8_autocast(fp8_recipe=recipe):
+        assert torch.equal(loaded(x), layer(x))

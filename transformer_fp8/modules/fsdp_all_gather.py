@@ -33,7 +33,7 @@ import torch
 from .. import ops
 from ..quantization import autocast as _autocast
 from ..quantization.quantizer import ALIGN
-from ..quantization.recipe import DelayedScaling, Format
+from ..quantization.recipe import FP8_ALL_GATHER_RECIPES, Format
 from ..quantization.roles import delayed_quantizers
 from .fsdp_weight import GatheredFp8Weight, ShardedWeight
 
@@ -87,7 +87,7 @@ def _forward_form(module) -> GatherForm:
     if state is None or not state.enabled:
         return HIGH_PRECISION
     recipe = state.recipe
-    if not isinstance(recipe, DelayedScaling):
+    if not isinstance(recipe, FP8_ALL_GATHER_RECIPES):
         _warn_once(type(recipe), f"fp8_all_gather: under {type(recipe).__name__} the weights are "
                    "all-gathered in high precision (FP8 all-gather is implemented for "
                    "DelayedScaling only)")

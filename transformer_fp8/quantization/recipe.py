@@ -186,6 +186,9 @@ BLOCK_RECIPES = (Float8BlockScaling, Float8RowwiseScaling)
 RECIPE_TYPES = (DelayedScaling, Float8CurrentScaling) + BLOCK_RECIPES
 # The recipes whose steps a captured CUDA graph can hold (integrations/cuda_graphs.py).
 GRAPHABLE_RECIPES = (DelayedScaling, Float8CurrentScaling)
+# The recipes whose weight scale is known before the step, so that FSDP2 can all-gather weight
+# shards cast with it (modules/fsdp_all_gather.py).
+FP8_ALL_GATHER_RECIPES = (DelayedScaling,)
 # The recipes with no amax history or scale in the module state.
 STATELESS_RECIPES = (Float8CurrentScaling,) + BLOCK_RECIPES
 

@@ -146,6 +146,10 @@ class Fp8State:
         state = dict(self.__dict__)
         state["_replay_records"] = None
         state.pop("_scaling_states", None)  # the copy gets its own (__setstate__)
+        # Caches (quantizers over the buffers, quantised weights) are made again on use: a
+        # pickle holds no quantizer object, so it does not depend on where those classes live.
+        state["_delayed_cast_cache"] = None
+        state["_weight_cache"] = [None] * self._num_gemms
         return state
 
     def _apply(self, fn, recurse=True):

@@ -67,10 +67,12 @@ class UpdatePlan:
     def reduce(self, group) -> None:
         """One collective for the whole step: gather row 0 of every history (in creation-index
         order, the same layout on every rank), MAX-reduce it, scatter it back."""
-        if self._rows is None:
+        pointers = [h.data_ptr() for h in self.histories]
+        if self._rows is None or self._rows[2] != pointers:
+            # (Views made again when a history's memory was swapped behind the plan: .data.)
             rows = [h[0] for h in self.histories]
-            self._rows = (rows, [r.shape[0] for r in rows])
-        rows, sizes = self._rows
+            self._rows = (rows, [r.shape[0] for r in rows], pointers)
+        rows, sizes, _ = self._rows
         recorded = torch.cat(rows)
         all_reduce_max(recorded, group)
         torch._foreach_copy_(rows, list(recorded.split(sizes)))
@@ -81,9 +83,12 @@ class UpdatePlan:
         tensors, torch.compile)."""
         recipe = self.recipe
         algo = recipe.amax_compute_algo
+        # The batch writes the tensors directly: under a dispatch mode (FakeTensorMode, make_fx
+        # without compiling) the operator must run, so that the mode sees the update.
         batched = (_BATCH is not None and isinstance(algo, str)
                    and recipe.scaling_factor_compute_algo is None
-                   and not torch.compiler.is_compiling())
+                   and not torch.compiler.is_compiling()
+                   and torch._C._len_torch_dispatch_stack() == 0)
         if batched and self._batches is None:
             self._batches = [_BATCH(*lists) if device.type in ("cpu", "cuda") else None
                              for device, lists in self.by_device]
