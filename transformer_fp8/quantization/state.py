@@ -78,7 +78,6 @@ class Fp8State:
         self._num_gemms = num_gemms
         self._recipe_code: Optional[list[int]] = None
         self._new_scaling_states()
-        self._fp8_maxes = (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd)
         self._weight_cache = [None] * num_gemms
         self._delayed_cast_cache = None  # see _delayed_casts
         self._replay_records = checkpointing.ReplayRecords()
@@ -179,7 +178,7 @@ class Fp8State:
 
     def _adopt_recipe(self, recipe: DelayedScaling) -> None:
         """Match the history length to the recipe (a new length starts a fresh history; the
-        scales are kept), record the recipe fields and the format maxima the update uses. Host
+        scales are kept) and record the recipe fields. Host
         work only when the recipe changes."""
         code = recipe_code(recipe)
         if code == self._recipe_code:
@@ -198,7 +197,6 @@ class Fp8State:
                 history.data = history.new_zeros(recipe.amax_history_len, history.shape[1])
                 self._delayed_cast_cache = None  # its views see the old storage
         self.fp8_recipe_fields.copy_(torch.tensor(code, dtype=torch.int64))
-        self._fp8_maxes = (recipe.fp8_format.max_fwd, recipe.fp8_format.max_bwd)
         self._recipe_code = code
         amax_step.recipe_adopted(self._fp8_index)
         if torch.compiler.is_compiling():
