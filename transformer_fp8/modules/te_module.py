@@ -92,6 +92,9 @@ class TeModuleMixin:
 
     def _param(self, logical: str, routed: bool = True) -> Optional[torch.Tensor]:
         """The tensor the computation uses for ``logical`` (None for an absent bias)."""
+        names = self._parts.get(logical)
+        if names is not None and len(names) == 1 and (not routed or self._wgrad is None):
+            return self._parameters[names[0]]  # one Parameter, nothing routed: the common case
         params = [p for p in self._parameters_of(logical) if p is not None]
         if not params:
             return None

@@ -36,6 +36,8 @@ def recipe_adopted(key: int) -> None:
 
 def adopt_recipe_for_waiting_modules(recipe: DelayedScaling) -> None:
     """Called when an fp8_autocast under ``recipe`` is entered (see _AWAITING_RECIPE)."""
+    if not _AWAITING_RECIPE:
+        return  # the steady state: every module has its recipe
     for state in list(_AWAITING_RECIPE.values()):
         if not state.scale.is_meta:  # (a meta module adopts when materialised)
             state.takes_recipe(recipe)

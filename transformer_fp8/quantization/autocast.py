@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
@@ -37,6 +37,9 @@ class AutocastState:
     # Calibration: modules that run in high precision record their GEMM inputs' and weights'
     # amaxes (delayed scaling; see calibration.py), updated at the outermost exit as usual.
     calibrating: bool = False
+    # The key of this (recipe, group)'s steps: one object per equal (recipe, group), hashed by
+    # identity (a tuple key would hash the recipe's fields at every record).
+    step_key: object = field(default=None, compare=False, repr=False)
 
 
 
@@ -63,7 +66,7 @@ def forward_pass_id() -> int:
 
 
 def _key(state: AutocastState):
-    return (state.recipe, state.group)
+    return state.step_key
 
 
 def current_state() -> Optional[AutocastState]:
@@ -113,15 +116,23 @@ def _exit_outermost(failed: bool) -> None:
 
 
 _STATES: dict = {}
+_STEP_KEYS: dict = {}
+_LAST_STATE: list = [None]
 
 
 def _state_for(enabled: bool, recipe: Recipe, group, calibrating: bool = False) -> AutocastState:
     """One AutocastState object per (enabled, recipe, group, calibrating): torch.compile guards
     on the object a compiled module reads, so a new one at every step would recompile every
     step."""
+    last = _LAST_STATE[0]
+    if (last is not None and last.recipe is recipe and last.group is group
+            and last.enabled is enabled and last.calibrating is calibrating):
+        return last  # (the same objects as the last context's: no recipe hashed)
     key = (enabled, recipe, group, calibrating)
     if key not in _STATES:
-        _STATES[key] = AutocastState(enabled, recipe, group, calibrating)
+        step_key = _STEP_KEYS.setdefault((recipe, group), object())
+        _STATES[key] = AutocastState(enabled, recipe, group, calibrating, step_key)
+    _LAST_STATE[0] = _STATES[key]
     return _STATES[key]
 
 

@@ -178,10 +178,14 @@ class Fp8State:
 
     def _adopt_recipe(self, recipe: DelayedScaling) -> None:
         """Match the history length to the recipe (a new length starts a fresh history; the
-        scales are kept) and record the recipe fields. Host
-        work only when the recipe changes."""
+        scales are kept) and record the recipe fields. Host work only when the recipe changes."""
+        adopted = self.__dict__.get("_adopted_recipe")
+        if adopted is not None and adopted[0] is recipe and adopted[1] is self._recipe_code:
+            return  # the same recipe object as last time, and nothing reset the record since
         code = recipe_code(recipe)
         if code == self._recipe_code:
+            if not torch.compiler.is_compiling():  # (a traced forward writes no Python state)
+                self.__dict__["_adopted_recipe"] = (recipe, self._recipe_code)
             return
         for name in HISTORIES:
             history = getattr(self, name)
