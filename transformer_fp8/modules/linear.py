@@ -35,16 +35,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_q = plan.input_quantizer.cast(pad_rows(inp_2d), with_transpose=needs_weight_grad)
         w_q = plan.quantize_weight(weight, with_transpose=needs_input_grad)
         plan.keep_used(x_q, w_q)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        if bias is not None and bias.dtype != plan.out_dtype:
+            bias = bias.to(plan.out_dtype)
         out = plan.gemm(x_q.data, x_q.scale_inv, w_q.data, w_q.scale_inv, plan.out_dtype,
-                        bias=None if bias is None else bias.to(plan.out_dtype), fast_accum=True)
+                        bias=bias, fast_accum=True)
         # Backward needs only the FP8 transposes: the high-precision input is not kept.
         ctx.save_for_backward(x_q.data_t, x_q.scale_inv_t, w_q.data_t, w_q.scale_inv_t)
         ctx.plan = plan
         ctx.rows, ctx.lead_shape = inp_2d.shape[0], inp.shape[:-1]
         ctx.in_features, ctx.out_features = in_features, out_features
         ctx.inp_dtype, ctx.weight_dtype = inp.dtype, weight.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return out[:ctx.rows].reshape(*ctx.lead_shape, out_features)
+        return _unpad(out, ctx.rows, ctx.lead_shape, out_features)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -53,7 +55,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         needs_input_grad, needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[:3]
         plan = ctx.plan
         plan.on_backward()  # the grad_output update runs when this backward pass ends
-        g_2d = grad_out.reshape(-1, ctx.out_features)
+        g_2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.out_features)
         # The bias gradient comes from the same read of grad_output as its cast.
         g_q, grad_bias = plan.grad_quantizer.cast_grad_output(
             g_2d, with_transpose=needs_weight_grad, with_dbias=needs_bias_grad)
@@ -61,14 +63,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if needs_input_grad:
             # dgrad [M, K] = grad_out [M, N] @ weight [N, K]; the b operand is weight^T [K, N]
             grad_inp = plan.gemm(g_q.data, g_q.scale_inv, w_t_fp8, w_t_scale_inv, ctx.inp_dtype)
-            grad_inp = grad_inp[:ctx.rows].reshape(*ctx.lead_shape, ctx.in_features)
+            grad_inp = _unpad(grad_inp, ctx.rows, ctx.lead_shape, ctx.in_features)
         if needs_weight_grad:
             # wgrad [N, K] = grad_out^T [N, M] @ input [M, K]; the b operand is input^T [K, M]
             grad_weight = plan.gemm(g_q.data_t, g_q.scale_inv_t, x_t_fp8, x_t_scale_inv,
                                     ctx.weight_dtype)
-        if needs_bias_grad:
+        if needs_bias_grad and grad_bias.dtype != ctx.bias_dtype:
             grad_bias = grad_bias.to(ctx.bias_dtype)
         return grad_inp, grad_weight, grad_bias, None
+
+
+def _unpad(out: torch.Tensor, rows: int, lead_shape, features: int) -> torch.Tensor:
+    """The GEMM output [padded rows, features] as [*lead_shape, features]."""
+    if out.shape[0] != rows:
+        out = out[:rows]
+    return out if len(lead_shape) == 1 else out.reshape(*lead_shape, features)
 
 
 class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
