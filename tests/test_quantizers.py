@@ -177,3 +177,42 @@ def test_a_pickled_module_holds_no_quantizer(gen, tmp_path):
     loaded = pickle.loads(data)
     with tfp8.fp8_autocast(fp8_recipe=recipe):
         assert torch.equal(loaded(x), layer(x))
+
+
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+def test_grouped_linear_under_block_recipes_is_a_linear_per_expert(gen, recipe):
+    """Each expert's rows through Linear's function with the expert's weight, empty experts
+    included: bit for bit what a Linear of that expert gives."""
+    torch.manual_seed(6)
+    grouped = tfp8.GroupedLinear(3, 128, 32)
+    splits = [24, 0, 40]
+    x = randn(gen, sum(splits), 128)
+    with tfp8.fp8_autocast(fp8_recipe=recipe):
+        out = grouped(x, splits)
+    start = 0
+    for i, rows in enumerate(splits):
+        expert = tfp8.Linear(128, 32)
+        with torch.no_grad():
+            expert.weight.copy_(getattr(grouped, f"weight{i}"))
+            expert.bias.copy_(getattr(grouped, f"bias{i}"))
+        if rows:
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                expected = expert(x[start:start + rows])
+            assert torch.equal(out[start:start + rows], expected), f"expert {i}"
+        start += rows
+
+
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+def test_layernorm_mlp_keeps_its_block_quantised_weights_across_microbatches(gen, recipe):
+    torch.manual_seed(7)
+    m = tfp8.LayerNormMLP(128, 256)
+    x1, x2 = randn(gen, 16, 128), randn(gen, 16, 128)
+    with tfp8.fp8_autocast(fp8_recipe=recipe):
+        first = m(x1, is_first_microbatch=True)
+        kept = [cached for cached in m._weight_cache]
+        second = m(x2, is_first_microbatch=False)
+        reused = list(m._weight_cache)
+        fresh = m(x2)  # quantised again: the same values, the weights have not changed
+    assert all(c is not None for c in kept)
+    assert all(a is b for a, b in zip(reused, kept))  # reused, not quantised again
+    assert torch.equal(second, fresh) and first.shape == second.shape
