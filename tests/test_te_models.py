@@ -289,9 +289,14 @@ def _modules(kind, **options):
 KINDS = ["linear", "layernorm_linear", "mlp", "grouped"]
 
 
+WGRAD_RECIPES = [pytest.param(RECIPE, id="delayed"),
+                 pytest.param(te.Float8BlockScaling(), id="block")]
+
+
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
 @pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fuse_wgrad_accumulation_adds_to_main_grad(kind, fp8):
+def test_fuse_wgrad_accumulation_adds_to_main_grad(kind, fp8, recipe):
     module, ref, call, weights = _modules(kind, fuse_wgrad_accumulation=True)
     params = dict(module.named_parameters())
     for n in weights:
@@ -300,7 +305,7 @@ def test_fuse_wgrad_accumulation_adds_to_main_grad(kind, fp8):
     xs = [torch.randn(16, 32) for _ in range(3)]
     for step, x in enumerate(xs):
         first = step == 0  # is_first_microbatch=True writes over main_grad
-        with te.fp8_autocast(enabled=fp8, fp8_recipe=RECIPE):
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
             call(module, x, is_first_microbatch=first).square().sum().backward()
             call(ref, x, is_first_microbatch=first).square().sum().backward()
     ref_params = dict(ref.named_parameters())
@@ -318,13 +323,14 @@ def test_fuse_wgrad_accumulation_adds_to_main_grad(kind, fp8):
         call_fresh(fresh, xs[0]).sum().backward()
 
 
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
 @pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_delay_wgrad_compute_hands_gradients_over_in_backward_dw(kind, fp8):
+def test_delay_wgrad_compute_hands_gradients_over_in_backward_dw(kind, fp8, recipe):
     module, ref, call, weights = _modules(kind, delay_wgrad_compute=True)
     x = torch.randn(16, 32)
     xm, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with te.fp8_autocast(enabled=fp8, fp8_recipe=RECIPE):
+    with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
         call(module, xm).square().sum().backward()
         call(ref, xr).square().sum().backward()
     assert torch.equal(xm.grad, xr.grad)
