@@ -10,12 +10,18 @@ ShardedWeight (fsdp_weight.py). When FSDP2 all-gathers such a weight:
   weight, and the step's amax reduction (MAX across the group, which must contain the FSDP
   group) turns the shards' amaxes into the full weight's, with no extra collective. The module's
   GEMMs take the gathered FP8 weight as their operand (quantizer.Fp8Plan.quantize_weight).
+* in the forward, inside an enabled fp8_autocast with Float8CurrentScaling: each rank casts its
+  shard with the scale of the full weight's amax. The first FP8 all-gather of a step takes the
+  amax of every weight shard of the FSDP group and all-reduces them (MAX) in ONE collective
+  (fsdp_current_scale.py); the scale follows TensorQuantizer.current's rule, so the gathered
+  data is bit for bit TensorQuantizer.current's cast of the full weight.
 * in the backward (FSDP2 gathers again where it resharded after forward): the forward's form,
   with the forward's scale and no amax recorded, so the backward sees the forward's weight.
 * anywhere else (outside fp8_autocast, calibration, a module that runs in high precision, a
-  recipe other than DelayedScaling, amaxes not reduced over the FSDP group): the high-precision
+  block recipe, DelayedScaling amaxes not reduced over the FSDP group): the high-precision
   shard, so that the module computes exactly what it computes without FSDP. Under another recipe
-  this is said once in a warning.
+  this is said once in a warning. (The delayed-scaling check of the amax reduction's group
+  does not apply to current scaling, which reduces over the FSDP group itself.)
 
 FSDP2 sizes its all-gather buffers at the first all-gather of a weight and reuses them; when a
 weight switches between the FP8 and the high-precision form, its buffers are dropped so that
@@ -33,8 +39,10 @@ import torch
 from .. import ops
 from ..quantization import autocast as _autocast
 from ..quantization.quantizer import ALIGN
-from ..quantization.recipe import FP8_ALL_GATHER_RECIPES, Format
+from ..quantization.recipe import (FP8_ALL_GATHER_RECIPES, DelayedScaling, Float8CurrentScaling,
+                                   Format)
 from ..quantization.roles import delayed_quantizers
+from .fsdp_current_scale import _group_ranks, current_weight_scale
 from .fsdp_weight import GatheredFp8Weight, ShardedWeight
 
 
@@ -61,11 +69,6 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _group_ranks(group) -> frozenset:
-    import torch.distributed as dist
-    return frozenset(dist.get_process_group_ranks(group))
-
-
 def _amaxes_reduced_over(state, mesh) -> bool:
     """Whether the step's amax reduction covers every rank of the FSDP group (then every rank
     holds the same scales, and the shards' amaxes become the full weight's)."""
@@ -78,19 +81,25 @@ def _amaxes_reduced_over(state, mesh) -> bool:
     return _group_ranks(mesh.get_group()) <= _group_ranks(state.group)
 
 
-def _forward_form(module) -> GatherForm:
-    """FP8 with the module's delayed weight scale where its forward will run FP8 GEMMs under
-    DelayedScaling; else high precision."""
+def _module_state(module):
+    """The fp8_autocast state the module's forward runs under (its override applied), or None."""
     state = _autocast.current_state()
     if module._fp8_override is not None and state is not None:
         state = module._fp8_override.state_for(state)
+    return state
+
+
+def _forward_form(module) -> GatherForm:
+    """FP8 where the module's forward will run FP8 GEMMs under DelayedScaling or
+    Float8CurrentScaling (the scale is chosen by _cast_shard); else high precision."""
+    state = _module_state(module)
     if state is None or not state.enabled:
         return HIGH_PRECISION
     recipe = state.recipe
     if not isinstance(recipe, FP8_ALL_GATHER_RECIPES):
         _warn_once(type(recipe), f"fp8_all_gather: under {type(recipe).__name__} the weights are "
                    "all-gathered in high precision (FP8 all-gather is implemented for "
-                   "DelayedScaling only)")
+                   "DelayedScaling and Float8CurrentScaling only)")
         return HIGH_PRECISION
     if recipe.fp8_format is Format.E5M2:
         return HIGH_PRECISION  # the module refuses it in its forward
@@ -99,16 +108,20 @@ def _forward_form(module) -> GatherForm:
     return GatherForm(recipe.fp8_format.fwd_dtype)
 
 
-def _cast_shard(shard: ShardedWeight, module, form: GatherForm) -> tuple:
+def _cast_shard(shard: ShardedWeight, module, form: GatherForm, mesh) -> tuple:
     """(the shard cast to FP8, the form with the scale used). Without a scale yet (the
-    forward's gather): the module's delayed weight scale, the shard's amax recorded into the
-    weight's history slot; with one (the backward's): that scale, nothing recorded."""
+    forward's gather): under Float8CurrentScaling the scale of the full weight's amax (agreed
+    by all ranks, fsdp_current_scale.py); under DelayedScaling the module's delayed weight
+    scale, the shard's amax recorded into the weight's history slot. With one (the
+    backward's): that scale, nothing recorded."""
     x = shard._data
     if form.scale is not None:
         return ops.cast_to_fp8(x, form.scale, form.fp8_dtype), form
-    state = _autocast.current_state()
-    if module._fp8_override is not None:
-        state = module._fp8_override.state_for(state)
+    state = _module_state(module)
+    if isinstance(state.recipe, Float8CurrentScaling):
+        scale = current_weight_scale(shard, mesh, form.fp8_dtype)
+        return (ops.cast_to_fp8(x, scale, form.fp8_dtype),
+                GatherForm(form.fp8_dtype, scale, scale.reciprocal()))
     module._adopt_recipe(state.recipe)
     quantizer = delayed_quantizers(module, state.recipe.fp8_format)[shard._gemm][1]
     q = quantizer.cast(x, with_transpose=False)
@@ -121,7 +134,8 @@ def all_gather_inputs(shard: ShardedWeight, mesh, outer_size, module, mp_policy)
         form = shard._forward_form
     else:
         form = _forward_form(module)
-        if form.fp8_dtype is not None and not _amaxes_reduced_over(
+        if form.fp8_dtype is not None and isinstance(
+                _module_state(module).recipe, DelayedScaling) and not _amaxes_reduced_over(
                 _autocast.current_state(), mesh):
             _warn_once("group", "fp8_all_gather: the amax reduction of fp8_autocast does not "
                        "cover the FSDP group (reduce_amax=False or another fp8_group): the "
@@ -132,7 +146,7 @@ def all_gather_inputs(shard: ShardedWeight, mesh, outer_size, module, mp_policy)
         param_dtype = mp_policy.param_dtype if mp_policy is not None else None
         data = x if param_dtype is None or param_dtype == x.dtype else x.to(param_dtype)
     else:
-        data, form = _cast_shard(shard, module, form)
+        data, form = _cast_shard(shard, module, form, mesh)
         data = data.view(torch.uint8)  # one byte per element (any backend moves uint8)
     if not _in_backward():
         shard._forward_form = form
