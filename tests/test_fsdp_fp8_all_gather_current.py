@@ -54,6 +54,11 @@ class Counting:
         setattr(self.owner, self.name, self._original)
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy with the same strides (a block scale layout is part of what is checked)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t)
+
+
 class Operands:
     """The FP8 weight operands the GEMMs take from the all-gathers (data, transpose, scale_inv)."""
 
@@ -66,8 +71,9 @@ class Operands:
             q = self._original(weight, *args)
             if q is not None:
                 self.taken.append({
-                    "data": q.data.view(torch.uint8).clone(), "scale_inv": q.scale_inv.clone(),
-                    "data_t": None if q.data_t is None else q.data_t.view(torch.uint8).clone()})
+                    "data": q.data.view(torch.uint8).clone(), "scale_inv": _copy(q.scale_inv),
+                    "data_t": None if q.data_t is None else q.data_t.view(torch.uint8).clone(),
+                    "scale_inv_t": None if q.data_t is None else _copy(q.scale_inv_t)})
             return q
         GatheredFp8Weight.fp8_operand = keeping
         return self
