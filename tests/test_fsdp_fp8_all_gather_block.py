@@ -18,7 +18,11 @@ from dataclasses import asdict
 import torch
 from integration_compare import StepRecord, assert_bit_identical, record_step
 from multiprocess import WORLD, run_ranks
-from test_fsdp_fp8_all_gather import GatherBytes, _batch, pytestmark  # noqa: F401
+from test_fsdp_fp8_all_gather import (
+    GatherBytes,
+    _batch,
+    pytestmark,  # noqa: F401 (the same skip)
+)
 from test_fsdp_fp8_all_gather_current import Operands
 
 import transformer_fp8 as tfp8
@@ -116,7 +120,8 @@ def test_block_scaling_gathers_the_block_cast_of_the_full_weight(tmp_path):
                 assert torch.equal(got["scale_inv"], want.scale_inv), (step, name)
                 assert got["scale_inv"].stride() == want.scale_inv.stride(), (step, name)
                 # (row blocks that no two ranks could swap unseen)
-                assert all(col.unique().numel() == col.numel() > 1 for col in got["scale_inv"].t()), (name, got["scale_inv"])
+                assert all(col.unique().numel() == col.numel() > 1
+                           for col in got["scale_inv"].t()), (name, got["scale_inv"])
                 assert (got["data_t"] is None) == (name == "0.weight"), (step, name)
                 if got["data_t"] is not None:
                     assert torch.equal(got["data_t"], want.data_t.view(torch.uint8))

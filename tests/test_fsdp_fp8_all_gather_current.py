@@ -4,7 +4,8 @@ Every rank casts its weight shard with the scale of the FULL weight's amax: the 
 all weights' amaxes with ONE all_reduce(MAX) per step (counted), and the gathered FP8 weight is
 bit for bit TensorQuantizer.current's cast of the full weight (and its transpose); losses and
 every gradient equal those of the run with high-precision all-gathers, bit for bit; each weight
-all-gather moves at most 55% of the bytes. A recipe with no FP8 all-gather falls back to the
+all-gather moves at most 55% of the bytes. Where each rank is an FSDP group of its own, nothing
+is reduced across ranks. A recipe with no FP8 all-gather falls back to the
 high-precision all-gather with one warning. (DelayedScaling: tests/test_fsdp_fp8_all_gather.py.)
 """
 from __future__ import annotations
@@ -17,8 +18,14 @@ import torch
 import torch.distributed as dist
 from integration_compare import StepRecord, assert_bit_identical, record_step
 from multiprocess import WORLD, run_ranks
-from test_fsdp_fp8_all_gather import (GATHERED_GEMMS, GatherBytes, _batch, _model,  # noqa: F401
-                                      _train, pytestmark)
+from test_fsdp_fp8_all_gather import (
+    GATHERED_GEMMS,
+    GatherBytes,
+    _batch,
+    _model,
+    _train,
+    pytestmark,  # noqa: F401 (the same skip)
+)
 
 import transformer_fp8 as tfp8
 from transformer_fp8.modules import fsdp_current_scale
@@ -180,3 +187,50 @@ def test_a_recipe_without_fp8_all_gather_falls_back_to_high_precision(tmp_path):
         assert len(fp8["warnings"]) == 1 and "Float8RowwiseScaling" in fp8["warnings"][0]
         assert_bit_identical([StepRecord(**r) for r in fp8["steps"]],
                              [StepRecord(**r) for r in high["steps"]])
+
+
+def _worker_one_rank_groups(rank, out_dir):
+    # Each rank its own FSDP group and fp8_group of one rank, and its own weights (seed): the
+    # weights' amaxes are not to be reduced with the other rank's.
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    groups = [dist.new_group([r]) for r in range(WORLD)]
+    mesh = DeviceMesh.from_group(groups[rank], "cpu")
+    result = {}
+    for flag in (False, True):
+        torch.manual_seed(rank)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(),
+                                    torch.nn.Linear(48, 16))
+        tfp8.convert_to_fp8(model, recipe=CURRENT, fp8_all_gather=flag)
+        for layer in model:
+            if isinstance(layer, tfp8.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        records = []
+        with Operands() as operands, Counting(fsdp_current_scale, "all_reduce_max") as batched:
+            for step in range(STEPS):
+                with tfp8.fp8_autocast(fp8_recipe=CURRENT, fp8_group=groups[rank]):
+                    loss = model(_batch(rank, step)).square().mean()
+                loss.backward()
+                records.append(asdict(record_step(loss, model)))
+                opt.step()
+                opt.zero_grad()
+        result[str(flag)] = {"steps": records, "operands": len(operands.taken),
+                             "batched": batched.steps}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_current_scaling_with_one_rank_fsdp_groups_reduces_nothing_across_ranks(tmp_path):
+    run_ranks(_worker_one_rank_groups, (str(tmp_path),), tmp_path)
+    losses = []
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        high, fp8 = result["False"], result["True"]
+        assert_bit_identical([StepRecord(**r) for r in fp8["steps"]],
+                             [StepRecord(**r) for r in high["steps"]])
+        assert fp8["operands"] == 2 * STEPS
+        # A one-rank FSDP group: the amaxes stay on the rank, no all-reduce at all.
+        assert fp8["batched"] == [[]], fp8["batched"]
+        losses.append(fp8["steps"][0]["loss"])
+    assert not torch.equal(losses[0], losses[1]), "the ranks train different models"

@@ -42,15 +42,23 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import ops
-from ..quantization import autocast as _autocast
-from ..quantization.quantizer import ALIGN
 from ..ops.blockwise import BLOCK
+from ..quantization import autocast as _autocast
 from ..quantization.blockwise import BlockQuantizer
-from ..quantization.recipe import (FP8_ALL_GATHER_RECIPES, DelayedScaling, Float8BlockScaling,
-                                   Float8CurrentScaling, Format)
+from ..quantization.quantizer import ALIGN
+from ..quantization.recipe import (
+    FP8_ALL_GATHER_RECIPES,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+)
 from ..quantization.roles import delayed_quantizers
-from .fsdp_block_gather import (block_shard_inputs, gathered_block_weight,
-                                shards_hold_whole_blocks)
+from .fsdp_block_gather import (
+    block_shard_inputs,
+    gathered_block_weight,
+    shards_hold_whole_blocks,
+)
 from .fsdp_current_scale import _group_ranks, current_weight_scale
 from .fsdp_weight import GatheredFp8Weight, ShardedWeight
 
@@ -212,7 +220,7 @@ def gathered_weight(all_gather_outputs, metadata, param_dtype, out):
     else:
         data, scale_inv = gathered.view(form.fp8_dtype)[:rows], form.scale_inv
     if out is not None:
-        out._refill(data, form.scale, scale_inv)
+        out._refill(data, form.scale, scale_inv, form.block)
         return None
     return (GatheredFp8Weight(data, form.scale, scale_inv, param_dtype, block=form.block),
             tuple(all_gather_outputs))

@@ -46,6 +46,11 @@ def _group_ranks(group) -> frozenset:
     return frozenset(dist.get_process_group_ranks(group))
 
 
+def _mesh_ranks(mesh) -> frozenset:
+    """The ranks of an FSDP shard mesh's group (empty for a single rank: nothing to reduce)."""
+    return _group_ranks(mesh.get_group()) if mesh.size() > 1 else frozenset()
+
+
 def _shards_sharded_over(ranks: frozenset) -> list:
     """Every ShardedWeight shard that FSDP2 holds for a group with these ranks, in the order the
     modules were fully_shard-ed (the same on every rank of the group)."""
@@ -58,7 +63,7 @@ def _shards_sharded_over(ranks: frozenset) -> list:
             if not isinstance(shard, ShardedWeight) or id(shard) in seen:
                 continue
             mesh = fsdp_param.shard_mesh_from_root
-            if mesh.size() > 1 and _group_ranks(mesh.get_group()) != ranks:
+            if _mesh_ranks(mesh) != ranks:
                 continue
             seen.add(id(shard))
             shards.append(shard)
@@ -71,7 +76,8 @@ def _reduce_step_amaxes(ranks: frozenset, group, shard: ShardedWeight) -> _StepA
     if not any(s is shard for s in shards):
         shards.append(shard)  # not found in FSDP2's state: still reduced with the others
     local = torch.stack([ops.amax(s._data).reshape(()) for s in shards])
-    all_reduce_max(local, group)
+    if group is not None:  # (None: a single-rank FSDP group, nothing to agree on)
+        all_reduce_max(local, group)
     return _StepAmaxes(_autocast.forward_pass_id(), ranks, shards, local)
 
 
@@ -80,7 +86,7 @@ def current_weight_scale(shard: ShardedWeight, mesh, fp8_dtype: torch.dtype) -> 
     the same on every rank of ``mesh`` and equal to TensorQuantizer.current's for that weight.
     The first call of a step reduces the amaxes of all weights of the group at once."""
     group = mesh.get_group() if mesh.size() > 1 else None
-    ranks = _group_ranks(group) if group is not None else frozenset()
+    ranks = _mesh_ranks(mesh)
     step = _STEPS.get(ranks)
     amax = None
     if step is not None and step.pass_id == _autocast.forward_pass_id():

@@ -126,9 +126,9 @@ class GatheredFp8Weight(torch.Tensor):
     def _again(self) -> "GatheredFp8Weight":
         return type(self)(self._fp8, self._scale, self._scale_inv, self.dtype, block=self._block)
 
-    def _refill(self, data, scale, scale_inv) -> None:
-        """Point at this step's gathered data and scale (FSDP2 keeps the Parameter object)."""
-        self._fp8, self._scale, self._scale_inv = data, scale, scale_inv
+    def _refill(self, data, scale, scale_inv, block=None) -> None:
+        """Point at this step's gathered data and scale(s) (FSDP2 keeps the Parameter object)."""
+        self._fp8, self._scale, self._scale_inv, self._block = data, scale, scale_inv, block
 
     @property
     def fp8_cache_key(self) -> tuple:
