@@ -108,3 +108,29 @@ def test_convert_gathers_a_transposed_weight_in_high_precision_with_a_warning():
         tfp8.convert_to_fp8(model, recipe=RECIPE, fp8_all_gather=True)
     assert isinstance(model[0].weight, ShardedWeight)
     assert type(model[1]) is tfp8.Conv1D and type(model[1].weight) is torch.nn.Parameter
+
+
+def test_block_gathered_operand_is_the_block_cast_of_the_weight_and_its_transpose():
+    from transformer_fp8.modules.fsdp_weight import block_scales_laid_out
+    from transformer_fp8.quantization.blockwise import BlockQuantizer
+    from transformer_fp8.reference import dequantize_blockwise_reference
+    torch.manual_seed(3)
+    weight = torch.randn(256, 320) * torch.linspace(0.01, 10, 320)  # partial column blocks
+    quantizer = BlockQuantizer(2, torch.float8_e4m3fn, power_2_scale=True)
+    want = quantizer.cast(weight, with_transpose=True)
+    # What the all-gather delivers: the data, and the block scales as plain [2, 3] values.
+    scales = block_scales_laid_out(want.scale_inv.contiguous())
+    gathered = GatheredFp8Weight(want.data, None, scales, torch.float32, block=quantizer)
+    assert gathered.fp8_cache_key == quantizer.cache_key
+    operand = gathered.fp8_operand(torch.float8_e4m3fn, with_transpose=True)
+    assert torch.equal(operand.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(operand.data_t.view(torch.uint8), want.data_t.view(torch.uint8))
+    for got, expected in ((operand.scale_inv, want.scale_inv),
+                          (operand.scale_inv_t, want.scale_inv_t)):
+        assert torch.equal(got, expected) and got.stride() == expected.stride()
+    assert operand.scale is None
+    assert gathered.fp8_operand(torch.float8_e5m2, with_transpose=False) is None
+    # Any other use: the dequantised weight (power-of-two scales: exact in float32).
+    expected = dequantize_blockwise_reference(want.data, want.scale_inv).float()
+    assert torch.equal(gathered.dequantize(), expected)
+    assert torch.equal(gathered.detach().dequantize(), expected)

@@ -7,6 +7,7 @@ FP8 state equal those of the same run with high-precision all-gathers, bit for b
 whose scales change; every weight all-gather moves at most 55% of the bytes. A forward outside
 fp8_autocast gathers in high precision and computes exactly what the model computes without
 FP8 all-gather; distributed checkpoints save and load bit for bit and hold plain weights.
+(Float8CurrentScaling and the other recipes: tests/test_fsdp_fp8_all_gather_current.py.)
 """
 from __future__ import annotations
 
@@ -197,32 +198,3 @@ def test_fp8_all_gather_checkpoint_holds_plain_weights_and_resumes_bit_identical
         assert result["still_sharded_weight"]
         assert_bit_identical([StepRecord(**r) for r in result["got"]],
                              [StepRecord(**r) for r in result["expected"]])
-
-
-CURRENT = tfp8.Float8CurrentScaling()
-
-
-def _worker_current_scaling(rank, out_dir):
-    import warnings
-    result = {}
-    for flag in (False, True):
-        model = _model(0, flag, recipe=CURRENT)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        with GatherBytes() as gathers, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            steps = _train(model, opt, 3, rank, recipe=CURRENT)
-        result[str(flag)] = {"steps": steps, "sent": gathers.sent,
-                             "warnings": [str(w.message) for w in caught
-                                          if "fp8_all_gather" in str(w.message)]}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def test_fp8_all_gather_under_current_scaling_falls_back_to_high_precision(tmp_path):
-    run_ranks(_worker_current_scaling, (str(tmp_path),), tmp_path)
-    for rank in range(WORLD):
-        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        high, fp8 = result["False"], result["True"]
-        assert fp8["sent"] == high["sent"], "high-precision all-gathers"
-        assert len(fp8["warnings"]) == 1 and "Float8CurrentScaling" in fp8["warnings"][0]
-        assert_bit_identical([StepRecord(**r) for r in fp8["steps"]],
-                             [StepRecord(**r) for r in high["steps"]])

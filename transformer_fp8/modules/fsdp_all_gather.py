@@ -10,12 +10,23 @@ ShardedWeight (fsdp_weight.py). When FSDP2 all-gathers such a weight:
   weight, and the step's amax reduction (MAX across the group, which must contain the FSDP
   group) turns the shards' amaxes into the full weight's, with no extra collective. The module's
   GEMMs take the gathered FP8 weight as their operand (quantizer.Fp8Plan.quantize_weight).
+* in the forward, inside an enabled fp8_autocast with Float8CurrentScaling: each rank casts its
+  shard with the scale of the full weight's amax. The first FP8 all-gather of a step takes the
+  amax of every weight shard of the FSDP group and all-reduces them (MAX) in ONE collective
+  (fsdp_current_scale.py); the scale follows TensorQuantizer.current's rule, so the gathered
+  data is bit for bit TensorQuantizer.current's cast of the full weight.
+* in the forward, inside an enabled fp8_autocast with Float8BlockScaling and 128x128 weight
+  blocks (w_block_scaling_dim=2), where FSDP2's row shards hold whole 128-row blocks: each rank
+  quantises its shard's blocks, and the FP8 data travels with the blocks' scale_invs
+  (fsdp_block_gather.py); what arrives is bit for bit the block cast of the full weight.
 * in the backward (FSDP2 gathers again where it resharded after forward): the forward's form,
   with the forward's scale and no amax recorded, so the backward sees the forward's weight.
 * anywhere else (outside fp8_autocast, calibration, a module that runs in high precision, a
-  recipe other than DelayedScaling, amaxes not reduced over the FSDP group): the high-precision
-  shard, so that the module computes exactly what it computes without FSDP. Under another recipe
-  this is said once in a warning.
+  recipe other than these, 1x128 weight blocks, shards that cut a 128x128 block, DelayedScaling
+  amaxes not reduced over the FSDP group): the high-precision shard, so that the module
+  computes exactly what it computes without FSDP. A recipe, block dimension or shard size that
+  keeps FP8 off is said once in a warning. (The delayed-scaling check of the amax reduction's group
+  does not apply to current scaling, which reduces over the FSDP group itself.)
 
 FSDP2 sizes its all-gather buffers at the first all-gather of a weight and reuses them; when a
 weight switches between the FP8 and the high-precision form, its buffers are dropped so that
@@ -31,20 +42,36 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import ops
+from ..ops.blockwise import BLOCK
 from ..quantization import autocast as _autocast
+from ..quantization.blockwise import BlockQuantizer
 from ..quantization.quantizer import ALIGN
-from ..quantization.recipe import FP8_ALL_GATHER_RECIPES, Format
+from ..quantization.recipe import (
+    FP8_ALL_GATHER_RECIPES,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+)
 from ..quantization.roles import delayed_quantizers
+from .fsdp_block_gather import (
+    block_shard_inputs,
+    gathered_block_weight,
+    shards_hold_whole_blocks,
+)
+from .fsdp_current_scale import _group_ranks, current_weight_scale
 from .fsdp_weight import GatheredFp8Weight, ShardedWeight
 
 
 class GatherForm(NamedTuple):
-    """How a weight is all-gathered: in high precision (fp8_dtype None) or cast to fp8_dtype
-    with ``scale`` (``scale_inv`` its inverse; copies, which the scale update leaves alone)."""
+    """How a weight is all-gathered: in high precision (fp8_dtype None), cast to fp8_dtype
+    with ``scale`` (``scale_inv`` its inverse; copies, which the scale update leaves alone), or
+    in 128x128 blocks quantised by ``block`` (no scale: the blocks' scales travel along)."""
 
     fp8_dtype: Optional[torch.dtype] = None
     scale: Optional[torch.Tensor] = None
     scale_inv: Optional[torch.Tensor] = None
+    block: Optional[BlockQuantizer] = None
 
 
 HIGH_PRECISION = GatherForm()
@@ -61,11 +88,6 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _group_ranks(group) -> frozenset:
-    import torch.distributed as dist
-    return frozenset(dist.get_process_group_ranks(group))
-
-
 def _amaxes_reduced_over(state, mesh) -> bool:
     """Whether the step's amax reduction covers every rank of the FSDP group (then every rank
     holds the same scales, and the shards' amaxes become the full weight's)."""
@@ -78,37 +100,59 @@ def _amaxes_reduced_over(state, mesh) -> bool:
     return _group_ranks(mesh.get_group()) <= _group_ranks(state.group)
 
 
-def _forward_form(module) -> GatherForm:
-    """FP8 with the module's delayed weight scale where its forward will run FP8 GEMMs under
-    DelayedScaling; else high precision."""
+def _module_state(module):
+    """The fp8_autocast state the module's forward runs under (its override applied), or None."""
     state = _autocast.current_state()
     if module._fp8_override is not None and state is not None:
         state = module._fp8_override.state_for(state)
+    return state
+
+
+def _forward_form(module) -> GatherForm:
+    """FP8 where the module's forward will run FP8 GEMMs under DelayedScaling or
+    Float8CurrentScaling (the scale is chosen by _cast_shard) or Float8BlockScaling with
+    128x128 weight blocks; else high precision."""
+    state = _module_state(module)
     if state is None or not state.enabled:
         return HIGH_PRECISION
     recipe = state.recipe
     if not isinstance(recipe, FP8_ALL_GATHER_RECIPES):
         _warn_once(type(recipe), f"fp8_all_gather: under {type(recipe).__name__} the weights are "
                    "all-gathered in high precision (FP8 all-gather is implemented for "
-                   "DelayedScaling only)")
+                   "DelayedScaling, Float8CurrentScaling and Float8BlockScaling with "
+                   "w_block_scaling_dim=2 only)")
+        return HIGH_PRECISION
+    block = isinstance(recipe, Float8BlockScaling)
+    if block and recipe.w_block_scaling_dim != 2:
+        _warn_once("w_block_scaling_dim", "fp8_all_gather: under Float8BlockScaling with "
+                   f"w_block_scaling_dim={recipe.w_block_scaling_dim} the weights are all-gathered "
+                   "in high precision (FP8 all-gather needs 128x128 weight blocks: "
+                   "w_block_scaling_dim=2)")
         return HIGH_PRECISION
     if recipe.fp8_format is Format.E5M2:
         return HIGH_PRECISION  # the module refuses it in its forward
     if any(d % ALIGN for dims in module._gemm_dims() for d in dims):
         return HIGH_PRECISION  # the module runs in high precision
-    return GatherForm(recipe.fp8_format.fwd_dtype)
+    dtype = recipe.fp8_format.fwd_dtype
+    if block:  # the weight quantizer of roles._block_roles (equal cache_key)
+        return GatherForm(dtype, block=BlockQuantizer(2, dtype, recipe.power_2_scale))
+    return GatherForm(dtype)
 
 
-def _cast_shard(shard: ShardedWeight, module, form: GatherForm) -> tuple:
+def _cast_shard(shard: ShardedWeight, module, form: GatherForm, mesh) -> tuple:
     """(the shard cast to FP8, the form with the scale used). Without a scale yet (the
-    forward's gather): the module's delayed weight scale, the shard's amax recorded into the
-    weight's history slot; with one (the backward's): that scale, nothing recorded."""
+    forward's gather): under Float8CurrentScaling the scale of the full weight's amax (agreed
+    by all ranks, fsdp_current_scale.py); under DelayedScaling the module's delayed weight
+    scale, the shard's amax recorded into the weight's history slot. With one (the
+    backward's): that scale, nothing recorded."""
     x = shard._data
     if form.scale is not None:
         return ops.cast_to_fp8(x, form.scale, form.fp8_dtype), form
-    state = _autocast.current_state()
-    if module._fp8_override is not None:
-        state = module._fp8_override.state_for(state)
+    state = _module_state(module)
+    if isinstance(state.recipe, Float8CurrentScaling):
+        scale = current_weight_scale(shard, mesh, form.fp8_dtype)
+        return (ops.cast_to_fp8(x, scale, form.fp8_dtype),
+                GatherForm(form.fp8_dtype, scale, scale.reciprocal()))
     module._adopt_recipe(state.recipe)
     quantizer = delayed_quantizers(module, state.recipe.fp8_format)[shard._gemm][1]
     q = quantizer.cast(x, with_transpose=False)
@@ -121,47 +165,65 @@ def all_gather_inputs(shard: ShardedWeight, mesh, outer_size, module, mp_policy)
         form = shard._forward_form
     else:
         form = _forward_form(module)
-        if form.fp8_dtype is not None and not _amaxes_reduced_over(
+        if form.fp8_dtype is not None and isinstance(
+                _module_state(module).recipe, DelayedScaling) and not _amaxes_reduced_over(
                 _autocast.current_state(), mesh):
             _warn_once("group", "fp8_all_gather: the amax reduction of fp8_autocast does not "
                        "cover the FSDP group (reduce_amax=False or another fp8_group): the "
                        "weights are all-gathered in high precision")
             form = HIGH_PRECISION
+        if form.block is not None and not shards_hold_whole_blocks(outer_size[0], mesh.size()):
+            _warn_once("block rows", "fp8_all_gather: under Float8BlockScaling a weight whose "
+                       "FSDP shards are not whole 128-row blocks (ceil(rows / ranks) not a "
+                       "multiple of 128) is all-gathered in high precision")
+            form = HIGH_PRECISION
     x = shard._data
     if form.fp8_dtype is None:
         param_dtype = mp_policy.param_dtype if mp_policy is not None else None
-        data = x if param_dtype is None or param_dtype == x.dtype else x.to(param_dtype)
+        inputs = (x if param_dtype is None or param_dtype == x.dtype else x.to(param_dtype),)
+    elif form.block is not None:
+        inputs = block_shard_inputs(x, form.block)  # data and block scales, as uint8
     else:
-        data, form = _cast_shard(shard, module, form)
-        data = data.view(torch.uint8)  # one byte per element (any backend moves uint8)
+        data, form = _cast_shard(shard, module, form, mesh)
+        inputs = (data.view(torch.uint8),)  # one byte per element (any backend moves uint8)
     if not _in_backward():
         shard._forward_form = form
-    layout = (form.fp8_dtype is None, data.dtype)
+    layout = (form.fp8_dtype is None, form.block is None, inputs[0].dtype)
     if shard._last_layout is not None and shard._last_layout != layout:
         _drop_fsdp_buffers(shard)
     shard._last_layout = layout
-    # FSDP2 gathers equal pieces: pad this shard's rows to the padded shard size.
+    # FSDP2 gathers equal pieces: pad this shard's rows (and row blocks) to the padded size.
     padded_rows = math.ceil(outer_size[0] / mesh.size())
-    if data.shape[0] != padded_rows:
-        padded = data.new_zeros((padded_rows,) + tuple(data.shape[1:]))
-        padded[:data.shape[0]].copy_(data)
-        data = padded
-    return (data,), (form, outer_size[0])
+    sizes = (padded_rows, padded_rows // BLOCK)  # the data's rows, the block scales' rows
+    return tuple(_pad_rows(t, n) for t, n in zip(inputs, sizes)), (form, outer_size[0])
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    padded = t.new_zeros((rows,) + tuple(t.shape[1:]))
+    padded[:t.shape[0]].copy_(t)
+    return padded
 
 
 def gathered_weight(all_gather_outputs, metadata, param_dtype, out):
     """fsdp_post_all_gather: the full weight from what arrived (a GatheredFp8Weight, or the
     high-precision tensor), and the tensors whose storage FSDP2 frees after use."""
-    (gathered,), (form, rows) = all_gather_outputs, metadata
+    gathered, (form, rows) = all_gather_outputs[0], metadata
     if form.fp8_dtype is None:
         if out is not None:
             return None  # out is a view of the same buffer, which FSDP2 has refilled
         return gathered, (gathered,)
-    data = gathered.view(form.fp8_dtype)[:rows]
+    if form.block is not None:
+        data, scale_inv = gathered_block_weight(gathered, all_gather_outputs[1], rows,
+                                                form.fp8_dtype)
+    else:
+        data, scale_inv = gathered.view(form.fp8_dtype)[:rows], form.scale_inv
     if out is not None:
-        out._refill(data, form.scale, form.scale_inv)
+        out._refill(data, form.scale, scale_inv, form.block)
         return None
-    return GatheredFp8Weight(data, form.scale, form.scale_inv, param_dtype), (gathered,)
+    return (GatheredFp8Weight(data, form.scale, scale_inv, param_dtype, block=form.block),
+            tuple(all_gather_outputs))
 
 
 def _drop_fsdp_buffers(shard: ShardedWeight) -> None:

@@ -218,7 +218,7 @@ class Fp8Plan:
         if self.weight_fp8 is not None:
             return self.weight_fp8
         gathered = getattr(weight, "fp8_operand", None)  # FSDP2's FP8 all-gather gave it
-        if gathered is not None and self.weight_quantizer.cache_key == TensorQuantizer.cache_key:
+        if gathered is not None and weight.fp8_cache_key == self.weight_quantizer.cache_key:
             operand = gathered(self.weight_quantizer.dtype, with_transpose)
             if operand is not None:
                 return operand

@@ -1,0 +1,98 @@
+"""Float8CurrentScaling weight scales for the FP8 all-gather under FSDP2 (fsdp_all_gather.py).
+
+Current scaling casts a weight with the scale of the FULL weight's amax, which no rank holds
+alone. At the first FP8 all-gather of a step (one outermost fp8_autocast, autocast.
+forward_pass_id) every rank takes the amax of each weight shard that FSDP2 shards over the same
+process group, and ONE all_reduce(MAX) of the stacked amaxes over that group gives every rank
+each full weight's amax (the max of the shards' maxima is exactly the full weight's). A weight's
+scale is then computed from its amax as TensorQuantizer.current computes it, so each shard is
+cast exactly as the full weight would be: the gathered FP8 weight equals, bit for bit, the cast
+of the full weight. The amaxes are kept for the rest of the step (the later layers' all-gathers
+need no collective; the backward's re-gathers repeat the forward's form, fsdp_all_gather.py).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import ops
+from ..quantization import autocast as _autocast
+from ..quantization.amax_step import all_reduce_max
+from .fsdp_weight import ShardedWeight
+
+
+class _StepAmaxes:
+    """The full weights' amaxes of one step and one process group."""
+
+    def __init__(self, pass_id: int, ranks: frozenset, shards: list, amaxes: torch.Tensor):
+        self.pass_id, self.ranks = pass_id, ranks
+        self.index = {id(shard): i for i, shard in enumerate(shards)}
+        self.shards = shards  # held for the step: the ids above stay theirs
+        self.amaxes = amaxes
+
+    def amax_of(self, shard: ShardedWeight) -> Optional[torch.Tensor]:
+        i = self.index.get(id(shard))
+        if i is None or self.shards[i] is not shard:
+            return None
+        return self.amaxes[i:i + 1]
+
+
+_STEPS: dict = {}  # process group ranks -> _StepAmaxes of the latest step
+
+
+def _group_ranks(group) -> frozenset:
+    import torch.distributed as dist
+    return frozenset(dist.get_process_group_ranks(group))
+
+
+def _mesh_ranks(mesh) -> frozenset:
+    """The ranks of an FSDP shard mesh's group (empty for a single rank: nothing to reduce)."""
+    return _group_ranks(mesh.get_group()) if mesh.size() > 1 else frozenset()
+
+
+def _shards_sharded_over(ranks: frozenset) -> list:
+    """Every ShardedWeight shard that FSDP2 holds for a group with these ranks, in the order the
+    modules were fully_shard-ed (the same on every rank of the group)."""
+    from torch.distributed._composable_state import _module_state_mapping
+    shards, seen = [], set()
+    for state_ref in list(_module_state_mapping.values()):
+        group = getattr(state_ref(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            shard = getattr(fsdp_param.sharded_param, "_local_tensor", None)
+            if not isinstance(shard, ShardedWeight) or id(shard) in seen:
+                continue
+            mesh = fsdp_param.shard_mesh_from_root
+            if _mesh_ranks(mesh) != ranks:
+                continue
+            seen.add(id(shard))
+            shards.append(shard)
+    return shards
+
+
+def _reduce_step_amaxes(ranks: frozenset, group, shard: ShardedWeight) -> _StepAmaxes:
+    """The local amax of every weight shard of the group, one all_reduce(MAX) of them all."""
+    shards = _shards_sharded_over(ranks)
+    if not any(s is shard for s in shards):
+        shards.append(shard)  # not found in FSDP2's state: still reduced with the others
+    local = torch.stack([ops.amax(s._data).reshape(()) for s in shards])
+    if group is not None:  # (None: a single-rank FSDP group, nothing to agree on)
+        all_reduce_max(local, group)
+    return _StepAmaxes(_autocast.forward_pass_id(), ranks, shards, local)
+
+
+def current_weight_scale(shard: ShardedWeight, mesh, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The current-scaling scale (1 element, float32) of the full weight ``shard`` belongs to:
+    the same on every rank of ``mesh`` and equal to TensorQuantizer.current's for that weight.
+    The first call of a step reduces the amaxes of all weights of the group at once."""
+    group = mesh.get_group() if mesh.size() > 1 else None
+    ranks = _mesh_ranks(mesh)
+    step = _STEPS.get(ranks)
+    amax = None
+    if step is not None and step.pass_id == _autocast.forward_pass_id():
+        amax = step.amax_of(shard)
+    if amax is None:  # a new step (or a weight the step's reduction did not cover)
+        step = _STEPS[ranks] = _reduce_step_amaxes(ranks, group, shard)
+        amax = step.amax_of(shard)
+    return ops.compute_scale_from_amax(amax, torch.finfo(fp8_dtype).max)
+
