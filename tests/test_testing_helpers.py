@@ -164,7 +164,9 @@ def test_planted_wrong_gradient_fails_and_is_named(gen, device):
     assert f"< {DEFAULT_GRAD_MIN_SQNR_DB} dB (rel. error " in message
     entry = failure.value.args[0]
     reported = float(entry.split("grad:weight: ")[1].split(" dB")[0])
-    assert abs(reported) < 0.1  # 2g against g: the noise is as large as the signal, 0 dB
+    # 2g against g: the noise is as large as the signal, 0 dB, give or take the FP8 error of g
+    # (2 g_fp8 - g = g + 2 e with |e| / |g| ~ 0.03-0.1 here: -0.13 dB at seed 2138830950)
+    assert abs(reported) < 1.0
     assert "output" in message  # the whole table follows
 
 
