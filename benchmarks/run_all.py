@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 BENCHMARKS = ("bench_cast", "bench_scaling", "bench_fused", "bench_gemm", "bench_linear",
-              "bench_gpt", "bench_te_modules", "bench_block_sqnr", "bench_parity", "bench_host")
+              "bench_gpt", "bench_te_modules", "bench_block_sqnr", "bench_parity", "bench_host",
+              "bench_fsdp_comm")
 
 READING_GUIDE = """\
 How to read: every ratio compares two measurements of this run on this device. '% of copy BW'

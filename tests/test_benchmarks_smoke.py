@@ -21,7 +21,7 @@ sys.path.insert(0, BENCH_DIR)
 
 BENCHMARKS = ["bench_cast", "bench_scaling", "bench_fused", "bench_gemm", "bench_linear",
               "bench_gpt", "bench_te_modules", "bench_block_sqnr", "bench_parity",
-              "bench_host"]
+              "bench_host", "bench_fsdp_comm"]
 
 try:
     import matplotlib  # noqa: F401
@@ -40,7 +40,7 @@ def one_thread():
 
 
 # Benchmarks that measure numerics rather than time: every row has every column, finite.
-NUMERIC_BENCHMARKS = {"bench_block_sqnr", "bench_parity"}
+NUMERIC_BENCHMARKS = {"bench_block_sqnr", "bench_parity", "bench_fsdp_comm"}
 
 
 def check_payload(payload: dict, name: str) -> None:
@@ -71,6 +71,15 @@ def test_benchmark_smoke(name, tmp_path):
     assert written["rows"] == json.loads(json.dumps(payload["rows"], default=str))
     if HAS_MATPLOTLIB:
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_fsdp_comm_smoke_counts_fp8_all_gathers(tmp_path):
+    """The FP8 all-gathers of bias-free Linear layers move exactly a quarter of float32's bytes
+    and half of bfloat16's (counted at the collective, not computed from shapes)."""
+    payload = importlib.import_module("bench_fsdp_comm").main(
+        ["--smoke", "--out", str(tmp_path), "--no-plot"])
+    fp8 = [row for row in payload["rows"] if row["gather"] == "fp8"]
+    assert fp8 and all(row["ratio_fp32"] == 0.25 and row["ratio_bf16"] == 0.5 for row in fp8)
 
 
 def test_gpt_smoke_trains_every_precision(tmp_path):
