@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from integration_compare import STEP_SCALES, StepRecord, assert_bit_identical, record_step
-from multiprocess import run_ranks
+from multiprocess import collect_dead_models, run_ranks
+from test_fsdp_fp8_all_gather import GatherBytes
 
 import transformer_fp8 as tfp8
 
@@ -54,22 +55,12 @@ def _model(fp8_all_gather: bool, checkpoint: bool):
 
 def _train(rank: int, fp8_all_gather: bool, checkpoint: bool) -> tuple:
     """(step records, bytes each weight all-gather sent)."""
+    collect_dead_models()  # the run before this one
     model = _model(fp8_all_gather, checkpoint)
-    sent, original = [], dist.all_gather_into_tensor
-
-    def recording(output_tensor, input_tensor, *args, **kwargs):
-        sent.append(input_tensor.numel() * input_tensor.element_size())
-        return original(output_tensor, input_tensor, *args, **kwargs)
-
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    records = []
-    dist.all_gather_into_tensor = recording
-    try:
-        for step in range(STEPS):
-            records.append(_step(model, opt, rank, step))
-    finally:
-        dist.all_gather_into_tensor = original
-    return records, sent
+    with GatherBytes() as gathers:
+        records = [_step(model, opt, rank, step) for step in range(STEPS)]
+    return records, gathers.sent
 
 
 def _step(model, opt, rank: int, step: int) -> dict:
