@@ -78,15 +78,3 @@ def run_ranks(worker, args: tuple, out_dir, world: int = WORLD,
     if errors:
         pytest.fail("\n".join(errors), pytrace=False)
 
-
-def collect_dead_models() -> None:
-    """Free the FP8 modules of an earlier model of this process before building the next.
-
-    A multi-rank delayed-scaling step reduces the amaxes of every FP8 state of the process that
-    trains with its recipe (amax_step: ranks may run different subsets of the modules), so every
-    rank must hold the same set. A model that is dead but held in reference cycles (FSDP2 makes
-    them) stays in that set until the garbage collector runs, at a moment that differs between
-    ranks: the ranks' reductions then differ in size (gloo: "Received data size doesn't match").
-    Tests that build two models per process collect the first one first."""
-    import gc
-    gc.collect()

@@ -112,8 +112,9 @@ def test_reduced_amax_gives_identical_state_on_every_rank(tmp_path, explicit_gro
         history = rank0["records"][step].fp8_state["0.fp8_fwd_amax_history"]
         assert history[-1, 0] == max(rank0["amaxes"][step], rank1["amaxes"][step]), \
             f"step {step}: the input amax is not the MAX over the ranks"
-    # One collective for the forward amaxes and one for the backward ones, per step.
-    assert rank0["reductions"] == rank1["reductions"] == [2] * STEPS
+    # One collective for the forward amaxes and one for the backward ones, per step; at the
+    # first step, one more per role: the ranks agree on the new reduction's layout.
+    assert rank0["reductions"] == rank1["reductions"] == [4] + [2] * (STEPS - 1)
 
 
 @pytest.mark.parametrize("mode", ["delayed", "current"])

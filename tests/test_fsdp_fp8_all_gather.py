@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from integration_compare import STEP_SCALES, StepRecord, assert_bit_identical, record_step
-from multiprocess import WORLD, collect_dead_models, run_ranks
+from multiprocess import WORLD, run_ranks
 from test_dcp import _full
 
 import transformer_fp8 as tfp8
@@ -114,7 +114,6 @@ def _train(model, opt, steps: int, rank: int, first: int = 0, recipe=RECIPE) -> 
 
 
 def _run(rank: int, fp8_all_gather: bool) -> dict:
-    collect_dead_models()  # the run before this one
     model = _model(0, fp8_all_gather)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with GatherBytes() as gathers, GatheredOperands() as operands:

@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import torch
 from integration_compare import StepRecord, assert_bit_identical, record_step
-from multiprocess import WORLD, collect_dead_models, run_ranks
+from multiprocess import WORLD, run_ranks
 from test_fsdp_fp8_all_gather import (
     GatherBytes,
     _batch,
@@ -63,7 +63,6 @@ def _input(rank: int, step: int) -> torch.Tensor:
 
 
 def _run(rank: int, fp8_all_gather: bool, recipe=BLOCKS) -> dict:
-    collect_dead_models()  # the run before this one
     model = _model(fp8_all_gather, recipe)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     records, weights = [], []

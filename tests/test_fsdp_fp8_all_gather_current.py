@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 from integration_compare import StepRecord, assert_bit_identical, record_step
-from multiprocess import WORLD, collect_dead_models, run_ranks
+from multiprocess import WORLD, run_ranks
 from test_fsdp_fp8_all_gather import (
     GATHERED_GEMMS,
     GatherBytes,
@@ -95,7 +95,6 @@ def _full_weights(model) -> dict:
 
 
 def _run(rank: int, fp8_all_gather: bool) -> dict:
-    collect_dead_models()  # the run before this one
     model = _model(0, fp8_all_gather, recipe=CURRENT)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     records, weights = [], []

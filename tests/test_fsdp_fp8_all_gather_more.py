@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from integration_compare import STEP_SCALES, StepRecord, assert_bit_identical, record_step
-from multiprocess import collect_dead_models, run_ranks
+from multiprocess import run_ranks
 from test_fsdp_fp8_all_gather import GatherBytes
 
 import transformer_fp8 as tfp8
@@ -55,7 +55,6 @@ def _model(fp8_all_gather: bool, checkpoint: bool):
 
 def _train(rank: int, fp8_all_gather: bool, checkpoint: bool) -> tuple:
     """(step records, bytes each weight all-gather sent)."""
-    collect_dead_models()  # the run before this one
     model = _model(fp8_all_gather, checkpoint)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with GatherBytes() as gathers:

@@ -221,7 +221,9 @@ def test_states_are_registered_not_modules(gen):
     del layer, fwd, bwd
     gc.collect()
     assert scaling_state.find(index, "fwd") is None
-    assert scaling_state.generation() != before  # plans covering every state are made again
+    # The collector frees a state at a moment that differs between ranks: no plan is made
+    # again for it (the reduction's layout changes only when every rank makes its plans again).
+    assert scaling_state.generation() == before
 
 
 def test_update_without_the_prepared_batch_is_the_same(gen, monkeypatch):

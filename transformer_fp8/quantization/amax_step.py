@@ -7,6 +7,7 @@ cross-rank reduction is scaling_state.py's; the prepared updates, update_plan.py
 """
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 
@@ -16,7 +17,8 @@ from . import replay as checkpointing
 from . import scaling_state
 from .recipe import DelayedScaling
 from .scaling_state import ScalingState
-from .update_plan import UpdatePlan, all_reduce_max, world_size  # noqa: F401 (all_reduce_max: quantizer's)
+from .update_plan import (UpdatePlan, all_reduce_max,  # noqa: F401 (all_reduce_max: quantizer's)
+                          check_same_layout, world_size)
 
 
 # The forward states of FP8 modules with no recipe yet (built without one, reset, or reloaded):
@@ -47,7 +49,23 @@ def adopt_recipe_for_waiting_modules(recipe: DelayedScaling) -> None:
 # devices, compiled count): the same whichever states recorded. Entries of older generations
 # are dropped when a new one is made.
 _EVERY_STATE_PLANS: dict = {}
+# The layout of the last plan made under each such key, kept when the plan is dropped: a plan
+# made again with the same layout (one rank built a layer on another device, say) needs no
+# agreement; a new layout is agreed on by the ranks (see AmaxStep._plan_for_step).
+_LAST_LAYOUT: dict = {}
 _NO_PLAN = object()  # what AmaxStep._plan holds when the states added have different plans
+
+
+def _layout(states: list[ScalingState]) -> tuple:
+    return tuple((s.key, s.history.shape[-1]) for s in states)
+
+
+def _can_synchronize() -> bool:
+    """Whether a plan being made may collect garbage and wait for a collective's result: not
+    while torch.compile traces, nor while a CUDA graph is captured."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 class AmaxStep:
@@ -119,18 +137,35 @@ class AmaxStep:
         plan = cache.get(key)
         if plan is not None and plan.is_current(self.recipe):
             return plan
+        states = self._covered_states(devices, reduce)
+        if reduce and _LAST_LAYOUT.get(key) != _layout(states) and _can_synchronize():
+            # The reduction's layout changes. In a program that builds and changes the same
+            # layers on every rank, it does so on every rank at this step: the ranks agree on
+            # it. First the garbage collector frees the dead layers (held in reference cycles)
+            # that some ranks have freed and others not.
+            gc.collect()
+            states = self._covered_states(devices, reduce)
+            if states:
+                check_same_layout(_layout(states), self.group, states[0].device)
+        if not states:
+            return None
+        plan = UpdatePlan(states, self.recipe, self.role)
+        if reduce:
+            _LAST_LAYOUT[key] = plan.layout
+        for old in [k for k, p in cache.items() if p.generation != plan.generation]:
+            del cache[old]  # (made before a change: they would hold tensors no longer in use)
+        cache[key] = plan
+        return plan
+
+    def _covered_states(self, devices, reduce: bool) -> list[ScalingState]:
+        """The states recorded and, by creation index, those of the process that train with
+        this recipe on ``devices`` (every one when ranks reduce, else the compiled ones)."""
         states = dict(self.states)
         for state in scaling_state.registered(self.role):
             if state.key not in states and (reduce or state.key in _COMPILED_MODULES):
                 if state.takes_recipe(self.recipe) and (not devices or state.device in devices):
                     states[state.key] = state
-        if not states:
-            return None
-        plan = UpdatePlan([states[key] for key in sorted(states)], self.recipe, self.role)
-        for old in [k for k, p in cache.items() if p.generation != plan.generation]:
-            del cache[old]  # (made before a change: they would hold tensors no longer in use)
-        cache[key] = plan
-        return plan
+        return [states[key] for key in sorted(states)]
 
     def reduce_and_update(self) -> None:
         reduce = self._reduces()

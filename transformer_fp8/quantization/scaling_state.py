@@ -71,8 +71,12 @@ def weak_method(method) -> Callable:
 
 
 # Every state of the process by (creation index, role), weakly: the layout of the cross-rank
-# reduction, identical on every rank that built the same model. A state that goes away bumps
-# the generation (it leaves the reductions that covered every state).
+# reduction, identical on every rank that built the same model. A state that goes away does NOT
+# bump the generation: it goes when the garbage collector frees its module, at a moment that
+# differs from rank to rank (a dead model held in reference cycles), and a plan made again on
+# one rank only would change that rank's reduction alone. Plans keep the tensors of the states
+# they were made with; the reduction drops dead states when all ranks make their plans again
+# (amax_step: a change of the reduction's layout collects the garbage and is agreed on).
 _STATES: dict = {}
 
 
@@ -82,7 +86,6 @@ def register(state: ScalingState) -> None:
     def gone(_ref, k=k):
         if _STATES.get(k) is _ref:
             del _STATES[k]
-        bump_generation()
     _STATES[k] = weakref.ref(state, gone)
     bump_generation()
 

@@ -39,6 +39,26 @@ def all_reduce_max(buffer: torch.Tensor, group) -> None:
         torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
 
 
+def check_same_layout(layout: tuple, group, device: torch.device) -> None:
+    """Raise on every rank if the ranks of ``group`` would reduce differently laid out amaxes
+    (one small all_reduce and a host sync: called only when a reduction's layout changes).
+    Without it, reductions of different sizes fail (gloo) or hang (NCCL)."""
+    count, size = len(layout), sum(rows for _, rows in layout)
+    fingerprint = hash(layout)  # (deterministic across processes for a tuple of ints)
+    mine = torch.tensor([count, size, fingerprint], dtype=torch.int64)
+    both = torch.cat([mine, -mine]).to(device)
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
+    most, least = both[:3].tolist(), [-v for v in both[3:].tolist()]
+    if most != least:
+        raise RuntimeError(
+            "the ranks hold different FP8 layers for the step's amax reduction: this rank has "
+            f"{count} scaling states ({size} amaxes); across the ranks the counts range from "
+            f"{least[0]} to {most[0]} states ({least[1]} to {most[1]} amaxes). Every rank must "
+            "build the same FP8 layers on the step's devices for the recipe it trains with "
+            "(a rank-local FP8 copy goes on another device, or is freed before the step); with "
+            "reduce_amax=False no amax is reduced across ranks")
+
+
 class UpdatePlan:
     """The prepared update of ``states`` (ordered by creation index) under ``recipe``, valid
     while the generation it was built under is the current one."""
@@ -50,6 +70,8 @@ class UpdatePlan:
         self.devices = frozenset(s.device for s in states)
         fp8_max = recipe.fp8_format.max_fwd if role == "fwd" else recipe.fp8_format.max_bwd
         self.histories = [s.history for s in states]
+        # What the cross-rank reduction gathers: (creation index, amaxes per row) per state.
+        self.layout = tuple((s.key, h.shape[-1]) for s, h in zip(states, self.histories))
         by_device: dict = {}
         for s in states:
             lists = by_device.setdefault(s.device, ([], [], [], []))
