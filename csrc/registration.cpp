@@ -71,6 +71,10 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // out[M, N] = dequant(a [M, K]) @ dequant(b [N, K])^T (+ bias[N]); the scale_inv shapes give
   // the block modes. Accumulation is split (never fast) on CUDA.
   m.def("fp8_gemm_blockwise(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None) -> Tensor");
+  // Statistics of an FP8 operand: x [rows, cols] quantised to q with x_scale (1 element, or one
+  // per block_rows x block_cols block), as transformer_fp8/debug/stats.py's FIELDS vector
+  // (float64 [12]); rows beyond min(x rows, q rows) are ignored.
+  m.def("fp8_operand_stats(Tensor x, Tensor q, Tensor x_scale, float fp8_max, int block_rows, int block_cols) -> Tensor");
 }
 
 namespace {

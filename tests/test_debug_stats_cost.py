@@ -1,5 +1,6 @@
-"""What a logged step of transformer_fp8.debug costs: the operators run per operand (the same
-for any shape, no more than pinned here), and one device-to-host transfer per logged step, none
+"""What a logged step of transformer_fp8.debug costs: ONE operator per operand (fp8_operand_stats,
+two kernel launches; its pure-torch reference: the same number of operators for any shape, no
+more than pinned here), and one device-to-host transfer per logged step, none
 from host to device (counted on the CPU: every operator or method that would move data between
 the host and a GPU, or wait for one, is counted)."""
 from __future__ import annotations
@@ -14,12 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import debug, ops
-from transformer_fp8.debug.stats import operand_stats
+from transformer_fp8.debug.stats import operand_stats, operand_stats_reference
 from transformer_fp8.ops.blockwise import quantize_blockwise
 
 E4M3 = torch.float8_e4m3fn
-# Element-wise and reduction operators per operand (views and allocations not counted); the
-# implementation before the stacked reductions ran 36 (per tensor) and 47 (per block).
+# Element-wise and reduction operators per operand of the reference (views and allocations not
+# counted); before its stacked reductions it ran 36 (per tensor) and 47 (per block).
 MAX_OPS_PER_TENSOR = 23
 MAX_OPS_PER_BLOCKS = 25
 # Data leaves the host for a device: a tensor made from Python values (torch.tensor), or an
@@ -49,19 +50,25 @@ def _computing_ops(fn) -> list:
 
 
 @pytest.mark.parametrize("shape", [(16, 64), (130, 300), (512, 1024)])
-def test_operators_per_operand_are_few_and_do_not_grow_with_the_shape(gen, shape):
+@pytest.mark.parametrize("stats, per_tensor_ops, per_block_ops", [
+    (operand_stats, 1, 1), (operand_stats_reference, MAX_OPS_PER_TENSOR, MAX_OPS_PER_BLOCKS)],
+    ids=["operator", "reference"])
+def test_operators_per_operand_are_few_and_do_not_grow_with_the_shape(
+        gen, shape, stats, per_tensor_ops, per_block_ops):
     x = randn(gen, *shape)
     scale = torch.tensor([8.0])
     q = ops.cast_to_fp8(x, scale, E4M3)
-    per_tensor = _computing_ops(lambda: operand_stats(x, q, scale, 448.0))
-    assert len(per_tensor) <= MAX_OPS_PER_TENSOR, collections.Counter(per_tensor)
+    per_tensor = _computing_ops(lambda: stats(x, q, scale, 448.0))
+    assert len(per_tensor) <= per_tensor_ops, collections.Counter(per_tensor)
     for block_rows, block_cols in ((1, 128), (128, 128)):
         qb, scale_inv, _, _ = quantize_blockwise(x, block_rows, block_cols, E4M3, True)
         block_scale = scale_inv.reciprocal()
-        per_block = _computing_ops(functools.partial(operand_stats, x, qb, block_scale, 448.0,
+        per_block = _computing_ops(functools.partial(stats, x, qb, block_scale, 448.0,
                                                      block_rows, block_cols))
-        assert len(per_block) <= MAX_OPS_PER_BLOCKS, collections.Counter(per_block)
+        assert len(per_block) <= per_block_ops, collections.Counter(per_block)
     assert not any(op.startswith(_HOST_DEVICE_OPS) for op in per_tensor + per_block)
+    if stats is operand_stats:
+        assert per_tensor == per_block == ["transformer_fp8.fp8_operand_stats.default"]
 
 
 class _HostTransfers(TorchDispatchMode):

@@ -65,6 +65,11 @@ def op_cases(gen, device):
          WITHOUT_SCHEMA),
         ("fp8_gemm_bias", OPS.fp8_gemm.default, (a, s, b, s, torch.bfloat16, bias, True),
          WITHOUT_SCHEMA),
+        ("fp8_operand_stats", OPS.fp8_operand_stats.default,
+         (randn(gen, 32, 48, device=device), a, s, 448.0, 0, 0), WITHOUT_SCHEMA),
+        ("fp8_operand_stats_blocks", OPS.fp8_operand_stats.default,
+         (randn(gen, 32, 48, device=device), a, rand_positive(gen, 1, 2).to(device), 448.0, 32,
+          32), WITHOUT_SCHEMA),
     ]
 
 
@@ -82,7 +87,8 @@ def test_opcheck(device, gen, case):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-@pytest.mark.parametrize("case", ["cast_from_fp8", "fp8_gemm", "fp8_gemm_bias"])
+@pytest.mark.parametrize("case", ["cast_from_fp8", "fp8_gemm", "fp8_gemm_bias",
+                                  "fp8_operand_stats"])
 def test_fp8_input_ops_mutate_nothing(device, gen, case):
     """What test_schema would check for the ops it cannot handle (see WITHOUT_SCHEMA)."""
     _, op, args, _ = next(c for c in op_cases(gen, device) if c[0] == case)

@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from ..ops.operand_stats import fp8_operand_stats
+
 # (name, how partial values of several casts or ranks combine), grouped by that combination so
 # that each group is one slice of the vector; the first five are reduced in float32 (the
 # operand's magnitudes and scales), the others in float64.
@@ -51,15 +53,40 @@ def neutral(device) -> torch.Tensor:
     return out
 
 
+def _has_operator() -> bool:
+    try:
+        return hasattr(torch.ops.transformer_fp8, "fp8_operand_stats")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_HAS_OPERATOR = _has_operator()  # (False with a library built before it existed)
+_OPERATOR_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OPERATOR_Q_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def operand_stats(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                   block_rows: int = 0, block_cols: int = 0) -> torch.Tensor:
     """The FIELDS vector (float64, on x's device) of x [rows, cols] quantised to q with
     ``scale``: a 1-element tensor (per-tensor scaling; block dims 0) or one scale per
     block_rows x block_cols block of x ([ceil(rows/br), ceil(cols/bc)]).
 
+    On the CPU and CUDA, one operator (two kernel launches: fp8_operand_stats); elsewhere, or
+    for other dtypes, the pure-torch reference below. No value goes to or comes from the host.
+    """
+    if (_HAS_OPERATOR and x.device.type in ("cpu", "cuda") and x.dim() == 2
+            and x.dtype in _OPERATOR_X_DTYPES and q.dtype in _OPERATOR_Q_DTYPES):
+        return fp8_operand_stats(x, q, scale, fp8_max, block_rows, block_cols)
+    return operand_stats_reference(x, q, scale, fp8_max, block_rows, block_cols)
+
+
+def operand_stats_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                            fp8_max: float, block_rows: int = 0,
+                            block_cols: int = 0) -> torch.Tensor:
+    """operand_stats in torch operators: the reference of the fp8_operand_stats kernels.
+
     The element-wise quantities are computed on stacked tensors and reduced together: the
-    same number of operators whatever the shape (tests/test_debug_stats_cost.py counts them).
-    No value goes to or comes from the host."""
+    same number of operators whatever the shape (tests/test_debug_stats_cost.py counts them)."""
     rows = min(x.shape[0], q.shape[0])  # a fused cast's rows may be padded further
     x, q = x[:rows], q[:rows]
     device = x.device

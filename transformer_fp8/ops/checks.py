@@ -19,7 +19,7 @@ import torch
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _HIGH_PRECISION_INPUTS = {"x", "dy"}  # float32, bfloat16 or float16 tensors
-_FP8_INPUTS = {"x_fp8", "a", "b"}
+_FP8_INPUTS = {"x_fp8", "a", "b", "q"}
 _ONE_ELEMENT_F32 = {"scale", "amax", "scale_inv", "a_scale_inv", "b_scale_inv"}
 _F32 = {"amax_histories", "scales", "scale_invs"}
 # (operator, argument) where a name above means a float32 tensor of any size

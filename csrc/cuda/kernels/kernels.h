@@ -9,6 +9,7 @@
 
 #include "../../activation_kind.h"
 #include "../../fp8_common.h"
+#include "../../operand_stats.h"
 
 namespace transformer_fp8 {
 namespace cuda {
@@ -103,6 +104,15 @@ cudaError_t launch_column_sums(const float* partials, int64_t chunks, int64_t co
 // out [cols, rows] = transpose of the bytes in [rows, cols].
 cudaError_t launch_transpose_bytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
                                    cudaStream_t stream);
+
+// fp8_operand_stats (csrc/operand_stats.h) of x [g.rows, g.cols] contiguous and its FP8 data q:
+// the units' partials into partials [g.units()], then the 12 float64 fields into out. scale:
+// the block (i, j) scale at scale[i * stride_down + j * stride_across] (per tensor: scale[0]).
+cudaError_t launch_operand_stats(const void* x, HpType x_type, const uint8_t* q, Fp8Format fmt,
+                                 const float* scale, int64_t scale_stride_down,
+                                 int64_t scale_stride_across, const StatsGeometry& g,
+                                 float fp8_max, StatsPartial* partials, double* out,
+                                 cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace transformer_fp8
