@@ -151,7 +151,7 @@ def test_steps_reuse_their_plan(device, gen):
 
 
 CHANGES = ["device_move", "load_state_dict", "load_state_dict_assign", "assign_buffer",
-           "history_length", "reset", "new_module", "deepcopy"]
+           "buffers_dict_write", "history_length", "reset", "new_module", "deepcopy"]
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -181,6 +181,9 @@ def test_plan_made_again_after_a_change(device, gen, change):
     elif change == "assign_buffer":
         first.fp8_fwd_scale = first.fp8_fwd_scale.clone() * 2
         first.fp8_fwd_scale_inv = 1 / first.fp8_fwd_scale
+    elif change == "buffers_dict_write":  # behind the module's __setattr__
+        first._buffers["fp8_fwd_scale"] = first.fp8_fwd_scale.clone() * 2
+        first._buffers["fp8_bwd_amax_history"] = first.fp8_bwd_amax_history.clone()
     elif change == "history_length":
         sd = model.state_dict()
         sd["0.fp8_fwd_amax_history"] = torch.rand(9, 2, generator=gen).to(device)

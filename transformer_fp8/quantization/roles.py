@@ -55,6 +55,12 @@ def delayed_quantizers(fp8_state, fmt: Format) -> list:
     if (cached is not None and cached[0] is fmt
             and all(old is new for old, new in zip(cached[1], buffers))):
         return cached[2]
+    fwd, bwd = fp8_state._scaling_states
+    bound = (fwd.history, fwd.scale, fwd.scale_inv, bwd.history, bwd.scale, bwd.scale_inv)
+    if any(held is not buffer for held, buffer in zip(bound, buffers)):
+        # A buffer replaced behind the module's back (module._buffers[name] = t): the update
+        # would write the old tensors while the casts read the new ones.
+        fp8_state._bind_scaling_states()
     quantizers = make()
     fp8_state._delayed_cast_cache = (fmt, buffers, quantizers)
     return quantizers
