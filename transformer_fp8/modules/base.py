@@ -16,6 +16,7 @@ from ..quantization.quantizer import ALIGN, Fp8Plan
 from ..quantization.roles import quantizers_for_step
 from ..quantization.state import Fp8State
 from ..quantization.torch_autocast import autocast_dtype
+from .fsdp_weight import GatheredFp8Weight
 
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -80,6 +81,11 @@ class Fp8StateMixin(Fp8State):
         """The FP8 forward under ``state`` (an active fp8_autocast): a plan per GEMM (the
         recipe's quantizers, see quantization/roles.py), then _fp8_apply; keeps a replay record
         when activation checkpointing will recompute it."""
+        if torch.compiler.is_compiling() and any(
+                isinstance(w, GatheredFp8Weight) for w in self.fp8_weights()):
+            # A weight all-gathered in FP8 by FSDP2 (a tensor subclass) cannot enter a traced
+            # autograd.Function: this layer's FP8 step runs eagerly (a graph break).
+            return self._fp8_run_eagerly(inp, state, is_first_microbatch, *args)
         quantizers, backward_step = quantizers_for_step(state.recipe, self, state)
         if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
             quantizers = _fp8_hooks.observer.wrap_quantizers(self, quantizers)  # debug stats
@@ -100,6 +106,10 @@ class Fp8StateMixin(Fp8State):
             self._replay_records.keep(_autocast.forward_pass_id(),
                                       tuple(plan.for_replay() for plan in plans))
         return out
+
+    @torch.compiler.disable
+    def _fp8_run_eagerly(self, inp, state, is_first_microbatch, *args):
+        return self._fp8_run(inp, state, is_first_microbatch, *args)
 
     def _in_recompute(self) -> bool:
         """Whether this forward is activation checkpointing's recomputation of an FP8 one."""

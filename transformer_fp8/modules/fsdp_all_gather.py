@@ -139,18 +139,18 @@ def _forward_form(module) -> GatherForm:
     return GatherForm(dtype)
 
 
-def _cast_shard(shard: ShardedWeight, module, form: GatherForm, mesh) -> tuple:
-    """(the shard cast to FP8, the form with the scale used). Without a scale yet (the
-    forward's gather): under Float8CurrentScaling the scale of the full weight's amax (agreed
-    by all ranks, fsdp_current_scale.py); under DelayedScaling the module's delayed weight
-    scale, the shard's amax recorded into the weight's history slot. With one (the
-    backward's): that scale, nothing recorded."""
-    x = shard._data
+def _cast_shard(shard: ShardedWeight, x: torch.Tensor, module, form: GatherForm,
+                mesh) -> tuple:
+    """(x, the shard in the all-gather's dtype, cast to FP8; the form with the scale used).
+    Without a scale yet (the forward's gather): under Float8CurrentScaling the scale of the full
+    weight's amax (agreed by all ranks, fsdp_current_scale.py); under DelayedScaling the
+    module's delayed weight scale, the shard's amax recorded into the weight's history slot.
+    With one (the backward's): that scale, nothing recorded."""
     if form.scale is not None:
         return ops.cast_to_fp8(x, form.scale, form.fp8_dtype), form
     state = _module_state(module)
     if isinstance(state.recipe, Float8CurrentScaling):
-        scale = current_weight_scale(shard, mesh, form.fp8_dtype)
+        scale = current_weight_scale(shard, mesh, form.fp8_dtype, x.dtype)
         return (ops.cast_to_fp8(x, scale, form.fp8_dtype),
                 GatherForm(form.fp8_dtype, scale, scale.reciprocal()))
     module._adopt_recipe(state.recipe)
@@ -178,13 +178,17 @@ def all_gather_inputs(shard: ShardedWeight, mesh, outer_size, module, mp_policy)
                        "multiple of 128) is all-gathered in high precision")
             form = HIGH_PRECISION
     x = shard._data
+    param_dtype = mp_policy.param_dtype if mp_policy is not None else None
+    if param_dtype is not None and param_dtype != x.dtype:
+        # FSDP2's mixed precision: the GEMM would cast the weight in param_dtype; so is the
+        # shard cast (the same FP8 bytes and amax as the high-precision all-gather's path).
+        x = x.to(param_dtype)
     if form.fp8_dtype is None:
-        param_dtype = mp_policy.param_dtype if mp_policy is not None else None
-        inputs = (x if param_dtype is None or param_dtype == x.dtype else x.to(param_dtype),)
+        inputs = (x,)
     elif form.block is not None:
         inputs = block_shard_inputs(x, form.block)  # data and block scales, as uint8
     else:
-        data, form = _cast_shard(shard, module, form, mesh)
+        data, form = _cast_shard(shard, x, module, form, mesh)
         inputs = (data.view(torch.uint8),)  # one byte per element (any backend moves uint8)
     if not _in_backward():
         shard._forward_form = form

@@ -81,9 +81,11 @@ def _reduce_step_amaxes(ranks: frozenset, group, shard: ShardedWeight) -> _StepA
     return _StepAmaxes(_autocast.forward_pass_id(), ranks, shards, local)
 
 
-def current_weight_scale(shard: ShardedWeight, mesh, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """The current-scaling scale (1 element, float32) of the full weight ``shard`` belongs to:
-    the same on every rank of ``mesh`` and equal to TensorQuantizer.current's for that weight.
+def current_weight_scale(shard: ShardedWeight, mesh, fp8_dtype: torch.dtype,
+                         gather_dtype: torch.dtype) -> torch.Tensor:
+    """The current-scaling scale (1 element, float32) of the full weight ``shard`` belongs to,
+    gathered in ``gather_dtype`` (FSDP2's param_dtype, or the shard's own): the same on every
+    rank of ``mesh`` and equal to TensorQuantizer.current's for that weight in that dtype.
     The first call of a step reduces the amaxes of all weights of the group at once."""
     group = mesh.get_group() if mesh.size() > 1 else None
     ranks = _mesh_ranks(mesh)
@@ -94,5 +96,9 @@ def current_weight_scale(shard: ShardedWeight, mesh, fp8_dtype: torch.dtype) -> 
     if amax is None:  # a new step (or a weight the step's reduction did not cover)
         step = _STEPS[ranks] = _reduce_step_amaxes(ranks, group, shard)
         amax = step.amax_of(shard)
+    if gather_dtype != amax.dtype:
+        # Rounding is monotonic and symmetric: the amax of the rounded weight is the rounded
+        # amax, so the scale is that of the weight in gather_dtype.
+        amax = amax.to(gather_dtype).float()
     return ops.compute_scale_from_amax(amax, torch.finfo(fp8_dtype).max)
 

@@ -263,11 +263,11 @@ _COMPILED_MODULES: set = set()
 
 
 @torch.compiler.assume_constant_result
-def note_compiled(index: int) -> bool:
+def note_compiled(key: str) -> bool:
     """Called by a traced FP8 forward: torch.compile runs it once, while tracing (its result is
     baked into the graph as a constant), so this side effect is allowed even inside a
     checkpointed region, and costs nothing at run time."""
-    _COMPILED_MODULES.add(index)
+    _COMPILED_MODULES.add(int(key))  # (key: the module's creation index, as a string)
     return True
 
 

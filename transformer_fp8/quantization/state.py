@@ -87,6 +87,7 @@ class Fp8State:
         """A creation index and the (forward, backward) ScalingStates of this module, registered
         with the step machinery."""
         self._fp8_index = next(_creation_index)
+        self._fp8_key = str(self._fp8_index)  # (for torch.compile: see roles._delayed)
         takes_recipe = scaling_state.weak_method(self._takes_recipe)
         self._scaling_states = (ScalingState(self._fp8_index, "fwd", takes_recipe),
                                 ScalingState(self._fp8_index, "bwd", takes_recipe))
