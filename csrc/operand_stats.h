@@ -32,7 +32,7 @@ TFP8_HOST_DEVICE double add_square(double acc, double v) {
 #if defined(__CUDA_ARCH__)
   return __dadd_rn(acc, __dmul_rn(v, v));
 #else
-  return acc + v * v;  // (host code is compiled without floating-point contraction)
+  return acc + v * v;  // (x86-64 host code has no fused multiply-add without -mfma)
 #endif
 }
 
@@ -155,11 +155,11 @@ inline StatsGeometry stats_geometry(int64_t rows, int64_t cols, int64_t block_ro
     g.cols = rows * cols;
     g.block_rows = 1;
     g.block_cols = rows * cols;
-  } else {
+  } else {  // (a block larger than x is x: clamped, which changes no figure)
     g.rows = rows;
     g.cols = cols;
-    g.block_rows = block_rows;
-    g.block_cols = block_cols;
+    g.block_rows = block_rows < rows ? block_rows : rows;
+    g.block_cols = block_cols < cols ? block_cols : cols;
   }
   g.blocks_down = (g.rows + g.block_rows - 1) / g.block_rows;
   g.blocks_across = (g.cols + g.block_cols - 1) / g.block_cols;

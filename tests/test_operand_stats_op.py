@@ -159,3 +159,13 @@ def test_wrapper_type_errors():
     with pytest.raises(ValueError, match="argument 'block_rows' must be an integer"):
         fp8_operand_stats(torch.ones(4, 8), torch.ones(4, 8).to(E4M3), torch.ones(1), 448.0,
                           1.5, 2)
+
+
+def test_blocks_larger_than_x_are_x(gen, device):
+    """A block larger than x covers x: the same figures as one block of x's shape, without a
+    workspace sized by the block."""
+    x = randn(gen, 6, 40, device=device)
+    q = ops.cast_to_fp8(x, torch.ones(1, device=device), E4M3)
+    scale = torch.full((1, 1), 2.0, device=device)
+    whole = check(x, q, scale, 448.0, 6, 40)
+    assert_same_stats(fp8_operand_stats(x, q, scale, 448.0, 2 ** 40, 2 ** 40), whole)

@@ -15,6 +15,7 @@ namespace cuda {
 namespace {
 
 constexpr int kStatsThreads = 256;
+static_assert((kStatsThreads & (kStatsThreads - 1)) == 0, "tree_reduce needs a power of two");
 
 template <Fp8Format F>
 __device__ __forceinline__ float fp8_byte_to_float(uint8_t byte) {

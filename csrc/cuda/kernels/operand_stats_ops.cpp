@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <climits>
+
 #include "../../checks/stats_checks.h"
 #include "../cuda_checks.h"
 #include "kernels.h"
@@ -22,6 +24,9 @@ at::Tensor fp8_operand_stats_cuda(const at::Tensor& x, const at::Tensor& q,
   const StatsInputs in = prepare_operand_stats(x, q, scale, fp8_max, block_rows, block_cols,
                                                kChunk);
   const StatsGeometry& g = in.geometry;
+  TORCH_CHECK(g.units() <= INT_MAX, "transformer_fp8: fp8_operand_stats: x of ", x.numel(),
+              " elements in ", block_rows, " x ", block_cols, " blocks needs ", g.units(),
+              " thread blocks, more than a CUDA grid holds");
   at::Tensor partials = at::empty({g.units() * static_cast<int64_t>(sizeof(StatsPartial))},
                                   x.options().dtype(at::kByte));
   at::Tensor out = at::empty({kStatsFields}, x.options().dtype(at::kDouble));
