@@ -85,6 +85,9 @@ def test_in_place_updates_quantise_the_updated_value(gen):
     with torch.no_grad():
         torch._foreach_add_([w], [torch.ones(32, 64)])
     assert torch.equal(w.dequantize(), torch.ones(32, 64))
+    with torch.no_grad():
+        w.copy_(torch.tensor(0.5))  # copy_ broadcasts its source
+    assert w.fp8_data.shape == (32, 64) and torch.equal(w.dequantize(), torch.full((32, 64), 0.5))
 
 
 def test_every_other_use_sees_the_dequantised_value(gen):

@@ -198,6 +198,8 @@ class Fp8Weight(torch.Tensor):
         if isinstance(value, Fp8Weight):
             self._fp8.take(value._fp8.moved(self.device))
             return
+        if value.shape != self.shape:
+            value = value.expand(self.shape)  # copy_ broadcasts its source
         self._fp8.take(self._fp8.cast.quantize(value, self.device))
 
     @classmethod
