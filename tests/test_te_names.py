@@ -36,7 +36,11 @@ def test_quantized_model_init_builds_layers_for_its_recipe(init):
     for built in (layer, converted):
         assert built.fp8_fwd_amax_history.shape == (8, 2)
         assert built.fp8_recipe_fields.tolist()[:3] == [1, 2, 8]
-        assert built.weight.dtype == torch.float32, "parameters stay in high precision"
+        assert built.weight.dtype == torch.float32, "the weights' nominal dtype"
+    # Built inside: an FP8 weight (Transformer Engine's meaning, test_fp8_primary_weights.py);
+    # converted inside: the weight stays the high-precision Parameter it was.
+    assert type(layer.weight).__name__ == "Fp8Weight"
+    assert type(converted.weight) is torch.nn.Parameter
     assert own.fp8_fwd_amax_history.shape == (4, 2), "a layer's own recipe= wins"
     with init(enabled=False, recipe=recipe):
         assert tfp8.Linear(32, 16).fp8_fwd_amax_history.shape == (1024, 2)

@@ -12,6 +12,7 @@ from .. import _fp8_hooks
 from ..quantization import autocast as _autocast
 from ..quantization import replay as checkpointing
 from ..quantization.calibration import recording_linear
+from ..quantization.fp8_weight import Fp8Weight
 from ..quantization.quantizer import ALIGN, Fp8Plan
 from ..quantization.roles import quantizers_for_step
 from ..quantization.state import Fp8State
@@ -127,8 +128,9 @@ class Fp8StateMixin(Fp8State):
     def _weight_for_step(self, gemm: int, weight, weight_quantizer, is_first_microbatch):
         """None: quantise the weight in this call. True: quantise it now and keep it. False:
         reuse the copy kept by the last True (gradient accumulation: the weight has not
-        changed), unless it was quantised another way (another recipe)."""
-        if is_first_microbatch is None:
+        changed), unless it was quantised another way (another recipe). An FP8 weight
+        (quantized_model_init) is its own operand: nothing to keep."""
+        if is_first_microbatch is None or isinstance(weight, Fp8Weight):
             if self._weight_cache[gemm] is not None:  # (no write when there is nothing to drop:
                 self._weight_cache[gemm] = None       # torch.compile traces no side effect)
             return None

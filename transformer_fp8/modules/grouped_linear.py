@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..quantization import autocast as _autocast
 from ..quantization.state import history_len_for
 from .base import Fp8StateMixin
+from .fp8_primary_weights import make_fp8_primary_weights
 from .linear import _Fp8LinearFunction
 from ..quantization.recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
@@ -70,6 +71,7 @@ class GroupedLinear(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         self._m_splits: list[int] = []
         if not self.weight0.is_meta:
             self._init_parameters()
+        make_fp8_primary_weights(self)  # inside quantized_model_init
 
     def _init_parameters(self) -> None:
         for i in range(self.num_gemms):

@@ -17,6 +17,7 @@ from ..quantization.quantizer import pad_rows
 from ..quantization.recipe import Recipe
 from ..quantization.state import FP8_STATE_KEYS, history_len_for
 from .base import Fp8StateMixin
+from .fp8_primary_weights import SCALE_INV_SUFFIX, make_fp8_primary_weights
 from .fsdp_all_gather import check_fp8_all_gather, enable_fp8_all_gather
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes
@@ -138,6 +139,7 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
         self.prepare_fp8_recipe(recipe)
         if fp8_all_gather:
             enable_fp8_all_gather(self)
+        make_fp8_primary_weights(self)  # inside quantized_model_init
 
     def _init_converted(self) -> None:
         """The Transformer Engine attributes of an nn.Linear that convert_to_fp8 turned into
@@ -217,6 +219,7 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
 
 
 def strip_fp8_state(state_dict: dict) -> dict:
-    """A copy of a state_dict without the FP8 state, loadable into plain torch.nn.Linear
-    models with strict=True."""
-    return {k: v for k, v in state_dict.items() if k.rsplit(".", 1)[-1] not in FP8_STATE_KEYS}
+    """A copy of a state_dict without the FP8 state (and the scale_invs of FP8 weights, whose
+    dequantised values it keeps), loadable into plain torch.nn.Linear models with strict=True."""
+    return {k: v for k, v in state_dict.items()
+            if k.rsplit(".", 1)[-1] not in FP8_STATE_KEYS and not k.endswith(SCALE_INV_SUFFIX)}

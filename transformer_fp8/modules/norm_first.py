@@ -14,6 +14,7 @@ import torch
 from ..quantization import autocast as _autocast
 from ..quantization.state import history_len_for
 from .base import Fp8StateMixin
+from .fp8_primary_weights import make_fp8_primary_weights
 from .normalization import (NormStep, check_eps, check_normalization, norm_hp,
                             reset_norm_parameters)
 from .te_args import check_positive, check_te_options, te_default_init  # noqa: F401
@@ -66,6 +67,7 @@ class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         initialises after to_empty())."""
         if not self.layer_norm_weight.is_meta:
             self._init_parameters()
+        make_fp8_primary_weights(self)  # inside quantized_model_init
 
     def reset_parameters(self) -> None:
         self._init_parameters()

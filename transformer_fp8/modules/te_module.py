@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from . import te_checkpoint
+from .fp8_primary_weights import SCALE_INV_SUFFIX
 
 from . import wgrad
 
@@ -126,6 +127,9 @@ class TeModuleMixin:
                               unexpected_keys, error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        for name in self._parameters:  # a checkpoint of FP8 weights: its dequantised values load
+            if prefix + name + SCALE_INV_SUFFIX in unexpected_keys:
+                unexpected_keys.remove(prefix + name + SCALE_INV_SUFFIX)
         key = prefix + te_checkpoint.EXTRA_STATE
         if key not in state_dict:
             return

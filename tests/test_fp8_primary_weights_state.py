@@ -1,0 +1,226 @@
+"""FP8 primary weights (quantized_model_init): writing into them (copy_, in-place updates, with
+which scale), checkpoints (pickle-free, bit-for-bit round trips, high-precision checkpoints both
+ways), preserve_high_precision_init_val, device moves and copies, and the refusals."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import transformer_fp8 as tfp8
+from conftest import assert_bitwise_equal, randn
+from transformer_fp8 import ops
+from transformer_fp8.modules.fp8_primary_weights import SCALE_INV_SUFFIX
+from transformer_fp8.quantization.fp8_weight import Fp8Weight
+
+DELAYED = tfp8.DelayedScaling(amax_history_len=4, margin=1)
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8_linear(recipe=DELAYED, seed=0, device="cpu", **kwargs):
+    torch.manual_seed(seed)
+    with tfp8.quantized_model_init(recipe=recipe, **kwargs):
+        return tfp8.Linear(64, 32, device=device)
+
+
+def test_copy_quantises_with_the_layers_delayed_weight_scale(device, gen):
+    layer = fp8_linear(device=device)
+    with tfp8.fp8_autocast(fp8_recipe=DELAYED):  # one update: the weight scale moves on
+        layer(randn(gen, 16, 64, device=device)).sum().backward()
+    scale, scale_inv = layer.fp8_fwd_scale[1:2].clone(), layer.fp8_fwd_scale_inv[1:2].clone()
+    row0 = layer.fp8_fwd_amax_history[0].clone()
+    master = randn(gen, 32, 64, device=device, scale=0.05)
+    with torch.no_grad():
+        layer.weight.copy_(master)
+    assert_bitwise_equal(layer.weight.fp8_data, ops.cast_to_fp8(master, scale, E4M3))
+    assert_bitwise_equal(layer.weight.fp8_scale_inv, scale_inv)
+    assert_bitwise_equal(layer.fp8_fwd_scale[1:2], scale, "the layer's scale is unchanged")
+    recorded = torch.maximum(row0[1], master.abs().max())
+    assert_bitwise_equal(layer.fp8_fwd_amax_history[0, 1], recorded, "amax recorded")
+    assert_bitwise_equal(layer.fp8_fwd_amax_history[0, 0], row0[0])
+    assert type(layer.weight) is Fp8Weight and layer.weight.requires_grad
+
+
+def test_copy_into_a_fresh_state_uses_the_values_own_scale(gen):
+    """After reset_fp8_state (scale 1, no amax), a write does not cast with the fresh scale of
+    1: the value's own scale is used and becomes the layer's."""
+    layer = fp8_linear()
+    layer.reset_fp8_state()
+    master = randn(gen, 32, 64, scale=0.01)
+    with torch.no_grad():
+        layer.weight.copy_(master)
+    own = ops.compute_scale_from_amax(master.abs().max().reshape(1), 448.0, DELAYED.margin)
+    assert_bitwise_equal(layer.weight.fp8_data, ops.cast_to_fp8(master, own, E4M3))
+    assert_bitwise_equal(layer.fp8_fwd_scale[1:2], own)
+    assert_bitwise_equal(layer.weight.fp8_scale_inv, own.reciprocal())
+
+
+def test_current_scaling_weights_take_their_own_scale_at_every_write(gen):
+    layer = fp8_linear(tfp8.Float8CurrentScaling())
+    state = {k: v.clone() for k, v in layer.state_dict().items() if k.startswith("fp8_")}
+    master = randn(gen, 32, 64, scale=3.0)
+    with torch.no_grad():
+        layer.weight.copy_(master)
+    own = ops.compute_scale_from_amax(master.abs().max().reshape(1), 448.0)
+    assert_bitwise_equal(layer.weight.fp8_data, ops.cast_to_fp8(master, own, E4M3))
+    for key, value in state.items():
+        assert_bitwise_equal(layer.state_dict()[key], value, f"{key} untouched")
+
+
+def test_in_place_updates_quantise_the_updated_value(gen):
+    layer = fp8_linear(tfp8.Float8CurrentScaling())
+    w = layer.weight
+    before, delta = w.dequantize(), randn(gen, 32, 64, scale=0.01)
+    with torch.no_grad():
+        w.add_(delta, alpha=-2.0)
+    expected = before - 2.0 * delta
+    own = ops.compute_scale_from_amax(expected.abs().max().reshape(1), 448.0)
+    assert_bitwise_equal(w.fp8_data, ops.cast_to_fp8(expected, own, E4M3))
+    alias = w.detach()  # aliases share the FP8 data: a write through one is seen by both
+    with torch.no_grad():
+        alias.zero_()
+    assert not w.dequantize().any() and type(alias) is Fp8Weight
+    with torch.no_grad():
+        torch._foreach_add_([w], [torch.ones(32, 64)])
+    assert torch.equal(w.dequantize(), torch.ones(32, 64))
+    with torch.no_grad():
+        w.copy_(torch.tensor(0.5))  # copy_ broadcasts its source
+    assert w.fp8_data.shape == (32, 64) and torch.equal(w.dequantize(), torch.full((32, 64), 0.5))
+
+
+def test_every_other_use_sees_the_dequantised_value(gen):
+    w = fp8_linear().weight
+    value = w.dequantize()
+    x = randn(gen, 8, 64)
+    for got, want in ((w.clone(), value), (w * 2, value * 2), (w.float(), value),
+                      (w.t(), value.t()), (torch.nn.functional.linear(x, w), x @ value.t())):
+        assert_bitwise_equal(torch.as_tensor(got).detach() if type(got) is torch.Tensor
+                             else got.dequantize(), want)
+    assert type(w.clone()) is torch.Tensor, "a copy of the value: a plain tensor"
+    assert "Fp8Weight(" in repr(w) and "float8_e4m3fn" in repr(w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_round_trip_is_bit_for_bit_and_pickle_free(dtype, gen):
+    torch.manual_seed(0)
+    with tfp8.quantized_model_init(recipe=DELAYED):
+        layer = tfp8.LayerNormMLP(64, 128, params_dtype=dtype)
+    x = randn(gen, 16, 64, dtype=dtype)
+    for _ in range(2):  # scales that moved on since the weights were written
+        with tfp8.fp8_autocast(fp8_recipe=DELAYED):
+            layer(x).float().sum().backward()
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    torch.manual_seed(1)  # other initial values
+    with tfp8.quantized_model_init(recipe=DELAYED):
+        loaded = tfp8.LayerNormMLP(64, 128, params_dtype=dtype)
+    loaded.load_state_dict(state, strict=True)
+    for name in ("fc1_weight", "fc2_weight"):
+        w, w_loaded = getattr(layer, name), getattr(loaded, name)
+        assert type(w_loaded) is Fp8Weight
+        assert_bitwise_equal(w_loaded.fp8_data, w.fp8_data, name)
+        assert_bitwise_equal(w_loaded.fp8_scale_inv, w.fp8_scale_inv, name)
+    with tfp8.fp8_autocast(fp8_recipe=DELAYED):
+        assert_bitwise_equal(loaded(x), layer(x))
+
+
+def test_checkpoints_cross_with_high_precision_modules(gen):
+    layer = fp8_linear()
+    # FP8 weights -> a high-precision module (strict): the dequantised weights.
+    hp = tfp8.Linear(64, 32, recipe=DELAYED)
+    hp.load_state_dict(layer.state_dict(), strict=True)
+    assert_bitwise_equal(hp.weight.detach(), layer.weight.dequantize())
+    plain = torch.nn.Linear(64, 32)
+    plain.load_state_dict(tfp8.strip_fp8_state(layer.state_dict()), strict=True)
+    assert_bitwise_equal(plain.weight.detach(), layer.weight.dequantize())
+    # A high-precision checkpoint -> FP8 weights: each quantised with its own scale.
+    source = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        source.weight.mul_(40.0)  # far outside the built weight's range
+    layer.load_state_dict(source.state_dict(), strict=True)
+    own = ops.compute_scale_from_amax(source.weight.abs().max().reshape(1), 448.0,
+                                      DELAYED.margin)
+    assert_bitwise_equal(layer.weight.fp8_data, ops.cast_to_fp8(source.weight.detach(), own,
+                                                                E4M3))
+    assert_bitwise_equal(layer.weight.fp8_scale_inv, own.reciprocal())
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([0.0]), torch.tensor([float("nan")]),
+                                 torch.tensor([-1.0]), torch.ones(2)],
+                         ids=["zero", "nan", "negative", "two-elements"])
+def test_a_bad_saved_scale_inv_is_refused_and_the_weight_kept(bad):
+    layer = fp8_linear()
+    before = (layer.weight.fp8_data.clone(), layer.weight.fp8_scale_inv.clone())
+    state = fp8_linear(seed=3).state_dict()
+    state["weight" + SCALE_INV_SUFFIX] = bad
+    with pytest.raises(RuntimeError, match="weight_fp8_scale_inv: expected a"):
+        layer.load_state_dict(state)
+    assert_bitwise_equal(layer.weight.fp8_data, before[0])
+    assert_bitwise_equal(layer.weight.fp8_scale_inv, before[1])
+
+
+def test_preserve_high_precision_init_val():
+    torch.manual_seed(5)
+    reference = tfp8.Linear(64, 32)
+    kept = fp8_linear(seed=5, preserve_high_precision_init_val=True).weight
+    init = kept.get_high_precision_init_val()
+    assert init.device.type == "cpu" and type(init) is torch.Tensor
+    assert_bitwise_equal(init, reference.weight.detach())
+    assert kept.detach().get_high_precision_init_val() is init, "shared by aliases"
+    kept.clear_high_precision_init_val()
+    assert kept.get_high_precision_init_val() is None
+    assert fp8_linear().weight.get_high_precision_init_val() is None, "not kept unless asked"
+    with pytest.raises(TypeError, match="preserve_high_precision_init_val must be True or"):
+        with tfp8.quantized_model_init(preserve_high_precision_init_val=1):
+            pass
+
+
+def test_device_and_dtype_moves_and_copies_keep_fp8_weights(gen):
+    layer = fp8_linear()
+    data = layer.weight.fp8_data.clone()
+    layer.to("cpu")
+    assert type(layer.weight) is Fp8Weight
+    twin = copy.deepcopy(layer)
+    assert type(twin.weight) is Fp8Weight and twin.weight.fp8_data is not layer.weight.fp8_data
+    with torch.no_grad():
+        twin.weight.copy_(randn(gen, 32, 64))
+    assert_bitwise_equal(layer.weight.fp8_data, data, "the original is untouched")
+    assert not torch.equal(twin.fp8_fwd_amax_history, layer.fp8_fwd_amax_history), \
+        "the copy's write recorded into the copy's state"
+    layer.to(torch.bfloat16)
+    assert type(layer.weight) is Fp8Weight and layer.weight.dtype == torch.bfloat16
+    assert_bitwise_equal(layer.weight.fp8_data, data, "the same FP8 data")
+    with pytest.raises(TypeError, match="cannot be pickled; save the module's state_dict"):
+        torch.save(layer, io.BytesIO())
+
+
+def test_refusals():
+    block = tfp8.Float8BlockScaling()
+    with pytest.raises(ValueError, match="one scale per weight .* got Float8BlockScaling"):
+        with tfp8.quantized_model_init(recipe=block):
+            tfp8.Linear(128, 128)
+    tfp8.Linear(128, 128, recipe=block)  # what the message suggests works
+    for kwargs in (dict(parameters_split=["query", "key"]),
+                   dict(fuse_wgrad_accumulation=True), dict(delay_wgrad_compute=True)):
+        with pytest.raises(ValueError, match="cannot keep this module's weights in FP8"):
+            with tfp8.quantized_model_init(recipe=DELAYED):
+                tfp8.Linear(64, 32, **kwargs)
+    with pytest.raises(ValueError, match="cannot keep this module's weights in FP8"):
+        with tfp8.quantized_model_init(recipe=DELAYED):
+            tfp8.TransformerLayer(64, 128, 4)  # parameters_split for q, k, v
+    with tfp8.quantized_model_init(recipe=DELAYED):
+        layer = tfp8.TransformerLayer(64, 128, 4, fuse_qkv_params=True)
+    assert sum(isinstance(p, Fp8Weight) for p in layer.parameters()) == 4
+    with pytest.raises(ValueError, match="cannot be built on the 'meta' device"):
+        with tfp8.quantized_model_init(recipe=DELAYED):
+            tfp8.Linear(64, 32, device="meta")
+    with pytest.raises(ValueError, match="fp8_all_gather=True .* does not combine"):
+        with tfp8.quantized_model_init(recipe=DELAYED):
+            tfp8.Linear(64, 32, fp8_all_gather=True)
+    with tfp8.quantized_model_init(recipe=DELAYED):  # converted layers keep their weights
+        converted = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(64, 32)))
+    assert type(converted[0].weight) is torch.nn.Parameter

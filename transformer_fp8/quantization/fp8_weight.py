@@ -1,0 +1,265 @@
+"""FP8 primary weights: a GEMM weight held only in FP8 (1 byte per element, with the scale it was
+cast with), as the modules built inside ``quantized_model_init`` hold them.
+
+``Fp8Weight`` is a torch.Tensor subclass whose dtype is the weight's nominal high-precision dtype
+(its gradient's). Its module's FP8 GEMMs take the FP8 data as their weight operand, with no cast
+(``fp8_operand``, read by quantizer.Fp8Plan.quantize_weight). Every other use sees the dequantised
+value ``data * scale_inv``: printing, torch ops, ``clone()`` and the high-precision forward get
+plain tensors. Writing into it (``copy_``, an optimizer's in-place update, a load) quantises the
+new value again, with the rule of the recipe it was built for (``WeightCast``). Views other than
+detach/alias are dequantised copies: write through the parameter, not through a slice of it.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import ops
+from .quantizer import Quantized, TensorQuantizer
+from .recipe import DelayedScaling, Float8CurrentScaling
+
+aten = torch.ops.aten
+HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class WeightCast:
+    """How one GEMM weight of ``module`` is quantised whenever a value is written into it.
+
+    DelayedScaling: with the layer's current delayed weight scale (the weight's column of its
+    forward state), the value's amax recorded into that column's history row 0, as every weight
+    cast records it (the next update makes the next scale from it). While that column holds no
+    amax at all (a fresh or reset state) the value's own scale is used,
+    ``fp8_max / amax / 2**margin`` (what an update of that amax gives), and becomes the layer's
+    weight scale, so that the first forward casts nothing with the fresh state's scale of 1.
+    Float8CurrentScaling: the value's own scale (its amax), no state.
+    """
+
+    def __init__(self, module: torch.nn.Module, gemm: int, recipe):
+        self._module = weakref.ref(module)
+        self.gemm = gemm
+        self.recipe = recipe
+        self.fp8_dtype = recipe.fp8_format.fwd_dtype
+        self.margin = recipe.margin if isinstance(recipe, DelayedScaling) else 0
+
+    def __deepcopy__(self, memo):
+        # A module being copied is in memo before its parameters: the copy's weight quantises
+        # into the copy's state.
+        module = self._module()
+        return WeightCast(memo.get(id(module), module), self.gemm, self.recipe)
+
+    def own_scale(self, hp: torch.Tensor):
+        """(amax [1], scale [1]) of the value itself."""
+        amax = ops.amax(hp).reshape(1)
+        return amax, ops.compute_scale_from_amax(amax, torch.finfo(self.fp8_dtype).max,
+                                                 self.margin)
+
+    def scales_for(self, hp: torch.Tensor):
+        """(scale, scale_inv) to cast ``hp`` with, as new tensors (the layer's buffers change
+        in place at every update)."""
+        amax, own = self.own_scale(hp)
+        if isinstance(self.recipe, Float8CurrentScaling):
+            return own, own.reciprocal()
+        module = self._module()
+        if module is None:
+            raise RuntimeError("Fp8Weight: the module this FP8 weight belongs to no longer "
+                               "exists, so its delayed weight scale is unknown")
+        col = 2 * self.gemm + 1
+        history = module.fp8_fwd_amax_history
+        layer_scale = module.fp8_fwd_scale[col:col + 1]
+        layer_scale_inv = module.fp8_fwd_scale_inv[col:col + 1]
+        fresh = ~(history[:, col] > 0).any()  # on the device: no host sync
+        scale = torch.where(fresh, own, layer_scale)
+        scale_inv = torch.where(fresh, own.reciprocal(), layer_scale_inv)
+        layer_scale.copy_(scale)
+        layer_scale_inv.copy_(scale_inv)
+        slot = history[0, col:col + 1]
+        slot.copy_(torch.maximum(slot, amax))  # NaN propagates, as the cast kernels' amax
+        return scale, scale_inv
+
+    def quantize(self, value: torch.Tensor, device, scales=None) -> "Fp8Data":
+        """The FP8 form of ``value`` on ``device``, with ``scales`` (scale, scale_inv) if given
+        (nothing recorded), else with this rule's."""
+        hp = value.detach().to(device)
+        if hp.dtype not in HIGH_PRECISION:
+            hp = hp.float()
+        scale, scale_inv = scales if scales is not None else self.scales_for(hp)
+        return Fp8Data(ops.cast_to_fp8(hp, scale, self.fp8_dtype), scale, scale_inv, self)
+
+
+class Fp8Data:
+    """What an Fp8Weight holds, shared by its aliases (detach, the Parameter): the FP8 data, the
+    scale it was cast with and its inverse, the rule that casts new values, and the
+    high-precision initial value where quantized_model_init was asked to keep it."""
+
+    def __init__(self, data, scale, scale_inv, cast: WeightCast, hp_init=None):
+        self.data, self.scale, self.scale_inv = data, scale, scale_inv
+        self.cast = cast
+        self.hp_init = hp_init
+
+    def take(self, other: "Fp8Data") -> None:
+        self.data, self.scale, self.scale_inv = other.data, other.scale, other.scale_inv
+
+    def moved(self, device) -> "Fp8Data":
+        return Fp8Data(self.data.to(device), self.scale.to(device), self.scale_inv.to(device),
+                       self.cast, self.hp_init)
+
+
+class Fp8Weight(torch.Tensor):
+    """A GEMM weight held in FP8 (see the module docstring). ``dtype`` is its nominal
+    high-precision dtype."""
+
+    @staticmethod
+    def __new__(cls, fp8: Fp8Data, dtype: torch.dtype, requires_grad: bool = False):
+        data = fp8.data
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device,
+            requires_grad=requires_grad)
+
+    def __init__(self, fp8: Fp8Data, dtype: torch.dtype, requires_grad: bool = False):
+        self._fp8 = fp8
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return (f"Fp8Weight({self.dequantize()!r}, fp8_dtype={self._fp8.data.dtype}, "
+                f"scale_inv={self._fp8.scale_inv.item():.6g})")
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        import copy
+        fp8 = self._fp8
+        new_fp8 = Fp8Data(fp8.data.clone(), fp8.scale.clone(), fp8.scale_inv.clone(),
+                          copy.deepcopy(fp8.cast, memo),
+                          None if fp8.hp_init is None else fp8.hp_init.clone())
+        new = Fp8Weight(new_fp8, self.dtype, self.requires_grad)
+        if getattr(self, "_is_param", False):
+            new._is_param = True
+        memo[id(self)] = new
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("an Fp8Weight cannot be pickled; save the module's state_dict, which "
+                        "holds its dequantised value and scale_inv as plain tensors")
+
+    # ---- what the FP8 GEMMs and the rest of the package read ---------------------------------
+
+    @property
+    def fp8_cache_key(self) -> tuple:
+        return TensorQuantizer.cache_key
+
+    def fp8_operand(self, fp8_dtype: torch.dtype, with_transpose: bool) -> Optional[Quantized]:
+        """The GEMM operand: the FP8 data with its scale_inv, and its transpose for dgrad (one
+        scale per tensor: the transpose of the data is the cast of the transposed weight).
+        None if it is held in another FP8 dtype than the GEMM asks for."""
+        fp8 = self._fp8
+        if fp8_dtype != fp8.data.dtype:
+            return None
+        data_t = fp8.data.t().contiguous() if with_transpose else None
+        return Quantized(fp8.data, data_t, fp8.scale_inv, fp8.scale_inv, fp8.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        """The value it stands for, a plain tensor of its nominal dtype."""
+        return ops.cast_from_fp8(self._fp8.data, self._fp8.scale_inv, self.dtype)
+
+    @property
+    def fp8_data(self) -> torch.Tensor:
+        return self._fp8.data
+
+    @property
+    def fp8_scale_inv(self) -> torch.Tensor:
+        return self._fp8.scale_inv
+
+    def stored_bytes(self) -> int:
+        """Bytes it holds: the FP8 data, its scale and scale_inv."""
+        fp8 = self._fp8
+        return sum(t.numel() * t.element_size() for t in (fp8.data, fp8.scale, fp8.scale_inv))
+
+    def get_high_precision_init_val(self) -> Optional[torch.Tensor]:
+        """The initial high-precision value (on the CPU) where the module was built inside
+        ``quantized_model_init(preserve_high_precision_init_val=True)``, until cleared; else
+        None."""
+        return self._fp8.hp_init
+
+    def clear_high_precision_init_val(self) -> None:
+        self._fp8.hp_init = None
+
+    # ---- torch operations --------------------------------------------------------------------
+
+    def _alias(self, dtype=None, fp8: Optional[Fp8Data] = None) -> "Fp8Weight":
+        return Fp8Weight(fp8 or self._fp8, dtype or self.dtype)
+
+    def _write(self, value: torch.Tensor) -> None:
+        """Hold ``value`` from now on: an Fp8Weight's FP8 data and scales as they are (exact),
+        any other value quantised with this weight's rule."""
+        if isinstance(value, Fp8Weight):
+            self._fp8.take(value._fp8.moved(self.device))
+            return
+        if value.shape != self.shape:
+            value = value.expand(self.shape)  # copy_ broadcasts its source
+        self._fp8.take(self._fp8.cast.quantize(value, self.device))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        this = args[0] if args and isinstance(args[0], cls) else None
+        if this is not None:
+            if func in (aten.detach.default, aten.alias.default):
+                return this._alias()
+            if func is aten.copy_.default:
+                this._write(args[1])
+                return this
+            if func is aten._to_copy.default and _moves_only(this, kwargs):
+                # .to(device) / .half(): the same FP8 data, on that device, of that dtype.
+                device = kwargs.get("device") or this.device
+                return this._alias(kwargs.get("dtype"), this._fp8.moved(device))
+        if func._schema.is_mutable:
+            return _mutate(func, args, kwargs)
+        # Any other use (a high-precision computation, clone, a view): the dequantised value.
+        plain_args, plain_kwargs = pytree.tree_map_only(
+            cls, lambda t: t.dequantize(), (args, kwargs))
+        return func(*plain_args, **plain_kwargs)
+
+
+def _moves_only(weight: Fp8Weight, kwargs: dict) -> bool:
+    """Whether a _to_copy changes nothing but the device and the (floating) nominal dtype."""
+    if set(kwargs) - {"dtype", "device", "non_blocking", "layout", "memory_format"}:
+        return False
+    dtype = kwargs.get("dtype")
+    layout = kwargs.get("layout")
+    return (dtype is None or dtype in HIGH_PRECISION) and layout in (None, torch.strided)
+
+
+def _mutate(func, args, kwargs):
+    """An in-place operation on Fp8Weights (an optimizer's update, an initialiser): run on their
+    dequantised values, then each written one quantises its new value."""
+    stand_ins: dict = {}
+
+    def stand_in(t: Fp8Weight) -> torch.Tensor:
+        if id(t) not in stand_ins:
+            stand_ins[id(t)] = (t, t.dequantize())
+        return stand_ins[id(t)][1]
+
+    plain_args, plain_kwargs = pytree.tree_map_only(Fp8Weight, stand_in, (args, kwargs))
+    out = func(*plain_args, **plain_kwargs)
+    written = _written_weights(func, args, kwargs)
+    for weight in written:
+        weight._write(stand_ins[id(weight)][1])
+    back = {id(stand_ins[id(w)][1]): w for w in written}
+    return pytree.tree_map_only(torch.Tensor, lambda t: back.get(id(t), t), out)
+
+
+def _written_weights(func, args, kwargs) -> list:
+    """The Fp8Weights among the arguments that ``func``'s schema marks as written."""
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, Fp8Weight) and all(leaf is not w for w in written):
+                written.append(leaf)
+    return written
