@@ -36,8 +36,11 @@ def build(recipe, seed: int = 0, bias: bool = True) -> Mlp:
 
 
 def parallelize(model: Mlp, mesh) -> Mlp:
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
     return parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
 
 

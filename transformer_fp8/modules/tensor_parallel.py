@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import warnings
 
-import torch
-
 from .._dtensor import is_dtensor
 from ..quantization.quantizer import Fp8Plan
 from ..quantization.recipe import DelayedScaling, Float8CurrentScaling
@@ -72,7 +70,7 @@ def check_module(module, inp) -> None:
 
 def layout(module, weight, bias) -> str:
     """"colwise" or "rowwise", from the weight's placement; checks the mesh and the bias."""
-    Partial, Replicate, Shard = _placements()
+    _, Replicate, Shard = _placements()
     name = type(module).__name__
     if weight.device_mesh.ndim != 1 or weight.placements[0] not in (Shard(0), Shard(1)):
         raise ValueError(f"{name}: a DTensor weight must be sharded on a 1-D device mesh as "
