@@ -108,6 +108,13 @@ MUTANTS = [
            "        b_scale_inv = b_scale_inv.t()\n"
            "    return fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)\n",
            ("tests/test_blockwise_linear.py",), "different_magnitudes"),
+    Mutant("tensor-parallel rowwise bias on every rank", "modules/tensor_parallel.py",
+           "    add_bias = mesh.get_local_rank() == 0\n", "    add_bias = True\n",
+           ("tests/test_tensor_parallel.py",), "two_ranks and delayed"),
+    Mutant("tensor-parallel colwise input gradient as replicated", "modules/tensor_parallel.py",
+           "        x = inp.to_local(grad_placements=[Partial()])\n",
+           "        x = inp.to_local()\n",
+           ("tests/test_tensor_parallel.py",), "two_ranks and delayed"),
 ]
 
 

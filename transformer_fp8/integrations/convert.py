@@ -26,6 +26,8 @@ class Conv1D(Linear):
     Parameters and optimizers stay as they were. Made by convert_to_fp8 only. (nf and nx,
     Conv1D's names for out_features and in_features, are kept.)"""
 
+    _supports_tensor_parallel = False  # (the styles would shard the transposed weight)
+
     def weight_nk(self, routed: bool = False) -> torch.Tensor:
         return self.weight.t()
 

@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from .. import _fp8_hooks
+from .._dtensor import is_dtensor, local_tensor
 from ..quantization import autocast as _autocast
 from ..quantization import replay as checkpointing
 from ..quantization.calibration import recording_linear
@@ -18,6 +19,7 @@ from ..quantization.roles import quantizers_for_step
 from ..quantization.state import Fp8State
 from ..quantization.torch_autocast import autocast_dtype
 from .fsdp_weight import GatheredFp8Weight
+from . import tensor_parallel
 
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -49,18 +51,23 @@ class Fp8StateMixin(Fp8State):
         state = _autocast.current_state()
         if self._fp8_override is not None and state is not None:
             state = self._fp8_override.state_for(state)  # None: high precision
+        weight = self.fp8_weights()[0]
+        sharded = is_dtensor(weight)  # tensor parallelism (tensor_parallel.py)
+        if sharded:
+            tensor_parallel.prepare(self, state, inp)
         if state is None or not state.enabled:
             if state is not None and state.calibrating:
                 return self._high_precision(inp, recording_linear(self, state))
             return self._high_precision(inp)
-        weight_dtype = self.fp8_weights()[0].dtype
+        weight_dtype = weight.dtype
         if inp.dtype != weight_dtype and autocast_dtype(inp.device.type) is None:
             # torch.nn.Linear refuses this (F.linear: "expected m1 and m2 to have the same
             # dtype"); the FP8 path would accept it silently.
             raise RuntimeError(f"{name}: input dtype {inp.dtype} differs from the weight's "
                                f"{weight_dtype}, which torch.nn.Linear refuses too; cast the "
                                "input or the module, or run under torch.autocast")
-        gemm_dims = [d for dims in self._gemm_dims() for d in dims]
+        gemm_dims = [d for dims in (tensor_parallel.local_gemm_dims(self) if sharded
+                                    else self._gemm_dims()) for d in dims]
         if 0 in gemm_dims:
             return self._high_precision(inp)  # no features: nothing to multiply in FP8
         if any(d % ALIGN for d in gemm_dims) or inp.dtype not in FP8_INPUT_DTYPES:
@@ -137,6 +144,6 @@ class Fp8StateMixin(Fp8State):
         cached = self._weight_cache[gemm]
         if is_first_microbatch or cached is None or cached[0] != weight_quantizer.cache_key:
             with torch.no_grad():
-                self._weight_cache[gemm] = (weight_quantizer.cache_key,
-                                            weight_quantizer.cast(weight, with_transpose=True))
+                self._weight_cache[gemm] = (weight_quantizer.cache_key, weight_quantizer.cast(
+                    local_tensor(weight), with_transpose=True))  # (a tensor-parallel shard)
         return self._weight_cache[gemm][1]

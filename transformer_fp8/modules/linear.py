@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .._dtensor import is_dtensor
 from ..quantization import autocast as _autocast
 from ..quantization.quantizer import pad_rows
 from ..quantization.recipe import Recipe
@@ -21,6 +22,7 @@ from .fp8_primary_weights import SCALE_INV_SUFFIX, make_fp8_primary_weights
 from .fsdp_all_gather import check_fp8_all_gather, enable_fp8_all_gather
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes
+from .tensor_parallel import sharded_linear
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -28,7 +30,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
     its role (any recipe)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, plan):
+    def forward(ctx, inp, weight, bias, plan, add_bias=True):
+        # add_bias=False: bias only takes its gradient (tensor_parallel.py's rowwise ranks but
+        # the first, whose partial sums must not each hold it).
         needs_input_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         out_features, in_features = weight.shape
         inp_2d = inp.reshape(-1, in_features)
@@ -37,6 +41,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_q = plan.quantize_weight(weight, with_transpose=needs_input_grad)
         plan.keep_used(x_q, w_q)
         ctx.bias_dtype = None if bias is None else bias.dtype
+        if not add_bias:
+            bias = None
         if bias is not None and bias.dtype != plan.out_dtype:
             bias = bias.to(plan.out_dtype)
         out = plan.gemm(x_q.data, x_q.scale_inv, w_q.data, w_q.scale_inv, plan.out_dtype,
@@ -71,7 +77,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                                     ctx.weight_dtype)
         if needs_bias_grad and grad_bias.dtype != ctx.bias_dtype:
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        return grad_inp, grad_weight, grad_bias, None
+        return grad_inp, grad_weight, grad_bias, None, None
 
 
 def _unpad(out: torch.Tensor, rows: int, lead_shape, features: int) -> torch.Tensor:
@@ -99,8 +105,11 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
     (te_args.py). recipe: the recipe the layer will train with, which sizes its amax histories
     now rather than at the first FP8 forward. fp8_all_gather: under FSDP2's fully_shard the
     weight is all-gathered in FP8 (fsdp_all_gather.py; not with parameters_split,
-    fuse_wgrad_accumulation or delay_wgrad_compute).
+    fuse_wgrad_accumulation or delay_wgrad_compute). Tensor parallelism: parallelize_module's
+    ColwiseParallel and RowwiseParallel (tensor_parallel.py).
     """
+
+    _supports_tensor_parallel = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype: Optional[torch.dtype] = None, *,
@@ -210,8 +219,10 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
         return out
 
     def _fp8_apply(self, inp, plans):
-        return _Fp8LinearFunction.apply(inp, self.weight_nk(routed=True), self._gemm_bias(),
-                                        plans[0])
+        weight, bias = self.weight_nk(routed=True), self._gemm_bias()
+        if is_dtensor(weight):  # tensor parallelism: the GEMMs on the local shards
+            return sharded_linear(_Fp8LinearFunction.apply, self, inp, weight, bias, plans[0])
+        return _Fp8LinearFunction.apply(inp, weight, bias, plans[0])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from . import autocast as _autocast
 from .. import ops
+from .._dtensor import local_tensor
 from .recipe import DelayedScaling
 
 
@@ -37,7 +38,10 @@ def recording_linear(module, state):
             # FP8 casts do.
             for column, tensor in ((2 * gemm, x), (2 * gemm + 1, weight)):
                 slot = history[0, column:column + 1]
-                torch.maximum(slot, ops.amax(tensor.detach()).reshape(1), out=slot)
+                # (A tensor-parallel shard's amax: the step's reduction makes it the full
+                # tensor's where it covers the ranks.)
+                amax = ops.amax(local_tensor(tensor).detach())
+                torch.maximum(slot, amax.reshape(1), out=slot)
         return F.linear(x, weight, bias)
 
     return linear

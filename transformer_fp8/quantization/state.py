@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from .._dtensor import is_dtensor
 from . import amax_step
 from . import replay as checkpointing
 from . import scaling_state
@@ -99,10 +100,25 @@ class Fp8State:
 
     def _bind_scaling_states(self) -> None:
         """The ScalingStates hold the current buffers (after any change of them)."""
+        self._fp8_state_to_local()
         fwd, bwd = self._scaling_states
         b = self._buffers
         fwd.bind(b["fp8_fwd_amax_history"], b["fp8_fwd_scale"], b["fp8_fwd_scale_inv"])
         bwd.bind(b["fp8_bwd_amax_history"], b["fp8_bwd_scale"], b["fp8_bwd_scale_inv"])
+
+    def _fp8_state_to_local(self) -> None:
+        """Keep the FP8 state in plain tensors. Tensor parallelism's parallelize_module makes a
+        replicated DTensor of every buffer of the module (a direct write into _buffers, which
+        nothing here sees); the operators and the step machinery take plain tensors, so the
+        buffers become their local tensors again (the same values on every rank) and are bound
+        again. Called wherever the buffers are used, and by the tensor-parallel forward."""
+        distributed = [name for name in FP8_STATE_KEYS if is_dtensor(self._buffers[name])]
+        if not distributed:
+            return
+        for name in distributed:
+            self._buffers[name] = self._buffers[name].to_local().detach()
+        self._delayed_cast_cache = None  # (views of the DTensors)
+        self._bind_scaling_states()
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -188,6 +204,7 @@ class Fp8State:
             if not torch.compiler.is_compiling():  # (a traced forward writes no Python state)
                 self.__dict__["_adopted_recipe"] = (recipe, self._recipe_code)
             return
+        self._fp8_state_to_local()
         for name in HISTORIES:
             history = getattr(self, name)
             if history.shape[0] != recipe.amax_history_len and torch.compiler.is_compiling():
@@ -224,6 +241,7 @@ class Fp8State:
         if amax_step.has_pending_backward_updates():
             amax_step.flush_pending_backward_updates()
         amax_step.discard_failed_backward_passes()
+        self._fp8_state_to_local()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -231,6 +249,7 @@ class Fp8State:
         # A history of another length loads as it is. A checkpoint with no FP8 key at all (a
         # plain high-precision one) loads with strict=True and leaves a fresh FP8 state; one
         # with only some FP8 keys is reported as incomplete.
+        self._fp8_state_to_local()
         present = [k for k in FP8_STATE_KEYS if prefix + k in state_dict]
         error = fp8_state_error(self, state_dict, prefix)
         if error is not None:

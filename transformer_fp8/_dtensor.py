@@ -1,0 +1,19 @@
+"""DTensor (torch.distributed.tensor) where this torch has it: the test and the local tensor that
+the FP8 state and the tensor-parallel forward (modules/tensor_parallel.py) use."""
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without torch.distributed
+    DTensor = None
+
+
+def is_dtensor(tensor) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's local tensor of a DTensor (differentiable), else the tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
