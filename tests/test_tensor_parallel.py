@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from integration_compare import sqnr_db
-from multiprocess import collect_dead_models, run_ranks
+from multiprocess import run_ranks
 from tensor_parallel_mlp import build, parallelize, train
 
 import transformer_fp8 as tfp8
@@ -60,7 +60,6 @@ def _worker(rank, out_dir, modes):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = {}
     for mode in modes:
-        collect_dead_models()  # the previous mode's model leaves every rank's reduction
         recipe = recipe_for(mode)
         model = parallelize(build(recipe), mesh)
         results[mode] = train(model, recipe, STEPS)

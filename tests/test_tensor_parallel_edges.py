@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from integration_compare import sqnr_db
-from multiprocess import collect_dead_models, run_ranks
+from multiprocess import run_ranks
 from tensor_parallel_mlp import IN, batch, build, parallelize, train
 from test_tensor_parallel import assert_ranks_identical, init_device_mesh
 
@@ -64,7 +64,6 @@ def _config_worker(rank, out_dir):
     own_groups = [dist.new_group([r]) for r in range(2)]
     for make in (_delayed, tfp8.Float8CurrentScaling):
         del model
-        collect_dead_models()
         recipe = make()
         model = parallelize(build(recipe), mesh)
         with warnings.catch_warnings(record=True) as caught:
@@ -73,7 +72,6 @@ def _config_worker(rank, out_dir):
         assert len(_ours(caught)) == 1, (make, [str(w.message) for w in caught])
     # And none where the group holds every tensor-parallel rank.
     del model
-    collect_dead_models()
     recipe = _delayed()
     model = parallelize(build(recipe), mesh)
     with warnings.catch_warnings(record=True) as caught:
@@ -88,7 +86,6 @@ def _config_worker(rank, out_dir):
         model.fc1.forward(torch.randn(4, IN))  # the module itself: no style hook
     _assert_same_state(before, _fp8_state(model), "after a plain-tensor input")
     del model
-    collect_dead_models()
     # Refused: parameters_split, gradient routing; a module other than Linear; a replicated
     # weight.
     for option, value in (("parameters_split", ("a", "b")), ("fuse_wgrad_accumulation", True),
@@ -117,7 +114,6 @@ def _config_worker(rank, out_dir):
         replicated(x)
     _assert_same_state(before, _fp8_state(replicated), "after a replicated weight")
     del layer, norm_linear, replicated
-    collect_dead_models()
 
     # Local shards whose GEMM sizes are not multiples of 16 (48 output features, 24 per
     # rank): torch's DTensor linear, with a warning, bit for bit torch.nn.Linear's.
@@ -191,14 +187,12 @@ def _features_worker(rank, out_dir):
     for name, grad in _grads(theirs).items():
         assert torch.equal(_grads(ours)[name], grad), name
     del ours, theirs
-    collect_dead_models()
     # Non-reentrant activation checkpointing of the whole MLP.
     for key, wrap in (("plain", None), ("checkpointed", True)):
         model = parallelize(build(recipe), mesh)
         run = (lambda x, m=model: checkpoint(m, x, use_reentrant=False)) if wrap else None
         results[key] = train(model, recipe, STEPS, run=run)
         del model, run
-        collect_dead_models()
     # Two microbatches in one fp8_autocast: the weights cast once (is_first_microbatch) or in
     # every call give the same outputs and gradients.
     by_flags = []
@@ -210,7 +204,6 @@ def _features_worker(rank, out_dir):
         sum(out.square().mean() for out in outs).backward()
         by_flags.append((outs, _grads(model)))
         del model
-        collect_dead_models()
     for a, b in zip(by_flags[0][0], by_flags[1][0]):
         assert torch.equal(a, b)
     for name, grad in by_flags[0][1].items():
@@ -221,7 +214,6 @@ def _features_worker(rank, out_dir):
         model(batch(1))
     results["calibrated"] = _fp8_state(model)
     del model
-    collect_dead_models()
     # torch.distributed.checkpoint: save after two steps; a model of other weights and a fresh
     # FP8 state loads it, and its third step is the third step of the run that went on.
     model = parallelize(build(recipe), mesh)
@@ -233,7 +225,6 @@ def _features_worker(rank, out_dir):
     dcp.save(state, checkpoint_id=checkpoint_dir)
     results["went_on"] = train(model, recipe, 1, first=2)
     del model, state
-    collect_dead_models()
     loaded = parallelize(build(recipe, seed=1), mesh)
     state = loaded.state_dict()
     dcp.load(state, checkpoint_id=checkpoint_dir)
