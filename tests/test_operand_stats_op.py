@@ -169,3 +169,9 @@ def test_blocks_larger_than_x_are_x(gen, device):
     scale = torch.full((1, 1), 2.0, device=device)
     whole = check(x, q, scale, 448.0, 6, 40)
     assert_same_stats(fp8_operand_stats(x, q, scale, 448.0, 2 ** 40, 2 ** 40), whole)
+
+
+def test_the_field_count_is_the_same_everywhere():
+    from transformer_fp8.ops.operand_stats import STATS_FIELDS
+    assert STATS_FIELDS == len(FIELDS) == fp8_operand_stats(
+        torch.ones(2, 2), torch.ones(2, 2).to(E4M3), torch.ones(1), 448.0).numel()

@@ -1,7 +1,7 @@
 """Tensor parallelism on DTensor beyond the training comparison of test_tensor_parallel.py, on 2
 gloo ranks: configurations whose scales cannot be the full tensors' (warned, and what they
 give), what is refused (named errors, FP8 state untouched), local shards too narrow for FP8
-GEMMs, the high-precision forward, activation checkpointing, weights kept across
+GEMMs or uneven (high precision on every rank), the high-precision forward, activation checkpointing, weights kept across
 microbatches, calibration, and torch.distributed.checkpoint save/load."""
 from __future__ import annotations
 
@@ -130,6 +130,20 @@ def _config_worker(rank, out_dir):
             out = narrow(x)
     assert any("runs in high precision" in str(w.message) for w in caught)
     assert torch.equal(out, plain(x))
+    # Uneven shards (33 output features: 17 and 16 rows) under Float8CurrentScaling, whose
+    # casts all-reduce their amaxes: every rank runs in high precision (a rank choosing FP8
+    # alone would wait in a collective the other never joins), bit for bit torch's.
+    current = tfp8.Float8CurrentScaling()
+    torch.manual_seed(6)
+    uneven = parallelize_module(tfp8.Linear(IN, 33, recipe=current), mesh, ColwiseParallel())
+    torch.manual_seed(6)
+    plain = parallelize_module(torch.nn.Linear(IN, 33), mesh, ColwiseParallel())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tfp8.fp8_autocast(fp8_recipe=current):
+            out = uneven(x)
+    assert any("runs in high precision" in str(w.message) for w in caught)
+    assert torch.equal(out, plain(x))  # (each rank's local columns: 17 and 16)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -89,8 +89,20 @@ def layout(module, weight, bias) -> str:
 
 
 def local_gemm_dims(module) -> list:
-    """(out, in) features of each GEMM's local weight shard."""
-    return [tuple(w.to_local().shape) for w in module.fp8_weights()]
+    """(out, in) features of each GEMM's local weight shard, the same on every rank: with
+    uneven shards (the sharded dim not divisible by the mesh size) the ranks' shards differ,
+    and each would choose FP8 or high precision on its own (under Float8CurrentScaling, with
+    mismatched collectives); such a weight gives a size of 1 on every rank: high precision."""
+    dims = []
+    for w in module.fp8_weights():
+        sizes, ranks = list(w.shape), w.device_mesh.size()
+        if not w.placements[0].is_shard():  # (replicated: the same on every rank)
+            dims.append(tuple(w.to_local().shape))
+            continue
+        dim = w.placements[0].dim % len(sizes)
+        sizes[dim] = sizes[dim] // ranks if sizes[dim] % ranks == 0 else 1
+        dims.append(tuple(sizes))
+    return dims
 
 
 def prepare(module, state, inp) -> None:

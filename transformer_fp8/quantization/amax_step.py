@@ -18,7 +18,7 @@ from . import scaling_state
 from .recipe import DelayedScaling
 from .scaling_state import ScalingState
 from .update_plan import (UpdatePlan, all_reduce_max,  # noqa: F401 (all_reduce_max: quantizer's)
-                          check_same_layout, world_size)
+                          check_same_layout, layout_of, world_size)
 
 
 # The forward states of FP8 modules with no recipe yet (built without one, reset, or reloaded):
@@ -54,10 +54,6 @@ _EVERY_STATE_PLANS: dict = {}
 # agreement; a new layout is agreed on by the ranks (see AmaxStep._plan_for_step).
 _LAST_LAYOUT: dict = {}
 _NO_PLAN = object()  # what AmaxStep._plan holds when the states added have different plans
-
-
-def _layout(states: list[ScalingState]) -> tuple:
-    return tuple((s.key, s.history.shape[-1]) for s in states)
 
 
 def _can_synchronize() -> bool:
@@ -115,7 +111,7 @@ class AmaxStep:
         self._plan = plan
         return plan
 
-    def _plan_for_step(self, reduce: bool):
+    def _plan_for_step(self, reduce: bool, agree: bool = True):
         """The plan of the step's states, or None when it has none. The step also covers the
         states of the process that train with this recipe and recorded nothing: every one when
         ranks reduce (some may have run on other ranks only), else the compiled ones (a compiled
@@ -123,7 +119,8 @@ class AmaxStep:
         is refused inside a checkpointed region). A state that recorded nothing keeps its
         values: the update leaves an unrecorded column untouched. States on another device than
         the recorded ones are left out (a CPU copy of the model, say), unless none recorded.
-        ``reduce``: whether ranks reduce (_reduces())."""
+        ``reduce``: whether ranks reduce (_reduces()). ``agree``: False for a step that failed
+        on this rank (discard): no collective, and the plan is not kept."""
         if not (self.include_unrecorded and (reduce or _COMPILED_MODULES)):
             return self._recorded_plan() if self.states else None
         recorded = self._recorded_plan() if self.states else None
@@ -137,16 +134,20 @@ class AmaxStep:
         plan = cache.get(key)
         if plan is not None and plan.is_current(self.recipe):
             return plan
+        synchronize = reduce and agree and _can_synchronize()
+        if synchronize:
+            # First the garbage collector frees the dead layers (held in reference cycles) that
+            # some ranks have freed and others not, so the layout below does not depend on it.
+            gc.collect()
         states = self._covered_states(devices, reduce)
-        if reduce and _LAST_LAYOUT.get(key) != _layout(states) and _can_synchronize():
+        if not agree:
+            return UpdatePlan(states, self.recipe, self.role) if states else None
+        if synchronize and states and _LAST_LAYOUT.get(key) != layout_of(states):
             # The reduction's layout changes. In a program that builds and changes the same
             # layers on every rank, it does so on every rank at this step: the ranks agree on
-            # it. First the garbage collector frees the dead layers (held in reference cycles)
-            # that some ranks have freed and others not.
-            gc.collect()
-            states = self._covered_states(devices, reduce)
-            if states:
-                check_same_layout(_layout(states), self.group, states[0].device)
+            # it (a rank that made layers of its own on another device keeps its layout and
+            # needs no agreement).
+            check_same_layout(layout_of(states), self.group, states[0].device)
         if not states:
             return None
         plan = UpdatePlan(states, self.recipe, self.role)
@@ -169,7 +170,11 @@ class AmaxStep:
 
     def reduce_and_update(self) -> None:
         reduce = self._reduces()
-        plan = self._plan_for_step(reduce)
+        try:
+            plan = self._plan_for_step(reduce)
+        except RuntimeError:  # the ranks disagree on the layout: this step changes nothing
+            self.discard()
+            raise
         if plan is None:
             return
         if reduce:
@@ -178,7 +183,7 @@ class AmaxStep:
 
     def discard(self) -> None:
         """Forget the amaxes recorded since the last update (after an exception)."""
-        plan = self._plan_for_step(self._reduces())
+        plan = self._plan_for_step(self._reduces(), agree=False)
         if plan is not None:
             plan.discard()
 

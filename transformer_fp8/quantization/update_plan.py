@@ -39,11 +39,18 @@ def all_reduce_max(buffer: torch.Tensor, group) -> None:
         torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
 
 
+def layout_of(states: list) -> tuple:
+    """What the cross-rank reduction gathers, in order: the amaxes per row of each state. (Not
+    their creation indices: a rank that made FP8 layers of its own elsewhere, a copy on another
+    device, counts its indices differently, and the rows still line up.)"""
+    return tuple(s.history.shape[-1] for s in states)
+
+
 def check_same_layout(layout: tuple, group, device: torch.device) -> None:
     """Raise on every rank if the ranks of ``group`` would reduce differently laid out amaxes
     (one small all_reduce and a host sync: called only when a reduction's layout changes).
     Without it, reductions of different sizes fail (gloo) or hang (NCCL)."""
-    count, size = len(layout), sum(rows for _, rows in layout)
+    count, size = len(layout), sum(layout)
     fingerprint = hash(layout)  # (deterministic across processes for a tuple of ints)
     mine = torch.tensor([count, size, fingerprint], dtype=torch.int64)
     both = torch.cat([mine, -mine]).to(device)
@@ -70,8 +77,7 @@ class UpdatePlan:
         self.devices = frozenset(s.device for s in states)
         fp8_max = recipe.fp8_format.max_fwd if role == "fwd" else recipe.fp8_format.max_bwd
         self.histories = [s.history for s in states]
-        # What the cross-rank reduction gathers: (creation index, amaxes per row) per state.
-        self.layout = tuple((s.key, h.shape[-1]) for s, h in zip(states, self.histories))
+        self.layout = layout_of(states)
         by_device: dict = {}
         for s in states:
             lists = by_device.setdefault(s.device, ([], [], [], []))
