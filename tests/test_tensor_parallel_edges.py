@@ -1,8 +1,9 @@
 """Tensor parallelism on DTensor beyond the training comparison of test_tensor_parallel.py, on 2
 gloo ranks: configurations whose scales cannot be the full tensors' (warned, and what they
 give), what is refused (named errors, FP8 state untouched), local shards too narrow for FP8
-GEMMs or uneven (high precision on every rank), the high-precision forward, activation checkpointing, weights kept across
-microbatches, calibration, and torch.distributed.checkpoint save/load."""
+GEMMs or uneven (high precision on every rank), the high-precision forward, activation
+checkpointing, weights kept across microbatches, calibration, and torch.distributed.checkpoint
+save/load."""
 from __future__ import annotations
 
 import os
