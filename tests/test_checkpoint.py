@@ -32,6 +32,12 @@ def train(model, opt, batches):
     return losses
 
 
+@torch.no_grad()
+def total_loss(model, batches):
+    with fp8_autocast(enabled=False):
+        return sum(torch.nn.functional.mse_loss(model(x), y).item() for x, y in batches)
+
+
 def roundtrip(obj):
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -57,6 +63,7 @@ def test_resume_gives_bit_identical_losses(gen):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     train(model, opt, batches[:4])
     checkpoint = roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
+    loss_before = total_loss(model, batches[4:])
     expected = train(model, opt, batches[4:])
 
     resumed = make_model(seed=123)  # different initial weights: all must come from the file
@@ -64,7 +71,9 @@ def test_resume_gives_bit_identical_losses(gen):
     resumed.load_state_dict(checkpoint["model"], strict=True)
     resumed_opt.load_state_dict(checkpoint["opt"])
     assert train(resumed, resumed_opt, batches[4:]) == expected
-    assert expected[-1] < expected[0], "and the model was learning"
+    # The model was learning: its loss over the resumed batches fell. (One batch's loss against
+    # another's would compare different data: that failed for about 2% of the seeds.)
+    assert total_loss(model, batches[4:]) < loss_before
 
 
 def test_plain_linear_checkpoint_loads_strictly_with_fresh_fp8_state(gen):
