@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..ops import function_output
 from ..quantization.quantizer import ALIGN, pad_rows
 from .norm_first import NormFirstModule, check_positive
 from ..quantization.recipe import Recipe
@@ -61,9 +62,9 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         ctx.in_features, ctx.out_features = in_features, out_features
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        out = out[:ctx.rows].reshape(*ctx.lead_shape, out_features)
+        out = function_output(out, ctx.rows, (*ctx.lead_shape, out_features))
         if return_ln_out:
-            return out, ln_out.reshape(inp.shape)
+            return out, function_output(ln_out, ctx.rows, inp.shape)
         return out
 
     @staticmethod

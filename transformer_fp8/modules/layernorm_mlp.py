@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..ops import fused as fused_ops
 from .activations import activation_hp, check_activation, is_gated
+from ..ops import function_output
 from ..quantization.quantizer import ALIGN, pad_rows
 from .layernorm_linear import cast_norm_output
 from .norm_first import NormFirstModule, check_positive, te_default_init
@@ -95,9 +96,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ctx.lead_shape, ctx.hidden = inp.shape[:-1], hidden
         ctx.dtypes = (fc1_weight.dtype, None if fc1_bias is None else fc1_bias.dtype,
                       fc2_weight.dtype, None if fc2_bias is None else fc2_bias.dtype)
-        out = out.reshape(*ctx.lead_shape, fc2_weight.shape[0])
+        out = function_output(out, rows, (*ctx.lead_shape, fc2_weight.shape[0]))
         if return_ln_out:
-            return out, ln_out.reshape(inp.shape)
+            return out, function_output(ln_out, rows, inp.shape)
         return out
 
     @staticmethod

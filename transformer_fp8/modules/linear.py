@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .._dtensor import is_dtensor
 from ..quantization import autocast as _autocast
+from ..ops import function_output
 from ..quantization.quantizer import pad_rows
 from ..quantization.recipe import Recipe
 from ..quantization.state import FP8_STATE_KEYS, history_len_for
@@ -81,10 +82,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 
 def _unpad(out: torch.Tensor, rows: int, lead_shape, features: int) -> torch.Tensor:
-    """The GEMM output [padded rows, features] as [*lead_shape, features]."""
-    if out.shape[0] != rows:
-        out = out[:rows]
-    return out if len(lead_shape) == 1 else out.reshape(*lead_shape, features)
+    """The GEMM output [padded rows, features] as [*lead_shape, features] (not a view)."""
+    return function_output(out, rows, (*lead_shape, features))
 
 
 class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):

@@ -29,6 +29,16 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, extra)) if extra else x
 
 
+def function_output(out: torch.Tensor, rows: int, shape) -> torch.Tensor:
+    """A GEMM output [padded rows, N] (or any contiguous result) as the tensor of ``shape`` made
+    of its first ``rows`` rows, returned by an autograd.Function's forward. Not a view (no
+    copy either): autograd refuses in-place changes to a custom Function's output that is a
+    view, and torch.nn.Linear's output takes them (``out += residual``, in-place dropout)."""
+    if out.shape[0] != rows:
+        out = out[:rows]
+    return torch.ops.aten._unsafe_view(out, shape)
+
+
 
 # The wrappers check their arguments' types (check_wrapper_arguments) only when a cheap test
 # fails: these calls sit on every FP8 step's hot path.
