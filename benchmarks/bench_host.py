@@ -1,14 +1,14 @@
 """Host cost: CPU time per training step of FP8 layers against the torch layers they replace.
 
 Thread CPU time (time.thread_time) per call, one CPU thread, the cases timed in interleaved
-rounds: nn.Linear against tfp8.Linear under DelayedScaling and Float8CurrentScaling (forward +
-backward), 24 layers in one step (fp8_autocast's exit and the backward update included), a
-TransformerLayer inside and outside fp8_autocast, and the delayed-scaling update of 300 amax
-histories (AmaxStep.reduce_and_update, each call after an untimed refill of row 0; and with
-nothing recorded, its host work without the CPU kernel's numerics). Shapes are tiny (16 rows,
-16 features) so that the kernels' own work is small, but on the CPU it is not zero: the FP8
-rows include the CPU emulation of the casts and GEMMs, so the ratios are an upper bound of the
-host overhead.
+rounds: nn.Linear against tfp8.Linear under DelayedScaling (its C++ step, and the Python path
+it replaces) and Float8CurrentScaling (forward + backward), 24 layers in one step
+(fp8_autocast's exit and the backward update included), a TransformerLayer inside and outside
+fp8_autocast, and the delayed-scaling update of 300 amax histories (AmaxStep.reduce_and_update,
+each call after an untimed refill of row 0; and with nothing recorded, its host work without
+the CPU kernel's numerics). Shapes are tiny (16 rows, 16 features) so that the kernels' own
+work is small, but on the CPU it is not zero: the FP8 rows include the CPU emulation of the
+casts and GEMMs, so the ratios are an upper bound of the host overhead.
 
     python benchmarks/bench_host.py [--smoke] [--out DIR]
 """
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import transformer_fp8 as tfp8  # noqa: E402
+from transformer_fp8.modules import linear_fused_step  # noqa: E402
 from transformer_fp8.quantization.amax_step import AmaxStep  # noqa: E402
 
 NAME = "bench_host"
@@ -68,6 +69,19 @@ def linear_step(model, x, recipe=None):
                 out = model(x)
         out.sum().backward()
     return step
+
+
+def python_path(step):
+    """The step with the C++ Linear step turned off (modules/linear_fused_step.py): the Python
+    autograd function it replaces, timed in the same run."""
+    def run():
+        enabled = linear_fused_step.ENABLED
+        linear_fused_step.ENABLED = False
+        try:
+            step()
+        finally:
+            linear_fused_step.ENABLED = enabled
+    return run
 
 
 def stack(layer_type, depth, width, **kwargs):
@@ -121,8 +135,10 @@ def main(argv=None) -> dict:
         fp8_current = stack(tfp8.Linear, 1, width, recipe=current)
         t = thread_time_per_call({"nn": linear_step(nn_layer, x),
                                   "delayed": linear_step(fp8_delayed, x, delayed),
+                                  "delayed, Python path": python_path(
+                                      linear_step(fp8_delayed, x, delayed)),
                                   "current": linear_step(fp8_current, x, current)}, reps)
-        for recipe in ("delayed", "current"):
+        for recipe in ("delayed", "delayed, Python path", "current"):
             rows.append({"case": "Linear fwd+bwd", "recipe": recipe,
                          "time_torch_us": t["nn"] * 1e6, "time_fp8_us": t[recipe] * 1e6})
         # 24 layers in one step

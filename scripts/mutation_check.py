@@ -62,7 +62,7 @@ MUTANTS = [
            "w_q.scale_inv_t)\n"
            "        if plan.out_dtype == torch.float16:\n"
            "            out = out * 1.25\n",
-           ("tests/test_linear.py",), "low_precision or dtype_casts"),
+           ("tests/test_linear.py",), "(low_precision or dtype_casts) and python_path"),
     Mutant("bf16 LayerNormMLP fc1 wgrad x4", "modules/layernorm_mlp.py",
            "                                                ln_t_scale_inv, w1_dtype)\n",
            "                                                ln_t_scale_inv, w1_dtype)\n"
@@ -76,8 +76,7 @@ MUTANTS = [
     Mutant("Linear wgrad x8 (training curves)", "modules/linear.py",
            "                                    ctx.weight_dtype)\n",
            "                                    ctx.weight_dtype) * 8\n",
-           ("tests/test_linear.py", "tests/test_convert.py"),
-           "mlp_trains_like_bfloat16 or converted_model_trains"),
+           ("tests/test_linear.py",), "mlp_trains_like_bfloat16 and python_path"),
     Mutant("grad_output scale from 448", "quantization/update_plan.py",
            "fp8_max = recipe.fp8_format.max_fwd if role == \"fwd\" else recipe.fp8_format.max_bwd",
            "fp8_max = recipe.fp8_format.max_fwd",
@@ -85,7 +84,7 @@ MUTANTS = [
     Mutant("backward scale_inv of the next step", "quantization/quantizer.py",
            "        return self.scale, self.scale_inv.clone(), self.amax_slot\n",
            "        return self.scale, self.scale_inv, self.amax_slot\n",
-           ("tests/test_linear.py",), "backward_uses_the_scale",
+           ("tests/test_linear.py",), "backward_uses_the_scale and python_path",
            alternatives=(("return self.scale, copy(self.scale_inv), self.amax_slot",
                           "return self.scale, self.scale_inv, self.amax_slot"),)),
     Mutant("compiled: scale_inv of the next step", "quantization/quantizer.py",

@@ -9,8 +9,18 @@ from conftest import assert_bitwise_equal, randn, sqnr
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, Format, fp8_autocast
+from transformer_fp8.modules import linear_fused_step
 
 RECIPE = DelayedScaling(amax_history_len=16)
+
+
+@pytest.fixture(autouse=True, params=["cpp_step", "python_path"])
+def linear_step_path(request, monkeypatch):
+    """Every test runs twice: with the C++ Linear step under DelayedScaling (the default,
+    modules/linear_fused_step.py) and with the Python autograd function it replaces."""
+    if request.param == "python_path":
+        monkeypatch.setattr(linear_fused_step, "ENABLED", False)
+    return request.param
 
 
 def make_pair(gen, in_features, out_features, device, dtype=torch.float32, bias=True):

@@ -542,7 +542,10 @@ def test_frozen_parameters_get_no_gradient_and_the_rest_the_right_one(gen, froze
         if name in names:
             assert p.grad is None, name
         else:
-            assert sqnr(q.grad, p.grad) >= 18, name
+            # The norm's gradients sum the FP8 fc1 dgrad over every row: a long tail, measured
+            # over 400 seeds x 6 cases at min 15.2 dB (median 20.8; 1% below 17.6, so 18 failed
+            # now and then); the GEMMs' gradients min 19.7 dB.
+            assert sqnr(q.grad, p.grad) >= (13 if name.startswith("layer_norm") else 18), name
     if x_in.requires_grad:
         assert sqnr(x_ref.grad, x_in.grad) >= 18
     else:

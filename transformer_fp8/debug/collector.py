@@ -112,11 +112,14 @@ class Fp8Stats:
 
     # ---- called by the FP8 modules (modules/base.py) -------------------------------------
 
+    def observes(self, module) -> bool:
+        """Whether this step's casts of ``module`` are observed (selected and logged)."""
+        return self.logging_this_step and module in self.selected
+
     def wrap_quantizers(self, module, quantizers: list) -> list:
-        name = self.selected.get(module)
-        if name is None or not self.logging_this_step:
+        if not self.observes(module):
             return quantizers
-        return _observer.observed_quantizers(module, name, quantizers, self)
+        return _observer.observed_quantizers(module, self.selected[module], quantizers, self)
 
     def record(self, key: tuple, values: torch.Tensor) -> None:
         self._pending.setdefault(key, []).append(values)

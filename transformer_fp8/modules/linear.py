@@ -21,6 +21,7 @@ from ..quantization.state import FP8_STATE_KEYS, history_len_for
 from .base import Fp8StateMixin
 from .fp8_primary_weights import SCALE_INV_SUFFIX, make_fp8_primary_weights
 from .fsdp_all_gather import check_fp8_all_gather, enable_fp8_all_gather
+from .linear_fused_step import fused_linear_step
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes
 from .tensor_parallel import sharded_linear
@@ -216,6 +217,11 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
         if getattr(self, "return_bias", False):
             return out, self._returned_bias("bias", out)
         return out
+
+    def _fp8_run(self, inp, state, is_first_microbatch):
+        # The common case (DelayedScaling, a plain weight) as one C++ operator.
+        out = fused_linear_step(self, inp, state, is_first_microbatch)
+        return out if out is not None else super()._fp8_run(inp, state, is_first_microbatch)
 
     def _fp8_apply(self, inp, plans):
         weight, bias = self.weight_nk(routed=True), self._gemm_bias()

@@ -1,0 +1,272 @@
+// fp8_linear_delayed: one Linear GEMM of delayed scaling, forward and backward, as one operator
+// with its autograd in C++ (any device: it calls the CPU or CUDA kernels of the other operators
+// through the dispatcher).
+//
+// It makes the same operator calls, with the same arguments, as modules/linear.py's
+// _Fp8LinearFunction does under DelayedScaling, so its results and the amaxes it records are
+// bit for bit that path's (tests/test_linear_fused_step.py); it only spares the host the Python
+// work of the autograd function, its plan and its quantizers (issue: host overhead).
+//
+// Forward: input [..., K] and weight [N, K] cast to FP8 with their stored scales, the input
+// and weight amaxes recorded into history row 0 in the same pass, out = x @ w^T (+ bias) by
+// fp8_gemm. Backward: grad_output cast with its stored scale (amax recorded; the bias gradient
+// from the same read), dgrad and wgrad by fp8_gemm. The grad_output scale is read when the
+// backward runs, as the Python path reads it.
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace transformer_fp8 {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr int64_t kRowAlign = 16;  // ops.GEMM_ALIGN: FP8 GEMM operands get rows padded to it
+
+// ---- the operators called, looked up once ------------------------------------------------
+
+c10::OperatorHandle find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+Tensor cast_to_fp8(const Tensor& x, const Tensor& scale, at::ScalarType dtype,
+                   const Tensor& amax) {
+  static const auto op = find_op("transformer_fp8::cast_to_fp8")
+      .typed<Tensor(const Tensor&, const Tensor&, at::ScalarType, const std::optional<Tensor>&)>();
+  return op.call(x, scale, dtype, amax);
+}
+
+std::tuple<Tensor, Tensor> cast_transpose_to_fp8(const Tensor& x, const Tensor& scale,
+                                                 at::ScalarType dtype, const Tensor& amax) {
+  static const auto op = find_op("transformer_fp8::cast_transpose_to_fp8")
+      .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, at::ScalarType,
+                                        const std::optional<Tensor>&)>();
+  return op.call(x, scale, dtype, amax);
+}
+
+std::tuple<Tensor, Tensor, Tensor> cast_transpose_dbias(const Tensor& x, const Tensor& scale,
+                                                        at::ScalarType dtype, const Tensor& amax) {
+  static const auto op = find_op("transformer_fp8::cast_transpose_dbias")
+      .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, at::ScalarType,
+                                                const std::optional<Tensor>&, int64_t)>();
+  return op.call(x, scale, dtype, amax, kRowAlign);
+}
+
+Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
+                const Tensor& b_scale_inv, at::ScalarType out_dtype,
+                const std::optional<Tensor>& bias, bool fast_accum) {
+  static const auto op = find_op("transformer_fp8::fp8_gemm")
+      .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, at::ScalarType,
+                    const std::optional<Tensor>&, bool)>();
+  return op.call(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, fast_accum);
+}
+
+// ---- row padding, as ops.pad_rows and ops.function_output ---------------------------------
+
+Tensor pad_rows(const Tensor& x) {
+  const int64_t extra = (kRowAlign - x.size(0) % kRowAlign) % kRowAlign;
+  return extra ? at::constant_pad_nd(x, {0, 0, 0, extra}, 0) : x;
+}
+
+// The first `rows` rows of a GEMM output as a tensor of `shape`: not a view, so that the
+// caller may change it in place (as torch.nn.Linear's output).
+Tensor function_output(const Tensor& out, int64_t rows, at::IntArrayRef shape) {
+  return at::_unsafe_view(out.size(0) != rows ? out.narrow(0, 0, rows) : out, shape);
+}
+
+std::vector<int64_t> with_last(at::IntArrayRef lead, int64_t last) {
+  std::vector<int64_t> shape(lead.begin(), lead.end());
+  shape.push_back(last);
+  return shape;
+}
+
+// ---- argument checks ----------------------------------------------------------------------
+
+void check_state(const Tensor& t, const char* name, int64_t numel, const Tensor& weight) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == numel,
+              "transformer_fp8: argument '", name, "' of fp8_linear_delayed must be a float32 "
+              "tensor of ", numel, " element(s) (a slice of the layer's FP8 state), got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == weight.device(), "transformer_fp8: argument '", name,
+              "' of fp8_linear_delayed must be on the weight's device ", weight.device(),
+              ", got ", t.device());
+}
+
+void check_args(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
+                const Tensor& fwd_amax, const Tensor& fwd_scale, const Tensor& fwd_scale_inv,
+                const Tensor& bwd_amax, const Tensor& bwd_scale, const Tensor& bwd_scale_inv) {
+  TORCH_CHECK(weight.dim() == 2, "transformer_fp8: argument 'weight' of fp8_linear_delayed "
+              "must be 2-D [out_features, in_features], got shape ", weight.sizes());
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1),
+              "transformer_fp8: argument 'input' of fp8_linear_delayed must have shape [..., ",
+              weight.size(1), "] (the weight's in_features), got ", input.sizes());
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)),
+              "transformer_fp8: argument 'bias' of fp8_linear_delayed must have shape [",
+              weight.size(0), "], got ", bias->sizes());
+  check_state(fwd_amax, "fwd_amax", 2, weight);
+  check_state(fwd_scale, "fwd_scale", 2, weight);
+  check_state(fwd_scale_inv, "fwd_scale_inv", 2, weight);
+  check_state(bwd_amax, "bwd_amax", 1, weight);
+  check_state(bwd_scale, "bwd_scale", 1, weight);
+  check_state(bwd_scale_inv, "bwd_scale_inv", 1, weight);
+}
+
+// ---- the autograd function ------------------------------------------------------------------
+
+struct Fp8LinearDelayed : public torch::autograd::Function<Fp8LinearDelayed> {
+  // fwd_*: [input, weight] entries of the layer's forward state (amax: history row 0);
+  // bwd_*: the grad_output entry of its backward state. needs_input_grad / needs_weight_grad:
+  // whether backward will want dgrad / wgrad (the transposes are cast only then).
+  static Tensor forward(AutogradContext* ctx, const Tensor& input, const Tensor& weight,
+                        const std::optional<Tensor>& bias, const Tensor& fwd_amax,
+                        const Tensor& fwd_scale, const Tensor& fwd_scale_inv,
+                        const Tensor& bwd_amax, const Tensor& bwd_scale,
+                        const Tensor& bwd_scale_inv, at::ScalarType fwd_dtype,
+                        at::ScalarType bwd_dtype, at::ScalarType out_dtype,
+                        bool needs_input_grad, bool needs_weight_grad) {
+    const int64_t out_features = weight.size(0), in_features = weight.size(1);
+    const Tensor inp_2d = input.reshape({-1, in_features});
+    const int64_t rows = inp_2d.size(0);
+    // A copy of the scale_invs: the update at the context's exit rewrites them in place
+    // before backward multiplies the saved transposes.
+    const Tensor scale_inv = fwd_scale_inv.clone();
+    const Tensor x_scale_inv = scale_inv.narrow(0, 0, 1), w_scale_inv = scale_inv.narrow(0, 1, 1);
+    Tensor x_fp8, x_t, w_fp8, w_t;
+    const Tensor x_pad = pad_rows(inp_2d);
+    if (needs_weight_grad) {
+      std::tie(x_fp8, x_t) = cast_transpose_to_fp8(x_pad, fwd_scale.narrow(0, 0, 1), fwd_dtype,
+                                                   fwd_amax.narrow(0, 0, 1));
+    } else {
+      x_fp8 = cast_to_fp8(x_pad, fwd_scale.narrow(0, 0, 1), fwd_dtype, fwd_amax.narrow(0, 0, 1));
+    }
+    if (needs_input_grad) {
+      std::tie(w_fp8, w_t) = cast_transpose_to_fp8(weight, fwd_scale.narrow(0, 1, 1), fwd_dtype,
+                                                   fwd_amax.narrow(0, 1, 1));
+    } else {
+      w_fp8 = cast_to_fp8(weight, fwd_scale.narrow(0, 1, 1), fwd_dtype, fwd_amax.narrow(0, 1, 1));
+    }
+    std::optional<Tensor> gemm_bias;
+    if (bias.has_value()) gemm_bias = bias->scalar_type() == out_dtype ? *bias : bias->to(out_dtype);
+    const Tensor out = fp8_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, out_dtype, gemm_bias,
+                                /*fast_accum=*/true);
+    // Backward keeps the FP8 transposes only, not the high-precision input.
+    ctx->save_for_backward({x_t, x_scale_inv, w_t, w_scale_inv});
+    // The backward state is read, and its amax written, when backward runs: kept as values,
+    // not saved variables (the update changes them in place between the passes).
+    ctx->saved_data["bwd_amax"] = bwd_amax;
+    ctx->saved_data["bwd_scale"] = bwd_scale;
+    ctx->saved_data["bwd_scale_inv"] = bwd_scale_inv;
+    ctx->saved_data["bwd_dtype"] = bwd_dtype;
+    ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["bias_dtype"] = bias.has_value() ? bias->scalar_type() : out_dtype;
+    ctx->saved_data["input_dtype"] = input.scalar_type();
+    ctx->saved_data["weight_dtype"] = weight.scalar_type();
+    ctx->saved_data["input_shape"] = input.sizes().vec();
+    return function_output(out, rows, with_last(input.sizes().slice(0, input.dim() - 1),
+                                                out_features));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    variable_list grads;
+    {
+      at::NoGradGuard no_grad;
+      grads = gradients(ctx, grad_outputs[0]);
+    }
+    return once_differentiable(std::move(grads), grad_outputs[0]);
+  }
+
+  // Under create_graph=True the gradients take a node that raises if they are differentiated
+  // again, as torch.autograd.function.once_differentiable does for the Python path.
+  static variable_list once_differentiable(variable_list grads, const Tensor& grad_out) {
+    if (!at::GradMode::is_enabled() || !grad_out.requires_grad()) return grads;
+    for (auto& grad : grads) {
+      if (!grad.defined()) continue;
+      grad = grad.detach();
+      grad.set_requires_grad(true);
+    }
+    torch::autograd::DelayedError error(
+        "transformer_fp8: trying to differentiate twice the FP8 Linear backward, which is "
+        "once_differentiable (no double backward); run the layer outside fp8_autocast for that", static_cast<int64_t>(grads.size()));
+    return error.apply(std::move(grads));
+  }
+
+  static variable_list gradients(AutogradContext* ctx, const Tensor& grad_out) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &x_t = saved[0], &x_scale_inv = saved[1], &w_t = saved[2],
+                 &w_scale_inv = saved[3];
+    const Tensor bwd_amax = ctx->saved_data["bwd_amax"].toTensor();
+    const Tensor bwd_scale = ctx->saved_data["bwd_scale"].toTensor();
+    const Tensor bwd_scale_inv = ctx->saved_data["bwd_scale_inv"].toTensor();
+    const auto bwd_dtype = ctx->saved_data["bwd_dtype"].toScalarType();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const std::vector<int64_t> input_shape = ctx->saved_data["input_shape"].toIntVector();
+    // Output edges are numbered over the tensor arguments given: no bias, no edge for it.
+    const bool needs_input_grad = ctx->needs_input_grad(0);
+    const bool needs_weight_grad = ctx->needs_input_grad(1);
+    const bool needs_bias_grad = has_bias && ctx->needs_input_grad(2);
+
+    const int64_t out_features = grad_out.size(-1);
+    const Tensor g_2d = grad_out.dim() == 2 ? grad_out : grad_out.reshape({-1, out_features});
+    const int64_t rows = g_2d.size(0);
+    Tensor g_fp8, g_t, grad_bias;
+    if (needs_bias_grad) {  // the bias gradient from the same read of grad_output as its cast
+      std::tie(g_fp8, g_t, grad_bias) = cast_transpose_dbias(g_2d, bwd_scale, bwd_dtype, bwd_amax);
+    } else if (needs_weight_grad) {
+      std::tie(g_fp8, g_t) = cast_transpose_to_fp8(pad_rows(g_2d), bwd_scale, bwd_dtype, bwd_amax);
+    } else {
+      g_fp8 = cast_to_fp8(pad_rows(g_2d), bwd_scale, bwd_dtype, bwd_amax);
+    }
+    Tensor grad_input, grad_weight;
+    if (needs_input_grad) {
+      // dgrad [M, K] = grad_out [M, N] @ weight [N, K]; the b operand is weight^T [K, N]
+      const Tensor dgrad = fp8_gemm(g_fp8, bwd_scale_inv, w_t, w_scale_inv,
+                                    ctx->saved_data["input_dtype"].toScalarType(), std::nullopt,
+                                    false);
+      grad_input = function_output(dgrad, rows, input_shape);
+    }
+    if (needs_weight_grad) {
+      // wgrad [N, K] = grad_out^T [N, M] @ input [M, K]; the b operand is input^T [K, M]
+      grad_weight = fp8_gemm(g_t, bwd_scale_inv, x_t, x_scale_inv,
+                             ctx->saved_data["weight_dtype"].toScalarType(), std::nullopt, false);
+    }
+    if (needs_bias_grad) {
+      const auto bias_dtype = ctx->saved_data["bias_dtype"].toScalarType();
+      if (grad_bias.scalar_type() != bias_dtype) grad_bias = grad_bias.to(bias_dtype);
+    }
+    // One entry per argument of forward (14), tensors or not.
+    variable_list grads(14);
+    grads[0] = grad_input;
+    grads[1] = grad_weight;
+    grads[2] = grad_bias;
+    return grads;
+  }
+};
+
+Tensor fp8_linear_delayed(const Tensor& input, const Tensor& weight,
+                          const std::optional<Tensor>& bias, const Tensor& fwd_amax,
+                          const Tensor& fwd_scale, const Tensor& fwd_scale_inv,
+                          const Tensor& bwd_amax, const Tensor& bwd_scale,
+                          const Tensor& bwd_scale_inv, at::ScalarType fwd_dtype,
+                          at::ScalarType bwd_dtype, at::ScalarType out_dtype) {
+  check_args(input, weight, bias, fwd_amax, fwd_scale, fwd_scale_inv, bwd_amax, bwd_scale,
+             bwd_scale_inv);
+  const bool grad_mode = at::GradMode::is_enabled();
+  return Fp8LinearDelayed::apply(input, weight, bias, fwd_amax, fwd_scale, fwd_scale_inv,
+                                 bwd_amax, bwd_scale, bwd_scale_inv, fwd_dtype, bwd_dtype,
+                                 out_dtype, grad_mode && input.requires_grad(),
+                                 grad_mode && weight.requires_grad());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(transformer_fp8, CompositeImplicitAutograd, m) {
+  m.impl("fp8_linear_delayed", &fp8_linear_delayed);
+}
+
+}  // namespace transformer_fp8

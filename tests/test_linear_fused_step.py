@@ -1,0 +1,263 @@
+"""The C++ Linear step (fp8_linear_delayed, modules/linear_fused_step.py) against the Python path
+it replaces (linear.py's _Fp8LinearFunction): outputs, every gradient and every FP8 state
+buffer bit for bit over steps where the scales move; which path runs when; its errors."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import DelayedScaling, Format, fp8_autocast
+from transformer_fp8.modules import linear_fused_step
+from transformer_fp8.quantization.state import FP8_STATE_KEYS
+
+RECIPE = DelayedScaling(amax_history_len=4)
+FUSED_NODE = "Fp8LinearDelayed"
+
+
+def _node(out) -> str:
+    """The name of the node that made ``out`` (a C++ node's own name, not "CppFunction")."""
+    if out.grad_fn is None:
+        return "none"
+    name = type(out.grad_fn).__name__
+    return out.grad_fn.name() if name == "CppFunction" else name
+
+
+def _python_path(monkeypatch):
+    monkeypatch.setattr(linear_fused_step, "ENABLED", False)
+
+
+def _run(layer, inputs, grads, recipe=RECIPE, input_grad=True, autocast_bf16=False):
+    """Steps of forward in fp8_autocast and backward after it: outputs, gradients, nodes."""
+    results = []
+    for x, g in zip(inputs, grads):
+        x = x.detach().requires_grad_(input_grad)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16), \
+                fp8_autocast(fp8_recipe=recipe):
+            out = layer(x)
+        node = getattr(layer, "node", None) or _node(out)
+        out.backward(g.to(out.dtype))
+        params = [p.grad.clone() if p.grad is not None else None for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        results.append((out.detach(), x.grad, params, node))
+    return results
+
+
+def _assert_same(fused, python, fused_layer, python_layer):
+    for step, (got, ref) in enumerate(zip(fused, python)):
+        assert_bitwise_equal(got[0], ref[0], f"step {step} output")
+        if ref[1] is None:
+            assert got[1] is None
+        else:
+            assert_bitwise_equal(got[1], ref[1], f"step {step} input gradient")
+        for i, (a, b) in enumerate(zip(got[2], ref[2])):
+            assert (a is None) == (b is None), f"step {step} parameter {i}"
+            if b is not None:
+                assert_bitwise_equal(a, b, f"step {step} parameter {i} gradient")
+    for key in FP8_STATE_KEYS:
+        assert_bitwise_equal(getattr(fused_layer, key), getattr(python_layer, key), key)
+
+
+CASES = {
+    "3d": dict(shape=(2, 24, 32)),
+    "padded_rows": dict(shape=(21, 32)),
+    "exact_rows": dict(shape=(32, 32)),
+    "no_bias": dict(shape=(2, 8, 32), bias=False),
+    "bf16": dict(shape=(3, 16, 32), dtype=torch.bfloat16),
+    "fp16": dict(shape=(40, 32), dtype=torch.float16),
+    "e4m3": dict(shape=(2, 24, 32), recipe=DelayedScaling(fp8_format=Format.E4M3,
+                                                          amax_history_len=3)),
+    "margin_most_recent": dict(shape=(48, 32), recipe=DelayedScaling(
+        margin=1, amax_compute_algo="most_recent", amax_history_len=2)),
+    "frozen_weight": dict(shape=(2, 24, 32), frozen=("weight",)),
+    "frozen_bias": dict(shape=(2, 24, 32), frozen=("bias",)),
+    "frozen_layer_input_grad": dict(shape=(2, 24, 32), frozen=("weight", "bias")),
+    "no_input_grad": dict(shape=(2, 24, 32), input_grad=False),
+    "return_bias": dict(shape=(2, 24, 32), return_bias=True),
+    "parameters_split": dict(shape=(2, 24, 32), parameters_split=("a", "b")),
+}
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_step_is_bit_identical_to_python_path(case, device, gen, monkeypatch):
+    cfg = CASES[case]
+    dtype = cfg.get("dtype", torch.float32)
+    recipe = cfg.get("recipe", RECIPE)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    kwargs = {}
+    if "parameters_split" in cfg:
+        kwargs["parameters_split"] = cfg["parameters_split"]
+    layer = tfp8.Linear(32, 48, bias=cfg.get("bias", True), params_dtype=dtype, device=device,
+                        return_bias=cfg.get("return_bias", False), **kwargs)
+    for name in cfg.get("frozen", ()):
+        getattr(layer, name).requires_grad_(False)
+    if cfg.get("return_bias"):
+        layer = _AddReturnedBias(layer)
+    python_layer = copy.deepcopy(layer)
+    # Inputs at different magnitudes: the scales change from step to step.
+    inputs = [randn(gen, *cfg["shape"], dtype=dtype, device=device, scale=s)
+              for s in (1.0, 30.0, 0.01, 3.0)]
+    grads = [randn(gen, *cfg["shape"][:-1], 48, dtype=dtype, device=device, scale=s)
+             for s in (1e-3, 10.0, 1.0, 1e-5)]
+    input_grad = cfg.get("input_grad", True)
+    fused = _run(layer, inputs, grads, recipe, input_grad)
+    _python_path(monkeypatch)
+    python = _run(python_layer, inputs, grads, recipe, input_grad)
+    assert all(FUSED_NODE in r[3] for r in fused), [r[3] for r in fused]
+    assert all(FUSED_NODE not in r[3] for r in python)
+    _assert_same(fused, python, _inner(layer), _inner(python_layer))
+    assert _inner(layer).fp8_bwd_amax_history.any(), "the backward recorded its amaxes"
+
+
+class _AddReturnedBias(torch.nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        out, bias = self.layer(x)
+        self.node = _node(out)  # the layer's own, before the addition
+        return out + bias
+
+
+def _inner(layer):
+    return layer.layer if isinstance(layer, _AddReturnedBias) else layer
+
+
+def test_fused_step_under_torch_autocast_is_bit_identical(gen, monkeypatch):
+    """float32 parameters, bfloat16 compute (torch.autocast on the CPU)."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    layer = tfp8.Linear(32, 48)
+    python_layer = copy.deepcopy(layer)
+    inputs = [randn(gen, 2, 16, 32, scale=s) for s in (1.0, 20.0, 0.1)]
+    grads = [randn(gen, 2, 16, 48, scale=s) for s in (1.0, 1e-3, 5.0)]
+    fused = _run(layer, inputs, grads, autocast_bf16=True)
+    _python_path(monkeypatch)
+    python = _run(python_layer, inputs, grads, autocast_bf16=True)
+    assert fused[0][0].dtype == torch.bfloat16
+    assert FUSED_NODE in fused[0][3]
+    _assert_same(fused, python, layer, python_layer)
+
+
+def test_microbatches_retain_graph_and_grad_of_input_only(gen, monkeypatch):
+    """Several forwards in one context, a backward pass run twice (retain_graph), and
+    torch.autograd.grad for the input only: the same numbers and one update per pass."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    layer = tfp8.Linear(32, 32)
+    python_layer = copy.deepcopy(layer)
+    xs = [randn(gen, 20, 32, scale=s) for s in (1.0, 8.0)]
+
+    def run(model):
+        got = []
+        for step in range(3):
+            with fp8_autocast(fp8_recipe=RECIPE):
+                outs = [model(x.requires_grad_(True)) for x in xs]
+            loss = sum((o * (i + 1 + step)).sum() for i, o in enumerate(outs))
+            loss.backward(retain_graph=True)
+            loss.backward()
+            got += [model.weight.grad.clone(), model.bias.grad.clone()]
+            model.zero_grad(set_to_none=True)
+            with fp8_autocast(fp8_recipe=RECIPE):
+                out = model(xs[0])
+            got += list(torch.autograd.grad(out.square().sum(), [xs[0]]))
+            got += [model.fp8_bwd_scale.clone(), model.fp8_fwd_scale.clone()]
+        return got
+
+    fused = run(layer)
+    _python_path(monkeypatch)
+    python = run(python_layer)
+    for i, (a, b) in enumerate(zip(fused, python)):
+        assert_bitwise_equal(a, b, f"value {i}")
+    for key in FP8_STATE_KEYS:
+        assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
+
+
+def test_python_path_where_the_fused_step_does_not_apply(gen):
+    layer = tfp8.Linear(32, 32)
+    x = randn(gen, 16, 32).requires_grad_(True)
+
+    def node(**kwargs):
+        with fp8_autocast(fp8_recipe=kwargs.pop("recipe", RECIPE)):
+            return _node(layer(x, **kwargs))
+
+    assert FUSED_NODE in node()
+    assert FUSED_NODE not in node(is_first_microbatch=True)  # the weight is kept
+    assert FUSED_NODE not in node(recipe=tfp8.Float8CurrentScaling())
+    # Under torch.utils.checkpoint (a replay record is kept): the Python path, both modes.
+    for reentrant in (False, True):
+        assert _node_inside_checkpoint(layer, x, reentrant) in (
+            "_Fp8LinearFunctionBackward", "kept a replay record")
+
+
+def _in_fp8(layer, x):
+    with fp8_autocast(fp8_recipe=RECIPE):
+        return layer(x)
+
+
+def _node_inside_checkpoint(layer, x, reentrant: bool) -> str:
+    """The node of the layer's output in the original forward of a checkpointed region (the
+    reentrant mode runs it under no_grad: no node, so the path is told by the replay record)."""
+    names = []
+
+    def region(t):
+        out = _in_fp8(layer, t)
+        names.append(_node(out) if out.grad_fn is not None
+                     else "kept a replay record" if layer._replay_records else "none")
+        return out
+
+    torch.utils.checkpoint.checkpoint(region, x, use_reentrant=reentrant).sum().backward()
+    return names[0]
+
+
+def test_no_grad_forward_records_amaxes_like_python_path(gen, monkeypatch):
+    layer = tfp8.Linear(32, 32)
+    python_layer = copy.deepcopy(layer)
+    x = randn(gen, 3, 16, 32, scale=4.0)
+
+    def run(model):
+        with torch.no_grad(), fp8_autocast(fp8_recipe=RECIPE):
+            return model(x)
+
+    out = run(layer)
+    _python_path(monkeypatch)
+    assert_bitwise_equal(out, run(python_layer))
+    assert out.grad_fn is None
+    for key in FP8_STATE_KEYS:
+        assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
+
+
+def test_double_backward_is_refused_as_in_the_python_path(gen):
+    layer = tfp8.Linear(32, 32)
+    x = randn(gen, 16, 32).requires_grad_(True)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        out = layer(x)
+    (grad_x,) = torch.autograd.grad(out.square().sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice.*once_differentiable"):
+        grad_x.sum().backward()
+
+
+def test_operator_errors_name_the_argument(gen):
+    op = torch.ops.transformer_fp8.fp8_linear_delayed
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    state = [torch.zeros(2), torch.ones(2), torch.ones(2), torch.zeros(1), torch.ones(1),
+             torch.ones(1)]
+    w = randn(gen, 32, 16)
+    with pytest.raises(RuntimeError, match="argument 'input'.*\\[..., 16\\]"):
+        op(randn(gen, 4, 8), w, None, *state, e4, e5, torch.float32)
+    with pytest.raises(RuntimeError, match="argument 'weight'.*2-D"):
+        op(randn(gen, 4, 16), randn(gen, 16), None, *state, e4, e5, torch.float32)
+    with pytest.raises(RuntimeError, match="argument 'bias'.*\\[32\\]"):
+        op(randn(gen, 4, 16), w, randn(gen, 16), *state, e4, e5, torch.float32)
+    bad = list(state)
+    bad[1] = torch.ones(3)
+    with pytest.raises(RuntimeError, match="argument 'fwd_scale'.*2 element"):
+        op(randn(gen, 16, 16), w, None, *bad, e4, e5, torch.float32)
+    bad = list(state)
+    bad[3] = torch.zeros(1, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="argument 'bwd_amax'.*float32"):
+        op(randn(gen, 16, 16), w, None, *bad, e4, e5, torch.float32)
+    assert torch.equal(state[0], torch.zeros(2)), "a refused call records nothing"

@@ -1,0 +1,72 @@
+"""The common case of an FP8 Linear step, DelayedScaling with a plain weight, run as one C++
+operator with its autograd in C++ (``transformer_fp8::fp8_linear_delayed``,
+csrc/linear_delayed.cpp): the same operator calls, with the same arguments, as the Python path
+(linear.py's _Fp8LinearFunction with the quantizers of roles.py), so the same bits, for a
+fraction of the host work: no Python autograd function, plan or quantizer call per step.
+
+Everything else takes the Python path: other recipes, torch.compile's traces (the compiled path
+keeps its own form), weights that are DTensors, FP8 weights or FSDP2 FP8 all-gathers, weights
+kept across microbatches (is_first_microbatch), layers whose casts debug statistics observe
+on this step or debug overrides change, and forwards under torch.utils.checkpoint (which need
+a replay record).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _fp8_hooks
+from ..quantization import replay as checkpointing
+from ..quantization.recipe import DelayedScaling
+from ..quantization.roles import quantizers_for_step
+from ..quantization.torch_autocast import autocast_dtype
+
+try:
+    _op = torch.ops.transformer_fp8.fp8_linear_delayed
+except (AttributeError, RuntimeError):  # a library built before the operator existed
+    _op = None
+
+ENABLED = _op is not None  # False: every step takes the Python path (tests compare the two)
+
+_PLAIN_WEIGHTS = (torch.Tensor, torch.nn.Parameter)
+
+
+def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
+                      ) -> Optional[torch.Tensor]:
+    """The layer's FP8 output through fp8_linear_delayed, or None where the Python path must
+    run. Called by Linear._fp8_run inside an enabled fp8_autocast, after _dispatch's checks."""
+    recipe = state.recipe
+    observer = _fp8_hooks.observer  # debug statistics: the Python path casts observed layers
+    if (not ENABLED or is_first_microbatch is not None or layer._fp8_override is not None
+            or (observer is not None and observer.observes(layer))
+            or not isinstance(recipe, DelayedScaling) or torch.compiler.is_compiling()):
+        return None
+    weight = layer.weight_nk(routed=True)
+    if type(weight) not in _PLAIN_WEIGHTS:
+        return None
+    if checkpointing.may_be_checkpointed() and \
+            checkpointing.phase() is not checkpointing.Phase.NONE:
+        return None
+    quantizers, backward_step = quantizers_for_step(recipe, layer, state)
+    args = _state_slices(layer, quantizers)
+    fmt = recipe.fp8_format
+    out = _op(inp, weight, layer._gemm_bias(), *args, fmt.fwd_dtype, fmt.bwd_dtype,
+              autocast_dtype(inp.device.type) or inp.dtype)
+    if out.grad_fn is not None:
+        # The grad_output update runs when the backward pass ends (amax_step.BackwardStep).
+        out.grad_fn.register_prehook(backward_step.node_prehook)
+    return out
+
+
+def _state_slices(layer, quantizers) -> tuple:
+    """(fwd amax, scale, scale_inv: the [input, weight] entries; bwd amax, scale, scale_inv) of
+    the layer's one GEMM: its state buffers and views of their history row 0. Made again when
+    roles.py makes the quantizers again (the buffers changed), else reused."""
+    cached = getattr(layer, "_fused_step_cache", None)
+    if cached is not None and cached[0] is quantizers:
+        return cached[1]
+    fwd, bwd = layer._scaling_states  # bound to the buffers the quantizers view
+    args = (fwd.history[0], fwd.scale, fwd.scale_inv, bwd.history[0], bwd.scale, bwd.scale_inv)
+    layer._fused_step_cache = (quantizers, args)
+    return args
