@@ -1,17 +1,18 @@
-// fp8_linear_delayed: one Linear GEMM of delayed scaling, forward and backward, as one operator
-// with its autograd in C++ (any device: it calls the CPU or CUDA kernels of the other operators
-// through the dispatcher).
+// One Linear GEMM, forward and backward, as one operator with its autograd in C++ (any device:
+// it calls the CPU or CUDA kernels of the other operators through the dispatcher):
+//   fp8_linear_delayed  DelayedScaling: the stored scales, amaxes recorded into history row 0;
+//   fp8_linear_current  Float8CurrentScaling in one process: each tensor's scale from its own
+//                       amax (no cross-rank reduction: the Python path does that).
 //
-// It makes the same operator calls, with the same arguments, as modules/linear.py's
-// _Fp8LinearFunction does under DelayedScaling, so its results and the amaxes it records are
-// bit for bit that path's (tests/test_linear_fused_step.py); it only spares the host the Python
-// work of the autograd function, its plan and its quantizers (issue: host overhead).
+// Each makes the same operator calls, with the same arguments, as modules/linear.py's
+// _Fp8LinearFunction with the quantizers of quantization/roles.py, so its results and the
+// amaxes it records are bit for bit that path's (tests/test_linear_fused_step.py); it only
+// spares the host the Python work of the autograd function, its plan and its quantizers.
 //
-// Forward: input [..., K] and weight [N, K] cast to FP8 with their stored scales, the input
-// and weight amaxes recorded into history row 0 in the same pass, out = x @ w^T (+ bias) by
-// fp8_gemm. Backward: grad_output cast with its stored scale (amax recorded; the bias gradient
-// from the same read), dgrad and wgrad by fp8_gemm. The grad_output scale is read when the
-// backward runs, as the Python path reads it.
+// Forward: input [..., K] and weight [N, K] cast to FP8, out = x @ w^T (+ bias) by fp8_gemm.
+// Backward: grad_output cast (delayed: the bias gradient from the same read), dgrad and wgrad
+// by fp8_gemm. A delayed grad_output scale is read when the backward runs, as the Python path
+// reads it.
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/extension.h>
 
@@ -19,6 +20,8 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "fp8_common.h"
 
 namespace transformer_fp8 {
 namespace {
@@ -67,6 +70,17 @@ Tensor fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
   return op.call(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, fast_accum);
 }
 
+Tensor amax_of(const Tensor& x) {
+  static const auto op = find_op("transformer_fp8::amax").typed<Tensor(const Tensor&)>();
+  return op.call(x);
+}
+
+Tensor compute_scale_from_amax(const Tensor& amax, double fp8_max) {
+  static const auto op = find_op("transformer_fp8::compute_scale_from_amax")
+      .typed<Tensor(const Tensor&, double, int64_t)>();
+  return op.call(amax, fp8_max, /*margin=*/0);
+}
+
 // ---- row padding, as ops.pad_rows and ops.function_output ---------------------------------
 
 Tensor pad_rows(const Tensor& x) {
@@ -98,70 +112,104 @@ void check_state(const Tensor& t, const char* name, int64_t numel, const Tensor&
               ", got ", t.device());
 }
 
-void check_args(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
-                const Tensor& fwd_amax, const Tensor& fwd_scale, const Tensor& fwd_scale_inv,
-                const Tensor& bwd_amax, const Tensor& bwd_scale, const Tensor& bwd_scale_inv) {
-  TORCH_CHECK(weight.dim() == 2, "transformer_fp8: argument 'weight' of fp8_linear_delayed "
-              "must be 2-D [out_features, in_features], got shape ", weight.sizes());
-  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1),
-              "transformer_fp8: argument 'input' of fp8_linear_delayed must have shape [..., ",
-              weight.size(1), "] (the weight's in_features), got ", input.sizes());
+void check_shapes(const char* op, const Tensor& input, const Tensor& weight,
+                  const std::optional<Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2, "transformer_fp8: argument 'weight' of ", op, " must be 2-D "
+              "[out_features, in_features], got shape ", weight.sizes());
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), "transformer_fp8: argument "
+              "'input' of ", op, " must have shape [..., ", weight.size(1), "] (the weight's "
+              "in_features), got ", input.sizes());
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)),
-              "transformer_fp8: argument 'bias' of fp8_linear_delayed must have shape [",
-              weight.size(0), "], got ", bias->sizes());
-  check_state(fwd_amax, "fwd_amax", 2, weight);
-  check_state(fwd_scale, "fwd_scale", 2, weight);
-  check_state(fwd_scale_inv, "fwd_scale_inv", 2, weight);
-  check_state(bwd_amax, "bwd_amax", 1, weight);
-  check_state(bwd_scale, "bwd_scale", 1, weight);
-  check_state(bwd_scale_inv, "bwd_scale_inv", 1, weight);
+              "transformer_fp8: argument 'bias' of ", op, " must have shape [", weight.size(0),
+              "], got ", bias->sizes());
+}
+
+// ---- one cast, as quantizer.py's TensorQuantizer.cast --------------------------------------
+
+struct Operand {
+  Tensor data, data_t, scale_inv;  // data_t undefined unless asked for
+};
+
+// Delayed scaling: the stored scale; the amax goes to its history slot in the same pass.
+Operand cast_delayed(const Tensor& x, const Tensor& scale, const Tensor& scale_inv,
+                     const Tensor& amax_slot, at::ScalarType dtype, bool with_transpose) {
+  Operand q{Tensor(), Tensor(), scale_inv};
+  if (with_transpose) {
+    std::tie(q.data, q.data_t) = cast_transpose_to_fp8(x, scale, dtype, amax_slot);
+  } else {
+    q.data = cast_to_fp8(x, scale, dtype, amax_slot);
+  }
+  return q;
+}
+
+double fp8_max(at::ScalarType dtype) {
+  return dtype == at::ScalarType::Float8_e4m3fn ? kE4M3Max : kE5M2Max;
+}
+
+// Current scaling in one process: the scale of x's own amax (margin 0), nothing recorded.
+Operand cast_current(const Tensor& x, at::ScalarType dtype, bool with_transpose) {
+  const Tensor scale = compute_scale_from_amax(amax_of(x).reshape({1}), fp8_max(dtype));
+  Operand q{Tensor(), Tensor(), scale.reciprocal()};
+  const std::optional<Tensor> none;
+  if (with_transpose) {
+    static const auto op = find_op("transformer_fp8::cast_transpose_to_fp8")
+        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, at::ScalarType,
+                                          const std::optional<Tensor>&)>();
+    std::tie(q.data, q.data_t) = op.call(x, scale, dtype, none);
+  } else {
+    static const auto op = find_op("transformer_fp8::cast_to_fp8")
+        .typed<Tensor(const Tensor&, const Tensor&, at::ScalarType,
+                      const std::optional<Tensor>&)>();
+    q.data = op.call(x, scale, dtype, none);
+  }
+  return q;
 }
 
 // ---- the autograd function ------------------------------------------------------------------
 
-struct Fp8LinearDelayed : public torch::autograd::Function<Fp8LinearDelayed> {
-  // fwd_*: [input, weight] entries of the layer's forward state (amax: history row 0);
-  // bwd_*: the grad_output entry of its backward state. needs_input_grad / needs_weight_grad:
-  // whether backward will want dgrad / wgrad (the transposes are cast only then).
+struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
+  // state: delayed scaling's {fwd_amax, fwd_scale, fwd_scale_inv ([input, weight] entries),
+  // bwd_amax, bwd_scale, bwd_scale_inv (grad_output's)}, or empty for current scaling.
+  // needs_input_grad / needs_weight_grad: whether backward will want dgrad / wgrad (the
+  // transposes are cast only then).
   static Tensor forward(AutogradContext* ctx, const Tensor& input, const Tensor& weight,
-                        const std::optional<Tensor>& bias, const Tensor& fwd_amax,
-                        const Tensor& fwd_scale, const Tensor& fwd_scale_inv,
-                        const Tensor& bwd_amax, const Tensor& bwd_scale,
-                        const Tensor& bwd_scale_inv, at::ScalarType fwd_dtype,
-                        at::ScalarType bwd_dtype, at::ScalarType out_dtype,
-                        bool needs_input_grad, bool needs_weight_grad) {
+                        const std::optional<Tensor>& bias, at::TensorList state,
+                        at::ScalarType fwd_dtype, at::ScalarType bwd_dtype,
+                        at::ScalarType out_dtype, bool needs_input_grad,
+                        bool needs_weight_grad) {
+    const bool delayed = !state.empty();
     const int64_t out_features = weight.size(0), in_features = weight.size(1);
     const Tensor inp_2d = input.reshape({-1, in_features});
     const int64_t rows = inp_2d.size(0);
-    // A copy of the scale_invs: the update at the context's exit rewrites them in place
-    // before backward multiplies the saved transposes.
-    const Tensor scale_inv = fwd_scale_inv.clone();
-    const Tensor x_scale_inv = scale_inv.narrow(0, 0, 1), w_scale_inv = scale_inv.narrow(0, 1, 1);
-    Tensor x_fp8, x_t, w_fp8, w_t;
     const Tensor x_pad = pad_rows(inp_2d);
-    if (needs_weight_grad) {
-      std::tie(x_fp8, x_t) = cast_transpose_to_fp8(x_pad, fwd_scale.narrow(0, 0, 1), fwd_dtype,
-                                                   fwd_amax.narrow(0, 0, 1));
+    Operand x_q, w_q;
+    if (delayed) {
+      const Tensor &fwd_amax = state[0], &fwd_scale = state[1];
+      // A copy of the scale_invs: the update at the context's exit rewrites them in place
+      // before backward multiplies the saved transposes.
+      const Tensor scale_inv = state[2].clone();
+      x_q = cast_delayed(x_pad, fwd_scale.narrow(0, 0, 1), scale_inv.narrow(0, 0, 1),
+                         fwd_amax.narrow(0, 0, 1), fwd_dtype, needs_weight_grad);
+      w_q = cast_delayed(weight, fwd_scale.narrow(0, 1, 1), scale_inv.narrow(0, 1, 1),
+                         fwd_amax.narrow(0, 1, 1), fwd_dtype, needs_input_grad);
     } else {
-      x_fp8 = cast_to_fp8(x_pad, fwd_scale.narrow(0, 0, 1), fwd_dtype, fwd_amax.narrow(0, 0, 1));
-    }
-    if (needs_input_grad) {
-      std::tie(w_fp8, w_t) = cast_transpose_to_fp8(weight, fwd_scale.narrow(0, 1, 1), fwd_dtype,
-                                                   fwd_amax.narrow(0, 1, 1));
-    } else {
-      w_fp8 = cast_to_fp8(weight, fwd_scale.narrow(0, 1, 1), fwd_dtype, fwd_amax.narrow(0, 1, 1));
+      x_q = cast_current(x_pad, fwd_dtype, needs_weight_grad);
+      w_q = cast_current(weight, fwd_dtype, needs_input_grad);
     }
     std::optional<Tensor> gemm_bias;
     if (bias.has_value()) gemm_bias = bias->scalar_type() == out_dtype ? *bias : bias->to(out_dtype);
-    const Tensor out = fp8_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, out_dtype, gemm_bias,
-                                /*fast_accum=*/true);
+    const Tensor out = fp8_gemm(x_q.data, x_q.scale_inv, w_q.data, w_q.scale_inv, out_dtype,
+                                gemm_bias, /*fast_accum=*/true);
     // Backward keeps the FP8 transposes only, not the high-precision input.
-    ctx->save_for_backward({x_t, x_scale_inv, w_t, w_scale_inv});
+    ctx->save_for_backward({x_q.data_t, x_q.scale_inv, w_q.data_t, w_q.scale_inv});
     // The backward state is read, and its amax written, when backward runs: kept as values,
     // not saved variables (the update changes them in place between the passes).
-    ctx->saved_data["bwd_amax"] = bwd_amax;
-    ctx->saved_data["bwd_scale"] = bwd_scale;
-    ctx->saved_data["bwd_scale_inv"] = bwd_scale_inv;
+    ctx->saved_data["delayed"] = delayed;
+    if (delayed) {
+      ctx->saved_data["bwd_amax"] = state[3];
+      ctx->saved_data["bwd_scale"] = state[4];
+      ctx->saved_data["bwd_scale_inv"] = state[5];
+    }
     ctx->saved_data["bwd_dtype"] = bwd_dtype;
     ctx->saved_data["has_bias"] = bias.has_value();
     ctx->saved_data["bias_dtype"] = bias.has_value() ? bias->scalar_type() : out_dtype;
@@ -192,18 +240,43 @@ struct Fp8LinearDelayed : public torch::autograd::Function<Fp8LinearDelayed> {
     }
     torch::autograd::DelayedError error(
         "transformer_fp8: trying to differentiate twice the FP8 Linear backward, which is "
-        "once_differentiable (no double backward); run the layer outside fp8_autocast for that", static_cast<int64_t>(grads.size()));
+        "once_differentiable (no double backward); run the layer outside fp8_autocast for that",
+        static_cast<int64_t>(grads.size()));
     return error.apply(std::move(grads));
+  }
+
+  // The cast of grad_output [rows, N] and, if asked, the bias gradient (float32 sums, in g's
+  // dtype): delayed scaling reads g once for both (cast_transpose_dbias); current scaling sums
+  // g first, then casts it with the scale of its own amax.
+  static std::tuple<Operand, Tensor> cast_grad_output(AutogradContext* ctx, const Tensor& g_2d,
+                                                      bool with_transpose, bool with_dbias) {
+    const auto bwd_dtype = ctx->saved_data["bwd_dtype"].toScalarType();
+    if (!ctx->saved_data["delayed"].toBool()) {
+      Tensor dbias;
+      if (with_dbias) {
+        dbias = g_2d.sum(at::IntArrayRef{0}, /*keepdim=*/false, at::kFloat).to(g_2d.scalar_type());
+      }
+      return {cast_current(pad_rows(g_2d), bwd_dtype, with_transpose), dbias};
+    }
+    const Tensor bwd_amax = ctx->saved_data["bwd_amax"].toTensor();
+    const Tensor bwd_scale = ctx->saved_data["bwd_scale"].toTensor();
+    const Tensor bwd_scale_inv = ctx->saved_data["bwd_scale_inv"].toTensor();
+    if (with_dbias) {
+      Operand g_q{Tensor(), Tensor(), bwd_scale_inv};
+      Tensor dbias;
+      std::tie(g_q.data, g_q.data_t, dbias) =
+          cast_transpose_dbias(g_2d, bwd_scale, bwd_dtype, bwd_amax);
+      return {g_q, dbias};
+    }
+    return {cast_delayed(pad_rows(g_2d), bwd_scale, bwd_scale_inv, bwd_amax, bwd_dtype,
+                         with_transpose),
+            Tensor()};
   }
 
   static variable_list gradients(AutogradContext* ctx, const Tensor& grad_out) {
     const auto saved = ctx->get_saved_variables();
     const Tensor &x_t = saved[0], &x_scale_inv = saved[1], &w_t = saved[2],
                  &w_scale_inv = saved[3];
-    const Tensor bwd_amax = ctx->saved_data["bwd_amax"].toTensor();
-    const Tensor bwd_scale = ctx->saved_data["bwd_scale"].toTensor();
-    const Tensor bwd_scale_inv = ctx->saved_data["bwd_scale_inv"].toTensor();
-    const auto bwd_dtype = ctx->saved_data["bwd_dtype"].toScalarType();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const std::vector<int64_t> input_shape = ctx->saved_data["input_shape"].toIntVector();
     // Output edges are numbered over the tensor arguments given: no bias, no edge for it.
@@ -214,32 +287,26 @@ struct Fp8LinearDelayed : public torch::autograd::Function<Fp8LinearDelayed> {
     const int64_t out_features = grad_out.size(-1);
     const Tensor g_2d = grad_out.dim() == 2 ? grad_out : grad_out.reshape({-1, out_features});
     const int64_t rows = g_2d.size(0);
-    Tensor g_fp8, g_t, grad_bias;
-    if (needs_bias_grad) {  // the bias gradient from the same read of grad_output as its cast
-      std::tie(g_fp8, g_t, grad_bias) = cast_transpose_dbias(g_2d, bwd_scale, bwd_dtype, bwd_amax);
-    } else if (needs_weight_grad) {
-      std::tie(g_fp8, g_t) = cast_transpose_to_fp8(pad_rows(g_2d), bwd_scale, bwd_dtype, bwd_amax);
-    } else {
-      g_fp8 = cast_to_fp8(pad_rows(g_2d), bwd_scale, bwd_dtype, bwd_amax);
-    }
+    auto [g_q, grad_bias] = cast_grad_output(ctx, g_2d, needs_weight_grad, needs_bias_grad);
     Tensor grad_input, grad_weight;
     if (needs_input_grad) {
       // dgrad [M, K] = grad_out [M, N] @ weight [N, K]; the b operand is weight^T [K, N]
-      const Tensor dgrad = fp8_gemm(g_fp8, bwd_scale_inv, w_t, w_scale_inv,
+      const Tensor dgrad = fp8_gemm(g_q.data, g_q.scale_inv, w_t, w_scale_inv,
                                     ctx->saved_data["input_dtype"].toScalarType(), std::nullopt,
                                     false);
       grad_input = function_output(dgrad, rows, input_shape);
     }
     if (needs_weight_grad) {
       // wgrad [N, K] = grad_out^T [N, M] @ input [M, K]; the b operand is input^T [K, M]
-      grad_weight = fp8_gemm(g_t, bwd_scale_inv, x_t, x_scale_inv,
+      grad_weight = fp8_gemm(g_q.data_t, g_q.scale_inv, x_t, x_scale_inv,
                              ctx->saved_data["weight_dtype"].toScalarType(), std::nullopt, false);
     }
     if (needs_bias_grad) {
       const auto bias_dtype = ctx->saved_data["bias_dtype"].toScalarType();
       if (grad_bias.scalar_type() != bias_dtype) grad_bias = grad_bias.to(bias_dtype);
     }
-    // One entry per argument of forward (14), tensors or not.
+    // One entry per argument of forward, tensors or not, each state tensor counting as one:
+    // 14 under delayed scaling, 8 under current (the undefined extras are dropped).
     variable_list grads(14);
     grads[0] = grad_input;
     grads[1] = grad_weight;
@@ -248,25 +315,45 @@ struct Fp8LinearDelayed : public torch::autograd::Function<Fp8LinearDelayed> {
   }
 };
 
+std::tuple<bool, bool> needs_grads(const Tensor& input, const Tensor& weight) {
+  const bool grad_mode = at::GradMode::is_enabled();
+  return {grad_mode && input.requires_grad(), grad_mode && weight.requires_grad()};
+}
+
 Tensor fp8_linear_delayed(const Tensor& input, const Tensor& weight,
                           const std::optional<Tensor>& bias, const Tensor& fwd_amax,
                           const Tensor& fwd_scale, const Tensor& fwd_scale_inv,
                           const Tensor& bwd_amax, const Tensor& bwd_scale,
                           const Tensor& bwd_scale_inv, at::ScalarType fwd_dtype,
                           at::ScalarType bwd_dtype, at::ScalarType out_dtype) {
-  check_args(input, weight, bias, fwd_amax, fwd_scale, fwd_scale_inv, bwd_amax, bwd_scale,
-             bwd_scale_inv);
-  const bool grad_mode = at::GradMode::is_enabled();
-  return Fp8LinearDelayed::apply(input, weight, bias, fwd_amax, fwd_scale, fwd_scale_inv,
-                                 bwd_amax, bwd_scale, bwd_scale_inv, fwd_dtype, bwd_dtype,
-                                 out_dtype, grad_mode && input.requires_grad(),
-                                 grad_mode && weight.requires_grad());
+  check_shapes("fp8_linear_delayed", input, weight, bias);
+  check_state(fwd_amax, "fwd_amax", 2, weight);
+  check_state(fwd_scale, "fwd_scale", 2, weight);
+  check_state(fwd_scale_inv, "fwd_scale_inv", 2, weight);
+  check_state(bwd_amax, "bwd_amax", 1, weight);
+  check_state(bwd_scale, "bwd_scale", 1, weight);
+  check_state(bwd_scale_inv, "bwd_scale_inv", 1, weight);
+  const auto [needs_input_grad, needs_weight_grad] = needs_grads(input, weight);
+  const std::vector<Tensor> state{fwd_amax, fwd_scale, fwd_scale_inv,
+                                  bwd_amax, bwd_scale, bwd_scale_inv};
+  return Fp8LinearStep::apply(input, weight, bias, at::TensorList(state), fwd_dtype, bwd_dtype,
+                              out_dtype, needs_input_grad, needs_weight_grad);
+}
+
+Tensor fp8_linear_current(const Tensor& input, const Tensor& weight,
+                          const std::optional<Tensor>& bias, at::ScalarType fwd_dtype,
+                          at::ScalarType bwd_dtype, at::ScalarType out_dtype) {
+  check_shapes("fp8_linear_current", input, weight, bias);
+  const auto [needs_input_grad, needs_weight_grad] = needs_grads(input, weight);
+  return Fp8LinearStep::apply(input, weight, bias, at::TensorList(), fwd_dtype, bwd_dtype,
+                              out_dtype, needs_input_grad, needs_weight_grad);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(transformer_fp8, CompositeImplicitAutograd, m) {
   m.impl("fp8_linear_delayed", &fp8_linear_delayed);
+  m.impl("fp8_linear_current", &fp8_linear_current);
 }
 
 }  // namespace transformer_fp8

@@ -1,6 +1,7 @@
-"""The C++ Linear step (fp8_linear_delayed, modules/linear_fused_step.py) against the Python path
-it replaces (linear.py's _Fp8LinearFunction): outputs, every gradient and every FP8 state
-buffer bit for bit over steps where the scales move; which path runs when; its errors."""
+"""The C++ Linear steps (fp8_linear_delayed, fp8_linear_current; modules/linear_fused_step.py)
+against the Python path they replace (linear.py's _Fp8LinearFunction): outputs, every gradient
+and every FP8 state buffer bit for bit over steps where the scales move; which path runs when;
+their errors."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +16,8 @@ from transformer_fp8.modules import linear_fused_step
 from transformer_fp8.quantization.state import FP8_STATE_KEYS
 
 RECIPE = DelayedScaling(amax_history_len=4)
-FUSED_NODE = "Fp8LinearDelayed"
+FUSED_NODE = "Fp8LinearStep"
+CURRENT = tfp8.Float8CurrentScaling()
 
 
 def _node(out) -> str:
@@ -83,10 +85,13 @@ CASES = {
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_step_is_bit_identical_to_python_path(case, device, gen, monkeypatch):
+@pytest.mark.parametrize("kind", ["delayed", "current"])
+def test_fused_step_is_bit_identical_to_python_path(kind, case, device, gen, monkeypatch):
     cfg = CASES[case]
     dtype = cfg.get("dtype", torch.float32)
     recipe = cfg.get("recipe", RECIPE)
+    if kind == "current":  # Float8CurrentScaling with the case's format
+        recipe = tfp8.Float8CurrentScaling(fp8_format=recipe.fp8_format)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     kwargs = {}
     if "parameters_split" in cfg:
@@ -110,7 +115,10 @@ def test_fused_step_is_bit_identical_to_python_path(case, device, gen, monkeypat
     assert all(FUSED_NODE in r[3] for r in fused), [r[3] for r in fused]
     assert all(FUSED_NODE not in r[3] for r in python)
     _assert_same(fused, python, _inner(layer), _inner(python_layer))
-    assert _inner(layer).fp8_bwd_amax_history.any(), "the backward recorded its amaxes"
+    if kind == "delayed":
+        assert _inner(layer).fp8_bwd_amax_history.any(), "the backward recorded its amaxes"
+    else:
+        assert not _inner(layer).fp8_fwd_amax_history.any(), "current scaling records none"
 
 
 class _AddReturnedBias(torch.nn.Module):
@@ -128,16 +136,17 @@ def _inner(layer):
     return layer.layer if isinstance(layer, _AddReturnedBias) else layer
 
 
-def test_fused_step_under_torch_autocast_is_bit_identical(gen, monkeypatch):
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_fused_step_under_torch_autocast_is_bit_identical(recipe, gen, monkeypatch):
     """float32 parameters, bfloat16 compute (torch.autocast on the CPU)."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     layer = tfp8.Linear(32, 48)
     python_layer = copy.deepcopy(layer)
     inputs = [randn(gen, 2, 16, 32, scale=s) for s in (1.0, 20.0, 0.1)]
     grads = [randn(gen, 2, 16, 48, scale=s) for s in (1.0, 1e-3, 5.0)]
-    fused = _run(layer, inputs, grads, autocast_bf16=True)
+    fused = _run(layer, inputs, grads, recipe, autocast_bf16=True)
     _python_path(monkeypatch)
-    python = _run(python_layer, inputs, grads, autocast_bf16=True)
+    python = _run(python_layer, inputs, grads, recipe, autocast_bf16=True)
     assert fused[0][0].dtype == torch.bfloat16
     assert FUSED_NODE in fused[0][3]
     _assert_same(fused, python, layer, python_layer)
@@ -186,7 +195,8 @@ def test_python_path_where_the_fused_step_does_not_apply(gen):
 
     assert FUSED_NODE in node()
     assert FUSED_NODE not in node(is_first_microbatch=True)  # the weight is kept
-    assert FUSED_NODE not in node(recipe=tfp8.Float8CurrentScaling())
+    assert FUSED_NODE in node(recipe=CURRENT)
+    assert FUSED_NODE not in node(recipe=tfp8.Float8BlockScaling())
     # Under torch.utils.checkpoint (a replay record is kept): the Python path, both modes.
     for reentrant in (False, True):
         assert _node_inside_checkpoint(layer, x, reentrant) in (
@@ -230,10 +240,11 @@ def test_no_grad_forward_records_amaxes_like_python_path(gen, monkeypatch):
         assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
 
 
-def test_double_backward_is_refused_as_in_the_python_path(gen):
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_double_backward_is_refused_as_in_the_python_path(recipe, gen):
     layer = tfp8.Linear(32, 32)
     x = randn(gen, 16, 32).requires_grad_(True)
-    with fp8_autocast(fp8_recipe=RECIPE):
+    with fp8_autocast(fp8_recipe=recipe):
         out = layer(x)
     (grad_x,) = torch.autograd.grad(out.square().sum(), [x], create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice.*once_differentiable"):
@@ -261,3 +272,19 @@ def test_operator_errors_name_the_argument(gen):
     with pytest.raises(RuntimeError, match="argument 'bwd_amax'.*float32"):
         op(randn(gen, 16, 16), w, None, *bad, e4, e5, torch.float32)
     assert torch.equal(state[0], torch.zeros(2)), "a refused call records nothing"
+    current = torch.ops.transformer_fp8.fp8_linear_current
+    with pytest.raises(RuntimeError, match="argument 'input' of fp8_linear_current"):
+        current(randn(gen, 4, 8), w, None, e4, e5, torch.float32)
+
+
+def test_current_scaling_across_ranks_takes_the_python_path(gen, monkeypatch):
+    """With more than one rank in the group each amax is all-reduced, which the Python path
+    does: the C++ step runs only in one process."""
+    from transformer_fp8.modules import linear_fused_step as step
+    monkeypatch.setattr(step, "world_size", lambda group: 2)
+    layer = tfp8.Linear(32, 32)
+    x = randn(gen, 16, 32).requires_grad_(True)
+    with fp8_autocast(fp8_recipe=CURRENT):
+        assert FUSED_NODE not in _node(layer(x))
+    with fp8_autocast(fp8_recipe=RECIPE):  # (delayed scaling reduces at the step's end)
+        assert FUSED_NODE in _node(layer(x))

@@ -1,14 +1,15 @@
-"""The common case of an FP8 Linear step, DelayedScaling with a plain weight, run as one C++
-operator with its autograd in C++ (``transformer_fp8::fp8_linear_delayed``,
-csrc/linear_delayed.cpp): the same operator calls, with the same arguments, as the Python path
-(linear.py's _Fp8LinearFunction with the quantizers of roles.py), so the same bits, for a
-fraction of the host work: no Python autograd function, plan or quantizer call per step.
+"""The common cases of an FP8 Linear step run as one C++ operator with its autograd in C++
+(csrc/linear_step.cpp): DelayedScaling (``fp8_linear_delayed``) and Float8CurrentScaling in one
+process (``fp8_linear_current``), with a plain weight. Each makes the same operator calls, with
+the same arguments, as the Python path (linear.py's _Fp8LinearFunction with the quantizers of
+roles.py), so the same bits, for a fraction of the host work: no Python autograd function, plan
+or quantizer call per step.
 
-Everything else takes the Python path: other recipes, torch.compile's traces (the compiled path
-keeps its own form), weights that are DTensors, FP8 weights or FSDP2 FP8 all-gathers, weights
-kept across microbatches (is_first_microbatch), layers whose casts debug statistics observe
-on this step or debug overrides change, and forwards under torch.utils.checkpoint (which need
-a replay record).
+Everything else takes the Python path: block recipes, current scaling reduced across ranks,
+torch.compile's traces (the compiled path keeps its own form), weights that are DTensors, FP8
+weights or FSDP2 FP8 all-gathers, weights kept across microbatches (is_first_microbatch),
+layers whose casts debug statistics observe on this step or debug overrides change, and
+forwards under torch.utils.checkpoint (which need a replay record).
 """
 from __future__ import annotations
 
@@ -18,16 +19,18 @@ import torch
 
 from .. import _fp8_hooks
 from ..quantization import replay as checkpointing
-from ..quantization.recipe import DelayedScaling
-from ..quantization.roles import quantizers_for_step
+from ..quantization.recipe import Format
+from ..quantization.roles import is_current, is_delayed, quantizers_for_step
+from ..quantization.update_plan import world_size
 from ..quantization.torch_autocast import autocast_dtype
 
 try:
-    _op = torch.ops.transformer_fp8.fp8_linear_delayed
-except (AttributeError, RuntimeError):  # a library built before the operator existed
-    _op = None
+    _delayed_op = torch.ops.transformer_fp8.fp8_linear_delayed
+    _current_op = torch.ops.transformer_fp8.fp8_linear_current
+except (AttributeError, RuntimeError):  # a library built before the operators existed
+    _delayed_op = _current_op = None
 
-ENABLED = _op is not None  # False: every step takes the Python path (tests compare the two)
+ENABLED = _current_op is not None  # False: every step takes the Python path (tests compare)
 
 _PLAIN_WEIGHTS = (torch.Tensor, torch.nn.Parameter)
 
@@ -40,19 +43,26 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     observer = _fp8_hooks.observer  # debug statistics: the Python path casts observed layers
     if (not ENABLED or is_first_microbatch is not None or layer._fp8_override is not None
             or (observer is not None and observer.observes(layer))
-            or not isinstance(recipe, DelayedScaling) or torch.compiler.is_compiling()):
+            or torch.compiler.is_compiling()):
         return None
+    delayed = is_delayed(recipe)
+    if not delayed and not (is_current(recipe) and recipe.fp8_format is not Format.E5M2
+                            and world_size(state.group) == 1):
+        return None  # (E5M2: the Python path raises the error that names it)
     weight = layer.weight_nk(routed=True)
     if type(weight) not in _PLAIN_WEIGHTS:
         return None
     if checkpointing.may_be_checkpointed() and \
             checkpointing.phase() is not checkpointing.Phase.NONE:
         return None
-    quantizers, backward_step = quantizers_for_step(recipe, layer, state)
-    args = _state_slices(layer, quantizers)
     fmt = recipe.fp8_format
-    out = _op(inp, weight, layer._gemm_bias(), *args, fmt.fwd_dtype, fmt.bwd_dtype,
-              autocast_dtype(inp.device.type) or inp.dtype)
+    out_dtype = autocast_dtype(inp.device.type) or inp.dtype
+    if not delayed:
+        return _current_op(inp, weight, layer._gemm_bias(), fmt.fwd_dtype, fmt.bwd_dtype,
+                           out_dtype)
+    quantizers, backward_step = quantizers_for_step(recipe, layer, state)
+    out = _delayed_op(inp, weight, layer._gemm_bias(), *_state_slices(layer, quantizers),
+                      fmt.fwd_dtype, fmt.bwd_dtype, out_dtype)
     if out.grad_fn is not None:
         # The grad_output update runs when the backward pass ends (amax_step.BackwardStep).
         out.grad_fn.register_prehook(backward_step.node_prehook)

@@ -8,7 +8,7 @@ A function takes (recipe, module state, autocast state) and returns, per GEMM of
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -111,14 +111,34 @@ QUANTIZERS: dict[type, Callable] = {
 }
 
 
+def registered_quantizers(recipe) -> Optional[Callable]:
+    """The function registered for the recipe's type (a subclass without one of its own gets
+    its base's), or None."""
+    for kind in type(recipe).__mro__:
+        if kind in QUANTIZERS:
+            return QUANTIZERS[kind]
+    return None
+
+
+def is_delayed(recipe) -> bool:
+    """Whether the recipe gets delayed scaling's own quantizers (modules/linear_fused_step.py
+    runs those in C++; a registered subclass's quantizers are its own)."""
+    return registered_quantizers(recipe) is _delayed
+
+
+def is_current(recipe) -> bool:
+    """Whether the recipe gets current scaling's own quantizers."""
+    return registered_quantizers(recipe) is _current
+
+
 def quantizers_for_step(recipe, fp8_state, autocast_state):
     """(per GEMM (input, weight, grad_output) quantizers, backward step or None) of a module
     with state ``fp8_state`` running under ``recipe`` in ``autocast_state``."""
     if recipe.fp8_format is Format.E5M2:
         raise ValueError(f"Format.E5M2 cannot train a {type(fp8_state).__name__}: FP8 GEMMs "
                          "take no E5M2 x E5M2 product; use Format.HYBRID or Format.E4M3")
-    for kind in type(recipe).__mro__:  # (a subclass of a recipe gets its base's quantizers)
-        if kind in QUANTIZERS:
-            return QUANTIZERS[kind](recipe, fp8_state, autocast_state)
-    raise TypeError(f"no quantizers for the recipe type {type(recipe).__name__}")
+    quantizers = registered_quantizers(recipe)
+    if quantizers is None:
+        raise TypeError(f"no quantizers for the recipe type {type(recipe).__name__}")
+    return quantizers(recipe, fp8_state, autocast_state)
 
