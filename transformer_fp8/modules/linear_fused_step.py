@@ -9,7 +9,8 @@ Everything else takes the Python path: block recipes, current scaling reduced ac
 torch.compile's traces (the compiled path keeps its own form), weights that are DTensors, FP8
 weights or FSDP2 FP8 all-gathers, weights kept across microbatches (is_first_microbatch),
 layers whose casts debug statistics observe on this step or debug overrides change, and
-forwards under torch.utils.checkpoint (which need a replay record).
+current scaling under torch.utils.checkpoint. (A checkpointed delayed-scaling forward runs
+here and keeps the replay record its recomputation, on the Python path, repeats.)
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from typing import Optional
 import torch
 
 from .. import _fp8_hooks
+from ..quantization import autocast as _autocast
 from ..quantization import replay as checkpointing
+from ..quantization.quantizer import Fp8Plan, TensorQuantizer
 from ..quantization.recipe import Format
 from ..quantization.roles import is_current, is_delayed, quantizers_for_step
 from ..quantization.update_plan import world_size
@@ -52,8 +55,12 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     weight = layer.weight_nk(routed=True)
     if type(weight) not in _PLAIN_WEIGHTS:
         return None
-    if checkpointing.may_be_checkpointed() and \
-            checkpointing.phase() is not checkpointing.Phase.NONE:
+    # Under torch.utils.checkpoint (the recomputation never gets here: _dispatch replays it)
+    # the forward keeps a replay record: made here for delayed scaling, by the Python path for
+    # current scaling (its scales exist only inside the operator).
+    checkpointed = (checkpointing.may_be_checkpointed()
+                    and checkpointing.phase() is checkpointing.Phase.ORIGINAL)
+    if checkpointed and not delayed:
         return None
     fmt = recipe.fp8_format
     out_dtype = autocast_dtype(inp.device.type) or inp.dtype
@@ -61,12 +68,29 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
         return _current_op(inp, weight, layer._gemm_bias(), fmt.fwd_dtype, fmt.bwd_dtype,
                            out_dtype)
     quantizers, backward_step = quantizers_for_step(recipe, layer, state)
-    out = _delayed_op(inp, weight, layer._gemm_bias(), *_state_slices(layer, quantizers),
-                      fmt.fwd_dtype, fmt.bwd_dtype, out_dtype)
+    state_slices = _state_slices(layer, quantizers)
+    if checkpointed:
+        _keep_replay_record(layer, quantizers[0], state_slices, backward_step, out_dtype)
+    out = _delayed_op(inp, weight, layer._gemm_bias(), *state_slices, fmt.fwd_dtype,
+                      fmt.bwd_dtype, out_dtype)
     if out.grad_fn is not None:
         # The grad_output update runs when the backward pass ends (amax_step.BackwardStep).
         out.grad_fn.register_prehook(backward_step.node_prehook)
     return out
+
+
+def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out_dtype):
+    """What the recomputation of this checkpointed forward replays (base.py's _fp8_replay): the
+    Python path's plan with the scales and scale_invs this forward casts with, copied now (the
+    update at the context's exit changes them before the recomputation runs), as
+    Fp8Plan.for_replay makes it on the Python path."""
+    input_q, weight_q, grad_q = gemm_quantizers
+    _, scale, scale_inv = state_slices[:3]
+    scale, scale_inv = scale.clone(), scale_inv.clone()
+    plan = Fp8Plan(TensorQuantizer.replay(input_q.dtype, scale[0:1], scale_inv[0:1]),
+                   TensorQuantizer.replay(weight_q.dtype, scale[1:2], scale_inv[1:2]),
+                   grad_q, None, backward_step, out_dtype)
+    layer._replay_records.keep(_autocast.forward_pass_id(), (plan,))
 
 
 def _state_slices(layer, quantizers) -> tuple:
