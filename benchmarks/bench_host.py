@@ -1,8 +1,8 @@
 """Host cost: CPU time per training step of FP8 layers against the torch layers they replace.
 
 Thread CPU time (time.thread_time) per call, one CPU thread, the cases timed in interleaved
-rounds: nn.Linear against tfp8.Linear under DelayedScaling (its C++ step, and the Python path
-it replaces) and Float8CurrentScaling (forward + backward), 24 layers in one step
+rounds: nn.Linear against tfp8.Linear under DelayedScaling and Float8CurrentScaling (forward +
+backward; each with its C++ step and with the Python path it replaces), 24 layers in one step
 (fp8_autocast's exit and the backward update included), a TransformerLayer inside and outside
 fp8_autocast, and the delayed-scaling update of 300 amax histories (AmaxStep.reduce_and_update,
 each call after an untimed refill of row 0; and with nothing recorded, its host work without
@@ -72,8 +72,8 @@ def linear_step(model, x, recipe=None):
 
 
 def python_path(step):
-    """The step with the C++ Linear step turned off (modules/linear_fused_step.py): the Python
-    autograd function it replaces, timed in the same run."""
+    """The step with the C++ Linear steps turned off (modules/linear_fused_step.py): the Python
+    autograd function they replace, timed in the same run."""
     def run():
         enabled = linear_fused_step.ENABLED
         linear_fused_step.ENABLED = False
@@ -137,8 +137,10 @@ def main(argv=None) -> dict:
                                   "delayed": linear_step(fp8_delayed, x, delayed),
                                   "delayed, Python path": python_path(
                                       linear_step(fp8_delayed, x, delayed)),
-                                  "current": linear_step(fp8_current, x, current)}, reps)
-        for recipe in ("delayed", "delayed, Python path", "current"):
+                                  "current": linear_step(fp8_current, x, current),
+                                  "current, Python path": python_path(
+                                      linear_step(fp8_current, x, current))}, reps)
+        for recipe in ("delayed", "delayed, Python path", "current", "current, Python path"):
             rows.append({"case": "Linear fwd+bwd", "recipe": recipe,
                          "time_torch_us": t["nn"] * 1e6, "time_fp8_us": t[recipe] * 1e6})
         # 24 layers in one step

@@ -38,15 +38,17 @@ c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
+// amax: the slot the cast records max |x| into, or none.
 Tensor cast_to_fp8(const Tensor& x, const Tensor& scale, at::ScalarType dtype,
-                   const Tensor& amax) {
+                   const std::optional<Tensor>& amax) {
   static const auto op = find_op("transformer_fp8::cast_to_fp8")
       .typed<Tensor(const Tensor&, const Tensor&, at::ScalarType, const std::optional<Tensor>&)>();
   return op.call(x, scale, dtype, amax);
 }
 
 std::tuple<Tensor, Tensor> cast_transpose_to_fp8(const Tensor& x, const Tensor& scale,
-                                                 at::ScalarType dtype, const Tensor& amax) {
+                                                 at::ScalarType dtype,
+                                                 const std::optional<Tensor>& amax) {
   static const auto op = find_op("transformer_fp8::cast_transpose_to_fp8")
       .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, at::ScalarType,
                                         const std::optional<Tensor>&)>();
@@ -130,9 +132,10 @@ struct Operand {
   Tensor data, data_t, scale_inv;  // data_t undefined unless asked for
 };
 
-// Delayed scaling: the stored scale; the amax goes to its history slot in the same pass.
-Operand cast_delayed(const Tensor& x, const Tensor& scale, const Tensor& scale_inv,
-                     const Tensor& amax_slot, at::ScalarType dtype, bool with_transpose) {
+// The cast of x with `scale` (its transpose too if asked), max |x| recorded into amax_slot if
+// given: delayed scaling's cast (the stored scale, the amax into history row 0).
+Operand cast(const Tensor& x, const Tensor& scale, const Tensor& scale_inv,
+             const std::optional<Tensor>& amax_slot, at::ScalarType dtype, bool with_transpose) {
   Operand q{Tensor(), Tensor(), scale_inv};
   if (with_transpose) {
     std::tie(q.data, q.data_t) = cast_transpose_to_fp8(x, scale, dtype, amax_slot);
@@ -149,20 +152,7 @@ double fp8_max(at::ScalarType dtype) {
 // Current scaling in one process: the scale of x's own amax (margin 0), nothing recorded.
 Operand cast_current(const Tensor& x, at::ScalarType dtype, bool with_transpose) {
   const Tensor scale = compute_scale_from_amax(amax_of(x).reshape({1}), fp8_max(dtype));
-  Operand q{Tensor(), Tensor(), scale.reciprocal()};
-  const std::optional<Tensor> none;
-  if (with_transpose) {
-    static const auto op = find_op("transformer_fp8::cast_transpose_to_fp8")
-        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, at::ScalarType,
-                                          const std::optional<Tensor>&)>();
-    std::tie(q.data, q.data_t) = op.call(x, scale, dtype, none);
-  } else {
-    static const auto op = find_op("transformer_fp8::cast_to_fp8")
-        .typed<Tensor(const Tensor&, const Tensor&, at::ScalarType,
-                      const std::optional<Tensor>&)>();
-    q.data = op.call(x, scale, dtype, none);
-  }
-  return q;
+  return cast(x, scale, scale.reciprocal(), std::nullopt, dtype, with_transpose);
 }
 
 // ---- the autograd function ------------------------------------------------------------------
@@ -188,9 +178,9 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
       // A copy of the scale_invs: the update at the context's exit rewrites them in place
       // before backward multiplies the saved transposes.
       const Tensor scale_inv = state[2].clone();
-      x_q = cast_delayed(x_pad, fwd_scale.narrow(0, 0, 1), scale_inv.narrow(0, 0, 1),
+      x_q = cast(x_pad, fwd_scale.narrow(0, 0, 1), scale_inv.narrow(0, 0, 1),
                          fwd_amax.narrow(0, 0, 1), fwd_dtype, needs_weight_grad);
-      w_q = cast_delayed(weight, fwd_scale.narrow(0, 1, 1), scale_inv.narrow(0, 1, 1),
+      w_q = cast(weight, fwd_scale.narrow(0, 1, 1), scale_inv.narrow(0, 1, 1),
                          fwd_amax.narrow(0, 1, 1), fwd_dtype, needs_input_grad);
     } else {
       x_q = cast_current(x_pad, fwd_dtype, needs_weight_grad);
@@ -268,7 +258,7 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
           cast_transpose_dbias(g_2d, bwd_scale, bwd_dtype, bwd_amax);
       return {g_q, dbias};
     }
-    return {cast_delayed(pad_rows(g_2d), bwd_scale, bwd_scale_inv, bwd_amax, bwd_dtype,
+    return {cast(pad_rows(g_2d), bwd_scale, bwd_scale_inv, bwd_amax, bwd_dtype,
                          with_transpose),
             Tensor()};
   }
