@@ -324,3 +324,20 @@ def test_current_scaling_across_ranks_takes_the_python_path(gen, monkeypatch):
         assert FUSED_NODE not in _node(layer(x))
     with fp8_autocast(fp8_recipe=RECIPE):  # (delayed scaling reduces at the step's end)
         assert FUSED_NODE in _node(layer(x))
+
+
+def test_pickled_layer_holds_no_quantizer_after_the_fused_step(gen):
+    """The C++ step's cached state slices (and the quantizers they were made with) are a cache:
+    a whole-module pickle or deepcopy leaves them out, and the copy computes the same."""
+    import pickle
+    layer = tfp8.Linear(32, 32, recipe=RECIPE)
+    x = randn(gen, 16, 32)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        layer(x).sum().backward()
+    assert layer._fused_step_cache is not None
+    data = pickle.dumps(layer)
+    assert b"Quantizer" not in data
+    for copy_ in (pickle.loads(data), copy.deepcopy(layer)):
+        assert copy_._fused_step_cache is None
+        with fp8_autocast(fp8_recipe=RECIPE):
+            assert_bitwise_equal(copy_(x), layer(x))

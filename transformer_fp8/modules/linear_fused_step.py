@@ -40,8 +40,9 @@ _PLAIN_WEIGHTS = (torch.Tensor, torch.nn.Parameter)
 
 def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
                       ) -> Optional[torch.Tensor]:
-    """The layer's FP8 output through fp8_linear_delayed, or None where the Python path must
-    run. Called by Linear._fp8_run inside an enabled fp8_autocast, after _dispatch's checks."""
+    """The layer's FP8 output through fp8_linear_delayed or fp8_linear_current, or None where
+    the Python path must run. Called by Linear._fp8_run inside an enabled fp8_autocast, after
+    _dispatch's checks."""
     recipe = state.recipe
     observer = _fp8_hooks.observer  # debug statistics: the Python path casts observed layers
     if (not ENABLED or is_first_microbatch is not None or layer._fp8_override is not None
@@ -97,7 +98,7 @@ def _state_slices(layer, quantizers) -> tuple:
     """(fwd amax, scale, scale_inv: the [input, weight] entries; bwd amax, scale, scale_inv) of
     the layer's one GEMM: its state buffers and views of their history row 0. Made again when
     roles.py makes the quantizers again (the buffers changed), else reused."""
-    cached = getattr(layer, "_fused_step_cache", None)
+    cached = layer._fused_step_cache
     if cached is not None and cached[0] is quantizers:
         return cached[1]
     fwd, bwd = layer._scaling_states  # bound to the buffers the quantizers view

@@ -168,6 +168,7 @@ def _load_delayed_state(module, state: dict) -> Optional[str]:
     module._recipe_code = None  # adopted again from the recipe of the next FP8 forward
     module._weight_cache = [None] * gemms
     module._delayed_cast_cache = None
+    module._fused_step_cache = None
     return None
 
 

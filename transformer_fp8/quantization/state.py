@@ -81,6 +81,7 @@ class Fp8State:
         self._new_scaling_states()
         self._weight_cache = [None] * num_gemms
         self._delayed_cast_cache = None  # see _delayed_casts
+        self._fused_step_cache = None  # see modules/linear_fused_step.py
         self._replay_records = checkpointing.ReplayRecords()
         self._warned_high_precision = False
 
@@ -118,6 +119,7 @@ class Fp8State:
         for name in distributed:
             self._buffers[name] = self._buffers[name].to_local().detach()
         self._delayed_cast_cache = None  # (views of the DTensors)
+        self._fused_step_cache = None
         self._bind_scaling_states()
 
     def __setattr__(self, name, value):
@@ -148,6 +150,7 @@ class Fp8State:
         amax_step.await_recipe(self._scaling_states[0])
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
+        self._fused_step_cache = None
         self._replay_records.clear()
 
     def __setstate__(self, state):
@@ -155,6 +158,7 @@ class Fp8State:
         super().__setstate__(state)
         self._new_scaling_states()
         self._delayed_cast_cache = None
+        self._fused_step_cache = None
         self._replay_records = checkpointing.ReplayRecords()
 
     def __getstate__(self):
@@ -165,6 +169,7 @@ class Fp8State:
         # Caches (quantizers over the buffers, quantised weights) are made again on use: a
         # pickle holds no quantizer object, so it does not depend on where those classes live.
         state["_delayed_cast_cache"] = None
+        state["_fused_step_cache"] = None
         state["_weight_cache"] = [None] * self._num_gemms
         return state
 
@@ -186,6 +191,7 @@ class Fp8State:
                 buffer.to(device=moved.device)
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None  # views of the old buffers
+        self._fused_step_cache = None
         self._bind_scaling_states()
         if was_meta and not self.fp8_fwd_scale.is_meta:
             # Out of "meta" (to_empty, the FSDP2 / large-model pattern): the new buffers hold
@@ -218,6 +224,7 @@ class Fp8State:
                 # .data keeps the buffer object, so references (e.g. DDP's) stay valid.
                 history.data = history.new_zeros(recipe.amax_history_len, history.shape[1])
                 self._delayed_cast_cache = None  # its views see the old storage
+                self._fused_step_cache = None
         self.fp8_recipe_fields.copy_(torch.tensor(code, dtype=torch.int64))
         self._recipe_code = code
         amax_step.recipe_adopted(self._fp8_index)
@@ -273,4 +280,5 @@ class Fp8State:
         amax_step.await_recipe(self._scaling_states[0])
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
+        self._fused_step_cache = None
 
