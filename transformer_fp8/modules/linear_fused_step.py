@@ -21,7 +21,7 @@ import torch
 from .. import _fp8_hooks
 from ..quantization import autocast as _autocast
 from ..quantization import replay as checkpointing
-from ..quantization.quantizer import Fp8Plan, TensorQuantizer
+from ..quantization.quantizer import Fp8Plan, Quantized
 from ..quantization.recipe import Format
 from ..quantization.roles import is_current, is_delayed, quantizers_for_step
 from ..quantization.update_plan import world_size
@@ -81,17 +81,16 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
 
 
 def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out_dtype):
-    """What the recomputation of this checkpointed forward replays (base.py's _fp8_replay): the
-    Python path's plan with the scales and scale_invs this forward casts with, copied now (the
-    update at the context's exit changes them before the recomputation runs), as
-    Fp8Plan.for_replay makes it on the Python path."""
+    """What the recomputation of this checkpointed forward replays (base.py's _fp8_replay),
+    made by Fp8Plan.for_replay as on the Python path: the scales this forward casts with and a
+    copy of its scale_invs (the update at the context's exit changes both before the
+    recomputation runs; the operator makes its own equal copy)."""
     input_q, weight_q, grad_q = gemm_quantizers
-    _, scale, scale_inv = state_slices[:3]
-    scale, scale_inv = scale.clone(), scale_inv.clone()
-    plan = Fp8Plan(TensorQuantizer.replay(input_q.dtype, scale[0:1], scale_inv[0:1]),
-                   TensorQuantizer.replay(weight_q.dtype, scale[1:2], scale_inv[1:2]),
-                   grad_q, None, backward_step, out_dtype)
-    layer._replay_records.keep(_autocast.forward_pass_id(), (plan,))
+    scale_inv = state_slices[2].clone()
+    plan = Fp8Plan(input_q, weight_q, grad_q, None, backward_step, out_dtype)
+    plan.used = (Quantized(None, None, scale_inv[0:1], None, input_q.scale),
+                 Quantized(None, None, scale_inv[1:2], None, weight_q.scale))
+    layer._replay_records.keep(_autocast.forward_pass_id(), (plan.for_replay(),))
 
 
 def _state_slices(layer, quantizers) -> tuple:
