@@ -8,9 +8,12 @@ fp8_autocast, and the delayed-scaling update of 300 amax histories (AmaxStep.red
 each call after an untimed refill of row 0; and with nothing recorded, its host work without
 the CPU kernel's numerics). Shapes are tiny (16 rows, 16 features) so that the kernels' own
 work is small, but on the CPU it is not zero: the FP8 rows include the CPU emulation of the
-casts and GEMMs, so the ratios are an upper bound of the host overhead.
+casts and GEMMs, so the ratios are an upper bound of the host overhead. With --null-kernels the
+CPU kernels of transformer_fp8's operators are replaced by ones that only allocate their outputs
+(benchmarks/null_kernels.cpp, compiled on first use): the FP8 rows are then host work only, the
+measure the host-overhead targets are defined with (torch's rows keep its real tiny kernels).
 
-    python benchmarks/bench_host.py [--smoke] [--out DIR]
+    python benchmarks/bench_host.py [--smoke] [--null-kernels] [--out DIR]
 """
 from __future__ import annotations
 
@@ -119,8 +122,24 @@ def thread_time_after(prepare, fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
+def load_null_kernels() -> None:
+    """Replace the CPU kernels of transformer_fp8's operators, for this process, by kernels that
+    only allocate their outputs (benchmarks/null_kernels.cpp)."""
+    from torch.utils.cpp_extension import load
+    load(name="transformer_fp8_null_kernels", is_python_module=False, extra_cflags=["-O2"],
+         sources=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "null_kernels.cpp")])
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--null-kernels", action="store_true",
+                        help="time host work only: transformer_fp8's CPU kernels replaced by "
+                             "kernels that only allocate (benchmarks/null_kernels.cpp)")
+
+
 def main(argv=None) -> dict:
-    args = common.parse_args(TITLE, argv)
+    args = common.parse_args(TITLE, argv, add_arguments)
+    if args.null_kernels:
+        load_null_kernels()
     reps = 8 if args.smoke else 200
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -180,8 +199,12 @@ def main(argv=None) -> dict:
                          if row["case"] == f"update of {count} histories"
                          else None)
     notes = ["thread CPU time (time.thread_time), one CPU thread, median over interleaved "
-             "rounds; the FP8 rows include the CPU kernels' emulation of casts and GEMMs"]
-    return common.report(args, NAME, TITLE, WHAT, COLUMNS, rows, plot=plot, notes=notes)
+             "rounds; " + ("transformer_fp8's CPU kernels replaced by null kernels that only "
+                           "allocate (--null-kernels): the FP8 rows are host work only"
+                           if args.null_kernels else
+                           "the FP8 rows include the CPU kernels' emulation of casts and GEMMs")]
+    name = NAME + ("_null_kernels" if args.null_kernels else "")
+    return common.report(args, name, TITLE, WHAT, COLUMNS, rows, plot=plot, notes=notes)
 
 
 def plot(ax, payload):

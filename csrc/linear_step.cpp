@@ -13,6 +13,7 @@
 // Backward: grad_output cast (delayed: the bias gradient from the same read), dgrad and wgrad
 // by fp8_gemm. A delayed grad_output scale is read when the backward runs, as the Python path
 // reads it.
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/extension.h>
 
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "fp8_common.h"
+#include "python_module.h"
 
 namespace transformer_fp8 {
 namespace {
@@ -102,6 +104,9 @@ std::vector<int64_t> with_last(at::IntArrayRef lead, int64_t last) {
   return shape;
 }
 
+// What the autograd kernel of an operator with a Tensor(a!) argument does after writing it.
+void bump_version(const Tensor& written) { written.unsafeGetTensorImpl()->bump_version(); }
+
 // ---- argument checks ----------------------------------------------------------------------
 
 void check_state(const Tensor& t, const char* name, int64_t numel, const Tensor& weight) {
@@ -167,6 +172,9 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
                         at::ScalarType fwd_dtype, at::ScalarType bwd_dtype,
                         at::ScalarType out_dtype, bool needs_input_grad,
                         bool needs_weight_grad) {
+    // The operators below need no autograd of their own (this node is theirs): dispatched
+    // past the autograd and view-tracking kernels, a large part of the host time otherwise.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     const bool delayed = !state.empty();
     const int64_t out_features = weight.size(0), in_features = weight.size(1);
     const Tensor inp_2d = input.reshape({-1, in_features});
@@ -182,6 +190,7 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
                          fwd_amax.narrow(0, 0, 1), fwd_dtype, needs_weight_grad);
       w_q = cast(weight, fwd_scale.narrow(0, 1, 1), scale_inv.narrow(0, 1, 1),
                          fwd_amax.narrow(0, 1, 1), fwd_dtype, needs_input_grad);
+      bump_version(fwd_amax);  // written through views made below view tracking
     } else {
       x_q = cast_current(x_pad, fwd_dtype, needs_weight_grad);
       w_q = cast_current(weight, fwd_dtype, needs_input_grad);
@@ -211,10 +220,13 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    // Unpacked before autograd is dispatched past: a non-reentrant checkpoint recomputes its
+    // region here, which must build its graph.
+    const variable_list saved = ctx->get_saved_variables();
     variable_list grads;
     {
-      at::NoGradGuard no_grad;
-      grads = gradients(ctx, grad_outputs[0]);
+      at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in forward
+      grads = gradients(ctx, saved, grad_outputs[0]);
     }
     return once_differentiable(std::move(grads), grad_outputs[0]);
   }
@@ -251,6 +263,7 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
     const Tensor bwd_amax = ctx->saved_data["bwd_amax"].toTensor();
     const Tensor bwd_scale = ctx->saved_data["bwd_scale"].toTensor();
     const Tensor bwd_scale_inv = ctx->saved_data["bwd_scale_inv"].toTensor();
+    bump_version(bwd_amax);  // (written below view tracking, as in forward)
     if (with_dbias) {
       Operand g_q{Tensor(), Tensor(), bwd_scale_inv};
       Tensor dbias;
@@ -258,13 +271,12 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
           cast_transpose_dbias(g_2d, bwd_scale, bwd_dtype, bwd_amax);
       return {g_q, dbias};
     }
-    return {cast(pad_rows(g_2d), bwd_scale, bwd_scale_inv, bwd_amax, bwd_dtype,
-                         with_transpose),
+    return {cast(pad_rows(g_2d), bwd_scale, bwd_scale_inv, bwd_amax, bwd_dtype, with_transpose),
             Tensor()};
   }
 
-  static variable_list gradients(AutogradContext* ctx, const Tensor& grad_out) {
-    const auto saved = ctx->get_saved_variables();
+  static variable_list gradients(AutogradContext* ctx, const variable_list& saved,
+                                 const Tensor& grad_out) {
     const Tensor &x_t = saved[0], &x_scale_inv = saved[1], &w_t = saved[2],
                  &w_scale_inv = saved[3];
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
@@ -339,11 +351,66 @@ Tensor fp8_linear_current(const Tensor& input, const Tensor& weight,
                               out_dtype, needs_input_grad, needs_weight_grad);
 }
 
+// ---- the Python entry of the eager step (modules/linear_fused_step.py) ---------------------
+
+// Calls a Python callable when the node it is attached to is about to run: delayed scaling's
+// BackwardStep.on_backward, which queues the grad_output update for the end of the backward
+// pass (as a pre-hook registered from Python would, without the host cost of registering one
+// per call).
+class CallOnBackward : public torch::autograd::FunctionPreHook {
+ public:
+  explicit CallOnBackward(pybind11::object fn) : fn_(std::move(fn)) {}
+  ~CallOnBackward() override {
+    if (!Py_IsInitialized()) {  // (the interpreter has gone: nothing left to release)
+      fn_.release();
+      return;
+    }
+    pybind11::gil_scoped_acquire gil;  // (the node may die on an autograd thread)
+    fn_ = pybind11::object();
+  }
+  variable_list operator()(const variable_list& grads) override {
+    pybind11::gil_scoped_acquire gil;
+    fn_();
+    return grads;
+  }
+
+ private:
+  pybind11::object fn_;
+};
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(transformer_fp8, CompositeImplicitAutograd, m) {
   m.impl("fp8_linear_delayed", &fp8_linear_delayed);
   m.impl("fp8_linear_current", &fp8_linear_current);
+}
+
+// The operators' functions called directly from Python (an eager step, no dispatcher on the
+// way in); linear_delayed also attaches on_backward (or None) to the output's node.
+void bind_linear_steps(pybind11::module_& module) {
+  namespace py = pybind11;
+  module.def(
+      "linear_delayed",
+      [](const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
+         const Tensor& fwd_amax, const Tensor& fwd_scale, const Tensor& fwd_scale_inv,
+         const Tensor& bwd_amax, const Tensor& bwd_scale, const Tensor& bwd_scale_inv,
+         at::ScalarType fwd_dtype, at::ScalarType bwd_dtype, at::ScalarType out_dtype,
+         py::object on_backward) {
+        Tensor out = fp8_linear_delayed(input, weight, bias, fwd_amax, fwd_scale, fwd_scale_inv,
+                                        bwd_amax, bwd_scale, bwd_scale_inv, fwd_dtype,
+                                        bwd_dtype, out_dtype);
+        if (!on_backward.is_none() && out.grad_fn() != nullptr)
+          out.grad_fn()->add_pre_hook(std::make_unique<CallOnBackward>(std::move(on_backward)));
+        return out;
+      },
+      "transformer_fp8::fp8_linear_delayed, then on_backward() before its node runs",
+      py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("fwd_amax"),
+      py::arg("fwd_scale"), py::arg("fwd_scale_inv"), py::arg("bwd_amax"), py::arg("bwd_scale"),
+      py::arg("bwd_scale_inv"), py::arg("fwd_dtype"), py::arg("bwd_dtype"),
+      py::arg("out_dtype"), py::arg("on_backward"));
+  module.def("linear_current", &fp8_linear_current, "transformer_fp8::fp8_linear_current",
+             py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("fwd_dtype"),
+             py::arg("bwd_dtype"), py::arg("out_dtype"));
 }
 
 }  // namespace transformer_fp8

@@ -5,16 +5,15 @@
 // all again when any differs, so memory swapped behind its back (.data = ...) is never written
 // through a stale pointer. (The tensors are held: their memory cannot be freed meanwhile.)
 #include <ATen/record_function.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
 
 #include <array>
-#include <mutex>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "checks/checks.h"
 #include "prepared_update.h"
+#include "python_module.h"
 
 namespace transformer_fp8 {
 
@@ -48,7 +47,9 @@ struct Seen {
   }
 };
 
-class DelayedScalingBatch : public torch::CustomClassHolder {
+// Bound as transformer_fp8._C.DelayedScalingBatch. Its calls come from Python, the GIL held:
+// one at a time.
+class DelayedScalingBatch {
  public:
   DelayedScalingBatch(std::vector<at::Tensor> amax_histories, std::vector<at::Tensor> scales,
                       std::vector<at::Tensor> scale_invs, std::vector<double> fp8_maxes)
@@ -62,8 +63,6 @@ class DelayedScalingBatch : public torch::CustomClassHolder {
     RECORD_FUNCTION("transformer_fp8::DelayedScalingBatch.update", std::vector<c10::IValue>());
     check_margin(margin);
     const AmaxAlgo algo = parse_amax_algo(amax_compute_algo);
-    // Python calls custom-class methods without the GIL: one update (and re-check) at a time.
-    std::lock_guard<std::mutex> lock(mutex_);
     if (!unchanged()) check();
     const c10::Device device = histories_[0].device();
     const UpdateRunner runner = update_runner(device.type());
@@ -106,19 +105,23 @@ class DelayedScalingBatch : public torch::CustomClassHolder {
   std::vector<double> fp8_maxes_;
   std::vector<UpdateTensor> tensors_;  // the raw pointers the runner reads, made by check()
   std::vector<Seen> seen_;
-  std::mutex mutex_;
 };
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(transformer_fp8, m) {
-  // DelayedScalingBatch(amax_histories, scales, scale_invs, fp8_maxes): checked as
-  // update_delayed_scaling checks them; .update(margin, amax_compute_algo) then does what
-  // update_delayed_scaling does with them.
-  m.class_<DelayedScalingBatch>("DelayedScalingBatch")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<double>>())
-      .def("update", &DelayedScalingBatch::update)
+void bind_delayed_scaling_batch(pybind11::module_& module) {
+  namespace py = pybind11;
+  py::class_<DelayedScalingBatch, std::shared_ptr<DelayedScalingBatch>>(
+      module, "DelayedScalingBatch",
+      "DelayedScalingBatch(amax_histories, scales, scale_invs, fp8_maxes): the tensors of one "
+      "delayed-scaling update, checked as update_delayed_scaling checks them; "
+      ".update(margin, amax_compute_algo) then does what update_delayed_scaling does with them.")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<double>>(),
+           py::arg("amax_histories"), py::arg("scales"), py::arg("scale_invs"),
+           py::arg("fp8_maxes"))
+      .def("update", &DelayedScalingBatch::update, py::arg("margin"),
+           py::arg("amax_compute_algo"))
       .def("__len__", &DelayedScalingBatch::size);
 }
 

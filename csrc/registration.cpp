@@ -1,23 +1,8 @@
-// Every operator schema of the transformer_fp8 namespace, in one place, and the Python module
-// that loads them. Kernels: csrc/cpu/*.cpp (CPU, also the executable reference) and
-// csrc/cuda/kernels/, csrc/cuda/cublaslt/ (CUDA). Fake kernels for torch.compile live in
-// transformer_fp8/ops.py.
-#include <torch/extension.h>
-
-#include <string>
-
-#include "build_config.h"  // written by setup.py into build/generated
-
-// Defaults for a build that did not say.
-#ifndef TRANSFORMER_FP8_CUDA_ARCHS
-#define TRANSFORMER_FP8_CUDA_ARCHS ""
-#endif
-#ifndef TRANSFORMER_FP8_CUDA_VERSION
-#define TRANSFORMER_FP8_CUDA_VERSION ""
-#endif
-#ifndef TRANSFORMER_FP8_TORCH_VERSION
-#define TRANSFORMER_FP8_TORCH_VERSION ""
-#endif
+// Every operator schema of the transformer_fp8 namespace, in one place. Kernels: csrc/cpu/*.cpp
+// (CPU, also the executable reference) and csrc/cuda/kernels/, csrc/cuda/cublaslt/ (CUDA). Fake
+// kernels for torch.compile live in transformer_fp8/ops/. The Python module _C that loads them:
+// csrc/python_module.cpp.
+#include <torch/library.h>
 
 TORCH_LIBRARY(transformer_fp8, m) {
   // max |x| as a float32 0-dim tensor; NaN propagates; 0 for an empty x.
@@ -82,27 +67,4 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("fp8_linear_current(Tensor input, Tensor weight, Tensor? bias, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
   m.def("fp8_linear_delayed(Tensor input, Tensor weight, Tensor? bias, Tensor(a!) fwd_amax, Tensor fwd_scale, Tensor fwd_scale_inv, Tensor bwd_amax, Tensor bwd_scale, Tensor bwd_scale_inv, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
   m.def("fp8_operand_stats(Tensor x, Tensor q, Tensor x_scale, float fp8_max, int block_rows, int block_cols) -> Tensor");
-}
-
-namespace {
-
-pybind11::dict build_info() {
-  pybind11::dict info;
-#ifdef TRANSFORMER_FP8_WITH_CUDA
-  info["cuda"] = true;
-  info["cuda_version"] = std::string(TRANSFORMER_FP8_CUDA_VERSION);
-#else
-  info["cuda"] = false;
-  info["cuda_version"] = pybind11::none();
-#endif
-  info["cuda_archs"] = std::string(TRANSFORMER_FP8_CUDA_ARCHS);
-  info["torch_version"] = std::string(TRANSFORMER_FP8_TORCH_VERSION);
-  return info;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(_C, module) {
-  module.doc() = "transformer_fp8 operators (registered under torch.ops.transformer_fp8)";
-  module.def("build_info", &build_info, "What this build of the extension contains.");
 }

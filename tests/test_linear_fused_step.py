@@ -313,6 +313,44 @@ def test_operator_errors_name_the_argument(gen):
         current(randn(gen, 4, 8), w, None, e4, e5, torch.float32)
 
 
+def test_python_entry_checks_arguments_as_the_operator(gen):
+    """transformer_fp8._C.linear_delayed / linear_current (what the module calls, without the
+    dispatcher) run the operators' own functions: the same checks."""
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    state = [torch.zeros(2), torch.ones(2), torch.ones(2), torch.zeros(1), torch.ones(1),
+             torch.ones(1)]
+    w = randn(gen, 32, 16)
+    with pytest.raises(RuntimeError, match="argument 'input' of fp8_linear_delayed"):
+        tfp8._C.linear_delayed(randn(gen, 4, 8), w, None, *state, e4, e5, torch.float32, None)
+    bad = list(state)
+    bad[2] = torch.ones(2, 1)
+    with pytest.raises(RuntimeError, match="argument 'fwd_scale_inv'.*2 element"):
+        tfp8._C.linear_delayed(randn(gen, 16, 16), w, None, *bad, e4, e5, torch.float32, None)
+    with pytest.raises(RuntimeError, match="argument 'weight' of fp8_linear_current.*2-D"):
+        tfp8._C.linear_current(randn(gen, 4, 16), randn(gen, 16), None, e4, e5, torch.float32)
+    assert torch.equal(state[0], torch.zeros(2)), "a refused call records nothing"
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_recorded_histories_count_as_written(device, gen):
+    """The C++ step writes the amaxes through views made past autograd's view tracking: it
+    moves the histories' version counters itself, as an operator with a Tensor(a!) argument,
+    so that autograd notices if a tensor saved for backward is a view of one."""
+    layer = tfp8.Linear(32, 32, device=device)
+    x = randn(gen, 16, 32, device=device).requires_grad_(True)
+    fwd, bwd = layer.fp8_fwd_amax_history, layer.fp8_bwd_amax_history
+    with fp8_autocast(fp8_recipe=RECIPE):
+        before = fwd._version
+        out = layer(x)
+        assert FUSED_NODE in _node(out)
+        assert fwd._version > before, "forward amaxes recorded"
+    before = bwd._version
+    seen = []  # the version once the node has run, before the update at the pass's end
+    x.register_hook(lambda grad: seen.append(bwd._version))
+    out.backward(randn(gen, 16, 32, device=device))
+    assert seen and seen[0] > before, "grad_output amax recorded"
+
+
 def test_current_scaling_across_ranks_takes_the_python_path(gen, monkeypatch):
     """With more than one rank in the group each amax is all-reduced, which the Python path
     does: the C++ step runs only in one process."""

@@ -16,7 +16,7 @@ import transformer_fp8 as tfp8
 from transformer_fp8 import reference as ref
 from transformer_fp8.quantization import scaling_state
 
-Batch = torch.classes.transformer_fp8.DelayedScalingBatch
+Batch = tfp8._C.DelayedScalingBatch
 RECIPE = tfp8.DelayedScaling(amax_history_len=4)
 
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .. import _fp8_hooks
+from .. import _C, _fp8_hooks
 from ..quantization import autocast as _autocast
 from ..quantization import replay as checkpointing
 from ..quantization.quantizer import Fp8Plan, Quantized
@@ -27,13 +27,13 @@ from ..quantization.roles import is_current, is_delayed, quantizers_for_step
 from ..quantization.update_plan import world_size
 from ..quantization.torch_autocast import autocast_dtype
 
-try:
-    _delayed_op = torch.ops.transformer_fp8.fp8_linear_delayed
-    _current_op = torch.ops.transformer_fp8.fp8_linear_current
-except (AttributeError, RuntimeError):  # a library built before the operators existed
-    _delayed_op = _current_op = None
+# The operators' functions called without the dispatcher (csrc/linear_step.cpp's Python entry:
+# converting a dozen arguments for torch.ops costs several times what pybind11 does). None in
+# a library built before they existed.
+_delayed_step = getattr(_C, "linear_delayed", None)
+_current_step = getattr(_C, "linear_current", None)
 
-ENABLED = _current_op is not None  # False: every step takes the Python path (tests compare)
+ENABLED = _current_step is not None  # False: every step takes the Python path (tests compare)
 
 _PLAIN_WEIGHTS = (torch.Tensor, torch.nn.Parameter)
 
@@ -66,18 +66,16 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     fmt = recipe.fp8_format
     out_dtype = autocast_dtype(inp.device.type) or inp.dtype
     if not delayed:
-        return _current_op(inp, weight, layer._gemm_bias(), fmt.fwd_dtype, fmt.bwd_dtype,
-                           out_dtype)
+        return _current_step(inp, weight, layer._gemm_bias(), fmt.fwd_dtype, fmt.bwd_dtype,
+                             out_dtype)
     quantizers, backward_step = quantizers_for_step(recipe, layer, state)
     state_slices = _state_slices(layer, quantizers)
     if checkpointed:
         _keep_replay_record(layer, quantizers[0], state_slices, backward_step, out_dtype)
-    out = _delayed_op(inp, weight, layer._gemm_bias(), *state_slices, fmt.fwd_dtype,
-                      fmt.bwd_dtype, out_dtype)
-    if out.grad_fn is not None:
-        # The grad_output update runs when the backward pass ends (amax_step.BackwardStep).
-        out.grad_fn.register_prehook(backward_step.node_prehook)
-    return out
+    # on_backward: called before the node runs, it queues the grad_output update for the end
+    # of the backward pass (amax_step.BackwardStep).
+    return _delayed_step(inp, weight, layer._gemm_bias(), *state_slices, fmt.fwd_dtype,
+                         fmt.bwd_dtype, out_dtype, backward_step.on_backward)
 
 
 def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out_dtype):

@@ -214,10 +214,6 @@ class BackwardStep:
                 _QUEUED_BACKWARD_STEPS[id(self)] = self
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
-    def node_prehook(self, grad_outputs) -> None:
-        """on_backward as a pre-hook of an autograd node (the C++ Linear step's)."""
-        self.on_backward()
-
     def _finish(self) -> None:
         self._queued = False
         with _PENDING_LOCK:

@@ -12,19 +12,13 @@ from typing import Optional
 
 import torch
 
-from .. import ops
+from .. import _C, ops
 from .recipe import DelayedScaling
 from .scaling_state import ScalingState, generation
 
 
-def _batch_class():
-    try:
-        return torch.classes.transformer_fp8.DelayedScalingBatch
-    except (AttributeError, RuntimeError):  # a library built before it existed: the lists
-        return None
-
-
-_BATCH = _batch_class()
+# (None in a library built before it existed: the list operator then runs.)
+_BATCH = getattr(_C, "DelayedScalingBatch", None)
 
 
 def world_size(group) -> int:
