@@ -95,6 +95,7 @@ Tensor pad_rows(const Tensor& x) {
 // The first `rows` rows of a GEMM output as a tensor of `shape`: not a view, so that the
 // caller may change it in place (as torch.nn.Linear's output).
 Tensor function_output(const Tensor& out, int64_t rows, at::IntArrayRef shape) {
+  if (out.size(0) == rows && out.sizes() == shape) return out;  // (no operator to call)
   return at::_unsafe_view(out.size(0) != rows ? out.narrow(0, 0, rows) : out, shape);
 }
 
@@ -177,7 +178,7 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const bool delayed = !state.empty();
     const int64_t out_features = weight.size(0), in_features = weight.size(1);
-    const Tensor inp_2d = input.reshape({-1, in_features});
+    const Tensor inp_2d = input.dim() == 2 ? input : input.reshape({-1, in_features});
     const int64_t rows = inp_2d.size(0);
     const Tensor x_pad = pad_rows(inp_2d);
     Operand x_q, w_q;

@@ -4,6 +4,7 @@ FP8 weights kept across microbatches, and activation checkpointing's replay of a
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -24,6 +25,20 @@ from . import tensor_parallel
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_FIT, _EMPTY, _UNALIGNED = "fit", "empty", "unaligned"
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_dims_fit(gemm_dims: tuple) -> str:
+    """Whether GEMMs of these (out, in) sizes run in FP8: _EMPTY (a zero size: nothing to
+    multiply), _UNALIGNED (a size not a multiple of ALIGN) or _FIT. (Cached: every forward
+    asks, with the same few shapes.)"""
+    sizes = [size for dims in gemm_dims for size in dims]
+    if 0 in sizes:
+        return _EMPTY
+    return _UNALIGNED if any(size % ALIGN for size in sizes) else _FIT
+
+
 class Fp8StateMixin(Fp8State):
     """The base of an FP8 module: its FP8 state (Fp8State) and its forward. Put it before the
     torch.nn base class. The module provides:
@@ -42,10 +57,9 @@ class Fp8StateMixin(Fp8State):
     def _dispatch(self, inp: torch.Tensor, is_first_microbatch, in_features: int):
         """The module's output: FP8 inside an enabled fp8_autocast, else its high-precision
         form (``_high_precision(inp)``, exactly the torch composition)."""
-        name = type(self).__name__
         if inp.shape[-1:] != (in_features,):
-            raise ValueError(f"{name}: input must have shape [..., {in_features}], "
-                             f"got {tuple(inp.shape)}")
+            raise ValueError(f"{type(self).__name__}: input must have shape "
+                             f"[..., {in_features}], got {tuple(inp.shape)}")
         if self._in_recompute():
             return self._fp8_replay(inp)
         state = _autocast.current_state()
@@ -59,19 +73,19 @@ class Fp8StateMixin(Fp8State):
             if state is not None and state.calibrating:
                 return self._high_precision(inp, recording_linear(self, state))
             return self._high_precision(inp)
-        weight_dtype = weight.dtype
-        if inp.dtype != weight_dtype and autocast_dtype(inp.device.type) is None:
+        inp_dtype, weight_dtype = inp.dtype, weight.dtype
+        if inp_dtype != weight_dtype and autocast_dtype(inp.device.type) is None:
             # torch.nn.Linear refuses this (F.linear: "expected m1 and m2 to have the same
             # dtype"); the FP8 path would accept it silently.
-            raise RuntimeError(f"{name}: input dtype {inp.dtype} differs from the weight's "
-                               f"{weight_dtype}, which torch.nn.Linear refuses too; cast the "
-                               "input or the module, or run under torch.autocast")
-        gemm_dims = [d for dims in (tensor_parallel.local_gemm_dims(self) if sharded
-                                    else self._gemm_dims()) for d in dims]
-        if 0 in gemm_dims:
+            raise RuntimeError(f"{type(self).__name__}: input dtype {inp_dtype} differs from "
+                               f"the weight's {weight_dtype}, which torch.nn.Linear refuses "
+                               "too; cast the input or the module, or run under torch.autocast")
+        gemm_dims = tensor_parallel.local_gemm_dims(self) if sharded else self._gemm_dims()
+        fit = _gemm_dims_fit(tuple(gemm_dims))
+        if fit is _EMPTY:
             return self._high_precision(inp)  # no features: nothing to multiply in FP8
-        if any(d % ALIGN for d in gemm_dims) or inp.dtype not in FP8_INPUT_DTYPES:
-            self._warn_high_precision(inp.dtype)
+        if fit is _UNALIGNED or inp_dtype not in FP8_INPUT_DTYPES:
+            self._warn_high_precision(inp_dtype)
             return self._high_precision(inp)
         return self._fp8_run(inp, state, is_first_microbatch)
 

@@ -35,7 +35,7 @@ _current_step = getattr(_C, "linear_current", None)
 
 ENABLED = _current_step is not None  # False: every step takes the Python path (tests compare)
 
-_PLAIN_WEIGHTS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
@@ -54,8 +54,8 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
                             and world_size(state.group) == 1):
         return None  # (E5M2: the Python path raises the error that names it)
     weight = layer.weight_nk(routed=True)
-    if type(weight) not in _PLAIN_WEIGHTS:
-        return None
+    if type(weight) not in _PLAIN_TENSORS or type(inp) not in _PLAIN_TENSORS:
+        return None  # (a tensor subclass: its __torch_function__ sees the Python path)
     # Under torch.utils.checkpoint (the recomputation never gets here: _dispatch replays it)
     # the forward keeps a replay record: made here for delayed scaling, by the Python path for
     # current scaling (its scales exist only inside the operator).

@@ -8,6 +8,7 @@ A function takes (recipe, module state, autocast state) and returns, per GEMM of
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -38,11 +39,15 @@ def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):
     return quantizers, backward_step
 
 
+# The module's six FP8 state buffers, in FP8_FLOAT_STATE's order, from its _buffers.
+_float_state_buffers = operator.itemgetter(*FP8_FLOAT_STATE)
+
+
 def delayed_quantizers(fp8_state, fmt: Format) -> list:
     """Per GEMM, the (input, weight, grad_output) quantizers of delayed scaling: views of the
     state's scales, scale_invs and history row 0. Made once and reused while the state buffers
     are the same tensors (slicing them on every forward costs more host time than the cast)."""
-    buffers = tuple(fp8_state._buffers[name] for name in FP8_FLOAT_STATE)
+    buffers = _float_state_buffers(fp8_state._buffers)
     fwd_h, fwd_s, fwd_si, bwd_h, bwd_s, bwd_si = buffers
 
     def make():
@@ -54,8 +59,7 @@ def delayed_quantizers(fp8_state, fmt: Format) -> list:
     if torch.compiler.is_compiling():
         return make()  # traced once: the slicing is part of the graph
     cached = fp8_state._delayed_cast_cache
-    if (cached is not None and cached[0] is fmt
-            and all(old is new for old, new in zip(cached[1], buffers))):
+    if cached is not None and cached[0] is fmt and all(map(operator.is_, cached[1], buffers)):
         return cached[2]
     fwd, bwd = fp8_state._scaling_states
     bound = (fwd.history, fwd.scale, fwd.scale_inv, bwd.history, bwd.scale, bwd.scale_inv)

@@ -79,6 +79,9 @@ class UpdatePlan:
                 target.append(value)
         self.by_device = list(by_device.items())
         self._batches: Optional[list] = None  # per device: a DelayedScalingBatch or None
+        # Whether the recipe's update is the batch's (the built-in algorithms).
+        self._batchable = (isinstance(recipe.amax_compute_algo, str)
+                           and recipe.scaling_factor_compute_algo is None)
         self._rows: Optional[tuple] = None
         # Plans of the steps that also cover the unrecorded states (see amax_step), by key.
         self.completions: dict = {}
@@ -107,9 +110,7 @@ class UpdatePlan:
         algo = recipe.amax_compute_algo
         # The batch writes the tensors directly: under a dispatch mode (FakeTensorMode, make_fx
         # without compiling) the operator must run, so that the mode sees the update.
-        batched = (_BATCH is not None and isinstance(algo, str)
-                   and recipe.scaling_factor_compute_algo is None
-                   and not torch.compiler.is_compiling()
+        batched = (self._batchable and _BATCH is not None and not torch.compiler.is_compiling()
                    and torch._C._len_torch_dispatch_stack() == 0)
         if batched and self._batches is None:
             self._batches = [_BATCH(*lists) if device.type in ("cpu", "cuda") else None
