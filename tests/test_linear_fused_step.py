@@ -277,6 +277,34 @@ def test_no_grad_forward_records_amaxes_like_python_path(gen, monkeypatch):
 
 
 @pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_inference_mode_forward_is_bit_identical_to_python_path(recipe, gen, monkeypatch):
+    """Under torch.inference_mode (inference tensors in, no autograd): the same outputs and, for
+    delayed scaling, the same recorded amaxes and updated scales, over steps."""
+    layer = tfp8.Linear(32, 48)
+    python_layer = copy.deepcopy(layer)
+    xs = [randn(gen, 2, 24, 32, scale=s) for s in (1.0, 30.0, 0.02)]
+
+    def run(model):
+        outs = []
+        for x in xs:
+            with torch.inference_mode(), fp8_autocast(fp8_recipe=recipe):
+                outs.append(model(x.clone()))
+        return outs
+
+    name = "_delayed_step" if recipe is RECIPE else "_current_step"
+    calls = []
+    entry = getattr(linear_fused_step, name)
+    monkeypatch.setattr(linear_fused_step, name, lambda *a: calls.append(1) or entry(*a))
+    fused = run(layer)
+    assert len(calls) == len(xs), "the C++ step ran"
+    _python_path(monkeypatch)
+    for step, (a, b) in enumerate(zip(fused, run(python_layer))):
+        assert_bitwise_equal(a, b, f"step {step}")
+    for key in FP8_STATE_KEYS:
+        assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
+
+
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
 def test_double_backward_is_refused_as_in_the_python_path(recipe, gen):
     layer = tfp8.Linear(32, 32)
     x = randn(gen, 16, 32).requires_grad_(True)
