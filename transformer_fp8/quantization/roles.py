@@ -47,7 +47,10 @@ def delayed_quantizers(fp8_state, fmt: Format) -> list:
     """Per GEMM, the (input, weight, grad_output) quantizers of delayed scaling: views of the
     state's scales, scale_invs and history row 0. Made once and reused while the state buffers
     are the same tensors (slicing them on every forward costs more host time than the cast)."""
-    buffers = _float_state_buffers(fp8_state._buffers)
+    if torch.compiler.is_compiling():  # (dynamo traces no itemgetter call)
+        buffers = tuple(fp8_state._buffers[name] for name in FP8_FLOAT_STATE)
+    else:
+        buffers = _float_state_buffers(fp8_state._buffers)
     fwd_h, fwd_s, fwd_si, bwd_h, bwd_s, bwd_si = buffers
 
     def make():
