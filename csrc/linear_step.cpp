@@ -17,6 +17,7 @@
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/extension.h>
 
+#include <array>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -163,9 +164,41 @@ Operand cast_current(const Tensor& x, at::ScalarType dtype, bool with_transpose)
 
 // ---- the autograd function ------------------------------------------------------------------
 
+// What backward needs besides its saved variables, packed into one saved_data entry (each entry
+// costs a string hash and allocations per call): the dtypes of grad_output's cast and of the
+// gradients, whether there is a bias, and the input's shape.
+struct BackwardMeta {
+  at::ScalarType bwd_dtype, input_dtype, weight_dtype, bias_dtype;
+  bool has_bias;
+  std::vector<int64_t> input_shape;
+
+  std::vector<int64_t> pack() const {
+    std::vector<int64_t> packed{static_cast<int64_t>(bwd_dtype), static_cast<int64_t>(input_dtype),
+                                static_cast<int64_t>(weight_dtype),
+                                static_cast<int64_t>(bias_dtype), has_bias ? 1 : 0};
+    packed.insert(packed.end(), input_shape.begin(), input_shape.end());
+    return packed;
+  }
+  static BackwardMeta unpack(const std::vector<int64_t>& packed) {
+    return {static_cast<at::ScalarType>(packed[0]), static_cast<at::ScalarType>(packed[1]),
+            static_cast<at::ScalarType>(packed[2]), static_cast<at::ScalarType>(packed[3]),
+            packed[4] != 0, std::vector<int64_t>(packed.begin() + 5, packed.end())};
+  }
+};
+
+// The delayed-scaling state the step takes, one tensor per entry (the Python caller slices the
+// layer's buffers once and keeps the slices): the input's and the weight's amax slot (history
+// row 0) and scale, their scale_invs [input, weight], and grad_output's amax slot, scale and
+// scale_inv.
+enum StateIndex : size_t {
+  kInputAmax, kWeightAmax, kInputScale, kWeightScale, kFwdScaleInv,
+  kGradAmax, kGradScale, kGradScaleInv, kStateSize
+};
+// Arguments of forward, each state tensor counting as one: what backward returns gradients for.
+constexpr size_t kMaxForwardInputs = 3 + kStateSize + 5;
+
 struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
-  // state: delayed scaling's {fwd_amax, fwd_scale, fwd_scale_inv ([input, weight] entries),
-  // bwd_amax, bwd_scale, bwd_scale_inv (grad_output's)}, or empty for current scaling.
+  // state: delayed scaling's tensors (StateIndex), or empty for current scaling.
   // needs_input_grad / needs_weight_grad: whether backward will want dgrad / wgrad (the
   // transposes are cast only then).
   static Tensor forward(AutogradContext* ctx, const Tensor& input, const Tensor& weight,
@@ -183,15 +216,15 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
     const Tensor x_pad = pad_rows(inp_2d);
     Operand x_q, w_q;
     if (delayed) {
-      const Tensor &fwd_amax = state[0], &fwd_scale = state[1];
       // A copy of the scale_invs: the update at the context's exit rewrites them in place
       // before backward multiplies the saved transposes.
-      const Tensor scale_inv = state[2].clone();
-      x_q = cast(x_pad, fwd_scale.narrow(0, 0, 1), scale_inv.narrow(0, 0, 1),
-                         fwd_amax.narrow(0, 0, 1), fwd_dtype, needs_weight_grad);
-      w_q = cast(weight, fwd_scale.narrow(0, 1, 1), scale_inv.narrow(0, 1, 1),
-                         fwd_amax.narrow(0, 1, 1), fwd_dtype, needs_input_grad);
-      bump_version(fwd_amax);  // written through views made below view tracking
+      const Tensor scale_inv = state[kFwdScaleInv].clone();
+      x_q = cast(x_pad, state[kInputScale], scale_inv.narrow(0, 0, 1), state[kInputAmax],
+                 fwd_dtype, needs_weight_grad);
+      w_q = cast(weight, state[kWeightScale], scale_inv.narrow(0, 1, 1), state[kWeightAmax],
+                 fwd_dtype, needs_input_grad);
+      bump_version(state[kInputAmax]);  // written through the kernels, below autograd
+      bump_version(state[kWeightAmax]);
     } else {
       x_q = cast_current(x_pad, fwd_dtype, needs_weight_grad);
       w_q = cast_current(weight, fwd_dtype, needs_input_grad);
@@ -202,20 +235,16 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
                                 gemm_bias, /*fast_accum=*/true);
     // Backward keeps the FP8 transposes only, not the high-precision input.
     ctx->save_for_backward({x_q.data_t, x_q.scale_inv, w_q.data_t, w_q.scale_inv});
-    // The backward state is read, and its amax written, when backward runs: kept as values,
+    // grad_output's state is read, and its amax written, when backward runs: kept as values,
     // not saved variables (the update changes them in place between the passes).
-    ctx->saved_data["delayed"] = delayed;
-    if (delayed) {
-      ctx->saved_data["bwd_amax"] = state[3];
-      ctx->saved_data["bwd_scale"] = state[4];
-      ctx->saved_data["bwd_scale_inv"] = state[5];
-    }
-    ctx->saved_data["bwd_dtype"] = bwd_dtype;
-    ctx->saved_data["has_bias"] = bias.has_value();
-    ctx->saved_data["bias_dtype"] = bias.has_value() ? bias->scalar_type() : out_dtype;
-    ctx->saved_data["input_dtype"] = input.scalar_type();
-    ctx->saved_data["weight_dtype"] = weight.scalar_type();
-    ctx->saved_data["input_shape"] = input.sizes().vec();
+    ctx->saved_data["grad_state"] =
+        delayed ? std::vector<Tensor>{state[kGradAmax], state[kGradScale], state[kGradScaleInv]}
+                : std::vector<Tensor>{};
+    ctx->saved_data["meta"] =
+        BackwardMeta{bwd_dtype, input.scalar_type(), weight.scalar_type(),
+                     bias.has_value() ? bias->scalar_type() : out_dtype, bias.has_value(),
+                     input.sizes().vec()}
+            .pack();
     return function_output(out, rows, with_last(input.sizes().slice(0, input.dim() - 1),
                                                 out_features));
   }
@@ -251,66 +280,62 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
   // The cast of grad_output [rows, N] and, if asked, the bias gradient (float32 sums, in g's
   // dtype): delayed scaling reads g once for both (cast_transpose_dbias); current scaling sums
   // g first, then casts it with the scale of its own amax.
-  static std::tuple<Operand, Tensor> cast_grad_output(AutogradContext* ctx, const Tensor& g_2d,
-                                                      bool with_transpose, bool with_dbias) {
-    const auto bwd_dtype = ctx->saved_data["bwd_dtype"].toScalarType();
-    if (!ctx->saved_data["delayed"].toBool()) {
+  static std::tuple<Operand, Tensor> cast_grad_output(AutogradContext* ctx,
+                                                      at::ScalarType bwd_dtype,
+                                                      const Tensor& g_2d, bool with_transpose,
+                                                      bool with_dbias) {
+    const auto grad_state = ctx->saved_data["grad_state"].toTensorVector();
+    if (grad_state.empty()) {  // current scaling
       Tensor dbias;
       if (with_dbias) {
         dbias = g_2d.sum(at::IntArrayRef{0}, /*keepdim=*/false, at::kFloat).to(g_2d.scalar_type());
       }
       return {cast_current(pad_rows(g_2d), bwd_dtype, with_transpose), dbias};
     }
-    const Tensor bwd_amax = ctx->saved_data["bwd_amax"].toTensor();
-    const Tensor bwd_scale = ctx->saved_data["bwd_scale"].toTensor();
-    const Tensor bwd_scale_inv = ctx->saved_data["bwd_scale_inv"].toTensor();
-    bump_version(bwd_amax);  // (written below view tracking, as in forward)
+    const Tensor &amax = grad_state[0], &scale = grad_state[1], &scale_inv = grad_state[2];
+    bump_version(amax);  // (written below autograd, as in forward)
     if (with_dbias) {
-      Operand g_q{Tensor(), Tensor(), bwd_scale_inv};
+      Operand g_q{Tensor(), Tensor(), scale_inv};
       Tensor dbias;
-      std::tie(g_q.data, g_q.data_t, dbias) =
-          cast_transpose_dbias(g_2d, bwd_scale, bwd_dtype, bwd_amax);
+      std::tie(g_q.data, g_q.data_t, dbias) = cast_transpose_dbias(g_2d, scale, bwd_dtype, amax);
       return {g_q, dbias};
     }
-    return {cast(pad_rows(g_2d), bwd_scale, bwd_scale_inv, bwd_amax, bwd_dtype, with_transpose),
-            Tensor()};
+    return {cast(pad_rows(g_2d), scale, scale_inv, amax, bwd_dtype, with_transpose), Tensor()};
   }
 
   static variable_list gradients(AutogradContext* ctx, const variable_list& saved,
                                  const Tensor& grad_out) {
     const Tensor &x_t = saved[0], &x_scale_inv = saved[1], &w_t = saved[2],
                  &w_scale_inv = saved[3];
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const std::vector<int64_t> input_shape = ctx->saved_data["input_shape"].toIntVector();
+    const BackwardMeta meta = BackwardMeta::unpack(ctx->saved_data["meta"].toIntVector());
     // Output edges are numbered over the tensor arguments given: no bias, no edge for it.
     const bool needs_input_grad = ctx->needs_input_grad(0);
     const bool needs_weight_grad = ctx->needs_input_grad(1);
-    const bool needs_bias_grad = has_bias && ctx->needs_input_grad(2);
+    const bool needs_bias_grad = meta.has_bias && ctx->needs_input_grad(2);
 
     const int64_t out_features = grad_out.size(-1);
     const Tensor g_2d = grad_out.dim() == 2 ? grad_out : grad_out.reshape({-1, out_features});
     const int64_t rows = g_2d.size(0);
-    auto [g_q, grad_bias] = cast_grad_output(ctx, g_2d, needs_weight_grad, needs_bias_grad);
+    auto [g_q, grad_bias] =
+        cast_grad_output(ctx, meta.bwd_dtype, g_2d, needs_weight_grad, needs_bias_grad);
     Tensor grad_input, grad_weight;
     if (needs_input_grad) {
       // dgrad [M, K] = grad_out [M, N] @ weight [N, K]; the b operand is weight^T [K, N]
-      const Tensor dgrad = fp8_gemm(g_q.data, g_q.scale_inv, w_t, w_scale_inv,
-                                    ctx->saved_data["input_dtype"].toScalarType(), std::nullopt,
-                                    false);
-      grad_input = function_output(dgrad, rows, input_shape);
+      const Tensor dgrad = fp8_gemm(g_q.data, g_q.scale_inv, w_t, w_scale_inv, meta.input_dtype,
+                                    std::nullopt, false);
+      grad_input = function_output(dgrad, rows, meta.input_shape);
     }
     if (needs_weight_grad) {
       // wgrad [N, K] = grad_out^T [N, M] @ input [M, K]; the b operand is input^T [K, M]
-      grad_weight = fp8_gemm(g_q.data_t, g_q.scale_inv, x_t, x_scale_inv,
-                             ctx->saved_data["weight_dtype"].toScalarType(), std::nullopt, false);
+      grad_weight = fp8_gemm(g_q.data_t, g_q.scale_inv, x_t, x_scale_inv, meta.weight_dtype,
+                             std::nullopt, false);
     }
-    if (needs_bias_grad) {
-      const auto bias_dtype = ctx->saved_data["bias_dtype"].toScalarType();
-      if (grad_bias.scalar_type() != bias_dtype) grad_bias = grad_bias.to(bias_dtype);
+    if (needs_bias_grad && grad_bias.scalar_type() != meta.bias_dtype) {
+      grad_bias = grad_bias.to(meta.bias_dtype);
     }
-    // One entry per argument of forward, tensors or not, each state tensor counting as one:
-    // 14 under delayed scaling, 8 under current (the undefined extras are dropped).
-    variable_list grads(14);
+    // One entry per argument of forward (the undefined extras past current scaling's 8 are
+    // dropped).
+    variable_list grads(kMaxForwardInputs);
     grads[0] = grad_input;
     grads[1] = grad_weight;
     grads[2] = grad_bias;
@@ -324,21 +349,25 @@ std::tuple<bool, bool> needs_grads(const Tensor& input, const Tensor& weight) {
 }
 
 Tensor fp8_linear_delayed(const Tensor& input, const Tensor& weight,
-                          const std::optional<Tensor>& bias, const Tensor& fwd_amax,
-                          const Tensor& fwd_scale, const Tensor& fwd_scale_inv,
-                          const Tensor& bwd_amax, const Tensor& bwd_scale,
-                          const Tensor& bwd_scale_inv, at::ScalarType fwd_dtype,
+                          const std::optional<Tensor>& bias, const Tensor& input_amax,
+                          const Tensor& weight_amax, const Tensor& input_scale,
+                          const Tensor& weight_scale, const Tensor& fwd_scale_inv,
+                          const Tensor& grad_amax, const Tensor& grad_scale,
+                          const Tensor& grad_scale_inv, at::ScalarType fwd_dtype,
                           at::ScalarType bwd_dtype, at::ScalarType out_dtype) {
   check_shapes("fp8_linear_delayed", input, weight, bias);
-  check_state(fwd_amax, "fwd_amax", 2, weight);
-  check_state(fwd_scale, "fwd_scale", 2, weight);
+  check_state(input_amax, "input_amax", 1, weight);
+  check_state(weight_amax, "weight_amax", 1, weight);
+  check_state(input_scale, "input_scale", 1, weight);
+  check_state(weight_scale, "weight_scale", 1, weight);
   check_state(fwd_scale_inv, "fwd_scale_inv", 2, weight);
-  check_state(bwd_amax, "bwd_amax", 1, weight);
-  check_state(bwd_scale, "bwd_scale", 1, weight);
-  check_state(bwd_scale_inv, "bwd_scale_inv", 1, weight);
+  check_state(grad_amax, "grad_amax", 1, weight);
+  check_state(grad_scale, "grad_scale", 1, weight);
+  check_state(grad_scale_inv, "grad_scale_inv", 1, weight);
   const auto [needs_input_grad, needs_weight_grad] = needs_grads(input, weight);
-  const std::vector<Tensor> state{fwd_amax, fwd_scale, fwd_scale_inv,
-                                  bwd_amax, bwd_scale, bwd_scale_inv};
+  const std::array<Tensor, kStateSize> state{input_amax,    weight_amax, input_scale,
+                                             weight_scale,  fwd_scale_inv, grad_amax,
+                                             grad_scale,    grad_scale_inv};
   return Fp8LinearStep::apply(input, weight, bias, at::TensorList(state), fwd_dtype, bwd_dtype,
                               out_dtype, needs_input_grad, needs_weight_grad);
 }
@@ -393,21 +422,23 @@ void bind_linear_steps(pybind11::module_& module) {
   module.def(
       "linear_delayed",
       [](const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
-         const Tensor& fwd_amax, const Tensor& fwd_scale, const Tensor& fwd_scale_inv,
-         const Tensor& bwd_amax, const Tensor& bwd_scale, const Tensor& bwd_scale_inv,
-         at::ScalarType fwd_dtype, at::ScalarType bwd_dtype, at::ScalarType out_dtype,
-         py::object on_backward) {
-        Tensor out = fp8_linear_delayed(input, weight, bias, fwd_amax, fwd_scale, fwd_scale_inv,
-                                        bwd_amax, bwd_scale, bwd_scale_inv, fwd_dtype,
-                                        bwd_dtype, out_dtype);
+         const Tensor& input_amax, const Tensor& weight_amax, const Tensor& input_scale,
+         const Tensor& weight_scale, const Tensor& fwd_scale_inv, const Tensor& grad_amax,
+         const Tensor& grad_scale, const Tensor& grad_scale_inv, at::ScalarType fwd_dtype,
+         at::ScalarType bwd_dtype, at::ScalarType out_dtype, py::object on_backward) {
+        Tensor out = fp8_linear_delayed(input, weight, bias, input_amax, weight_amax,
+                                        input_scale, weight_scale, fwd_scale_inv, grad_amax,
+                                        grad_scale, grad_scale_inv, fwd_dtype, bwd_dtype,
+                                        out_dtype);
         if (!on_backward.is_none() && out.grad_fn() != nullptr)
           out.grad_fn()->add_pre_hook(std::make_unique<CallOnBackward>(std::move(on_backward)));
         return out;
       },
       "transformer_fp8::fp8_linear_delayed, then on_backward() before its node runs",
-      py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("fwd_amax"),
-      py::arg("fwd_scale"), py::arg("fwd_scale_inv"), py::arg("bwd_amax"), py::arg("bwd_scale"),
-      py::arg("bwd_scale_inv"), py::arg("fwd_dtype"), py::arg("bwd_dtype"),
+      py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("input_amax"),
+      py::arg("weight_amax"), py::arg("input_scale"), py::arg("weight_scale"),
+      py::arg("fwd_scale_inv"), py::arg("grad_amax"), py::arg("grad_scale"),
+      py::arg("grad_scale_inv"), py::arg("fwd_dtype"), py::arg("bwd_dtype"),
       py::arg("out_dtype"), py::arg("on_backward"));
   module.def("linear_current", &fp8_linear_current, "transformer_fp8::fp8_linear_current",
              py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("fwd_dtype"),

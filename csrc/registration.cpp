@@ -56,15 +56,16 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // out[M, N] = dequant(a [M, K]) @ dequant(b [N, K])^T (+ bias[N]); the scale_inv shapes give
   // the block modes. Accumulation is split (never fast) on CUDA.
   m.def("fp8_gemm_blockwise(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, Tensor? bias=None) -> Tensor");
+  // One Linear GEMM with its backward (csrc/linear_step.cpp, any device): input [..., K] and
+  // weight [N, K] cast to FP8, out = x @ w^T (+ bias) in out_dtype; backward casts grad_output
+  // and runs dgrad and wgrad in FP8. Delayed: input and weight cast with their scales (amaxes
+  // recorded into their 1-element slots of history row 0; fwd_scale_inv is [input, weight]),
+  // grad_output with grad_scale (amax into grad_amax). Current: each tensor with the scale of
+  // its own amax (one process: no reduction across ranks).
+  m.def("fp8_linear_current(Tensor input, Tensor weight, Tensor? bias, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
+  m.def("fp8_linear_delayed(Tensor input, Tensor weight, Tensor? bias, Tensor(a!) input_amax, Tensor(b!) weight_amax, Tensor input_scale, Tensor weight_scale, Tensor fwd_scale_inv, Tensor grad_amax, Tensor grad_scale, Tensor grad_scale_inv, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
   // Statistics of an FP8 operand: x [rows, cols] quantised to q with x_scale (1 element, or one
   // per block_rows x block_cols block), as transformer_fp8/debug/stats.py's FIELDS vector
   // (float64 [12]); rows beyond min(x rows, q rows) are ignored.
-  // One Linear GEMM with its backward (csrc/linear_step.cpp, any device): input [..., K] and
-  // weight [N, K] cast to FP8, out = x @ w^T (+ bias) in out_dtype; backward casts grad_output
-  // and runs dgrad and wgrad in FP8. Delayed: cast with fwd_scale [input, weight] (amaxes
-  // recorded into fwd_amax) and bwd_scale (amax into bwd_amax). Current: each tensor with the
-  // scale of its own amax (one process: no reduction across ranks).
-  m.def("fp8_linear_current(Tensor input, Tensor weight, Tensor? bias, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
-  m.def("fp8_linear_delayed(Tensor input, Tensor weight, Tensor? bias, Tensor(a!) fwd_amax, Tensor fwd_scale, Tensor fwd_scale_inv, Tensor bwd_amax, Tensor bwd_scale, Tensor bwd_scale_inv, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
   m.def("fp8_operand_stats(Tensor x, Tensor q, Tensor x_scale, float fp8_max, int block_rows, int block_cols) -> Tensor");
 }

@@ -315,11 +315,17 @@ def test_double_backward_is_refused_as_in_the_python_path(recipe, gen):
         grad_x.sum().backward()
 
 
+def _state() -> list:
+    """fp8_linear_delayed's state arguments: input and weight amax slots and scales, their
+    scale_invs [2], grad_output's amax slot, scale and scale_inv."""
+    return [torch.zeros(1), torch.zeros(1), torch.ones(1), torch.ones(1), torch.ones(2),
+            torch.zeros(1), torch.ones(1), torch.ones(1)]
+
+
 def test_operator_errors_name_the_argument(gen):
     op = torch.ops.transformer_fp8.fp8_linear_delayed
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
-    state = [torch.zeros(2), torch.ones(2), torch.ones(2), torch.zeros(1), torch.ones(1),
-             torch.ones(1)]
+    state = _state()
     w = randn(gen, 32, 16)
     with pytest.raises(RuntimeError, match="argument 'input'.*\\[..., 16\\]"):
         op(randn(gen, 4, 8), w, None, *state, e4, e5, torch.float32)
@@ -328,14 +334,19 @@ def test_operator_errors_name_the_argument(gen):
     with pytest.raises(RuntimeError, match="argument 'bias'.*\\[32\\]"):
         op(randn(gen, 4, 16), w, randn(gen, 16), *state, e4, e5, torch.float32)
     bad = list(state)
-    bad[1] = torch.ones(3)
-    with pytest.raises(RuntimeError, match="argument 'fwd_scale'.*2 element"):
+    bad[3] = torch.ones(2)
+    with pytest.raises(RuntimeError, match="argument 'weight_scale'.*1 element"):
         op(randn(gen, 16, 16), w, None, *bad, e4, e5, torch.float32)
     bad = list(state)
-    bad[3] = torch.zeros(1, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="argument 'bwd_amax'.*float32"):
+    bad[4] = torch.ones(1)
+    with pytest.raises(RuntimeError, match="argument 'fwd_scale_inv'.*2 element"):
         op(randn(gen, 16, 16), w, None, *bad, e4, e5, torch.float32)
-    assert torch.equal(state[0], torch.zeros(2)), "a refused call records nothing"
+    bad = list(state)
+    bad[5] = torch.zeros(1, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="argument 'grad_amax'.*float32"):
+        op(randn(gen, 16, 16), w, None, *bad, e4, e5, torch.float32)
+    assert torch.equal(state[0], torch.zeros(1)) and torch.equal(state[1], torch.zeros(1)), \
+        "a refused call records nothing"
     current = torch.ops.transformer_fp8.fp8_linear_current
     with pytest.raises(RuntimeError, match="argument 'input' of fp8_linear_current"):
         current(randn(gen, 4, 8), w, None, e4, e5, torch.float32)
@@ -345,18 +356,17 @@ def test_python_entry_checks_arguments_as_the_operator(gen):
     """transformer_fp8._C.linear_delayed / linear_current (what the module calls, without the
     dispatcher) run the operators' own functions: the same checks."""
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
-    state = [torch.zeros(2), torch.ones(2), torch.ones(2), torch.zeros(1), torch.ones(1),
-             torch.ones(1)]
+    state = _state()
     w = randn(gen, 32, 16)
     with pytest.raises(RuntimeError, match="argument 'input' of fp8_linear_delayed"):
         tfp8._C.linear_delayed(randn(gen, 4, 8), w, None, *state, e4, e5, torch.float32, None)
     bad = list(state)
-    bad[2] = torch.ones(2, 1)
+    bad[4] = torch.ones(2, 1)
     with pytest.raises(RuntimeError, match="argument 'fwd_scale_inv'.*2 element"):
         tfp8._C.linear_delayed(randn(gen, 16, 16), w, None, *bad, e4, e5, torch.float32, None)
     with pytest.raises(RuntimeError, match="argument 'weight' of fp8_linear_current.*2-D"):
         tfp8._C.linear_current(randn(gen, 4, 16), randn(gen, 16), None, e4, e5, torch.float32)
-    assert torch.equal(state[0], torch.zeros(2)), "a refused call records nothing"
+    assert torch.equal(state[0], torch.zeros(1)), "a refused call records nothing"
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)

@@ -84,7 +84,7 @@ def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out
     copy of its scale_invs (the update at the context's exit changes both before the
     recomputation runs; the operator makes its own equal copy)."""
     input_q, weight_q, grad_q = gemm_quantizers
-    scale_inv = state_slices[2].clone()
+    scale_inv = state_slices[4].clone()  # (fwd_scale_inv)
     plan = Fp8Plan(input_q, weight_q, grad_q, None, backward_step, out_dtype)
     plan.used = (Quantized(None, None, scale_inv[0:1], None, input_q.scale),
                  Quantized(None, None, scale_inv[1:2], None, weight_q.scale))
@@ -92,13 +92,17 @@ def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out
 
 
 def _state_slices(layer, quantizers) -> tuple:
-    """(fwd amax, scale, scale_inv: the [input, weight] entries; bwd amax, scale, scale_inv) of
-    the layer's one GEMM: its state buffers and views of their history row 0. Made again when
-    roles.py makes the quantizers again (the buffers changed), else reused."""
+    """The delayed-scaling state of the layer's one GEMM as fp8_linear_delayed takes it: the
+    input's and the weight's amax slot (history row 0) and scale, their scale_invs, and
+    grad_output's amax slot, scale and scale_inv; views of its state buffers. Made again when
+    roles.py makes the quantizers again (the buffers changed), else reused (slicing on every
+    call would cost more host time than the C++ step saves)."""
     cached = layer._fused_step_cache
     if cached is not None and cached[0] is quantizers:
         return cached[1]
     fwd, bwd = layer._scaling_states  # bound to the buffers the quantizers view
-    args = (fwd.history[0], fwd.scale, fwd.scale_inv, bwd.history[0], bwd.scale, bwd.scale_inv)
+    fwd_row = fwd.history[0]
+    args = (fwd_row[0:1], fwd_row[1:2], fwd.scale[0:1], fwd.scale[1:2], fwd.scale_inv,
+            bwd.history[0], bwd.scale, bwd.scale_inv)
     layer._fused_step_cache = (quantizers, args)
     return args
