@@ -122,12 +122,28 @@ def thread_time_after(prepare, fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
+# The operators benchmarks/null_kernels.cpp replaces (every one a step of these layers calls but
+# update_delayed_scaling, whose rows keep their real kernel).
+NULL_KERNEL_OPS = ("amax", "cast_to_fp8", "cast_transpose_to_fp8", "cast_from_fp8",
+                   "compute_scale_from_amax", "fp8_gemm", "cast_transpose_dbias",
+                   "layernorm_fwd", "layernorm_fwd_fp8", "layernorm_bwd", "rmsnorm_fwd",
+                   "rmsnorm_fwd_fp8", "rmsnorm_bwd", "activation_fwd", "activation_fwd_fp8",
+                   "activation_bwd", "activation_bwd_fp8")
+
+
 def load_null_kernels() -> None:
     """Replace the CPU kernels of transformer_fp8's operators, for this process, by kernels that
-    only allocate their outputs (benchmarks/null_kernels.cpp)."""
+    only allocate their outputs (benchmarks/null_kernels.cpp); raise if any is not replaced."""
     from torch.utils.cpp_extension import load
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "null_kernels.cpp")
     load(name="transformer_fp8_null_kernels", is_python_module=False, extra_cflags=["-O2"],
-         sources=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "null_kernels.cpp")])
+         sources=[source])
+    for op in NULL_KERNEL_OPS:
+        active = [line for line in torch._C._dispatch_dump(f"transformer_fp8::{op}").splitlines()
+                  if line.startswith("CPU:")]
+        if not (active and "null_kernels.cpp" in active[0]):
+            raise RuntimeError(f"bench_host --null-kernels: the CPU kernel of {op} was not "
+                               f"replaced ({active})")
 
 
 def add_arguments(parser) -> None:

@@ -125,3 +125,19 @@ def test_run_all_reports_a_failing_benchmark(tmp_path, monkeypatch):
     text = (tmp_path / "results.md").read_text()
     assert "bench_cast: FAILED" in text and "deliberate failure" in text
     assert "FP8 GEMM throughput" in text
+
+
+def test_bench_host_null_kernels_smoke(tmp_path):
+    """bench_host --null-kernels compiles benchmarks/null_kernels.cpp and replaces the CPU
+    kernels of the operators for its own process (a subprocess here: they would stay replaced
+    for the tests that follow); it checks that each was replaced."""
+    import subprocess
+    result = subprocess.run(
+        [sys.executable, os.path.join(BENCH_DIR, "bench_host.py"), "--smoke", "--null-kernels",
+         "--no-plot", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "bench_host_null_kernels.json") as f:
+        written = json.load(f)
+    check_payload(dict(written, name="bench_host"), "bench_host")
+    assert "null kernels" in " ".join(written["notes"])
