@@ -185,6 +185,41 @@ def test_microbatches_retain_graph_and_grad_of_input_only(gen, monkeypatch):
         assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
 
 
+@pytest.mark.parametrize("kind", ["delayed", "current"])
+def test_weight_kept_by_is_first_microbatch_is_dropped_by_a_fused_step(kind, gen, monkeypatch):
+    """is_first_microbatch=True keeps the FP8 weight; an optimizer step changes the weight; a
+    call without is_first_microbatch (the C++ step) must drop the kept copy, as the Python path
+    does, so that a later is_first_microbatch=False quantises the new weight, not the old."""
+    recipe = RECIPE if kind == "delayed" else CURRENT
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    layer = tfp8.Linear(32, 32)
+    python_layer = copy.deepcopy(layer)
+    xs = [randn(gen, 16, 32, scale=s) for s in (1.0, 4.0, 0.5, 2.0, 1.5)]
+
+    def run(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        got, nodes = [], []
+        for x, flag in zip(xs, (True, False, "step", None, False)):
+            if flag == "step":
+                optimizer.step()  # the weight changes: the kept FP8 copy is stale
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            with fp8_autocast(fp8_recipe=recipe):
+                out = model(x, is_first_microbatch=flag)
+            nodes.append(_node(out))
+            out.square().sum().backward()
+            got += [out.detach(), model.weight.grad.clone()]
+        return got, nodes
+
+    fused, fused_nodes = run(layer)
+    assert FUSED_NODE in fused_nodes[2], fused_nodes  # the None call took the C++ step
+    _python_path(monkeypatch)
+    python, python_nodes = run(python_layer)
+    assert all(FUSED_NODE not in n for n in python_nodes)
+    for i, (a, b) in enumerate(zip(fused, python)):
+        assert_bitwise_equal(a, b, f"value {i}")
+
+
 def test_python_path_where_the_fused_step_does_not_apply(gen):
     layer = tfp8.Linear(32, 32)
     x = randn(gen, 16, 32).requires_grad_(True)

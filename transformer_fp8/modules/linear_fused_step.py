@@ -54,8 +54,14 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
                             and world_size(state.group) == 1):
         return None  # (E5M2: the Python path raises the error that names it)
     weight = layer.weight_nk(routed=True)
-    if type(weight) not in _PLAIN_TENSORS or type(inp) not in _PLAIN_TENSORS:
+    bias = layer._gemm_bias()
+    if (type(weight) not in _PLAIN_TENSORS or type(inp) not in _PLAIN_TENSORS
+            or (bias is not None and type(bias) not in _PLAIN_TENSORS)):
         return None  # (a tensor subclass: its __torch_function__ sees the Python path)
+    if layer._weight_cache[0] is not None:
+        # As base.py's _weight_for_step: a call without is_first_microbatch drops the weight
+        # kept by an earlier True, so that a later False cannot reuse a stale FP8 weight.
+        layer._weight_cache[0] = None
     # Under torch.utils.checkpoint (the recomputation never gets here: _dispatch replays it)
     # the forward keeps a replay record: made here for delayed scaling, by the Python path for
     # current scaling (its scales exist only inside the operator).
@@ -66,7 +72,7 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     fmt = recipe.fp8_format
     out_dtype = autocast_dtype(inp.device.type) or inp.dtype
     if not delayed:
-        return _current_step(inp, weight, layer._gemm_bias(), fmt.fwd_dtype, fmt.bwd_dtype,
+        return _current_step(inp, weight, bias, fmt.fwd_dtype, fmt.bwd_dtype,
                              out_dtype)
     quantizers, backward_step = quantizers_for_step(recipe, layer, state)
     state_slices = _state_slices(layer, quantizers)
@@ -74,7 +80,7 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
         _keep_replay_record(layer, quantizers[0], state_slices, backward_step, out_dtype)
     # on_backward: called before the node runs, it queues the grad_output update for the end
     # of the backward pass (amax_step.BackwardStep).
-    return _delayed_step(inp, weight, layer._gemm_bias(), *state_slices, fmt.fwd_dtype,
+    return _delayed_step(inp, weight, bias, *state_slices, fmt.fwd_dtype,
                          fmt.bwd_dtype, out_dtype, backward_step.on_backward)
 
 
