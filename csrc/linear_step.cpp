@@ -166,23 +166,26 @@ Operand cast_current(const Tensor& x, at::ScalarType dtype, bool with_transpose)
 
 // What backward needs besides its saved variables, packed into one saved_data entry (each entry
 // costs a string hash and allocations per call): the dtypes of grad_output's cast and of the
-// gradients, whether there is a bias, and the input's shape.
+// gradients, whether there is a bias, whether the scaling is delayed, and the input's shape.
 struct BackwardMeta {
   at::ScalarType bwd_dtype, input_dtype, weight_dtype, bias_dtype;
-  bool has_bias;
+  bool has_bias, delayed;
   std::vector<int64_t> input_shape;
 
+  static constexpr size_t kShapeStart = 6;
   std::vector<int64_t> pack() const {
     std::vector<int64_t> packed{static_cast<int64_t>(bwd_dtype), static_cast<int64_t>(input_dtype),
                                 static_cast<int64_t>(weight_dtype),
-                                static_cast<int64_t>(bias_dtype), has_bias ? 1 : 0};
+                                static_cast<int64_t>(bias_dtype), has_bias ? 1 : 0,
+                                delayed ? 1 : 0};
     packed.insert(packed.end(), input_shape.begin(), input_shape.end());
     return packed;
   }
   static BackwardMeta unpack(const std::vector<int64_t>& packed) {
     return {static_cast<at::ScalarType>(packed[0]), static_cast<at::ScalarType>(packed[1]),
             static_cast<at::ScalarType>(packed[2]), static_cast<at::ScalarType>(packed[3]),
-            packed[4] != 0, std::vector<int64_t>(packed.begin() + 5, packed.end())};
+            packed[4] != 0, packed[5] != 0,
+            std::vector<int64_t>(packed.begin() + kShapeStart, packed.end())};
   }
 };
 
@@ -236,14 +239,17 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
     // Backward keeps the FP8 transposes only, not the high-precision input.
     ctx->save_for_backward({x_q.data_t, x_q.scale_inv, w_q.data_t, w_q.scale_inv});
     // grad_output's state is read, and its amax written, when backward runs: kept as values,
-    // not saved variables (the update changes them in place between the passes).
-    ctx->saved_data["grad_state"] =
-        delayed ? std::vector<Tensor>{state[kGradAmax], state[kGradScale], state[kGradScaleInv]}
-                : std::vector<Tensor>{};
+    // not saved variables (the update changes them in place between the passes). One entry
+    // per tensor: compiled autograd lifts a tensor entry into its graph, not a list of them.
+    if (delayed) {
+      ctx->saved_data["grad_amax"] = state[kGradAmax];
+      ctx->saved_data["grad_scale"] = state[kGradScale];
+      ctx->saved_data["grad_scale_inv"] = state[kGradScaleInv];
+    }
     ctx->saved_data["meta"] =
         BackwardMeta{bwd_dtype, input.scalar_type(), weight.scalar_type(),
                      bias.has_value() ? bias->scalar_type() : out_dtype, bias.has_value(),
-                     input.sizes().vec()}
+                     delayed, input.sizes().vec()}
             .pack();
     return function_output(out, rows, with_last(input.sizes().slice(0, input.dim() - 1),
                                                 out_features));
@@ -281,18 +287,20 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
   // dtype): delayed scaling reads g once for both (cast_transpose_dbias); current scaling sums
   // g first, then casts it with the scale of its own amax.
   static std::tuple<Operand, Tensor> cast_grad_output(AutogradContext* ctx,
-                                                      at::ScalarType bwd_dtype,
+                                                      const BackwardMeta& meta,
                                                       const Tensor& g_2d, bool with_transpose,
                                                       bool with_dbias) {
-    const auto grad_state = ctx->saved_data["grad_state"].toTensorVector();
-    if (grad_state.empty()) {  // current scaling
+    const at::ScalarType bwd_dtype = meta.bwd_dtype;
+    if (!meta.delayed) {  // current scaling
       Tensor dbias;
       if (with_dbias) {
         dbias = g_2d.sum(at::IntArrayRef{0}, /*keepdim=*/false, at::kFloat).to(g_2d.scalar_type());
       }
       return {cast_current(pad_rows(g_2d), bwd_dtype, with_transpose), dbias};
     }
-    const Tensor &amax = grad_state[0], &scale = grad_state[1], &scale_inv = grad_state[2];
+    const Tensor amax = ctx->saved_data["grad_amax"].toTensor();
+    const Tensor scale = ctx->saved_data["grad_scale"].toTensor();
+    const Tensor scale_inv = ctx->saved_data["grad_scale_inv"].toTensor();
     bump_version(amax);  // (written below autograd, as in forward)
     if (with_dbias) {
       Operand g_q{Tensor(), Tensor(), scale_inv};
@@ -317,7 +325,7 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
     const Tensor g_2d = grad_out.dim() == 2 ? grad_out : grad_out.reshape({-1, out_features});
     const int64_t rows = g_2d.size(0);
     auto [g_q, grad_bias] =
-        cast_grad_output(ctx, meta.bwd_dtype, g_2d, needs_weight_grad, needs_bias_grad);
+        cast_grad_output(ctx, meta, g_2d, needs_weight_grad, needs_bias_grad);
     Tensor grad_input, grad_weight;
     if (needs_input_grad) {
       // dgrad [M, K] = grad_out [M, N] @ weight [N, K]; the b operand is weight^T [K, N]
@@ -383,29 +391,36 @@ Tensor fp8_linear_current(const Tensor& input, const Tensor& weight,
 
 // ---- the Python entry of the eager step (modules/linear_fused_step.py) ---------------------
 
-// Calls a Python callable when the node it is attached to is about to run: delayed scaling's
-// BackwardStep.on_backward, which queues the grad_output update for the end of the backward
-// pass (as a pre-hook registered from Python would, without the host cost of registering one
-// per call).
+// Calls backward_step.on_backward() when the node it is attached to is about to run: delayed
+// scaling's BackwardStep (amax_step.py), which queues the grad_output update for the end of the
+// backward pass (as a pre-hook registered from Python would, without the host cost of
+// registering one per call). Compiled autograd never runs C++ hooks: it asks each for its
+// compiled_args on every backward pass it runs, where this one calls
+// backward_step.hold_for_compiled_autograd() instead (the update then runs at the next
+// outermost fp8_autocast, as after any compiled backward).
 class CallOnBackward : public torch::autograd::FunctionPreHook {
  public:
-  explicit CallOnBackward(pybind11::object fn) : fn_(std::move(fn)) {}
+  explicit CallOnBackward(pybind11::object backward_step) : step_(std::move(backward_step)) {}
   ~CallOnBackward() override {
     if (!Py_IsInitialized()) {  // (the interpreter has gone: nothing left to release)
-      fn_.release();
+      step_.release();
       return;
     }
     pybind11::gil_scoped_acquire gil;  // (the node may die on an autograd thread)
-    fn_ = pybind11::object();
+    step_ = pybind11::object();
   }
   variable_list operator()(const variable_list& grads) override {
     pybind11::gil_scoped_acquire gil;
-    fn_();
+    step_.attr("on_backward")();
     return grads;
+  }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    pybind11::gil_scoped_acquire gil;
+    step_.attr("hold_for_compiled_autograd")();
   }
 
  private:
-  pybind11::object fn_;
+  pybind11::object step_;
 };
 
 }  // namespace
@@ -416,7 +431,8 @@ TORCH_LIBRARY_IMPL(transformer_fp8, CompositeImplicitAutograd, m) {
 }
 
 // The operators' functions called directly from Python (an eager step, no dispatcher on the
-// way in); linear_delayed also attaches on_backward (or None) to the output's node.
+// way in); linear_delayed also attaches backward_step's on_backward (see CallOnBackward) to
+// the output's node (None: nothing attached).
 void bind_linear_steps(pybind11::module_& module) {
   namespace py = pybind11;
   module.def(
@@ -425,21 +441,21 @@ void bind_linear_steps(pybind11::module_& module) {
          const Tensor& input_amax, const Tensor& weight_amax, const Tensor& input_scale,
          const Tensor& weight_scale, const Tensor& fwd_scale_inv, const Tensor& grad_amax,
          const Tensor& grad_scale, const Tensor& grad_scale_inv, at::ScalarType fwd_dtype,
-         at::ScalarType bwd_dtype, at::ScalarType out_dtype, py::object on_backward) {
+         at::ScalarType bwd_dtype, at::ScalarType out_dtype, py::object backward_step) {
         Tensor out = fp8_linear_delayed(input, weight, bias, input_amax, weight_amax,
                                         input_scale, weight_scale, fwd_scale_inv, grad_amax,
                                         grad_scale, grad_scale_inv, fwd_dtype, bwd_dtype,
                                         out_dtype);
-        if (!on_backward.is_none() && out.grad_fn() != nullptr)
-          out.grad_fn()->add_pre_hook(std::make_unique<CallOnBackward>(std::move(on_backward)));
+        if (!backward_step.is_none() && out.grad_fn() != nullptr)
+          out.grad_fn()->add_pre_hook(std::make_unique<CallOnBackward>(std::move(backward_step)));
         return out;
       },
-      "transformer_fp8::fp8_linear_delayed, then on_backward() before its node runs",
+      "transformer_fp8::fp8_linear_delayed, then backward_step.on_backward() before its node runs",
       py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("input_amax"),
       py::arg("weight_amax"), py::arg("input_scale"), py::arg("weight_scale"),
       py::arg("fwd_scale_inv"), py::arg("grad_amax"), py::arg("grad_scale"),
       py::arg("grad_scale_inv"), py::arg("fwd_dtype"), py::arg("bwd_dtype"),
-      py::arg("out_dtype"), py::arg("on_backward"));
+      py::arg("out_dtype"), py::arg("backward_step"));
   module.def("linear_current", &fp8_linear_current, "transformer_fp8::fp8_linear_current",
              py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("fwd_dtype"),
              py::arg("bwd_dtype"), py::arg("out_dtype"));

@@ -78,10 +78,10 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     state_slices = _state_slices(layer, quantizers)
     if checkpointed:
         _keep_replay_record(layer, quantizers[0], state_slices, backward_step, out_dtype)
-    # on_backward: called before the node runs, it queues the grad_output update for the end
-    # of the backward pass (amax_step.BackwardStep).
+    # backward_step.on_backward() is called before the node runs: it queues the grad_output
+    # update for the end of the backward pass (amax_step.BackwardStep).
     return _delayed_step(inp, weight, bias, *state_slices, fmt.fwd_dtype,
-                         fmt.bwd_dtype, out_dtype, backward_step.on_backward)
+                         fmt.bwd_dtype, out_dtype, backward_step)
 
 
 def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out_dtype):

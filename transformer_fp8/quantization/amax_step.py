@@ -214,6 +214,15 @@ class BackwardStep:
                 _QUEUED_BACKWARD_STEPS[id(self)] = self
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
+    def hold_for_compiled_autograd(self) -> None:
+        """Called instead of on_backward, on every backward pass that compiled autograd runs
+        through the C++ Linear step (csrc/linear_step.cpp's CallOnBackward: compiled autograd
+        has no end-of-pass callback for a hook to queue): the update is held for the next
+        outermost fp8_autocast, as every later forward pass's (see note_compiled_backward)."""
+        _COMPILED_BACKWARD_SEEN[0] = True
+        with _PENDING_LOCK:
+            _HELD_BACKWARD_STEPS.append(self)
+
     def _finish(self) -> None:
         self._queued = False
         with _PENDING_LOCK:
@@ -266,6 +275,10 @@ _HELD_BACKWARD_STEPS: list = []
 # Creation indices of the FP8 modules that torch.compile has traced (see note_compiled).
 _COMPILED_MODULES: set = set()
 
+# Whether a backward pass through FP8 modules was traced (note_compiled_backward) or compiled
+# autograd ran one (hold_for_compiled_autograd) in this process.
+_COMPILED_BACKWARD_SEEN = [False]
+
 
 @torch.compiler.assume_constant_result
 def note_compiled(key: str) -> bool:
@@ -276,11 +289,31 @@ def note_compiled(key: str) -> bool:
     return True
 
 
+@torch.compiler.assume_constant_result
+def note_compiled_backward() -> bool:
+    """Called by an FP8 backward that torch.compile or compiled autograd traces (Fp8Plan.
+    on_backward), once per trace: the result is baked into the graph, which calls nothing here
+    when it runs. From now on every forward pass's backward steps are held for the next
+    outermost fp8_autocast; so are those of this thread's last forward pass, whose backward
+    this trace may be (compiled autograd traces at the first backward of the eager forward)."""
+    _COMPILED_BACKWARD_SEEN[0] = True
+    with _PENDING_LOCK:
+        _HELD_BACKWARD_STEPS.extend(getattr(_LAST_FORWARD, "backward_steps", ()))
+    return True
+
+
+# This thread's last forward pass's backward steps, where they were not held.
+_LAST_FORWARD = threading.local()
+
+
 def hold_for_compiled_backward(backward_steps: list) -> None:
     """The backward steps of a forward pass that has just ended, held for a compiled backward
-    when the process compiles FP8 modules (see _HELD_BACKWARD_STEPS)."""
-    if _COMPILED_MODULES and torch.is_grad_enabled():
+    when the process compiles FP8 modules or runs compiled autograd (see
+    _HELD_BACKWARD_STEPS)."""
+    if (_COMPILED_MODULES or _COMPILED_BACKWARD_SEEN[0]) and torch.is_grad_enabled():
         _HELD_BACKWARD_STEPS.extend(backward_steps)
+    else:
+        _LAST_FORWARD.backward_steps = backward_steps
 
 
 def has_pending_backward_updates() -> bool:

@@ -227,8 +227,14 @@ class Fp8Plan:
     def on_backward(self) -> None:
         """Called first thing by the backward: queue the grad_output update for the end of
         this backward pass (see amax_step.BackwardStep)."""
-        if self.backward_step is not None and not torch.compiler.is_compiling():
+        if self.backward_step is None:
+            return
+        if not torch.compiler.is_compiling():
             self.backward_step.on_backward()
+        else:
+            # Traced (compiled autograd, or torch.compile's backward): the compiled graph cannot
+            # queue the update; it is held for the next outermost fp8_autocast from now on.
+            amax_step.note_compiled_backward()
 
     def keep_used(self, x_q: Quantized, w_q: Quantized) -> None:
         if not torch.compiler.is_compiling():  # for checkpoint replay, which runs eagerly
