@@ -218,6 +218,33 @@ def test_invalid_arguments():
             pass
 
 
+def test_context_object_reused_nested_and_as_decorator(gen, device, update_calls):
+    """One fp8_autocast object entered again after it was left, entered inside itself (only
+    the outermost entry updates), and decorating a function that recurses: each use is one
+    step with one update at its outermost exit, as with a new context each time."""
+    model = make_model(gen, device)
+    x = randn(gen, 16, 32, device=device)
+    context = fp8_autocast(fp8_recipe=RECIPE)
+    with context:
+        model(x)
+    assert update_calls == [3]
+    with context:
+        with context:
+            model(x * 2)
+        assert update_calls == [3], "the inner exit of the same object does not update"
+    assert update_calls == [3, 3]
+    assert model[0].fp8_fwd_amax_history[-1, 0] == (x * 2).abs().max()
+
+    @fp8_autocast(fp8_recipe=RECIPE)
+    def forward(t, depth):
+        return forward(t, depth - 1) if depth else model(t)
+
+    forward(x * 3, 2)
+    assert update_calls == [3, 3, 3]
+    assert model[0].fp8_fwd_amax_history[-1, 0] == (x * 3).abs().max()
+    assert tfp8.quantization.autocast.current_state() is None
+
+
 def test_callable_recipe_algorithms(gen, device):
     recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=lambda window: window[-1],
                             scaling_factor_compute_algo=lambda amax, scale, fp8_max, r:

@@ -210,9 +210,9 @@ class BackwardStep:
     def on_backward(self) -> None:
         if not self._queued:
             self._queued = True
-            with _PENDING_LOCK:
-                _QUEUED_BACKWARD_STEPS[id(self)] = self
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            # (One dict operation: atomic, no lock needed; the lock guards the compound ones.)
+            _QUEUED_BACKWARD_STEPS[id(self)] = self
+            _queue_callback(self._finish)
 
     def hold_for_compiled_autograd(self) -> None:
         """Called instead of on_backward, on every backward pass that compiled autograd runs
@@ -225,11 +225,9 @@ class BackwardStep:
 
     def _finish(self) -> None:
         self._queued = False
-        with _PENDING_LOCK:
-            _QUEUED_BACKWARD_STEPS.pop(id(self), None)
+        _QUEUED_BACKWARD_STEPS.pop(id(self), None)
         if checkpointing.in_reentrant_backward():
-            with _PENDING_LOCK:
-                _PENDING_BACKWARD_STEPS[id(self)] = self
+            _PENDING_BACKWARD_STEPS[id(self)] = self
             return
         self.update()
 
@@ -239,13 +237,16 @@ class BackwardStep:
         self.step.discard()
 
     def update(self) -> None:
-        with _PENDING_LOCK:
+        if _PENDING_BACKWARD_STEPS:
             _PENDING_BACKWARD_STEPS.pop(id(self), None)
         self.step.reduce_and_update()
 
 
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
 # Backward updates held back at the end of a reentrant checkpoint's nested backward pass (they
-# may be recorded on autograd's worker threads, hence a lock rather than thread-local state).
+# may be recorded on autograd's worker threads, hence a lock for the compound operations on
+# them rather than thread-local state).
 _PENDING_LOCK = threading.Lock()
 _PENDING_BACKWARD_STEPS: dict[int, BackwardStep] = {}
 

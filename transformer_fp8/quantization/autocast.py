@@ -136,10 +136,7 @@ def _state_for(enabled: bool, recipe: Recipe, group, calibrating: bool = False) 
     return _STATES[key]
 
 
-@contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, calibrating: bool = False,
-                 fp8_recipe: Optional[Recipe] = None, fp8_group=None,
-                 _graph: bool = False) -> Iterator[None]:
+class fp8_autocast(contextlib.ContextDecorator):
     """Run the FP8 modules inside with FP8 GEMMs (Transformer Engine's signature).
 
     enabled: False runs them in high precision (as torch.nn.Linear would).
@@ -153,49 +150,62 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False,
     Call backward outside the context. Nested contexts: the innermost one decides how modules
     run; the outermost one's exit reduces and updates. If an exception leaves the outermost
     context, the amaxes recorded in it are discarded and no scale changes.
+
+    (A class rather than a generator-based context manager: entered and left on every step, it
+    costs less host time. Its arguments are checked when it is made; it may be entered again
+    once left, and decorate a function, as contextlib's context managers can.)
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
-    if not isinstance(calibrating, bool):
-        raise TypeError(f"calibrating must be True or False, got {type(calibrating).__name__}")
-    if _graph:
-        raise ValueError("fp8_autocast: _graph=True (Transformer Engine's internal flag for "
-                         "graph capture) is not supported; use make_graphed_callables")
-    if fp8_recipe is None:
-        fp8_recipe = DelayedScaling()
-    if not isinstance(fp8_recipe, RECIPE_TYPES):
-        raise TypeError("fp8_recipe must be a DelayedScaling, Float8CurrentScaling, "
-                        "Float8BlockScaling or Float8RowwiseScaling, got "
-                        f"{type(fp8_recipe).__name__}")
-    if fp8_group is not None and not (torch.distributed.is_available()
-                                      and isinstance(fp8_group, torch.distributed.ProcessGroup)):
-        raise TypeError("fp8_group must be None or a torch.distributed.ProcessGroup, got "
-                        f"{type(fp8_group).__name__}")
-    if enabled and isinstance(fp8_recipe, DelayedScaling) and not torch.compiler.is_compiling():
-        adopt_recipe_for_waiting_modules(fp8_recipe)
-    outermost = not _LOCAL.stack
-    if outermost:
-        _LOCAL.pass_id = next(_pass_ids)
-        # (Not in an isolated context, which a graph may be capturing: the held updates
-        # belong to the surrounding step and run at its next outermost context.)
-        if not _LOCAL.isolated:
-            discard_failed_backward_passes()
-        if has_pending_backward_updates() and not _LOCAL.isolated:
-            flush_pending_backward_updates()
-    state = _state_for(enabled, fp8_recipe, fp8_group, calibrating and not enabled)
-    if enabled and isinstance(fp8_recipe, DelayedScaling):
-        _prepare_steps(state)
-    _LOCAL.stack.append(state)
-    failed = False
-    try:
-        yield
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        _LOCAL.stack.pop()
+
+    def __init__(self, enabled: bool = True, calibrating: bool = False,
+                 fp8_recipe: Optional[Recipe] = None, fp8_group=None, _graph: bool = False):
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
+        if not isinstance(calibrating, bool):
+            raise TypeError("calibrating must be True or False, got "
+                            f"{type(calibrating).__name__}")
+        if _graph:
+            raise ValueError("fp8_autocast: _graph=True (Transformer Engine's internal flag for "
+                             "graph capture) is not supported; use make_graphed_callables")
+        if fp8_recipe is None:
+            fp8_recipe = DelayedScaling()
+        if not isinstance(fp8_recipe, RECIPE_TYPES):
+            raise TypeError("fp8_recipe must be a DelayedScaling, Float8CurrentScaling, "
+                            "Float8BlockScaling or Float8RowwiseScaling, got "
+                            f"{type(fp8_recipe).__name__}")
+        if fp8_group is not None and not (
+                torch.distributed.is_available()
+                and isinstance(fp8_group, torch.distributed.ProcessGroup)):
+            raise TypeError("fp8_group must be None or a torch.distributed.ProcessGroup, got "
+                            f"{type(fp8_group).__name__}")
+        self._state = _state_for(enabled, fp8_recipe, fp8_group, calibrating and not enabled)
+        # Whether the modules inside record delayed-scaling amaxes (steps to prepare).
+        self._delayed = enabled and isinstance(fp8_recipe, DelayedScaling)
+        self._outermost: list = []  # per entry (a decorated function may recurse)
+
+    def __enter__(self) -> None:
+        state = self._state
+        if self._delayed and not torch.compiler.is_compiling():
+            adopt_recipe_for_waiting_modules(state.recipe)
+        local = _LOCAL
+        outermost = not local.stack
         if outermost:
-            _exit_outermost(failed)
+            local.pass_id = next(_pass_ids)
+            # (Not in an isolated context, which a graph may be capturing: the held updates
+            # belong to the surrounding step and run at its next outermost context.)
+            if not local.isolated:
+                discard_failed_backward_passes()
+                if has_pending_backward_updates():
+                    flush_pending_backward_updates()
+        if self._delayed:
+            _prepare_steps(state)
+        local.stack.append(state)
+        self._outermost.append(outermost)
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        _LOCAL.stack.pop()
+        if self._outermost.pop():
+            _exit_outermost(exc_type is not None)
+        return False
 
 
 @contextlib.contextmanager

@@ -69,6 +69,7 @@ class ReplayRecords:
         return len(self._records)
 
     def keep(self, pass_id: int, record) -> None:
+        _KEPT_ANY[0] = True
         if len(self._records) >= MAX_RECORDS_PER_LAYER:
             del self._records[0]  # a forward whose backward never ran
         self._records.append((pass_id, record))
@@ -83,9 +84,16 @@ class ReplayRecords:
         self._records.clear()
 
 
+# Whether any FP8 forward has kept a replay record in this process: until one has, no FP8 layer
+# ran under torch.utils.checkpoint, so no backward pass can be a checkpoint's nested one.
+_KEPT_ANY = [False]
+
+
 def in_reentrant_backward() -> bool:
     """Whether the caller runs inside the nested backward pass that a reentrant checkpoint
     runs for its region (the frame of CheckpointFunction.backward is on the stack)."""
+    if not _KEPT_ANY[0]:
+        return False  # (the common case, without the walk up the stack)
     return "backward" in _checkpoint_frames(sys._getframe(1))
 
 
