@@ -22,10 +22,10 @@ from .. import _C, _fp8_hooks
 from ..quantization import autocast as _autocast
 from ..quantization import replay as checkpointing
 from ..quantization.quantizer import Fp8Plan, Quantized
-from ..quantization.recipe import Format
-from ..quantization.roles import is_current, is_delayed, quantizers_for_step
+from ..quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
+from ..quantization.roles import QUANTIZERS, quantizers_for_step, registered_quantizers
 from ..quantization.update_plan import world_size
-from ..quantization.torch_autocast import autocast_dtype
+from ..quantization.torch_autocast import output_dtype
 
 # The operators' functions called without the dispatcher (csrc/linear_step.cpp's Python entry:
 # converting a dozen arguments for torch.ops costs several times what pybind11 does). None in
@@ -36,21 +36,28 @@ _current_step = getattr(_C, "linear_current", None)
 ENABLED = _current_step is not None  # False: every step takes the Python path (tests compare)
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_is_compiling = torch.compiler.is_compiling
+# The quantizers of the two recipes this step runs (a registered subclass's own are not).
+_delayed_quantizers = QUANTIZERS[DelayedScaling]
+_current_quantizers = QUANTIZERS[Float8CurrentScaling]
 
 
 def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
                       ) -> Optional[torch.Tensor]:
     """The layer's FP8 output through fp8_linear_delayed or fp8_linear_current, or None where
     the Python path must run. Called by Linear._fp8_run inside an enabled fp8_autocast, after
-    _dispatch's checks."""
-    recipe = state.recipe
-    observer = _fp8_hooks.observer  # debug statistics: the Python path casts observed layers
+    _dispatch's checks. (Every forward runs this: its checks are ordered cheapest first.)"""
     if (not ENABLED or is_first_microbatch is not None or layer._fp8_override is not None
-            or (observer is not None and observer.observes(layer))
-            or torch.compiler.is_compiling()):
+            or _is_compiling()):
         return None
-    delayed = is_delayed(recipe)
-    if not delayed and not (is_current(recipe) and recipe.fp8_format is not Format.E5M2
+    observer = _fp8_hooks.observer  # debug statistics: the Python path casts observed layers
+    if observer is not None and observer.observes(layer):
+        return None
+    recipe = state.recipe
+    quantizers = registered_quantizers(recipe)
+    delayed = quantizers is _delayed_quantizers
+    if not delayed and not (quantizers is _current_quantizers
+                            and recipe.fp8_format is not Format.E5M2
                             and world_size(state.group) == 1):
         return None  # (E5M2: the Python path raises the error that names it)
     weight = layer.weight_nk(routed=True)
@@ -70,18 +77,17 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     if checkpointed and not delayed:
         return None
     fmt = recipe.fp8_format
-    out_dtype = autocast_dtype(inp.device.type) or inp.dtype
+    out_dtype = output_dtype(inp)
     if not delayed:
-        return _current_step(inp, weight, bias, fmt.fwd_dtype, fmt.bwd_dtype,
-                             out_dtype)
+        return _current_step(inp, weight, bias, fmt.fwd_dtype, fmt.bwd_dtype, out_dtype)
     quantizers, backward_step = quantizers_for_step(recipe, layer, state)
     state_slices = _state_slices(layer, quantizers)
     if checkpointed:
         _keep_replay_record(layer, quantizers[0], state_slices, backward_step, out_dtype)
     # backward_step.on_backward() is called before the node runs: it queues the grad_output
     # update for the end of the backward pass (amax_step.BackwardStep).
-    return _delayed_step(inp, weight, bias, *state_slices, fmt.fwd_dtype,
-                         fmt.bwd_dtype, out_dtype, backward_step)
+    return _delayed_step(inp, weight, bias, *state_slices, fmt.fwd_dtype, fmt.bwd_dtype,
+                         out_dtype, backward_step)
 
 
 def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out_dtype):

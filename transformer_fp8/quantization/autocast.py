@@ -94,9 +94,11 @@ def record_forward(state: AutocastState, fwd_state: ScalingState,
     """Called by an FP8 module running with delayed scaling: registers its forward state for the
     update at context exit and its backward state with the forward pass's BackwardStep, which
     it returns (its backward calls on_backward())."""
-    k = _prepare_steps(state)
-    _LOCAL.forward_steps[k].add(fwd_state)
-    backward_step = _LOCAL.backward_steps[k]
+    local = _LOCAL
+    backward_step = local.backward_steps.get(state.step_key)
+    if backward_step is None:  # (steps made at the first record, see _prepare_steps)
+        backward_step = local.backward_steps[_prepare_steps(state)]
+    local.forward_steps[state.step_key].add(fwd_state)
     backward_step.add(bwd_state)
     return backward_step
 

@@ -26,8 +26,9 @@ def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):
     """The stored scales of the module's state, its amaxes recorded into its histories; the
     forward registers the state for the update at the context's exit."""
     fp8_state._adopt_recipe(recipe)
-    quantizers = delayed_quantizers(fp8_state, recipe.fp8_format)
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    quantizers = delayed_quantizers(fp8_state, recipe.fp8_format, compiling)
+    if compiling:
         # A traced forward registers nothing (a side effect would be refused inside a
         # checkpointed region): noted once as compiled, it is covered by every step of its
         # recipe, and its backward's update runs at the next outermost fp8_autocast.
@@ -43,11 +44,14 @@ def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):
 _float_state_buffers = operator.itemgetter(*FP8_FLOAT_STATE)
 
 
-def delayed_quantizers(fp8_state, fmt: Format) -> list:
+def delayed_quantizers(fp8_state, fmt: Format, compiling: Optional[bool] = None) -> list:
     """Per GEMM, the (input, weight, grad_output) quantizers of delayed scaling: views of the
     state's scales, scale_invs and history row 0. Made once and reused while the state buffers
-    are the same tensors (slicing them on every forward costs more host time than the cast)."""
-    if torch.compiler.is_compiling():  # (dynamo traces no itemgetter call)
+    are the same tensors (slicing them on every forward costs more host time than the cast).
+    ``compiling``: torch.compiler.is_compiling(), where the caller has asked already."""
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    if compiling:  # (dynamo traces no itemgetter call)
         buffers = tuple(fp8_state._buffers[name] for name in FP8_FLOAT_STATE)
     else:
         buffers = _float_state_buffers(fp8_state._buffers)
@@ -59,7 +63,7 @@ def delayed_quantizers(fp8_state, fmt: Format) -> list:
                  TensorQuantizer.delayed(fmt.bwd_dtype, bwd_h, bwd_s, bwd_si, gemm))
                 for gemm in range(fp8_state._num_gemms)]
 
-    if torch.compiler.is_compiling():
+    if compiling:
         return make()  # traced once: the slicing is part of the graph
     cached = fp8_state._delayed_cast_cache
     if cached is not None and cached[0] is fmt and all(map(operator.is_, cached[1], buffers)):
@@ -118,24 +122,21 @@ QUANTIZERS: dict[type, Callable] = {
 }
 
 
+# registered_quantizers' answers by (recipe type, QUANTIZERS' size): asked at every forward.
+_REGISTERED: dict = {}
+
+
 def registered_quantizers(recipe) -> Optional[Callable]:
     """The function registered for the recipe's type (a subclass without one of its own gets
     its base's), or None."""
-    for kind in type(recipe).__mro__:
-        if kind in QUANTIZERS:
-            return QUANTIZERS[kind]
-    return None
-
-
-def is_delayed(recipe) -> bool:
-    """Whether the recipe gets delayed scaling's own quantizers (modules/linear_fused_step.py
-    runs those in C++; a registered subclass's quantizers are its own)."""
-    return registered_quantizers(recipe) is _delayed
-
-
-def is_current(recipe) -> bool:
-    """Whether the recipe gets current scaling's own quantizers."""
-    return registered_quantizers(recipe) is _current
+    key = (type(recipe), len(QUANTIZERS))
+    found = _REGISTERED.get(key, _REGISTERED)  # (_REGISTERED itself: not looked up yet)
+    if found is not _REGISTERED:
+        return found
+    found = next((QUANTIZERS[kind] for kind in type(recipe).__mro__ if kind in QUANTIZERS),
+                 None)
+    _REGISTERED[key] = found
+    return found
 
 
 def quantizers_for_step(recipe, fp8_state, autocast_state):
