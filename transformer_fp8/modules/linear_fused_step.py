@@ -14,6 +14,7 @@ here and keeps the replay record its recomputation, on the Python path, repeats.
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -23,7 +24,8 @@ from ..quantization import autocast as _autocast
 from ..quantization import replay as checkpointing
 from ..quantization.quantizer import Fp8Plan, Quantized
 from ..quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
-from ..quantization.roles import QUANTIZERS, quantizers_for_step, registered_quantizers
+from ..quantization.roles import (QUANTIZERS, delayed_quantizers, float_state_buffers,
+                                  registered_quantizers)
 from ..quantization.update_plan import world_size
 from ..quantization.torch_autocast import output_dtype
 
@@ -80,10 +82,17 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     out_dtype = output_dtype(inp)
     if not delayed:
         return _current_step(inp, weight, bias, fmt.fwd_dtype, fmt.bwd_dtype, out_dtype)
-    quantizers, backward_step = quantizers_for_step(recipe, layer, state)
-    state_slices = _state_slices(layer, quantizers)
+    if fmt is Format.E5M2:
+        return None  # (the Python path raises the error that names it)
+    # What roles.py's delayed scaling does for a forward, without quantizer objects: the
+    # history length matched to the recipe, the state slices, the states registered with the
+    # step (for the update at the context's exit and at the end of the backward pass).
+    layer._adopt_recipe(recipe)
+    state_slices = _state_slices(layer, fmt)
+    backward_step = _autocast.record_forward(state, *layer._scaling_states)
     if checkpointed:
-        _keep_replay_record(layer, quantizers[0], state_slices, backward_step, out_dtype)
+        _keep_replay_record(layer, delayed_quantizers(layer, fmt)[0], state_slices,
+                            backward_step, out_dtype)
     # backward_step.on_backward() is called before the node runs: it queues the grad_output
     # update for the end of the backward pass (amax_step.BackwardStep).
     return _delayed_step(inp, weight, bias, *state_slices, fmt.fwd_dtype, fmt.bwd_dtype,
@@ -103,18 +112,20 @@ def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out
     layer._replay_records.keep(_autocast.forward_pass_id(), (plan.for_replay(),))
 
 
-def _state_slices(layer, quantizers) -> tuple:
+def _state_slices(layer, fmt) -> tuple:
     """The delayed-scaling state of the layer's one GEMM as fp8_linear_delayed takes it: the
     input's and the weight's amax slot (history row 0) and scale, their scale_invs, and
     grad_output's amax slot, scale and scale_inv; views of its state buffers. Made again when
-    roles.py makes the quantizers again (the buffers changed), else reused (slicing on every
+    a state buffer is another tensor than when they were made, else reused (slicing on every
     call would cost more host time than the C++ step saves)."""
+    buffers = float_state_buffers(layer._buffers)
     cached = layer._fused_step_cache
-    if cached is not None and cached[0] is quantizers:
+    if cached is not None and all(map(operator.is_, cached[0], buffers)):
         return cached[1]
-    fwd, bwd = layer._scaling_states  # bound to the buffers the quantizers view
+    delayed_quantizers(layer, fmt)  # (binds the scaling states to these buffers if need be)
+    fwd, bwd = layer._scaling_states
     fwd_row = fwd.history[0]
     args = (fwd_row[0:1], fwd_row[1:2], fwd.scale[0:1], fwd.scale[1:2], fwd.scale_inv,
             bwd.history[0], bwd.scale, bwd.scale_inv)
-    layer._fused_step_cache = (quantizers, args)
+    layer._fused_step_cache = (buffers, args)
     return args

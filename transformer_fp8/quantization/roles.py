@@ -41,7 +41,7 @@ def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):
 
 
 # The module's six FP8 state buffers, in FP8_FLOAT_STATE's order, from its _buffers.
-_float_state_buffers = operator.itemgetter(*FP8_FLOAT_STATE)
+float_state_buffers = operator.itemgetter(*FP8_FLOAT_STATE)
 
 
 def delayed_quantizers(fp8_state, fmt: Format, compiling: Optional[bool] = None) -> list:
@@ -54,7 +54,7 @@ def delayed_quantizers(fp8_state, fmt: Format, compiling: Optional[bool] = None)
     if compiling:  # (dynamo traces no itemgetter call)
         buffers = tuple(fp8_state._buffers[name] for name in FP8_FLOAT_STATE)
     else:
-        buffers = _float_state_buffers(fp8_state._buffers)
+        buffers = float_state_buffers(fp8_state._buffers)
     fwd_h, fwd_s, fwd_si, bwd_h, bwd_s, bwd_si = buffers
 
     def make():
