@@ -15,6 +15,9 @@
 #   GPU_CHECK_SKIP_BUILD=1   use the extension already built in place
 #   GPU_CHECK_SKIP_TESTS=1   no test run
 #   GPU_CHECK_PYTEST_ARGS    extra pytest arguments, e.g. "-n 8" (pytest-xdist) or "-k cuda"
+#   TFP8_TEST_CUDA_ONLY=1    only the tests a machine without a GPU skips (tests/conftest.py)
+#   GPU_CHECK_TESTS_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT   seconds for the whole test run / the
+#                            whole benchmark run (default: no limit), to fit a short lease
 #   GPU_CHECK_SKIP_SANITIZE=1  no compute-sanitizer run (memcheck, racecheck, synccheck)
 #   GPU_CHECK_SKIP_BENCH=1   no benchmark run
 #   GPU_CHECK_BENCH_ARGS     extra arguments for benchmarks/run_all.py, e.g. "--only bench_gemm"
@@ -103,7 +106,8 @@ if [[ "${GPU_CHECK_SKIP_TESTS:-0}" == 1 ]]; then
   tests_status=skipped
   echo "GPU_CHECK_SKIP_TESTS=1: no test run" | tee "$OUT_DIR/tests.log"
 # shellcheck disable=SC2086  # GPU_CHECK_PYTEST_ARGS is a list of words
-elif ! "$PYTHON" -m pytest tests -q -rfEs ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 \
+elif ! timeout "${GPU_CHECK_TESTS_TIMEOUT:-0}" \
+    "$PYTHON" -m pytest tests -q -rfEs ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT_DIR/tests.log"; then
   tests_rc=1 tests_status=FAILED
   echo "TESTS FAILED (continuing with the benchmarks)"
@@ -134,7 +138,8 @@ if [[ "${GPU_CHECK_SKIP_BENCH:-0}" == 1 ]]; then
   bench_status=skipped
   echo "GPU_CHECK_SKIP_BENCH=1: no benchmark run" | tee "$OUT_DIR/bench.log"
 # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of words
-elif ! "$PYTHON" benchmarks/run_all.py --out "$OUT_DIR" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 \
+elif ! timeout "${GPU_CHECK_BENCH_TIMEOUT:-0}" \
+    "$PYTHON" benchmarks/run_all.py --out "$OUT_DIR" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 \
     | tee "$OUT_DIR/bench.log"; then
   bench_rc=1 bench_status=FAILED
 fi

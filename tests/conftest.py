@@ -52,6 +52,26 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"transformer_fp8 tests: TFP8_TEST_SEED={SESSION_SEED}")
 
 
+def _needs_cuda(item) -> bool:
+    """A test that runs only where a GPU is: a "cuda" parameter, or CUDA_SKIP's mark."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and any(isinstance(v, str) and v == "cuda"
+                                    for v in callspec.params.values()):
+        return True
+    return any(mark.kwargs.get("reason") == "no CUDA device"
+               for mark in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config, items):
+    # TFP8_TEST_CUDA_ONLY=1 (scripts/gpu_check.sh on a short GPU lease): only the tests that a
+    # machine without a GPU skips, since CI runs every other one.
+    if os.environ.get("TFP8_TEST_CUDA_ONLY") != "1":
+        return
+    keep = [item for item in items if _needs_cuda(item)]
+    config.hook.pytest_deselected(items=[item for item in items if not _needs_cuda(item)])
+    items[:] = keep
+
+
 def pytest_make_parametrize_id(config, val, argname):
     """Readable test ids for dtypes: test_x[float8_e4m3fn-...] rather than [fp8_dtype0-...]."""
     if isinstance(val, torch.dtype):

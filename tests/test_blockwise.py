@@ -293,3 +293,70 @@ def test_cuda_matches_cpu_bitwise(gen):
                 assert_bitwise_equal(d, c, mode)
             else:
                 assert_same_values(d, c, mode)
+
+
+# ----------------------------------------------------------------------------- scale layout probe
+
+PROBE_M, PROBE_N, PROBE_K = 384, 128, 1280  # 10 K-blocks: the padded scale stride matters
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("a_mode,b_mode", GEMM_PAIRS)
+@pytest.mark.parametrize("marked", ["a", "b"])
+@pytest.mark.parametrize("out_dtype", HP_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_gemm_scale_layout_probe(device, a_mode, b_mode, marked, out_dtype, with_bias):
+    """All-ones operands, every scale_inv 1 except one set to 4: the one in the marked
+    operand's last row-block and last K-block. Exactly the output tile that this scale feeds
+    must change (by 3 x 128 per element: 3 extra copies of one K-block's 128 unit products;
+    x 3 x 1280 for row-wise scales, whose one block is the whole row), so a scale read from
+    the wrong place of the padded layout shows as a wrong tile. Every value is exact in each
+    output dtype."""
+    ones_a = torch.ones(PROBE_M, PROBE_K, device=device)
+    ones_b = torch.ones(PROBE_N, PROBE_K, device=device)
+    a, a_si, _, _ = quantize_blockwise(ones_a, *blocks(a_mode, PROBE_K), E4M3, True)
+    b, b_si, _, _ = quantize_blockwise(ones_b, *blocks(b_mode, PROBE_K), E4M3, True)
+    # ones quantise to 256 with scale_inv 1/256: make the operands 1 and every scale 1
+    a, b = torch.ones_like(a), torch.ones_like(b)
+    a_si.fill_(1.0)
+    b_si.fill_(1.0)
+    marked_si, marked_mode = (a_si, a_mode) if marked == "a" else (b_si, b_mode)
+    marked_si[-1, -1] = 4.0
+    bias = (64.0 * (torch.arange(PROBE_N, device=device) % 4)).to(out_dtype) if with_bias else None
+
+    out = fp8_gemm_blockwise(a, a_si, b, b_si, out_dtype, bias)
+
+    rows = PROBE_M if marked == "a" else PROBE_N
+    block_rows = {"1x128": 1, "128x128": 128, "rowwise": 1}[marked_mode]
+    hit = torch.zeros(rows, dtype=torch.bool)
+    hit[(rows - 1) // block_rows * block_rows:] = True
+    extra = 3.0 * (PROBE_K if marked_mode == "rowwise" else 128)
+    expected = torch.full((PROBE_M, PROBE_N), float(PROBE_K), dtype=torch.float64)
+    if marked == "a":
+        expected[hit, :] += extra
+    else:
+        expected[:, hit] += extra
+    if with_bias:
+        expected += bias.cpu().double()
+    assert torch.equal(out.cpu().double(), expected), (
+        f"changed elements: {(out.cpu().double() != float(PROBE_K)).nonzero().tolist()[:8]}")
+    assert torch.equal(out.cpu(), ref.fp8_gemm_blockwise_reference(
+        a, a_si, b, b_si, out_dtype, bias))
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("power_2_scale", [True, False], ids=["pow2", "fp32_scale"])
+@pytest.mark.parametrize("a_mode,b_mode", GEMM_PAIRS)
+def test_gemm_keeps_subnormal_scale_inv(gen, device, power_2_scale, a_mode, b_mode):
+    """Blocks of amax near float32's smallest normal get a scale clamped to the largest float
+    and a subnormal scale_inv: the GEMM must use it, not flush it to zero."""
+    x = (randn(gen, 256, 384, dtype=torch.float64) * 1e-38).float().to(device)
+    w = randn(gen, 128, 384, device=device)
+    a, a_si, _, _ = quantize_blockwise(x, *blocks(a_mode, 384), E4M3, power_2_scale)
+    b, b_si, _, _ = quantize_blockwise(w, *blocks(b_mode, 384), E4M3, power_2_scale)
+    smallest_normal = torch.finfo(torch.float32).tiny
+    assert (a_si < smallest_normal).all() and (a_si > 0).all()  # the case under test
+    out = fp8_gemm_blockwise(a, a_si, b, b_si, torch.float32)
+    expected = ref.fp8_gemm_blockwise_reference(a, a_si, b, b_si, torch.float64)
+    assert (out != 0).float().mean() > 0.99
+    assert sqnr(expected, out) >= 40.0

@@ -309,3 +309,64 @@ def test_make_graphed_callables_of_fused_modules_replays_like_eager_steps(recipe
         got.append(record_step(out, block, {"input": x_g}))
         expected.append(record_step(ref_out, reference, {"input": x_r}))
     assert_bit_identical(got, expected)
+
+
+def _fp8_gemm_inputs(gen, M, N, K):
+    from transformer_fp8 import ops
+    a = torch.randn(M, K, generator=gen).cuda()
+    b = torch.randn(N, K, generator=gen).cuda()
+    sa = ops.compute_scale_from_amax(ops.amax(a).reshape(1), 448.0)
+    sb = ops.compute_scale_from_amax(ops.amax(b).reshape(1), 448.0)
+    return (ops.cast_to_fp8(a, sa, torch.float8_e4m3fn), 1 / sa,
+            ops.cast_to_fp8(b, sb, torch.float8_e4m3fn), 1 / sb, torch.bfloat16)
+
+
+@CUDA_SKIP
+def test_two_graphs_replayed_at_once_on_two_streams_match_eager(gen):
+    """Two graphs of cuBLASLt GEMMs, both captured on torch.cuda.graph's one capture stream,
+    replayed at the same time on two streams while eager GEMMs run on a third: each must give
+    its eager result, bit for bit (a cuBLASLt workspace shared between them would not)."""
+    from transformer_fp8 import ops
+    from transformer_fp8.ops.blockwise import fp8_gemm_blockwise, quantize_blockwise
+
+    # Long K, few output tiles: the shapes cuBLASLt splits over K, through its workspace.
+    per_tensor = _fp8_gemm_inputs(gen, 256, 256, 16384)
+    x = torch.randn(256, 16384, generator=gen).cuda()
+    w = torch.randn(384, 16384, generator=gen).cuda()
+    xq, xs, _, _ = quantize_blockwise(x, 1, 128, torch.float8_e4m3fn, True)
+    wq, ws, _, _ = quantize_blockwise(w, 128, 128, torch.float8_e4m3fn, True)
+    blocked = (xq, xs, wq, ws, torch.bfloat16)
+    eager_inputs = _fp8_gemm_inputs(gen, 512, 128, 32768)
+
+    calls = [lambda: ops.fp8_gemm(*per_tensor), lambda: fp8_gemm_blockwise(*blocked)]
+    expected = [call() for call in calls]
+    expected_eager = ops.fp8_gemm(*eager_inputs)
+    graphs, outputs = [], []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up before capture, as torch.cuda.graph asks
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    for call in calls:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs.append(call())
+        graphs.append(graph)
+
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    for _ in range(20):
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        eager_out = []
+        for graph, s in zip(graphs, streams):
+            with torch.cuda.stream(s):
+                graph.replay()
+        with torch.cuda.stream(streams[2]):
+            eager_out.append(ops.fp8_gemm(*eager_inputs))
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for name, got, want in zip(("per-tensor graph", "block-scaled graph"), outputs, expected):
+            assert torch.equal(got, want), name
+        assert torch.equal(eager_out[0], expected_eager), "eager GEMM beside the replays"

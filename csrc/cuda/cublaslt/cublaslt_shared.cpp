@@ -1,6 +1,7 @@
 // The cuBLASLt resources and setup shared by the GEMMs (cublaslt_shared.h).
 #include "cublaslt_shared.h"
 
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <mutex>
@@ -134,7 +135,19 @@ CublasLtCall prepare_cublaslt_call(const at::Tensor& a, const at::Tensor& b,
   call.device = call.a.get_device();
   call.stream = c10::cuda::getCurrentCUDAStream();
   call.handle = cublaslt_handle(call.device);
-  call.workspace = cublaslt_workspace(call.device, call.stream);
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+    call.workspace = cublaslt_workspace(call.device, call.stream);
+  } else {
+    // Under CUDA graph capture the stream's shared workspace would be baked into the graph, and
+    // two graphs captured on one stream (torch.cuda.graph's default) and replayed at once on
+    // two streams, or a replay overlapping eager GEMMs, would write the same scratch memory.
+    // Allocated now, the workspace comes from the capturing graph's private pool: each graph
+    // has its own, reused in stream order by its later GEMMs.
+    call.workspace_owner = at::empty(
+        {static_cast<int64_t>(kWorkspaceBytes)},
+        at::TensorOptions().dtype(at::kByte).device(at::kCUDA, call.device));
+    call.workspace = call.workspace_owner.data_ptr();
+  }
   return call;
 }
 

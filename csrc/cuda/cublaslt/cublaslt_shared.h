@@ -47,7 +47,9 @@ struct CublasLtCall {
   int device;
   cudaStream_t stream;
   cublasLtHandle_t handle;
-  void* workspace;                  // the stream's, cublaslt_workspace_bytes() long
+  void* workspace;                  // cublaslt_workspace_bytes() long: the stream's, or
+                                    // under capture workspace_owner's
+  at::Tensor workspace_owner;       // under capture: a workspace of the graph's own pool
 };
 CublasLtCall prepare_cublaslt_call(const at::Tensor& a, const at::Tensor& b,
                                    const c10::optional<at::Tensor>& bias);
