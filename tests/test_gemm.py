@@ -123,6 +123,24 @@ def test_fp8_gemm_refuses_mismatched_k(device, gen):
         ops.fp8_gemm(a, a_si, b, b_si, torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("offset", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_fp8_gemm_takes_scale_inv_views_at_any_offset(device, gen, offset, with_bias):
+    """scale_inv as one element of a larger buffer (the delayed-scaling state's [input, weight]
+    scale_invs): the same bits as with a fresh one-element tensor. On CUDA, cuBLASLt refused a
+    scale pointer 4 bytes into a buffer (CUBLAS_STATUS_NOT_SUPPORTED at the call)."""
+    a, a_si, b, b_si = operands(gen, 32, 48, 64, E4M3, E4M3, device)
+    bias = randn(gen, 48, dtype=torch.bfloat16, device=device) if with_bias else None
+    want = ops.fp8_gemm(a, a_si, b, b_si, torch.bfloat16, bias, True)
+    buffer = torch.zeros(2 * offset + 2, device=device)
+    buffer[offset], buffer[2 * offset + 1] = a_si[0], b_si[0]
+    a_view, b_view = buffer[offset:offset + 1], buffer[2 * offset + 1:2 * offset + 2]
+    assert torch.equal(ops.fp8_gemm(a, a_view, b, b_view, torch.bfloat16, bias, True), want)
+    assert torch.equal(ops.fp8_gemm(a, a_view, b, b_si, torch.bfloat16, bias, True), want)
+    assert buffer[offset] == a_si[0] and buffer[2 * offset + 1] == b_si[0]  # read, not written
+
+
 @CUDA_SKIP
 def test_fp8_gemm_cuda_refuses_unaligned_shapes(gen):
     a, a_si, b, b_si = operands(gen, 5, 7, 3, E4M3, E4M3, "cuda")

@@ -157,9 +157,20 @@ def rmsnorm_bwd_reference(dy, x, rstd, weight, zero_centered_gamma=False):
 _GATED_BASE = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
 
 
+# gelu, tanh approximation, as a * sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3): the function of
+# F.gelu(approximate="tanh") without its cancellation in 1 + tanh(u) for a below about -4 (where
+# one ulp of tanh changed E5M2 codes by up to 23 between devices). float32 constants and the
+# operation order of the kernels (csrc/cpu/activation.cpp, csrc/cuda/kernels/fused_math.cuh).
+_GELU_TWO_BETA, _GELU_KAPPA, _GELU_THREE_KAPPA = 1.5957691216057308, 0.044715, 0.134145
+
+
+def _gelu_two_u(a: torch.Tensor) -> torch.Tensor:
+    return (a + (a * a) * a * _GELU_KAPPA) * _GELU_TWO_BETA
+
+
 def _pointwise(a: torch.Tensor, name: str) -> torch.Tensor:
     if name == "gelu":
-        return torch.nn.functional.gelu(a, approximate="tanh")
+        return a * torch.sigmoid(_gelu_two_u(a))
     if name == "relu":
         return torch.relu(a)
     if name == "silu":
@@ -168,9 +179,13 @@ def _pointwise(a: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _pointwise_grad(d: torch.Tensor, a: torch.Tensor, name: str) -> torch.Tensor:
-    """d * act'(a), as torch's autograd computes it."""
+    """d * act'(a), as torch's autograd computes it (gelu: of the formula above, s + a s (1 - s)
+    2u' with s = sigmoid(2u) and 1 - s as sigmoid(-2u))."""
     if name == "gelu":
-        return torch.ops.aten.gelu_backward(d, a, approximate="tanh")
+        two_u = _gelu_two_u(a)
+        s, one_minus_s = torch.sigmoid(two_u), torch.sigmoid(-two_u)
+        two_u_prime = ((a * a) * _GELU_THREE_KAPPA + 1.0) * _GELU_TWO_BETA
+        return d * (s + a * s * one_minus_s * two_u_prime)
     if name == "relu":
         return torch.ops.aten.threshold_backward(d, a, 0)
     if name == "silu":

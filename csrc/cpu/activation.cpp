@@ -14,10 +14,29 @@ namespace {
 
 using Tensor = at::Tensor;
 
-// The pointwise activation in float32 (gelu: tanh approximation, as F.gelu(approximate="tanh")).
+// gelu, tanh approximation, as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the function
+// of F.gelu(approximate="tanh"), without its cancellation in 1 + tanh(u) for x below about -4
+// (csrc/cuda/kernels/fused_math.cuh says more; the CUDA kernel does the same operations).
+constexpr float kGeluTwoBeta = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+constexpr float kGeluThreeKappa = 0.134145f;
+
+Tensor gelu_two_u(const Tensor& a) { return (a + (a * a) * a * kGeluKappa) * kGeluTwoBeta; }
+
+Tensor gelu_tanh(const Tensor& a) { return a * at::sigmoid(gelu_two_u(a)); }
+
+// d * gelu'(a): s + a s (1 - s) 2u', s = sigmoid(2u), 1 - s as sigmoid(-2u).
+Tensor gelu_tanh_grad(const Tensor& d, const Tensor& a) {
+  const Tensor two_u = gelu_two_u(a);
+  const Tensor s = at::sigmoid(two_u), one_minus_s = at::sigmoid(two_u.neg());
+  const Tensor two_u_prime = ((a * a) * kGeluThreeKappa + 1.0f) * kGeluTwoBeta;
+  return d * (s + a * s * one_minus_s * two_u_prime);
+}
+
+// The pointwise activation in float32.
 Tensor pointwise(const Tensor& a, Activation act) {
   switch (act) {
-    case Activation::Gelu: return at::gelu(a, "tanh");
+    case Activation::Gelu: return gelu_tanh(a);
     case Activation::Relu: return at::relu(a);
     case Activation::Silu: return at::silu(a);
     default: return a;
@@ -27,7 +46,7 @@ Tensor pointwise(const Tensor& a, Activation act) {
 // d * act'(a) in float32, as torch's autograd computes it (relu: d where a > 0 or a is NaN).
 Tensor pointwise_grad(const Tensor& d, const Tensor& a, Activation act) {
   switch (act) {
-    case Activation::Gelu: return at::gelu_backward(d, a, "tanh");
+    case Activation::Gelu: return gelu_tanh_grad(d, a);
     case Activation::Relu: return at::threshold_backward(d, a, 0);
     case Activation::Silu: return at::silu_backward(d, a);
     default: return d;

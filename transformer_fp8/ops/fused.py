@@ -15,7 +15,9 @@ take a 2-D x [M, N] (float32, bfloat16 or float16, any strides) and do all their
   are zero bytes and do not enter amax. With ``with_transpose`` the contiguous transpose
   [N, M_pad] comes too, otherwise an empty tensor of shape [0] of the FP8 dtype; outputs that
   were not asked for (``return_hp``, ``with_dbias``) are empty [0] tensors of x's dtype.
-* Activations: "gelu" (tanh approximation, as ``F.gelu(approximate="tanh")``), "relu", "silu",
+* Activations: "gelu" (the tanh approximation of ``F.gelu(approximate="tanh")``, computed as
+  ``x * sigmoid(2u)``, which is 0.5 x (1 + tanh(u)) without its cancellation for x below about
+  -4, so that CPU and GPU give the same FP8 codes there), "relu", "silu",
   and the gated "swiglu", "geglu", "reglu", which take x [M, 2N] and return
   ``act(x[:, :N]) * x[:, N:]``: the first half is activated, the second half is the linear gate
   (Transformer Engine's convention; ``torch.nn.functional.glu`` gates the other way round).

@@ -7,6 +7,7 @@
 #include <cublasLt.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -39,6 +40,13 @@ std::string describe_operands(const at::Tensor& a, const at::Tensor& b) {
 void check_status(cublasStatus_t status, const char* what, const at::Tensor& a,
                   const at::Tensor& b) {
   check_cublaslt(status, what, [&] { return "for fp8_gemm " + describe_operands(a, b); });
+}
+
+// scale_inv itself when its pointer is 16-byte aligned, else a copy (the caching allocator's
+// blocks are): cuBLASLt reads the per-tensor scale through an aligned load.
+at::Tensor aligned_scale(const at::Tensor& scale_inv) {
+  if (reinterpret_cast<uintptr_t>(scale_inv.data_ptr()) % 16 == 0) return scale_inv;
+  return scale_inv.clone(at::MemoryFormat::Contiguous);
 }
 
 // Descriptors and heuristic choice of a new problem. a, b: the operands as passed to cuBLASLt.
@@ -91,7 +99,11 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
 
   auto check = [&](cublasStatus_t status, const char* what) { check_status(status, what, a, b); };
   // The scales stay on the device; cuBLASLt reads them (and the bias) through the descriptor.
-  const GemmPointers pointers{a_scale_inv.data_ptr(), b_scale_inv.data_ptr(),
+  // cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED, at the call) a scale pointer that is not
+  // 16-byte aligned, such as the second element of a [2] scale_inv buffer: such a scale is
+  // copied to an aligned one-element tensor first.
+  const at::Tensor a_scale = aligned_scale(a_scale_inv), b_scale = aligned_scale(b_scale_inv);
+  const GemmPointers pointers{a_scale.data_ptr(), b_scale.data_ptr(),
                               call.bias.has_value() ? call.bias->data_ptr() : nullptr};
   run_plan(call, plan, pointers, out, check);
   return out;

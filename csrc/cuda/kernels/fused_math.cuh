@@ -9,16 +9,26 @@
 namespace transformer_fp8 {
 namespace cuda {
 
-// gelu, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+// gelu, tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed
+// as x * sigmoid(2u) (the same function: 1 + tanh(u) = 2 sigmoid(2u)). 1 + tanh(u) cancels for
+// x below about -4, where tanh(u) is within a few float32 steps of -1: its relative error there
+// reaches 100%, and one ulp of tanhf on one device against another changed E5M2 codes by up
+// to 23. sigmoid(2u) keeps full relative precision. Same formula, same operation order as the
+// CPU kernel (csrc/cpu/activation.cpp) and reference.py.
+constexpr float kGeluTwoBeta = 1.5957691216057308f;  // 2 sqrt(2 / pi)
 constexpr float kGeluKappa = 0.044715f;
+constexpr float kGeluThreeKappa = 0.134145f;
+
+__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+__device__ __forceinline__ float gelu_two_u(float v) {
+  const float cube = (v * v) * v;
+  return (v + cube * kGeluKappa) * kGeluTwoBeta;
+}
 
 __device__ __forceinline__ float pointwise(float v, Activation act) {
   switch (act) {
-    case Activation::Gelu: {
-      const float inner = kGeluBeta * (v + kGeluKappa * v * v * v);
-      return 0.5f * v * (1.0f + tanhf(inner));
-    }
+    case Activation::Gelu: return v * sigmoid(gelu_two_u(v));
     // relu keeps -0.0 and NaN as they are (torch's clamp_min(x, 0) does).
     case Activation::Relu: return v < 0.0f ? 0.0f : v;
     case Activation::Silu: return v / (1.0f + expf(-v));
@@ -30,12 +40,12 @@ __device__ __forceinline__ float pointwise(float v, Activation act) {
 __device__ __forceinline__ float pointwise_grad(float d, float v, Activation act) {
   switch (act) {
     case Activation::Gelu: {
-      const float v_sq = v * v;
-      const float t = tanhf(kGeluBeta * (v + kGeluKappa * v_sq * v));
-      const float left = 0.5f * v, right = 1.0f + t;
-      const float right_derivative =
-          left * (1.0f - t * t) * kGeluBeta * (1.0f + 3.0f * kGeluKappa * v_sq);
-      return d * (0.5f * right + right_derivative);
+      // d/dx x sigmoid(2u) = s + x s (1 - s) 2u', with s = sigmoid(2u), 1 - s = sigmoid(-2u)
+      // (not 1 - s, which cancels) and 2u' = 2 sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+      const float two_u = gelu_two_u(v);
+      const float s = sigmoid(two_u), one_minus_s = sigmoid(-two_u);
+      const float two_u_prime = ((v * v) * kGeluThreeKappa + 1.0f) * kGeluTwoBeta;
+      return d * (s + ((v * s) * one_minus_s) * two_u_prime);
     }
     case Activation::Relu: return v <= 0.0f ? 0.0f : d;
     case Activation::Silu: {
