@@ -64,15 +64,16 @@ def test_compile_refuses_a_layer_built_for_another_recipe():
             compiled(torch.randn(4, 32))
 
 
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
 @pytest.mark.parametrize("input_grad", [True, False], ids=["input_grad", "input_no_grad"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
-def test_inductor_training_steps_match_eager(recipe, input_grad):
+def test_inductor_training_steps_match_eager(device, recipe, input_grad):
     """The default backend (inductor) compiles whole training steps: each step's loss, every
     gradient and the FP8 state within 30 dB of eager's (a wrong scale is far off). (The compiled
     backward once read the scale_inv that the update had just rewritten: dW 109x and dx 3584x too
     small at the first step; and Float8CurrentScaling did not compile without an input
     gradient.)"""
-    _, got, expected = compiled_and_eager_runs(recipe, "cpu", "inductor", input_grad)
+    _, got, expected = compiled_and_eager_runs(recipe, device, "inductor", input_grad)
     assert_close(got, expected, min_sqnr_db=30.0)
 
 
