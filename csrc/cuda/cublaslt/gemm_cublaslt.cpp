@@ -99,9 +99,9 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a_in, const at::Tensor& a_scale_inv,
 
   auto check = [&](cublasStatus_t status, const char* what) { check_status(status, what, a, b); };
   // The scales stay on the device; cuBLASLt reads them (and the bias) through the descriptor.
-  // cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED, at the call) a scale pointer that is not
-  // 16-byte aligned, such as the second element of a [2] scale_inv buffer: such a scale is
-  // copied to an aligned one-element tensor first.
+  // cuBLASLt refused (CUBLAS_STATUS_NOT_SUPPORTED, at the call; H200, CUDA 13.0) a scale
+  // pointer 4 bytes into a buffer, the second element of a [2] scale_inv; 16- and 32-byte
+  // offsets work. A scale that is not 16-byte aligned is copied to a fresh tensor first.
   const at::Tensor a_scale = aligned_scale(a_scale_inv), b_scale = aligned_scale(b_scale_inv);
   const GemmPointers pointers{a_scale.data_ptr(), b_scale.data_ptr(),
                               call.bias.has_value() ? call.bias->data_ptr() : nullptr};
