@@ -220,12 +220,23 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
     Operand x_q, w_q;
     if (delayed) {
       // A copy of the scale_invs: the update at the context's exit rewrites them in place
-      // before backward multiplies the saved transposes.
-      const Tensor scale_inv = state[kFwdScaleInv].clone();
+      // before backward multiplies the saved transposes. On CUDA the weight's copy sits 16
+      // bytes after the input's: cuBLASLt refuses a scale 4 bytes into a buffer, and fp8_gemm
+      // would copy it again before each GEMM that reads it.
+      const Tensor& fwd_scale_inv = state[kFwdScaleInv];
+      Tensor scale_inv;
+      int64_t weight_slot = 1;
+      if (fwd_scale_inv.is_cuda()) {
+        scale_inv = at::empty({8}, fwd_scale_inv.options());
+        scale_inv.as_strided({2}, {4}).copy_(fwd_scale_inv);
+        weight_slot = 4;
+      } else {
+        scale_inv = fwd_scale_inv.clone();
+      }
       x_q = cast(x_pad, state[kInputScale], scale_inv.narrow(0, 0, 1), state[kInputAmax],
                  fwd_dtype, needs_weight_grad);
-      w_q = cast(weight, state[kWeightScale], scale_inv.narrow(0, 1, 1), state[kWeightAmax],
-                 fwd_dtype, needs_input_grad);
+      w_q = cast(weight, state[kWeightScale], scale_inv.narrow(0, weight_slot, 1),
+                 state[kWeightAmax], fwd_dtype, needs_input_grad);
       bump_version(state[kInputAmax]);  // written through the kernels, below autograd
       bump_version(state[kWeightAmax]);
     } else {

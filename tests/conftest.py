@@ -53,13 +53,19 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def _needs_cuda(item) -> bool:
-    """A test that runs only where a GPU is: a "cuda" parameter, or CUDA_SKIP's mark."""
+    """A test that runs only where a GPU is (a "cuda" parameter, CUDA_SKIP's mark) or does
+    something else there (the cuda_branch mark)."""
     callspec = getattr(item, "callspec", None)
     if callspec is not None and any(isinstance(v, str) and v == "cuda"
                                     for v in callspec.params.values()):
         return True
-    return any(mark.kwargs.get("reason") == "no CUDA device"
-               for mark in item.iter_markers("skipif"))
+    return item.get_closest_marker("cuda_branch") is not None or any(
+        mark.kwargs.get("reason") == "no CUDA device" for mark in item.iter_markers("skipif"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda_branch: a test with a branch of its own for a GPU "
+                            "machine (kept by TFP8_TEST_CUDA_ONLY=1)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -277,3 +277,47 @@ def test_a_deep_copy_is_a_layer_of_its_own(gen):
     assert layer.fp8_fwd_amax_history[-1, 0] == x.abs().max()
     assert twin.fp8_fwd_amax_history[-1, 0] == (2 * x).abs().max()
     assert torch.equal(layer.fp8_fwd_scale[0] / twin.fp8_fwd_scale[0], torch.tensor(2.0))
+
+
+def test_one_context_object_entered_by_two_threads_at_once():
+    """A shared fp8_autocast object (a decorator, a module-level context) entered by two
+    threads whose entries interleave: each thread's outermost context is its own. (The object
+    once kept a stack of 'outermost' flags: thread A, nested, popped thread B's flag and ran
+    its update in the middle of its step, and B's exit skipped its own.)"""
+    import threading
+
+    recipe = DelayedScaling(amax_history_len=2)
+    shared = fp8_autocast(fp8_recipe=recipe)
+    layers = [tfp8.Linear(16, 16, recipe=recipe) for _ in range(2)]
+    x = torch.randn(4, 16)
+    a_entered, b_entered, a_exited = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with fp8_autocast(fp8_recipe=recipe):
+            layers[0](x)
+            with shared:
+                a_entered.set()
+                b_entered.wait(5)
+            a_exited.set()
+            # Still inside A's outermost context: its update has not run yet.
+            seen["a_before_exit"] = layers[0].fp8_fwd_scale.clone()
+        seen["a_after_exit"] = layers[0].fp8_fwd_scale.clone()
+
+    def thread_b():
+        a_entered.wait(5)
+        with shared:
+            layers[1](x)
+            b_entered.set()
+            a_exited.wait(5)
+        seen["b_after_exit"] = layers[1].fp8_fwd_scale.clone()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    ones = torch.ones(2)
+    assert torch.equal(seen["a_before_exit"], ones), "A's update ran before its context's exit"
+    assert not torch.equal(seen["a_after_exit"], ones), "A's update did not run at its exit"
+    assert not torch.equal(seen["b_after_exit"], ones), "B's update did not run at its exit"

@@ -16,6 +16,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 # ----------------------------------------------------------------------------- build info
 
+@pytest.mark.cuda_branch
 def test_build_info_keys_and_types():
     info = transformer_fp8.build_info()
     assert isinstance(info["cuda"], bool)

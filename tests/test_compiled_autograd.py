@@ -111,3 +111,29 @@ def test_compiled_autograd_inductor_is_close_to_eager():
 def test_compiled_forward_with_compiled_autograd_is_bit_identical(recipe):
     got, expected, _, _ = runs("linear", RECIPES[recipe], "eager", compile_forward=True)
     assert_bit_identical(got, expected)
+
+
+def test_eval_forward_before_the_first_compiled_backward_keeps_the_training_update(monkeypatch):
+    """An evaluation forward (no_grad, its own fp8_autocast) between a training forward and the
+    first backward, which compiled autograd traces: the training forward's grad_output update
+    is still the one held (it was replaced by the evaluation forward's, which has no backward
+    pass, and the first step's update was lost)."""
+    monkeypatch.setattr(linear_fused_step, "ENABLED", False)  # (the traced Python backward)
+    recipe = RECIPES["delayed"]
+    eager = make_model("linear")
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    batches = step_batches(torch.Generator().manual_seed(0), STEPS, 24, 64)
+    probe = torch.randn(8, 64)
+
+    def loss_with_eval_forward(module):
+        def loss_fn(out):
+            with torch.no_grad(), tfp8.fp8_autocast(fp8_recipe=recipe):
+                module(probe)
+            return out.float().square().mean()
+        return loss_fn
+
+    expected = train(eager, eager, batches, recipe, loss_fn=loss_with_eval_forward(eager))
+    with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager")):
+        got = train(model, model, batches, recipe, loss_fn=loss_with_eval_forward(model))
+    assert_bit_identical(got, expected)

@@ -162,6 +162,28 @@ def test_a_recipe_is_added_by_registering_its_quantizers(gen, monkeypatch):
     assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
 
 
+def test_a_replaced_registration_is_used_from_the_next_forward(gen, monkeypatch):
+    """QUANTIZERS[Float8CurrentScaling] replaced after forwards that looked the old one up
+    (registered_quantizers keeps its answers): the next forward uses the new function, and the
+    old one again once it is put back."""
+    monkeypatch.setattr(_CountingQuantizer, "casts", [])
+    layer = tfp8.Linear(64, 32)
+    x = randn(gen, 24, 64)
+    recipe = Float8CurrentScaling()
+
+    def step():
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            layer(x).sum().backward()
+
+    step()
+    with monkeypatch.context() as patch:
+        patch.setitem(roles.QUANTIZERS, Float8CurrentScaling, _counting_quantizers)
+        step()
+        assert _CountingQuantizer.casts == ["input", "weight", "grad_output"]
+    step()  # the original registration again: nothing counted
+    assert _CountingQuantizer.casts == ["input", "weight", "grad_output"]
+
+
 def test_a_pickled_module_holds_no_quantizer(gen, tmp_path):
     """Whole-module pickles (torch.save(model)) carry the state, not the caches made from it:
     no quantizer or quantised weight, so they load whatever those classes become."""

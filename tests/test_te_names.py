@@ -50,6 +50,7 @@ def test_quantized_model_init_builds_layers_for_its_recipe(init):
             pass
 
 
+@pytest.mark.cuda_branch
 def test_is_fp8_available_returns_a_reason():
     available, reason = tfp8.is_fp8_available()
     assert isinstance(available, bool) and isinstance(reason, str)

@@ -300,6 +300,7 @@ def note_compiled_backward() -> bool:
     _COMPILED_BACKWARD_SEEN[0] = True
     with _PENDING_LOCK:
         _HELD_BACKWARD_STEPS.extend(getattr(_LAST_FORWARD, "backward_steps", ()))
+    _LAST_FORWARD.backward_steps = ()
     return True
 
 
@@ -311,7 +312,9 @@ def hold_for_compiled_backward(backward_steps: list) -> None:
     """The backward steps of a forward pass that has just ended, held for a compiled backward
     when the process compiles FP8 modules or runs compiled autograd (see
     _HELD_BACKWARD_STEPS)."""
-    if (_COMPILED_MODULES or _COMPILED_BACKWARD_SEEN[0]) and torch.is_grad_enabled():
+    if not torch.is_grad_enabled():
+        return  # (no backward pass to come: an eval forward keeps the last training one)
+    if _COMPILED_MODULES or _COMPILED_BACKWARD_SEEN[0]:
         _HELD_BACKWARD_STEPS.extend(backward_steps)
     else:
         _LAST_FORWARD.backward_steps = backward_steps

@@ -182,7 +182,6 @@ class fp8_autocast(contextlib.ContextDecorator):
         self._state = _state_for(enabled, fp8_recipe, fp8_group, calibrating and not enabled)
         # Whether the modules inside record delayed-scaling amaxes (steps to prepare).
         self._delayed = enabled and isinstance(fp8_recipe, DelayedScaling)
-        self._outermost: list = []  # per entry (a decorated function may recurse)
 
     def __enter__(self) -> None:
         state = self._state
@@ -193,19 +192,24 @@ class fp8_autocast(contextlib.ContextDecorator):
         if outermost:
             local.pass_id = next(_pass_ids)
             # (Not in an isolated context, which a graph may be capturing: the held updates
-            # belong to the surrounding step and run at its next outermost context.)
+            # belong to the surrounding step and run at its next outermost context. Nor under
+            # no_grad: an evaluation forward may come between a training forward and its
+            # compiled backward, whose held update must wait for it; a forward without
+            # gradients reads no grad_output scale.)
             if not local.isolated:
                 discard_failed_backward_passes()
-                if has_pending_backward_updates():
+                if has_pending_backward_updates() and torch.is_grad_enabled():
                     flush_pending_backward_updates()
         if self._delayed:
             _prepare_steps(state)
         local.stack.append(state)
-        self._outermost.append(outermost)
 
     def __exit__(self, exc_type, exc, traceback) -> bool:
-        _LOCAL.stack.pop()
-        if self._outermost.pop():
+        # Outermost is this thread's: the object may be entered by several threads at once (a
+        # decorator, a shared context) and recursively, so it keeps no state of its own.
+        stack = _LOCAL.stack
+        stack.pop()
+        if not stack:
             _exit_outermost(exc_type is not None)
         return False
 

@@ -114,22 +114,44 @@ def _block(recipe, fp8_state, autocast_state):
     return [roles] * fp8_state._num_gemms, None
 
 
-QUANTIZERS: dict[type, Callable] = {
+# registered_quantizers' answers by recipe type: asked at every forward, forgotten at every
+# change of QUANTIZERS.
+_REGISTERED: dict = {}
+
+
+class _Registry(dict):
+    """QUANTIZERS: a dict whose every change (an entry added, replaced or removed) forgets
+    registered_quantizers' answers."""
+
+
+def _forgetting(method_name: str):
+    method = getattr(dict, method_name)
+
+    def changed(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        _REGISTERED.clear()
+        return result
+    changed.__name__ = method_name
+    return changed
+
+
+for _name in ("__setitem__", "__delitem__", "__ior__", "clear", "pop", "popitem",
+              "setdefault", "update"):
+    setattr(_Registry, _name, _forgetting(_name))
+
+
+QUANTIZERS: dict[type, Callable] = _Registry({
     DelayedScaling: _delayed,
     Float8CurrentScaling: _current,
     Float8BlockScaling: _block,
     Float8RowwiseScaling: _block,
-}
-
-
-# registered_quantizers' answers by (recipe type, QUANTIZERS' size): asked at every forward.
-_REGISTERED: dict = {}
+})
 
 
 def registered_quantizers(recipe) -> Optional[Callable]:
     """The function registered for the recipe's type (a subclass without one of its own gets
     its base's), or None."""
-    key = (type(recipe), len(QUANTIZERS))
+    key = type(recipe)
     found = _REGISTERED.get(key, _REGISTERED)  # (_REGISTERED itself: not looked up yet)
     if found is not _REGISTERED:
         return found

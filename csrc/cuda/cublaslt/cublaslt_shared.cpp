@@ -141,8 +141,11 @@ CublasLtCall prepare_cublaslt_call(const at::Tensor& a, const at::Tensor& b,
     // Under CUDA graph capture the stream's shared workspace would be baked into the graph, and
     // two graphs captured on one stream (torch.cuda.graph's default) and replayed at once on
     // two streams, or a replay overlapping eager GEMMs, would write the same scratch memory.
-    // Allocated now, the workspace comes from the capturing graph's private pool: each graph
-    // has its own, reused in stream order by its later GEMMs.
+    // Allocated now, the workspace comes from the capturing graph's memory pool, reused in
+    // stream order by its later GEMMs. Graphs that share a pool (torch.cuda.graph(pool=...),
+    // make_graphed_callables' graphs) share it too, and must not replay at the same time, as
+    // torch asks of graphs sharing a pool. A capture that torch did not start has no pool: the
+    // workspace then comes from, and goes back to, the ordinary allocator.
     call.workspace_owner = at::empty(
         {static_cast<int64_t>(kWorkspaceBytes)},
         at::TensorOptions().dtype(at::kByte).device(at::kCUDA, call.device));

@@ -19,16 +19,20 @@ constexpr float kGeluTwoBeta = 1.5957691216057308f;  // 2 sqrt(2 / pi)
 constexpr float kGeluKappa = 0.044715f;
 constexpr float kGeluThreeKappa = 0.134145f;
 
-__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+// The gelu formulas below round after every operation, as the CPU kernel's ATen operations do:
+// __fmul_rn / __fadd_rn, which nvcc never contracts into a fused multiply-add.
+__device__ __forceinline__ float sigmoid(float v) {
+  return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
+}
 
 __device__ __forceinline__ float gelu_two_u(float v) {
-  const float cube = (v * v) * v;
-  return (v + cube * kGeluKappa) * kGeluTwoBeta;
+  const float cube = __fmul_rn(__fmul_rn(v, v), v);
+  return __fmul_rn(__fadd_rn(v, __fmul_rn(cube, kGeluKappa)), kGeluTwoBeta);
 }
 
 __device__ __forceinline__ float pointwise(float v, Activation act) {
   switch (act) {
-    case Activation::Gelu: return v * sigmoid(gelu_two_u(v));
+    case Activation::Gelu: return __fmul_rn(v, sigmoid(gelu_two_u(v)));
     // relu keeps -0.0 and NaN as they are (torch's clamp_min(x, 0) does).
     case Activation::Relu: return v < 0.0f ? 0.0f : v;
     case Activation::Silu: return v / (1.0f + expf(-v));
@@ -44,8 +48,10 @@ __device__ __forceinline__ float pointwise_grad(float d, float v, Activation act
       // (not 1 - s, which cancels) and 2u' = 2 sqrt(2/pi) (1 + 3 * 0.044715 x^2).
       const float two_u = gelu_two_u(v);
       const float s = sigmoid(two_u), one_minus_s = sigmoid(-two_u);
-      const float two_u_prime = ((v * v) * kGeluThreeKappa + 1.0f) * kGeluTwoBeta;
-      return d * (s + ((v * s) * one_minus_s) * two_u_prime);
+      const float two_u_prime =
+          __fmul_rn(__fadd_rn(__fmul_rn(__fmul_rn(v, v), kGeluThreeKappa), 1.0f), kGeluTwoBeta);
+      const float tail = __fmul_rn(__fmul_rn(__fmul_rn(v, s), one_minus_s), two_u_prime);
+      return __fmul_rn(d, __fadd_rn(s, tail));
     }
     case Activation::Relu: return v <= 0.0f ? 0.0f : d;
     case Activation::Silu: {
