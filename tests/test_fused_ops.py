@@ -473,6 +473,20 @@ def test_cast_transpose_dbias(device, gen, dtype, fp8_dtype, shape, row_multiple
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("shape", [(300, 136), (257, 129), (129, 1000), (256, 384), (1000, 3)])
+@pytest.mark.parametrize("row_multiple", [1, 16])
+def test_transpose_across_tiles(device, gen, shape, row_multiple):
+    """The FP8 transpose of the fused operators over several 128 x 128 tiles in both
+    directions, with partial edge tiles, rows a multiple of 16 or not (16-byte or byte stores
+    of the transpose) and columns a multiple of 8 or not (8-byte or byte loads): bit for bit."""
+    rows, cols = shape
+    x = make_x(gen, rows, cols, torch.bfloat16, device, scale=100.0)
+    x_fp8, x_t, _ = fo.cast_transpose_dbias(x, scalar(0.37, device), E4M3, None, row_multiple)
+    check_padding(x_fp8, x_t, rows, row_multiple, True)
+    assert_bitwise_equal(x_t.cpu(), x_fp8.cpu().t().contiguous(), "x_t_fp8")
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
 @pytest.mark.parametrize("dtype", HP_DTYPES)
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_edge_values(device, gen, dtype, fp8_dtype):

@@ -1,4 +1,5 @@
-// CUDA kernels of amax, cast_to_fp8, cast_transpose_to_fp8 and cast_from_fp8.
+// CUDA kernels of amax, cast_to_fp8, cast_transpose_to_fp8 and cast_from_fp8, and the byte
+// transpose of the fused operators' FP8 outputs (cast_transpose's tiles without the cast).
 // Reference: csrc/cpu/cast.cpp. Memory-bound: one read of x, 16-byte accesses where aligned.
 #include "device_utils.cuh"
 #include "kernels.h"
@@ -246,6 +247,54 @@ cast_transpose_kernel(const InT* __restrict__ x, int64_t rows, int64_t cols, boo
   commit_amax(amax, local);
 }
 
+// transpose_bytes: cast_transpose's two phases without the cast, for the FP8 outputs of the
+// fused operators. Phase 1 copies a 128 x 128 tile of FP8 bytes into the same swizzled shared
+// tile (8-byte loads, all 8 of a thread issued before the first store: 64 bytes in flight);
+// phase 2 is cast_transpose's own.
+__device__ __forceinline__ void copy_tile_rows_vec(const TileView<uint8_t>& v, uint32_t* tile) {
+  constexpr int kPacksPerRow = kTile / kVec;
+  uint2 packs[kPacksPerThread];
+#pragma unroll
+  for (int u = 0; u < kPacksPerThread; ++u) {
+    const int k = u * kThreads + threadIdx.x, r = k / kPacksPerRow, c = k % kPacksPerRow * kVec;
+    if (r < v.n_rows && c < v.n_cols) packs[u] = *reinterpret_cast<const uint2*>(v.x + r * v.pitch + c);
+  }
+#pragma unroll
+  for (int u = 0; u < kPacksPerThread; ++u) {
+    const int k = u * kThreads + threadIdx.x, r = k / kPacksPerRow, c = k % kPacksPerRow * kVec;
+    if (r < v.n_rows && c < v.n_cols) *reinterpret_cast<uint2*>(&tile[tile_word(r, c / 4)]) = packs[u];
+  }
+}
+
+__device__ __forceinline__ void copy_tile_rows_scalar(const TileView<uint8_t>& v, uint32_t* tile) {
+  uint8_t* tile_bytes = reinterpret_cast<uint8_t*>(tile);
+  for (int k = threadIdx.x; k < kTile * kTile; k += kThreads) {
+    const int r = k / kTile, c = k % kTile;
+    if (r < v.n_rows && c < v.n_cols) tile_bytes[tile_byte(r, c)] = v.x[r * v.pitch + c];
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+transpose_bytes_kernel(const uint8_t* __restrict__ in, int64_t rows, int64_t cols, bool row_vec,
+                       bool col_vec, uint8_t* __restrict__ out) {
+  __shared__ uint32_t tile[kTile * kTileWords];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const TileView<uint8_t> v{in + r0 * cols + c0, nullptr, out + c0 * rows + r0,
+                            static_cast<int>(cols), rows,
+                            static_cast<int>(rows - r0 < kTile ? rows - r0 : kTile),
+                            static_cast<int>(cols - c0 < kTile ? cols - c0 : kTile)};
+  if (row_vec)
+    copy_tile_rows_vec(v, tile);
+  else
+    copy_tile_rows_scalar(v, tile);
+  __syncthreads();
+  if (col_vec)
+    write_tile_cols_vec(v, tile);
+  else
+    write_tile_cols_scalar(v, tile);
+}
+
 template <typename OutT>
 __device__ __forceinline__ OutT from_float(float v);
 template <>
@@ -342,6 +391,19 @@ cudaError_t launch_cast_transpose(const void* x, HpType x_type, int64_t rows, in
       cast_transpose_kernel<InT, Fp8Format::E5M2><<<grid, kThreads, 0, stream>>>(
           xt, rows, cols, row_vec, col_vec, scale, out, out_t, amax);
   });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_transpose_bytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
+                                   cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((rows + kTile - 1) / kTile),
+                  static_cast<unsigned>((cols + kTile - 1) / kTile));
+  // As launch_cast_transpose: 8-byte row loads iff cols % 8 == 0 and in is aligned; 16-byte
+  // out rows iff rows % 16 == 0 and out is aligned.
+  const bool row_vec = cols % kVec == 0 && aligned(in, 8);
+  const bool col_vec = rows % kColRows == 0 && aligned(out, 16);
+  transpose_bytes_kernel<<<grid, kThreads, 0, stream>>>(in, rows, cols, row_vec, col_vec, out);
   return cudaGetLastError();
 }
 
