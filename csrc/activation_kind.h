@@ -11,12 +11,12 @@ namespace transformer_fp8 {
 // Identity is internal: cast_transpose_dbias runs the activation kernels with it.
 enum class Activation : int { Gelu = 0, Relu, Silu, Swiglu, Geglu, Reglu, Identity };
 
-TFP8_HOST_DEVICE bool is_gated(Activation a) {
+TFP8_HOST_DEVICE constexpr bool is_gated(Activation a) {
   return a == Activation::Swiglu || a == Activation::Geglu || a == Activation::Reglu;
 }
 
 // The pointwise function applied to the first half of a gated activation.
-TFP8_HOST_DEVICE Activation base_activation(Activation a) {
+TFP8_HOST_DEVICE constexpr Activation base_activation(Activation a) {
   switch (a) {
     case Activation::Swiglu: return Activation::Silu;
     case Activation::Geglu: return Activation::Gelu;

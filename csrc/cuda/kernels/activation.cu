@@ -16,22 +16,26 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kRowsAhead = 4;  // rows whose loads a thread issues together
 
 // Columns: a gated x [rows, 2n] pairs column c (activated) with column n + c (linear gate);
 // otherwise n = in_cols. Forward results are [rows, n]; backward results are [rows, in_cols].
 // Each thread owns kVec consecutive columns (kVec = 4: one 4-element access per load and
-// store; the launcher checks n % 4 == 0 and the alignment).
-template <typename InT, Fp8Out kOut, int kVec>
+// store; the launcher checks n % 4 == 0 and the alignment). The activation and the direction
+// are template parameters: chosen at run time, one kernel held every activation's code (up to
+// 77 registers) and each thread had one load per operand in flight. Fixed, with kRowsAhead rows
+// loaded together, a thread has 32-96 bytes in flight (bf16: 50-103 registers, ptxas -v).
+template <typename InT, Fp8Out kOut, int kVec, Activation kAct, bool kBackward>
 __global__ void __launch_bounds__(kThreads)
 activation_kernel(const InT* __restrict__ x, const InT* __restrict__ dy, int64_t rows,
-                  int64_t in_cols, Activation act, InT* __restrict__ out_hp,
-                  uint8_t* __restrict__ out_fp8, const float* __restrict__ scale_ptr,
-                  float* amax, float* __restrict__ partials) {
+                  int64_t in_cols, InT* __restrict__ out_hp, uint8_t* __restrict__ out_fp8,
+                  const float* __restrict__ scale_ptr, float* amax,
+                  float* __restrict__ partials) {
   using Vec = VecOf<InT, kVec>;
-  const bool gated = is_gated(act);
-  const Activation base = base_activation(act);
+  constexpr bool gated = is_gated(kAct);
+  constexpr Activation act = kAct, base = base_activation(kAct);
+  constexpr bool backward = kBackward;
   const int64_t n = gated ? in_cols / 2 : in_cols;
-  const bool backward = dy != nullptr;
   const int64_t out_cols = backward ? in_cols : n;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * kVec;
   const int64_t chunk = blockIdx.x;
@@ -57,25 +61,19 @@ activation_kernel(const InT* __restrict__ x, const InT* __restrict__ dy, int64_t
     }
   };
 
-  if (c < n) {
-    for (int64_t r = r_begin; r < r_end; ++r) {
-      const Vec xa = *reinterpret_cast<const Vec*>(x + r * in_cols + c);
-      Vec xb{};
-      if (gated) xb = *reinterpret_cast<const Vec*>(x + r * in_cols + n + c);
-      if (!backward) {
-        if constexpr (kOut != Fp8Out::None) {
-          if (act == Activation::Identity) {
-            // A plain cast of the input elements: NaN keeps the sign of their bits.
-            uint8_t bytes[kVec];
+  // One row's work, given its loaded vectors.
+  auto row = [&](int64_t r, const Vec& xa, const Vec& xb, const Vec& dv) {
+    if constexpr (!backward) {
+      if constexpr (kOut != Fp8Out::None && act == Activation::Identity) {
+        // A plain cast of the input elements: NaN keeps the sign of their bits.
+        uint8_t bytes[kVec];
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-              bytes[e] = fp8_byte_of_input<kOut>(xa.v[e], scale, local_amax);
-              sum_first[e] += to_float(xa.v[e]);
-            }
-            store_bytes<kVec>(out_fp8 + r * out_cols + c, bytes);
-            continue;
-          }
+        for (int e = 0; e < kVec; ++e) {
+          bytes[e] = fp8_byte_of_input<kOut>(xa.v[e], scale, local_amax);
+          sum_first[e] += to_float(xa.v[e]);
         }
+        store_bytes<kVec>(out_fp8 + r * out_cols + c, bytes);
+      } else {
         // out = act(a) (* b): the float32 value, never rounded to InT before the cast.
         float v[kVec];
 #pragma unroll
@@ -85,26 +83,46 @@ activation_kernel(const InT* __restrict__ x, const InT* __restrict__ dy, int64_t
           sum_first[e] += v[e];
         }
         store(r * out_cols + c, v);
-      } else {
-        const Vec dv = *reinterpret_cast<const Vec*>(dy + r * n + c);
-        float da[kVec], db[kVec];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const float a = to_float(xa.v[e]), d = to_float(dv.v[e]);
-          if (gated) {
-            // dx[:, c] = (dy * b) * act'(a), dx[:, n + c] = dy * act(a).
-            const float b = to_float(xb.v[e]);
-            da[e] = pointwise_grad(d * b, a, base);
-            db[e] = d * pointwise(a, base);
-            sum_second[e] += db[e];
-          } else {
-            da[e] = pointwise_grad(d, a, act);
-          }
-          sum_first[e] += da[e];
-        }
-        store(r * out_cols + c, da);
-        if (gated) store(r * out_cols + n + c, db);
       }
+    } else {
+      float da[kVec], db[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float a = to_float(xa.v[e]), d = to_float(dv.v[e]);
+        if constexpr (gated) {
+          // dx[:, c] = (dy * b) * act'(a), dx[:, n + c] = dy * act(a).
+          const float b = to_float(xb.v[e]);
+          da[e] = pointwise_grad(d * b, a, base);
+          db[e] = d * pointwise(a, base);
+          sum_second[e] += db[e];
+        } else {
+          da[e] = pointwise_grad(d, a, act);
+        }
+        sum_first[e] += da[e];
+      }
+      store(r * out_cols + c, da);
+      if constexpr (gated) store(r * out_cols + n + c, db);
+    }
+  };
+
+  if (c < n) {
+    // kRowsAhead rows' loads are issued before the first row is computed (the stores of one
+    // row would otherwise come before the next row's loads: one load per operand in flight).
+    // The rows are then done in order, so the column sums keep their order.
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += kRowsAhead) {
+      Vec xa[kRowsAhead], xb[kRowsAhead], dv[kRowsAhead];
+#pragma unroll
+      for (int i = 0; i < kRowsAhead; ++i) {
+        const int64_t r = r0 + i;
+        if (r < r_end) {
+          xa[i] = *reinterpret_cast<const Vec*>(x + r * in_cols + c);
+          if constexpr (gated) xb[i] = *reinterpret_cast<const Vec*>(x + r * in_cols + n + c);
+          if constexpr (backward) dv[i] = *reinterpret_cast<const Vec*>(dy + r * n + c);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kRowsAhead; ++i)
+        if (r0 + i < r_end) row(r0 + i, xa[i], xb[i], dv[i]);
     }
     if (partials != nullptr) {
 #pragma unroll
@@ -115,6 +133,35 @@ activation_kernel(const InT* __restrict__ x, const InT* __restrict__ dy, int64_t
     }
   }
   if constexpr (kOut != Fp8Out::None) commit_amax(amax, local_amax);
+}
+
+// Calls fn(activation, backward) with both as compile-time constants. (The identity runs
+// forward only: cast_transpose_dbias.)
+template <typename Fn>
+void with_activation(Activation act, bool backward, Fn&& fn) {
+  auto direction = [&](auto act_kind) {
+    if (backward)
+      fn(act_kind, std::true_type{});
+    else
+      fn(act_kind, std::false_type{});
+  };
+  switch (act) {
+    case Activation::Gelu: direction(std::integral_constant<Activation, Activation::Gelu>{}); break;
+    case Activation::Relu: direction(std::integral_constant<Activation, Activation::Relu>{}); break;
+    case Activation::Silu: direction(std::integral_constant<Activation, Activation::Silu>{}); break;
+    case Activation::Swiglu:
+      direction(std::integral_constant<Activation, Activation::Swiglu>{});
+      break;
+    case Activation::Geglu:
+      direction(std::integral_constant<Activation, Activation::Geglu>{});
+      break;
+    case Activation::Reglu:
+      direction(std::integral_constant<Activation, Activation::Reglu>{});
+      break;
+    default:
+      fn(std::integral_constant<Activation, Activation::Identity>{}, std::false_type{});
+      break;
+  }
 }
 
 }  // namespace
@@ -132,9 +179,12 @@ cudaError_t launch_activation(const void* x, const void* dy, HpType x_type, int6
       const dim3 grid(static_cast<unsigned>(column_chunks(rows)),
                       static_cast<unsigned>(threads_needed));
       with_fp8_out(out, [&](auto out_kind) {
-        activation_kernel<InT, decltype(out_kind)::value, kVec><<<grid, kThreads, 0, stream>>>(
-            static_cast<const InT*>(x), static_cast<const InT*>(dy), rows, in_cols, act,
-            static_cast<InT*>(out.hp), out.fp8, out.scale, out.amax, partials);
+        with_activation(act, dy != nullptr, [&](auto act_kind, auto backward) {
+          activation_kernel<InT, decltype(out_kind)::value, kVec, decltype(act_kind)::value,
+                            decltype(backward)::value><<<grid, kThreads, 0, stream>>>(
+              static_cast<const InT*>(x), static_cast<const InT*>(dy), rows, in_cols,
+              static_cast<InT*>(out.hp), out.fp8, out.scale, out.amax, partials);
+        });
       });
     });
   });
