@@ -135,33 +135,34 @@ activation_kernel(const InT* __restrict__ x, const InT* __restrict__ dy, int64_t
   if constexpr (kOut != Fp8Out::None) commit_amax(amax, local_amax);
 }
 
-// Calls fn(activation, backward) with both as compile-time constants. (The identity runs
-// forward only: cast_transpose_dbias.)
+// Calls fn(activation, backward) with both as compile-time constants; false (fn not called) for
+// a combination no operator makes: the identity backward (cast_transpose_dbias runs the
+// identity forward only) or a value outside the enum.
 template <typename Fn>
-void with_activation(Activation act, bool backward, Fn&& fn) {
+bool with_activation(Activation act, bool backward, Fn&& fn) {
   auto direction = [&](auto act_kind) {
     if (backward)
       fn(act_kind, std::true_type{});
     else
       fn(act_kind, std::false_type{});
+    return true;
   };
   switch (act) {
-    case Activation::Gelu: direction(std::integral_constant<Activation, Activation::Gelu>{}); break;
-    case Activation::Relu: direction(std::integral_constant<Activation, Activation::Relu>{}); break;
-    case Activation::Silu: direction(std::integral_constant<Activation, Activation::Silu>{}); break;
+    case Activation::Gelu: return direction(std::integral_constant<Activation, Activation::Gelu>{});
+    case Activation::Relu: return direction(std::integral_constant<Activation, Activation::Relu>{});
+    case Activation::Silu: return direction(std::integral_constant<Activation, Activation::Silu>{});
     case Activation::Swiglu:
-      direction(std::integral_constant<Activation, Activation::Swiglu>{});
-      break;
+      return direction(std::integral_constant<Activation, Activation::Swiglu>{});
     case Activation::Geglu:
-      direction(std::integral_constant<Activation, Activation::Geglu>{});
-      break;
+      return direction(std::integral_constant<Activation, Activation::Geglu>{});
     case Activation::Reglu:
-      direction(std::integral_constant<Activation, Activation::Reglu>{});
-      break;
-    default:
+      return direction(std::integral_constant<Activation, Activation::Reglu>{});
+    case Activation::Identity:
+      if (backward) return false;
       fn(std::integral_constant<Activation, Activation::Identity>{}, std::false_type{});
-      break;
+      return true;
   }
+  return false;
 }
 
 }  // namespace
@@ -171,6 +172,7 @@ cudaError_t launch_activation(const void* x, const void* dy, HpType x_type, int6
                               float* partials, cudaStream_t stream) {
   const int64_t n = is_gated(act) ? in_cols / 2 : in_cols;
   if (rows == 0 || n == 0) return cudaSuccess;
+  bool supported = true;
   with_input_type(x_type, [&](auto* tag) {
     using InT = std::remove_pointer_t<decltype(tag)>;
     with_vec_width(n, sizeof(InT), {x, dy, out.hp}, out.fp8, [&](auto vec) {
@@ -179,7 +181,7 @@ cudaError_t launch_activation(const void* x, const void* dy, HpType x_type, int6
       const dim3 grid(static_cast<unsigned>(column_chunks(rows)),
                       static_cast<unsigned>(threads_needed));
       with_fp8_out(out, [&](auto out_kind) {
-        with_activation(act, dy != nullptr, [&](auto act_kind, auto backward) {
+        supported = with_activation(act, dy != nullptr, [&](auto act_kind, auto backward) {
           activation_kernel<InT, decltype(out_kind)::value, kVec, decltype(act_kind)::value,
                             decltype(backward)::value><<<grid, kThreads, 0, stream>>>(
               static_cast<const InT*>(x), static_cast<const InT*>(dy), rows, in_cols,
@@ -188,6 +190,7 @@ cudaError_t launch_activation(const void* x, const void* dy, HpType x_type, int6
       });
     });
   });
+  if (!supported) return cudaErrorInvalidValue;
   return cudaGetLastError();
 }
 
