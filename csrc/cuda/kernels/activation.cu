@@ -51,7 +51,7 @@ activation_kernel(const InT* __restrict__ x, const InT* __restrict__ dy, int64_t
       Vec pack;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) pack.v[e] = round_to<InT>(v[e]);
-      *reinterpret_cast<Vec*>(out_hp + index) = pack;
+      store_vec(out_hp + index, pack);
     }
     if constexpr (kOut != Fp8Out::None) {
       uint8_t bytes[kVec];

@@ -45,6 +45,32 @@ struct alignas(sizeof(T) * kVec) VecOf {
   T v[kVec];
 };
 
+__device__ __forceinline__ uint32_t bits_of(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ uint32_t bits_of(__half v) { return __half_as_ushort(v); }
+__device__ __forceinline__ uint32_t bits_of(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+
+// Stores a pack at p (aligned to the pack's size) with one access of the pack's size, the word
+// built from the elements' bits. A plain assignment of the pack (or of a uint2 / uint4 built
+// from it: CUDA's vector types are structs, stored member by member) compiled to 16- or 32-bit
+// stores here (st.global.v2.u16 / st.global.u32 in the PTX); a 64-bit integer is stored whole,
+// and 16 bytes go through st.global.v4.b32.
+template <typename T, int kVec>
+__device__ __forceinline__ void store_vec(T* p, const VecOf<T, kVec>& pack) {
+  if constexpr (kVec == 1) {
+    *p = pack.v[0];
+  } else if constexpr (sizeof(T) == 2 && kVec == 4) {
+    const uint64_t lo = bits_of(pack.v[0]) | (bits_of(pack.v[1]) << 16);
+    const uint64_t hi = bits_of(pack.v[2]) | (bits_of(pack.v[3]) << 16);
+    *reinterpret_cast<uint64_t*>(p) = lo | (hi << 32);
+  } else if constexpr (sizeof(T) == 4 && kVec == 4) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(bits_of(pack.v[0])),
+                 "r"(bits_of(pack.v[1])), "r"(bits_of(pack.v[2])), "r"(bits_of(pack.v[3]))
+                 : "memory");
+  } else {
+    *reinterpret_cast<VecOf<T, kVec>*>(p) = pack;
+  }
+}
+
 // Stores kVec FP8 bytes at p (4-byte aligned when kVec == 4), element 0 in the lowest byte.
 template <int kVec>
 __device__ __forceinline__ void store_bytes(uint8_t* p, const uint8_t (&bytes)[kVec]) {

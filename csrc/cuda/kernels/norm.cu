@@ -109,7 +109,7 @@ norm_fwd_kernel(const InT* __restrict__ x, int64_t cols, const float* __restrict
       Vec pack;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) pack.v[e] = round_to<InT>(y[e]);
-      *reinterpret_cast<Vec*>(y_hp + row * cols + j0) = pack;
+      store_vec(y_hp + row * cols + j0, pack);
     }
     if constexpr (kOut != Fp8Out::None) {
       uint8_t bytes[kVec];
@@ -143,7 +143,6 @@ norm_bwd_dx_kernel(const InT* __restrict__ dy, const InT* __restrict__ x, int64_
   const int64_t row = blockIdx.x;
   const Vec* xr = reinterpret_cast<const Vec*>(x + row * cols);
   const Vec* dyr = reinterpret_cast<const Vec*>(dy + row * cols);
-  Vec* dxr = reinterpret_cast<Vec*>(dx + row * cols);
   const int64_t n_vec = cols / kVec;
   const int64_t stride = blockDim.x;
   const int64_t cached_end = stride * kSlots;
@@ -188,7 +187,7 @@ norm_bwd_dx_kernel(const InT* __restrict__ dy, const InT* __restrict__ x, int64_
     Vec pack;
 #pragma unroll
     for (int e = 0; e < kVec; ++e) pack.v[e] = round_to<InT>((g[e] - (xhat[e] * c1 + c2)) * rstd);
-    dxr[q] = pack;
+    store_vec(dx + (row * cols + q * kVec), pack);
   };
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
