@@ -55,8 +55,7 @@ activation_kernel(const InT* __restrict__ x, const InT* __restrict__ dy, int64_t
     }
     if constexpr (kOut != Fp8Out::None) {
       uint8_t bytes[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) bytes[e] = fp8_byte<kOut>(v[e], scale, local_amax);
+      fp8_bytes<kOut>(v, scale, local_amax, bytes);
       store_bytes<kVec>(out_fp8 + index, bytes);
     }
   };
@@ -67,11 +66,9 @@ activation_kernel(const InT* __restrict__ x, const InT* __restrict__ dy, int64_t
       if constexpr (kOut != Fp8Out::None && act == Activation::Identity) {
         // A plain cast of the input elements: NaN keeps the sign of their bits.
         uint8_t bytes[kVec];
+        fp8_bytes<kOut>(xa.v, scale, local_amax, bytes);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          bytes[e] = fp8_byte_of_input<kOut>(xa.v[e], scale, local_amax);
-          sum_first[e] += to_float(xa.v[e]);
-        }
+        for (int e = 0; e < kVec; ++e) sum_first[e] += to_float(xa.v[e]);
         store_bytes<kVec>(out_fp8 + r * out_cols + c, bytes);
       } else {
         // out = act(a) (* b): the float32 value, never rounded to InT before the cast.

@@ -25,18 +25,21 @@ __device__ __forceinline__ __half round_to<__half>(float v) { return __float2hal
 // cast is compiled in only where it is used).
 enum class Fp8Out : int { None = 0, E4M3 = 1, E5M2 = 2 };
 
-// FP8 byte of the float32 value v (not of v rounded to the input's type), amax folded in.
-template <Fp8Out kOut>
-__device__ __forceinline__ uint8_t fp8_byte(float v, float scale, float& amax) {
-  if constexpr (kOut == Fp8Out::E4M3) return cast_one<Fp8Format::E4M3>(v, scale, amax);
-  else return cast_one<Fp8Format::E5M2>(v, scale, amax);
-}
-
-// The same for an input element itself (a plain cast): NaN keeps the sign of the input's bits.
-template <Fp8Out kOut, typename InT>
-__device__ __forceinline__ uint8_t fp8_byte_of_input(InT v, float scale, float& amax) {
-  if constexpr (kOut == Fp8Out::E4M3) return cast_one<Fp8Format::E4M3>(v, scale, amax);
-  else return cast_one<Fp8Format::E5M2>(v, scale, amax);
+// The FP8 bytes of kVec values, amax folded in: float32 results (not rounded to the input's type
+// first), or input elements (a plain cast: NaN keeps the sign of their bits). Converted two at a
+// time: cast_one converts a value paired with itself, so one element at a time the conversion,
+// clamps and NaN checks ran twice per element. Same bytes, same amax.
+template <Fp8Out kOut, typename T, int kVec>
+__device__ __forceinline__ void fp8_bytes(const T (&v)[kVec], float scale, float& amax,
+                                          uint8_t (&bytes)[kVec]) {
+  constexpr Fp8Format F = kOut == Fp8Out::E4M3 ? Fp8Format::E4M3 : Fp8Format::E5M2;
+#pragma unroll
+  for (int e = 0; e + 1 < kVec; e += 2) {
+    const uint16_t pair = cast_pair<F>(v[e], v[e + 1], scale, amax);
+    bytes[e] = static_cast<uint8_t>(pair & 0xFFu);
+    bytes[e + 1] = static_cast<uint8_t>(pair >> 8);
+  }
+  if constexpr (kVec % 2 == 1) bytes[kVec - 1] = cast_one<F>(v[kVec - 1], scale, amax);
 }
 
 // kVec consecutive elements, loaded and stored with one access (kVec = 1: scalar code).

@@ -113,8 +113,7 @@ norm_fwd_kernel(const InT* __restrict__ x, int64_t cols, const float* __restrict
     }
     if constexpr (kOut != Fp8Out::None) {
       uint8_t bytes[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) bytes[e] = fp8_byte<kOut>(y[e], scale, local_amax);
+      fp8_bytes<kOut>(y, scale, local_amax, bytes);
       store_bytes<kVec>(y_fp8 + row * cols + j0, bytes);
     }
   };
