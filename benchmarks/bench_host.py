@@ -3,12 +3,14 @@
 Thread CPU time (time.thread_time) per call, one CPU thread, the cases timed in interleaved
 rounds: nn.Linear against tfp8.Linear under DelayedScaling and Float8CurrentScaling (forward +
 backward; each with its C++ step and with the Python path it replaces), 24 layers in one step
-(fp8_autocast's exit and the backward update included), a TransformerLayer inside and outside
-fp8_autocast, and the delayed-scaling update of 300 amax histories (AmaxStep.reduce_and_update,
-each call after an untimed refill of row 0; and with nothing recorded, its host work without
-the CPU kernel's numerics). Shapes are tiny (16 rows, 16 features) so that the kernels' own
-work is small, but on the CPU it is not zero: the FP8 rows include the CPU emulation of the
-casts and GEMMs, so the ratios are an upper bound of the host overhead. With --null-kernels the
+(fp8_autocast's exit and the backward update included), LayerNormLinear, LayerNormMLP and a
+TransformerLayer inside fp8_autocast (with their C++ steps and with the Python path) against
+themselves outside it (their torch composition), and the delayed-scaling update of 300 amax
+histories (AmaxStep.reduce_and_update, each call after an untimed refill of row 0; and with
+nothing recorded, its host work without the CPU kernel's numerics). Shapes are tiny (16 rows,
+16 to 256 features) so that the kernels' own work is small, but on the CPU it is not zero: the
+FP8 rows include the CPU emulation of the casts and GEMMs, so the ratios are an upper bound of
+the host overhead. With --null-kernels the
 CPU kernels of transformer_fp8's operators are replaced by ones that only allocate their outputs
 (benchmarks/null_kernels.cpp, compiled on first use): the FP8 rows are then host work only, the
 measure the host-overhead targets are defined with (torch's rows keep its real tiny kernels).
@@ -35,7 +37,7 @@ NAME = "bench_host"
 TITLE, WHAT = common.doc_summary(__doc__)
 # Targets of the host-overhead work: FP8 time over torch time (update: microseconds).
 TARGETS = {"Linear fwd+bwd": 1.2, "24 Linear layers, one step": 1.0,
-           "TransformerLayer fwd+bwd": 1.2}
+           "TransformerLayer fwd+bwd": 1.2}  # (the norm-first modules: no target of their own)
 UPDATE_TARGET_US = 20.0
 
 COLUMNS = [
@@ -74,16 +76,23 @@ def linear_step(model, x, recipe=None):
     return step
 
 
+# The switches of the C++ steps (modules/linear_fused_step.py): Linear, LayerNormLinear,
+# LayerNormMLP.
+FUSED_STEP_SWITCHES = ("ENABLED", "NORM_ENABLED", "NORM_MLP_ENABLED")
+
+
 def python_path(step):
-    """The step with the C++ Linear steps turned off (modules/linear_fused_step.py): the Python
-    autograd function they replace, timed in the same run."""
+    """The step with the C++ steps turned off (modules/linear_fused_step.py): the Python
+    autograd functions they replace, timed in the same run."""
     def run():
-        enabled = linear_fused_step.ENABLED
-        linear_fused_step.ENABLED = False
+        saved = {name: getattr(linear_fused_step, name) for name in FUSED_STEP_SWITCHES}
+        for name in FUSED_STEP_SWITCHES:
+            setattr(linear_fused_step, name, False)
         try:
             step()
         finally:
-            linear_fused_step.ENABLED = enabled
+            for name, value in saved.items():
+                setattr(linear_fused_step, name, value)
     return run
 
 
@@ -187,16 +196,26 @@ def main(argv=None) -> dict:
         rows.append({"case": "24 Linear layers, one step" if not args.smoke else
                      f"{depth} Linear layers, one step", "recipe": "delayed",
                      "time_torch_us": t["nn"] * 1e6, "time_fp8_us": t["delayed"] * 1e6})
-        # TransformerLayer: its high-precision form (outside fp8_autocast) against FP8
+        # The norm-first modules and TransformerLayer: each module's high-precision form
+        # (outside fp8_autocast: its torch composition) against FP8
         torch.manual_seed(0)
-        layer = tfp8.TransformerLayer(64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0,
-                                      recipe=delayed)
         h = torch.randn(8, 2, 64)
-        t = thread_time_per_call({"torch": linear_step(layer, h),
-                                  "delayed": linear_step(layer, h, delayed)},
-                                 max(4, reps // 4))
-        rows.append({"case": "TransformerLayer fwd+bwd", "recipe": "delayed",
-                     "time_torch_us": t["torch"] * 1e6, "time_fp8_us": t["delayed"] * 1e6})
+        modules = {
+            "LayerNormLinear fwd+bwd": lambda r: tfp8.LayerNormLinear(64, 64, recipe=r),
+            "LayerNormMLP fwd+bwd": lambda r: tfp8.LayerNormMLP(64, 256, recipe=r),
+            "TransformerLayer fwd+bwd": lambda r: tfp8.TransformerLayer(
+                64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0, recipe=r)}
+        for case, make in modules.items():
+            layer, layer_current = make(delayed), make(current)
+            t = thread_time_per_call({"torch": linear_step(layer, h),
+                                      "delayed": linear_step(layer, h, delayed),
+                                      "delayed, Python path": python_path(
+                                          linear_step(layer, h, delayed)),
+                                      "current": linear_step(layer_current, h, current)},
+                                     max(4, reps // 4))
+            for recipe in ("delayed", "delayed, Python path", "current"):
+                rows.append({"case": case, "recipe": recipe, "time_torch_us": t["torch"] * 1e6,
+                             "time_fp8_us": t[recipe] * 1e6})
         # the update of 300 histories (each after an untimed refill of their row 0)
         count = 16 if args.smoke else 300
         update, refill = update_step(count)

@@ -40,4 +40,5 @@ PYBIND11_MODULE(_C, module) {
   module.def("build_info", &build_info, "What this build of the extension contains.");
   transformer_fp8::bind_delayed_scaling_batch(module);
   transformer_fp8::bind_linear_steps(module);
+  transformer_fp8::bind_norm_mlp_step(module);
 }

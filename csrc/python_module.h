@@ -9,5 +9,6 @@ namespace transformer_fp8 {
 
 void bind_delayed_scaling_batch(pybind11::module_& module);  // prepared_update.cpp
 void bind_linear_steps(pybind11::module_& module);           // linear_step.cpp
+void bind_norm_mlp_step(pybind11::module_& module);          // norm_mlp_step.cpp
 
 }  // namespace transformer_fp8

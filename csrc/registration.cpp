@@ -64,6 +64,16 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // its own amax (one process: no reduction across ranks).
   m.def("fp8_linear_current(Tensor input, Tensor weight, Tensor? bias, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
   m.def("fp8_linear_delayed(Tensor input, Tensor weight, Tensor? bias, Tensor(a!) input_amax, Tensor(b!) weight_amax, Tensor input_scale, Tensor weight_scale, Tensor fwd_scale_inv, Tensor grad_amax, Tensor grad_scale, Tensor grad_scale_inv, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
+  // The same after a norm of the input (normalization "LayerNorm" or "RMSNorm", whose bias is
+  // None): delayed scaling casts the norm's output in the norm's kernel.
+  m.def("fp8_norm_linear_current(Tensor input, Tensor norm_weight, Tensor? norm_bias, str normalization, float eps, bool zero_centered_gamma, Tensor weight, Tensor? bias, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
+  m.def("fp8_norm_linear_delayed(Tensor input, Tensor norm_weight, Tensor? norm_bias, str normalization, float eps, bool zero_centered_gamma, Tensor weight, Tensor? bias, Tensor(a!) input_amax, Tensor(b!) weight_amax, Tensor input_scale, Tensor weight_scale, Tensor fwd_scale_inv, Tensor grad_amax, Tensor grad_scale, Tensor grad_scale_inv, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
+  // LayerNormMLP's step (csrc/norm_mlp_step.cpp): norm -> fc1 -> activation -> fc2 and its
+  // backward, both GEMMs in FP8. Delayed: history row 0's slots (fwd_amax [4]: fc1 input, fc1
+  // weight, fc2 input, fc2 weight; bwd_amax [2]: fc1's and fc2's grad_output), their scales
+  // and scale_invs; the norm's and the activation's outputs cast in their kernels.
+  m.def("fp8_norm_mlp_current(Tensor input, Tensor norm_weight, Tensor? norm_bias, str normalization, float eps, bool zero_centered_gamma, Tensor fc1_weight, Tensor? fc1_bias, Tensor fc2_weight, Tensor? fc2_bias, str activation, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
+  m.def("fp8_norm_mlp_delayed(Tensor input, Tensor norm_weight, Tensor? norm_bias, str normalization, float eps, bool zero_centered_gamma, Tensor fc1_weight, Tensor? fc1_bias, Tensor fc2_weight, Tensor? fc2_bias, str activation, Tensor(a!) fwd_amax, Tensor fwd_scale, Tensor fwd_scale_inv, Tensor(b!) bwd_amax, Tensor bwd_scale, Tensor bwd_scale_inv, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
   // Statistics of an FP8 operand: x [rows, cols] quantised to q with x_scale (1 element, or one
   // per block_rows x block_cols block), as transformer_fp8/debug/stats.py's FIELDS vector
   // (float64 [12]); rows beyond min(x rows, q rows) are ignored.

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import function_output
+from .linear_fused_step import fused_norm_linear_step
 from ..quantization.quantizer import ALIGN, pad_rows
 from .norm_first import NormFirstModule, check_positive
 from ..quantization.recipe import Recipe
@@ -169,6 +170,11 @@ class LayerNormLinear(NormFirstModule):
         ln_out = self._norm_hp(inp)
         out = linear(ln_out, self._param("weight"), self._gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out
+
+    def _fp8_run(self, inp, state, is_first_microbatch):
+        # The common cases (DelayedScaling, Float8CurrentScaling) as one C++ operator.
+        out = fused_norm_linear_step(self, inp, state, is_first_microbatch)
+        return out if out is not None else super()._fp8_run(inp, state, is_first_microbatch)
 
     def _fp8_apply(self, inp, plans):
         return _LayerNormLinearFunction.apply(

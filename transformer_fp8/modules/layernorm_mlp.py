@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..ops import fused as fused_ops
 from .activations import activation_hp, check_activation, is_gated
 from ..ops import function_output
+from .linear_fused_step import fused_norm_mlp_step
 from ..quantization.quantizer import ALIGN, pad_rows
 from .layernorm_linear import cast_norm_output
 from .norm_first import NormFirstModule, check_positive, te_default_init
@@ -232,6 +233,11 @@ class LayerNormMLP(NormFirstModule):
                                self.activation)
         out = linear(hidden, self._param("fc2_weight"), self._fc2_gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out
+
+    def _fp8_run(self, inp, state, is_first_microbatch):
+        # The common cases (DelayedScaling, Float8CurrentScaling) as one C++ operator.
+        out = fused_norm_mlp_step(self, inp, state, is_first_microbatch)
+        return out if out is not None else super()._fp8_run(inp, state, is_first_microbatch)
 
     def _fp8_apply(self, inp, plans):
         return _LayerNormMLPFunction.apply(

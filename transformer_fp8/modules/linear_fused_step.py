@@ -1,15 +1,19 @@
 """The common cases of an FP8 Linear step run as one C++ operator with its autograd in C++
 (csrc/linear_step.cpp): DelayedScaling (``fp8_linear_delayed``) and Float8CurrentScaling in one
-process (``fp8_linear_current``), with a plain weight. Each makes the same operator calls, with
-the same arguments, as the Python path (linear.py's _Fp8LinearFunction with the quantizers of
-roles.py), so the same bits, for a fraction of the host work: no Python autograd function, plan
-or quantizer call per step.
+process (``fp8_linear_current``), with a plain weight; the same for LayerNormLinear's norm
+and GEMM (``fp8_norm_linear_delayed``, ``fp8_norm_linear_current``) and for LayerNormMLP's
+norm, two GEMMs and activation (csrc/norm_mlp_step.cpp: ``fp8_norm_mlp_delayed``,
+``fp8_norm_mlp_current``). Each makes the same operator calls, with the same arguments, as the
+Python path (linear.py's _Fp8LinearFunction, layernorm_linear.py's _LayerNormLinearFunction,
+layernorm_mlp.py's _LayerNormMLPFunction, with the quantizers of roles.py), so the same bits,
+for a fraction of the host work: no Python autograd function, plan or quantizer call per step.
 
 Everything else takes the Python path: block recipes, current scaling reduced across ranks,
 torch.compile's traces (the compiled path keeps its own form), weights that are DTensors, FP8
 weights or FSDP2 FP8 all-gathers, weights kept across microbatches (is_first_microbatch),
-layers whose casts debug statistics observe on this step or debug overrides change, and
-current scaling under torch.utils.checkpoint. (A checkpointed delayed-scaling forward runs
+layers whose casts debug statistics observe on this step or debug overrides change,
+LayerNormLinear and LayerNormMLP with return_layernorm_output, current scaling and
+LayerNormMLP under torch.utils.checkpoint. (A checkpointed delayed-scaling forward runs
 here and keeps the replay record its recomputation, on the Python path, repeats.)
 """
 from __future__ import annotations
@@ -34,8 +38,14 @@ from ..quantization.torch_autocast import output_dtype
 # a library built before they existed.
 _delayed_step = getattr(_C, "linear_delayed", None)
 _current_step = getattr(_C, "linear_current", None)
+_norm_delayed_step = getattr(_C, "norm_linear_delayed", None)
+_norm_current_step = getattr(_C, "norm_linear_current", None)
+_norm_mlp_step = getattr(_C, "norm_mlp", None)
 
-ENABLED = _current_step is not None  # False: every step takes the Python path (tests compare)
+# False: every step takes the Python path (tests compare the two).
+ENABLED = _current_step is not None
+NORM_ENABLED = _norm_current_step is not None
+NORM_MLP_ENABLED = _norm_mlp_step is not None
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
@@ -46,10 +56,87 @@ _current_quantizers = QUANTIZERS[Float8CurrentScaling]
 
 def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
                       ) -> Optional[torch.Tensor]:
-    """The layer's FP8 output through fp8_linear_delayed or fp8_linear_current, or None where
-    the Python path must run. Called by Linear._fp8_run inside an enabled fp8_autocast, after
-    _dispatch's checks. (Every forward runs this: its checks are ordered cheapest first.)"""
-    if (not ENABLED or is_first_microbatch is not None or layer._fp8_override is not None
+    """The Linear layer's FP8 output through fp8_linear_delayed or fp8_linear_current, or None
+    where the Python path must run. Called by Linear._fp8_run inside an enabled fp8_autocast,
+    after _dispatch's checks. (Every forward runs this: its checks are ordered cheapest
+    first.)"""
+    if not ENABLED:
+        return None
+    delayed = _runs_fused(layer, state, is_first_microbatch)
+    if delayed is None:
+        return None
+    weight = layer.weight_nk(routed=True)
+    bias = layer._gemm_bias()
+    step = _prepare(layer, inp, state, delayed, (weight, bias), _state_slices)
+    if step is None:
+        return None
+    fmt, out_dtype, state_slices, backward_step = step
+    if state_slices is None:
+        return _current_step(inp, weight, bias, fmt.fwd_dtype, fmt.bwd_dtype, out_dtype)
+    # backward_step.on_backward() is called before the node runs: it queues the grad_output
+    # update for the end of the backward pass (amax_step.BackwardStep).
+    return _delayed_step(inp, weight, bias, *state_slices, fmt.fwd_dtype, fmt.bwd_dtype,
+                         out_dtype, backward_step)
+
+
+def fused_norm_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
+                           ) -> Optional[torch.Tensor]:
+    """LayerNormLinear's FP8 output through fp8_norm_linear_delayed or _current, or None where
+    the Python path must run (as fused_linear_step; also with return_layernorm_output)."""
+    if not NORM_ENABLED or layer.return_layernorm_output:
+        return None
+    delayed = _runs_fused(layer, state, is_first_microbatch)
+    if delayed is None:
+        return None
+    norm_weight, norm_bias = layer.layer_norm_weight, layer.layer_norm_bias
+    if type(norm_weight) not in _PLAIN_TENSORS or (
+            norm_bias is not None and type(norm_bias) not in _PLAIN_TENSORS):
+        return None
+    weight = layer._param("weight")
+    bias = layer._gemm_bias()
+    step = _prepare(layer, inp, state, delayed, (weight, bias), _state_slices)
+    if step is None:
+        return None
+    fmt, out_dtype, state_slices, backward_step = step
+    norm = (inp, norm_weight, norm_bias, layer.normalization, layer.eps,
+            layer.zero_centered_gamma, weight, bias)
+    if state_slices is None:
+        return _norm_current_step(*norm, fmt.fwd_dtype, fmt.bwd_dtype, out_dtype)
+    return _norm_delayed_step(*norm, *state_slices, fmt.fwd_dtype, fmt.bwd_dtype, out_dtype,
+                              backward_step)
+
+
+def fused_norm_mlp_step(layer, inp: torch.Tensor, state, is_first_microbatch
+                        ) -> Optional[torch.Tensor]:
+    """LayerNormMLP's FP8 output through fp8_norm_mlp_delayed or _current, or None where the
+    Python path must run (as fused_norm_linear_step; also under torch.utils.checkpoint)."""
+    if not NORM_MLP_ENABLED or layer.return_layernorm_output:
+        return None
+    delayed = _runs_fused(layer, state, is_first_microbatch)
+    if delayed is None:
+        return None
+    norm_weight, norm_bias = layer.layer_norm_weight, layer.layer_norm_bias
+    if type(norm_weight) not in _PLAIN_TENSORS or (
+            norm_bias is not None and type(norm_bias) not in _PLAIN_TENSORS):
+        return None
+    params = (layer._param("fc1_weight"), layer._param("fc1_bias"), layer._param("fc2_weight"),
+              layer._fc2_gemm_bias())
+    step = _prepare(layer, inp, state, delayed, params, _mlp_state_slices, replayable=False)
+    if step is None:
+        return None
+    fmt, out_dtype, slots, backward_step = step
+    fc1_weight, fc1_bias, fc2_weight, fc2_bias = params
+    return _norm_mlp_step(inp, norm_weight, norm_bias, layer.normalization, layer.eps,
+                          layer.zero_centered_gamma, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                          layer.activation, () if slots is None else slots, fmt.fwd_dtype,
+                          fmt.bwd_dtype, out_dtype, backward_step)
+
+
+def _runs_fused(layer, state, is_first_microbatch) -> Optional[bool]:
+    """Whether a C++ step can run the layer's forward under this state's recipe, from what
+    is known before its tensors are gathered: True (delayed scaling), False (current scaling
+    in one process) or None (the Python path)."""
+    if (is_first_microbatch is not None or layer._fp8_override is not None
             or _is_compiling()):
         return None
     observer = _fp8_hooks.observer  # debug statistics: the Python path casts observed layers
@@ -57,46 +144,58 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
         return None
     recipe = state.recipe
     quantizers = registered_quantizers(recipe)
-    delayed = quantizers is _delayed_quantizers
-    if not delayed and not (quantizers is _current_quantizers
-                            and recipe.fp8_format is not Format.E5M2
-                            and world_size(state.group) == 1):
-        return None  # (E5M2: the Python path raises the error that names it)
-    weight = layer.weight_nk(routed=True)
-    bias = layer._gemm_bias()
-    if (type(weight) not in _PLAIN_TENSORS or type(inp) not in _PLAIN_TENSORS
-            or (bias is not None and type(bias) not in _PLAIN_TENSORS)):
+    if quantizers is _delayed_quantizers:
+        return True
+    if (quantizers is _current_quantizers and recipe.fp8_format is not Format.E5M2
+            and world_size(state.group) == 1):
+        return False
+    return None  # (E5M2: the Python path raises the error that names it)
+
+
+def _prepare(layer, inp, state, delayed: bool, params, slices_of, replayable: bool = True
+             ) -> Optional[tuple]:
+    """What a C++ step needs, or None where the Python path must run: (format, output dtype,
+    delayed scaling's state slices (``slices_of(layer, fmt)``) or None for current scaling,
+    the backward step or None). ``params``: the GEMMs' weights and biases as the step takes
+    them (None for an absent bias). Does the bookkeeping of the forward: the weights kept by
+    is_first_microbatch dropped; under delayed scaling, the recipe adopted, the states
+    registered with the step and, if ``replayable``, the replay record kept under
+    torch.utils.checkpoint (else the Python path runs there)."""
+    recipe = state.recipe
+    if type(inp) not in _PLAIN_TENSORS:
         return None  # (a tensor subclass: its __torch_function__ sees the Python path)
-    if layer._weight_cache[0] is not None:
-        # As base.py's _weight_for_step: a call without is_first_microbatch drops the weight
-        # kept by an earlier True, so that a later False cannot reuse a stale FP8 weight.
-        layer._weight_cache[0] = None
+    for param in params:
+        if param is not None and type(param) not in _PLAIN_TENSORS:
+            return None
+    weight_cache = layer._weight_cache
+    for gemm, kept in enumerate(weight_cache):
+        if kept is not None:
+            # As base.py's _weight_for_step: a call without is_first_microbatch drops the
+            # weight kept by an earlier True, so that a later False cannot reuse a stale one.
+            weight_cache[gemm] = None
     # Under torch.utils.checkpoint (the recomputation never gets here: _dispatch replays it)
     # the forward keeps a replay record: made here for delayed scaling, by the Python path for
     # current scaling (its scales exist only inside the operator).
     checkpointed = (checkpointing.may_be_checkpointed()
                     and checkpointing.phase() is checkpointing.Phase.ORIGINAL)
-    if checkpointed and not delayed:
+    if checkpointed and not (delayed and replayable):
         return None
     fmt = recipe.fp8_format
     out_dtype = output_dtype(inp)
     if not delayed:
-        return _current_step(inp, weight, bias, fmt.fwd_dtype, fmt.bwd_dtype, out_dtype)
+        return fmt, out_dtype, None, None
     if fmt is Format.E5M2:
         return None  # (the Python path raises the error that names it)
     # What roles.py's delayed scaling does for a forward, without quantizer objects: the
     # history length matched to the recipe, the state slices, the states registered with the
     # step (for the update at the context's exit and at the end of the backward pass).
     layer._adopt_recipe(recipe)
-    state_slices = _state_slices(layer, fmt)
+    state_slices = slices_of(layer, fmt)
     backward_step = _autocast.record_forward(state, *layer._scaling_states)
     if checkpointed:
         _keep_replay_record(layer, delayed_quantizers(layer, fmt)[0], state_slices,
                             backward_step, out_dtype)
-    # backward_step.on_backward() is called before the node runs: it queues the grad_output
-    # update for the end of the backward pass (amax_step.BackwardStep).
-    return _delayed_step(inp, weight, bias, *state_slices, fmt.fwd_dtype, fmt.bwd_dtype,
-                         out_dtype, backward_step)
+    return fmt, out_dtype, state_slices, backward_step
 
 
 def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out_dtype):
@@ -129,3 +228,22 @@ def _state_slices(layer, fmt) -> tuple:
             bwd.history[0], bwd.scale, bwd.scale_inv)
     layer._fused_step_cache = (buffers, args)
     return args
+
+
+def _mlp_state_slices(layer, fmt) -> tuple:
+    """LayerNormMLP's delayed-scaling state as fp8_norm_mlp_delayed's Python entry takes it
+    (csrc/norm_mlp_step.cpp's Slot order): the forward amax slots (history row 0: fc1 input,
+    fc1 weight, fc2 input, fc2 weight) and scales, the forward scale_invs [4], then fc1's and
+    fc2's grad_output amax slots, scales and scale_invs. Cached as _state_slices's."""
+    buffers = float_state_buffers(layer._buffers)
+    cached = layer._fused_step_cache
+    if cached is not None and all(map(operator.is_, cached[0], buffers)):
+        return cached[1]
+    delayed_quantizers(layer, fmt)  # (binds the scaling states to these buffers if need be)
+    fwd, bwd = layer._scaling_states
+    fwd_row, bwd_row = fwd.history[0], bwd.history[0]
+    slots = ([fwd_row[i:i + 1] for i in range(4)] + [fwd.scale[i:i + 1] for i in range(4)]
+             + [fwd.scale_inv] + [bwd_row[i:i + 1] for i in range(2)]
+             + [bwd.scale[i:i + 1] for i in range(2)] + [bwd.scale_inv[i:i + 1] for i in range(2)])
+    layer._fused_step_cache = (buffers, slots)
+    return slots

@@ -1,0 +1,344 @@
+"""LayerNormMLP's C++ steps (fp8_norm_mlp_delayed, fp8_norm_mlp_current; csrc/norm_mlp_step.cpp,
+modules/linear_fused_step.py) against the Python path they replace (layernorm_mlp.py's
+_LayerNormMLPFunction): outputs, every gradient (input, norm weight and bias, both GEMMs'
+weights and biases) and every FP8 state buffer bit for bit over steps where the scales move,
+for every activation and norm; which path runs when; their errors."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
+from test_norm_linear_fused_step import _assert_same, _node, _run
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import DelayedScaling, Format, fp8_autocast
+from transformer_fp8.modules import linear_fused_step
+from transformer_fp8.quantization.state import FP8_STATE_KEYS
+
+RECIPE = DelayedScaling(amax_history_len=4)
+CURRENT = tfp8.Float8CurrentScaling()
+FUSED_NODE = "Fp8NormMlpStep"
+HIDDEN, FFN = 32, 48
+NORM_PARAMS = ("layer_norm_weight", "layer_norm_bias")
+
+
+def _python_path(monkeypatch):
+    monkeypatch.setattr(linear_fused_step, "NORM_MLP_ENABLED", False)
+
+
+CASES = {
+    "3d": dict(shape=(2, 24, HIDDEN)),
+    "padded_rows": dict(shape=(21, HIDDEN)),
+    "exact_rows": dict(shape=(32, HIDDEN)),
+    "no_bias": dict(shape=(2, 8, HIDDEN), bias=False),
+    "bf16": dict(shape=(3, 16, HIDDEN), dtype=torch.bfloat16),
+    "fp16": dict(shape=(40, HIDDEN), dtype=torch.float16),
+    "zero_centered_gamma": dict(shape=(2, 24, HIDDEN), zero_centered_gamma=True),
+    "e4m3": dict(shape=(2, 24, HIDDEN), recipe=DelayedScaling(fp8_format=Format.E4M3,
+                                                              amax_history_len=3)),
+    "frozen_norm": dict(shape=(2, 24, HIDDEN), frozen=NORM_PARAMS),
+    "frozen_fc1": dict(shape=(2, 24, HIDDEN), frozen=("fc1_weight", "fc1_bias")),
+    "frozen_fc1_bias": dict(shape=(2, 24, HIDDEN), frozen=("fc1_bias",)),
+    "frozen_fc2": dict(shape=(2, 24, HIDDEN), frozen=("fc2_weight", "fc2_bias")),
+    "no_input_grad": dict(shape=(2, 24, HIDDEN), input_grad=False),
+    # Only fc1's parameters before fc2: fc2's dgrad, no norm backward, no fc1 dgrad.
+    "no_norm_grad": dict(shape=(2, 24, HIDDEN), input_grad=False, frozen=NORM_PARAMS),
+    # Only fc2's weight trains: no dgrad at all.
+    "fc2_wgrad_only": dict(shape=(2, 24, HIDDEN), input_grad=False,
+                           frozen=NORM_PARAMS + ("fc1_weight", "fc1_bias", "fc2_bias")),
+    "return_bias": dict(shape=(2, 24, HIDDEN), return_bias=True),
+}
+
+
+def _layer(cfg, normalization, activation, device):
+    dtype = cfg.get("dtype", torch.float32)
+    layer = tfp8.LayerNormMLP(HIDDEN, FFN, bias=cfg.get("bias", True), params_dtype=dtype,
+                              device=device, normalization=normalization,
+                              activation=activation,
+                              zero_centered_gamma=cfg.get("zero_centered_gamma", False),
+                              return_bias=cfg.get("return_bias", False))
+    with torch.no_grad():  # parameters away from their initial ones and zeros
+        layer.layer_norm_weight.add_(torch.rand(HIDDEN, device=device).to(dtype))
+        for name in ("layer_norm_bias", "fc1_bias", "fc2_bias"):
+            param = getattr(layer, name)
+            if param is not None:
+                param.add_(torch.randn(param.shape, device=device).to(dtype) * 0.1)
+    for name in cfg.get("frozen", ()):
+        param = getattr(layer, name, None)
+        if param is not None:
+            param.requires_grad_(False)
+    return layer
+
+
+def _compare(kind, normalization, activation, cfg, device, gen, monkeypatch):
+    dtype = cfg.get("dtype", torch.float32)
+    recipe = cfg.get("recipe", RECIPE)
+    if kind == "current":  # Float8CurrentScaling with the case's format
+        recipe = tfp8.Float8CurrentScaling(fp8_format=recipe.fp8_format)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    layer = _layer(cfg, normalization, activation, device)
+    python_layer = copy.deepcopy(layer)
+    inputs = [randn(gen, *cfg["shape"], dtype=dtype, device=device, scale=s) + shift
+              for s, shift in ((1.0, 0.0), (30.0, 5.0), (0.01, -0.02), (3.0, 1.0))]
+    grads = [randn(gen, *cfg["shape"][:-1], HIDDEN, dtype=dtype, device=device, scale=s)
+             for s in (1e-3, 10.0, 1.0, 1e-5)]
+    input_grad = cfg.get("input_grad", True)
+    fused = _run(layer, inputs, grads, recipe, input_grad)
+    _python_path(monkeypatch)
+    python = _run(python_layer, inputs, grads, recipe, input_grad)
+    assert all(FUSED_NODE in r[3] for r in fused), [r[3] for r in fused]
+    assert all(FUSED_NODE not in r[3] for r in python)
+    _assert_same(fused, python, layer, python_layer)
+    # (step 2: grad_output at 1.0, well inside the range the scales were set for)
+    grads_of = dict(zip([n for n, _ in layer.named_parameters()], fused[2][2]))
+    for name, grad in grads_of.items():
+        if name not in cfg.get("frozen", ()) and not name.endswith("bias"):
+            assert grad is not None and grad.abs().sum() > 0, name
+    if kind == "delayed":
+        assert layer.fp8_bwd_amax_history.any(), "the backward recorded its amaxes"
+        assert layer.fp8_fwd_amax_history[:, 0].any() and \
+            layer.fp8_fwd_amax_history[:, 2].any(), "the norm's and activation's amaxes"
+    else:
+        assert not layer.fp8_fwd_amax_history.any(), "current scaling records none"
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("kind", ["delayed", "current"])
+def test_fused_step_is_bit_identical_to_python_path(kind, normalization, case, device, gen,
+                                                    monkeypatch):
+    _compare(kind, normalization, "gelu", CASES[case], device, gen, monkeypatch)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("activation", ["relu", "silu", "swiglu", "geglu", "reglu"])
+@pytest.mark.parametrize("kind", ["delayed", "current"])
+def test_every_activation_is_bit_identical_to_python_path(kind, activation, device, gen,
+                                                          monkeypatch):
+    for case in ("3d", "no_norm_grad"):
+        _compare(kind, "RMSNorm", activation, CASES[case], device, gen, monkeypatch)
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_fused_step_under_torch_autocast_is_bit_identical(recipe, gen, monkeypatch):
+    """float32 parameters, bfloat16 compute (torch.autocast on the CPU)."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    layer = _layer({}, "LayerNorm", "swiglu", "cpu")
+    python_layer = copy.deepcopy(layer)
+    inputs = [randn(gen, 2, 16, HIDDEN, scale=s) for s in (1.0, 20.0, 0.1)]
+    grads = [randn(gen, 2, 16, HIDDEN, scale=s) for s in (1.0, 1e-3, 5.0)]
+    fused = _run(layer, inputs, grads, recipe, autocast_bf16=True)
+    _python_path(monkeypatch)
+    python = _run(python_layer, inputs, grads, recipe, autocast_bf16=True)
+    assert fused[0][0].dtype == torch.bfloat16
+    assert FUSED_NODE in fused[0][3]
+    _assert_same(fused, python, layer, python_layer)
+
+
+def test_python_path_where_the_fused_step_does_not_apply(gen):
+    layer = tfp8.LayerNormMLP(HIDDEN, FFN)
+    x = randn(gen, 16, HIDDEN).requires_grad_(True)
+
+    def node(recipe=RECIPE, **kwargs):
+        with fp8_autocast(fp8_recipe=recipe):
+            out = layer(x, **kwargs)
+        return _node(out[0] if isinstance(out, tuple) else out)
+
+    assert FUSED_NODE in node()
+    assert FUSED_NODE in node(CURRENT)
+    assert FUSED_NODE not in node(is_first_microbatch=True)  # the weights are kept
+    assert FUSED_NODE not in node(tfp8.Float8BlockScaling())
+    layer.return_layernorm_output = True
+    assert FUSED_NODE not in node()
+    layer.return_layernorm_output = False
+
+    seen = []
+
+    def region(t):  # under torch.utils.checkpoint: the Python path keeps the replay record
+        with fp8_autocast(fp8_recipe=RECIPE):
+            out = layer(t)
+        seen.append((_node(out), bool(layer._replay_records)))
+        return out
+
+    torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False).sum().backward()
+    assert FUSED_NODE not in seen[0][0] and seen[0][1], seen
+
+
+def test_weights_kept_by_is_first_microbatch_are_dropped_by_a_fused_step(gen, monkeypatch):
+    """is_first_microbatch=True keeps both FP8 weights; after an optimizer step a call without
+    it (the C++ step) drops them, so a later False quantises the new weights, as on the Python
+    path."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    layer = tfp8.LayerNormMLP(HIDDEN, FFN)
+    python_layer = copy.deepcopy(layer)
+    xs = [randn(gen, 16, HIDDEN, scale=s) for s in (1.0, 4.0, 0.5, 2.0, 1.5)]
+
+    def run(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        got, nodes = [], []
+        for x, flag in zip(xs, (True, False, "step", None, False)):
+            if flag == "step":
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            with fp8_autocast(fp8_recipe=RECIPE):
+                out = model(x, is_first_microbatch=flag)
+            nodes.append(_node(out))
+            out.square().sum().backward()
+            got += [out.detach(), model.fc1_weight.grad.clone(), model.fc2_weight.grad.clone()]
+        return got, nodes
+
+    fused, fused_nodes = run(layer)
+    assert FUSED_NODE in fused_nodes[2], fused_nodes
+    _python_path(monkeypatch)
+    python, _ = run(python_layer)
+    for i, (a, b) in enumerate(zip(fused, python)):
+        assert_bitwise_equal(a, b, f"value {i}")
+
+
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_no_grad_forward_is_bit_identical_to_python_path(recipe, gen, monkeypatch):
+    layer = tfp8.LayerNormMLP(HIDDEN, FFN)
+    python_layer = copy.deepcopy(layer)
+    xs = [randn(gen, 3, 16, HIDDEN, scale=s) for s in (4.0, 0.1)]
+
+    def run(model):
+        outs = []
+        for x in xs:
+            with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+                outs.append(model(x))
+        return outs
+
+    calls = []
+    entry = linear_fused_step._norm_mlp_step
+    monkeypatch.setattr(linear_fused_step, "_norm_mlp_step",
+                        lambda *a: calls.append(1) or entry(*a))
+    fused = run(layer)
+    assert len(calls) == len(xs), "the C++ step ran"
+    _python_path(monkeypatch)
+    for step, (a, b) in enumerate(zip(fused, run(python_layer))):
+        assert_bitwise_equal(a, b, f"step {step}")
+        assert a.grad_fn is None
+    for key in FP8_STATE_KEYS:
+        assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
+
+
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_double_backward_is_refused_as_in_the_python_path(recipe, gen):
+    layer = tfp8.LayerNormMLP(HIDDEN, FFN)
+    x = randn(gen, 16, HIDDEN).requires_grad_(True)
+    with fp8_autocast(fp8_recipe=recipe):
+        out = layer(x)
+    assert FUSED_NODE in _node(out)
+    (grad_x,) = torch.autograd.grad(out.square().sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice the FP8 LayerNormMLP"):
+        grad_x.sum().backward()
+
+
+def _operator_args(gen, **changes):
+    args = dict(input=randn(gen, 16, 16), norm_weight=torch.ones(16), norm_bias=torch.zeros(16),
+                normalization="LayerNorm", eps=1e-5, zero_centered_gamma=False,
+                fc1_weight=randn(gen, 32, 16), fc1_bias=None, fc2_weight=randn(gen, 16, 32),
+                fc2_bias=None, activation="gelu", fwd_amax=torch.zeros(4),
+                fwd_scale=torch.ones(4), fwd_scale_inv=torch.ones(4), bwd_amax=torch.zeros(2),
+                bwd_scale=torch.ones(2), bwd_scale_inv=torch.ones(2),
+                fwd_dtype=torch.float8_e4m3fn, bwd_dtype=torch.float8_e5m2,
+                out_dtype=torch.float32)
+    args.update(changes)
+    return args
+
+
+def test_operator_errors_name_the_argument(gen):
+    op = torch.ops.transformer_fp8.fp8_norm_mlp_delayed
+
+    def call(**changes):
+        return op(*_operator_args(gen, **changes).values())
+
+    with pytest.raises(RuntimeError, match="argument 'fc2_weight' of fp8_norm_mlp_delayed.*"
+                                           "\\[16, ffn_hidden_size\\]"):
+        call(fc2_weight=randn(gen, 8, 32))
+    with pytest.raises(RuntimeError, match="argument 'fc2_bias'.*\\[16\\]"):
+        call(fc2_bias=torch.zeros(32))
+    with pytest.raises(RuntimeError, match="argument 'bias' of fp8_norm_mlp_delayed.*\\[32\\]"):
+        call(fc1_bias=torch.zeros(16))
+    with pytest.raises(RuntimeError, match="argument 'normalization'.*\"rms\""):
+        call(normalization="rms")
+    with pytest.raises(RuntimeError, match="argument 'norm_weight'.*\\[16\\]"):
+        call(norm_weight=torch.ones(32))
+    with pytest.raises(RuntimeError, match="argument 'fwd_amax'.*4 element"):
+        call(fwd_amax=torch.zeros(2))
+    with pytest.raises(RuntimeError, match="argument 'bwd_scale_inv'.*float32"):
+        call(bwd_scale_inv=torch.ones(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="activation"):
+        call(activation="tanh")
+    args = _operator_args(gen)
+    out = op(*args.values())
+    assert out.shape == (16, 16) and torch.isfinite(out).all()
+    assert args["fwd_amax"].all(), "the four forward amaxes recorded"
+    current = torch.ops.transformer_fp8.fp8_norm_mlp_current
+    state = ("fwd_amax", "fwd_scale", "fwd_scale_inv", "bwd_amax", "bwd_scale", "bwd_scale_inv")
+    rms = {k: v for k, v in _operator_args(gen, normalization="RMSNorm").items()
+           if k not in state}
+    with pytest.raises(RuntimeError, match="argument 'norm_bias' of fp8_norm_mlp_current"):
+        current(*rms.values())
+
+
+def test_python_entry_checks_its_slots(gen):
+    args = _operator_args(gen)
+    head = [args[k] for k in ("input", "norm_weight", "norm_bias", "normalization", "eps",
+                              "zero_centered_gamma", "fc1_weight", "fc1_bias", "fc2_weight",
+                              "fc2_bias", "activation")]
+    dtypes = [args["fwd_dtype"], args["bwd_dtype"], args["out_dtype"]]
+    with pytest.raises(RuntimeError, match="argument 'slots' of norm_mlp must hold 15"):
+        tfp8._C.norm_mlp(*head, [torch.zeros(1)] * 3, *dtypes, None)
+    with pytest.raises(RuntimeError, match="argument 'slots' of fp8_norm_mlp_delayed.*1 "
+                                           "element"):
+        tfp8._C.norm_mlp(*head, [torch.zeros(2)] * 15, *dtypes, None)
+
+
+def test_operator_matches_the_module(gen):
+    """torch.ops.transformer_fp8.fp8_norm_mlp_delayed on a module's state buffers computes
+    the module's output and records the same amaxes."""
+    layer = tfp8.LayerNormMLP(HIDDEN, FFN, recipe=RECIPE)
+    reference = copy.deepcopy(layer)
+    x = randn(gen, 20, HIDDEN, scale=3.0)
+    context = fp8_autocast(fp8_recipe=RECIPE)
+    with torch.no_grad():
+        context.__enter__()  # (left after the comparison: its exit rolls the histories)
+        try:
+            expected = reference(x)
+            recorded = reference.fp8_fwd_amax_history[0].clone()
+        finally:
+            context.__exit__(None, None, None)
+    fmt = RECIPE.fp8_format
+    p = {name: param.detach() for name, param in layer.named_parameters()}
+    got = torch.ops.transformer_fp8.fp8_norm_mlp_delayed(
+        x, p["layer_norm_weight"], p["layer_norm_bias"], "LayerNorm", layer.eps, False,
+        p["fc1_weight"], p["fc1_bias"], p["fc2_weight"], p["fc2_bias"], "gelu",
+        layer.fp8_fwd_amax_history[0], layer.fp8_fwd_scale, layer.fp8_fwd_scale_inv,
+        layer.fp8_bwd_amax_history[0], layer.fp8_bwd_scale, layer.fp8_bwd_scale_inv,
+        fmt.fwd_dtype, fmt.bwd_dtype, torch.float32)
+    assert_bitwise_equal(got, expected)
+    assert_bitwise_equal(layer.fp8_fwd_amax_history[0], recorded)
+    assert recorded.all(), "the four forward amaxes recorded"
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_recorded_histories_count_as_written(device, gen):
+    layer = tfp8.LayerNormMLP(HIDDEN, FFN, device=device)
+    x = randn(gen, 16, HIDDEN, device=device).requires_grad_(True)
+    fwd, bwd = layer.fp8_fwd_amax_history, layer.fp8_bwd_amax_history
+    with fp8_autocast(fp8_recipe=RECIPE):
+        before = fwd._version
+        out = layer(x)
+        assert FUSED_NODE in _node(out)
+        assert fwd._version > before, "forward amaxes recorded"
+    before = bwd._version
+    seen = []
+    x.register_hook(lambda grad: seen.append(bwd._version))
+    out.backward(randn(gen, 16, HIDDEN, device=device))
+    assert seen and seen[0] > before, "grad_output amaxes recorded"
