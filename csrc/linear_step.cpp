@@ -75,24 +75,26 @@ enum StateIndex : size_t {
   kInputAmax, kWeightAmax, kInputScale, kWeightScale, kFwdScaleInv,
   kGradAmax, kGradScale, kGradScaleInv, kStateSize
 };
-// Arguments of forward, each state tensor counting as one: what backward returns gradients for.
-constexpr size_t kMaxForwardInputs = 5 + kStateSize + 6;
+// Arguments of forward: what backward returns gradients for.
+constexpr size_t kMaxForwardInputs = 12;
 struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
   // norm_weight / norm_bias: the norm's parameters when norm.kind is not kNone (else none).
-  // state: delayed scaling's tensors (StateIndex), or empty for current scaling.
+  // state: delayed scaling's kStateSize tensors (StateIndex), or null for current scaling.
+  // (A pointer, not tensor arguments: autograd would record each as an input of the node, a
+  // host cost per call for tensors that take no gradient.)
   // needs_input_grad / needs_weight_grad: whether backward will want dgrad (of the GEMM's
   // input: the layer's input, or the norm's output) / wgrad (the transposes are cast only then).
   static Tensor forward(AutogradContext* ctx, const Tensor& input, const Tensor& weight,
                         const std::optional<Tensor>& bias,
                         const std::optional<Tensor>& norm_weight,
-                        const std::optional<Tensor>& norm_bias, at::TensorList state,
+                        const std::optional<Tensor>& norm_bias, const Tensor* state,
                         at::ScalarType fwd_dtype, at::ScalarType bwd_dtype,
                         at::ScalarType out_dtype, bool needs_input_grad,
                         bool needs_weight_grad, NormSpec norm) {
     // The operators below need no autograd of their own (this node is theirs): dispatched
     // past the autograd and view-tracking kernels, a large part of the host time otherwise.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const bool delayed = !state.empty();
+    const bool delayed = state != nullptr;
     const bool has_norm = norm.kind != NormSpec::kNone;
     const int64_t out_features = weight.size(0), in_features = weight.size(1);
     const Tensor inp_2d = input.dim() == 2 ? input : input.reshape({-1, in_features});
@@ -282,7 +284,7 @@ Tensor fp8_linear_delayed(const Tensor& input, const Tensor& weight,
                                    grad_scale_inv);
   const auto [needs_input_grad, needs_weight_grad] = needs_grads(input, weight);
   return Fp8LinearStep::apply(input, weight, bias, std::nullopt, std::nullopt,
-                              at::TensorList(state), fwd_dtype, bwd_dtype, out_dtype,
+                              state.data(), fwd_dtype, bwd_dtype, out_dtype,
                               needs_input_grad, needs_weight_grad, NormSpec{});
 }
 
@@ -292,7 +294,7 @@ Tensor fp8_linear_current(const Tensor& input, const Tensor& weight,
   check_shapes("fp8_linear_current", input, weight, bias);
   const auto [needs_input_grad, needs_weight_grad] = needs_grads(input, weight);
   return Fp8LinearStep::apply(input, weight, bias, std::nullopt, std::nullopt,
-                              at::TensorList(), fwd_dtype, bwd_dtype, out_dtype,
+                              nullptr, fwd_dtype, bwd_dtype, out_dtype,
                               needs_input_grad, needs_weight_grad, NormSpec{});
 }
 
@@ -326,7 +328,7 @@ Tensor fp8_norm_linear_delayed(const Tensor& input, const Tensor& norm_weight,
   const auto [needs_input_grad, needs_weight_grad] =
       norm_needs_grads(input, norm_weight, norm_bias, weight);
   return Fp8LinearStep::apply(input, weight, bias, norm_weight, norm_bias,
-                              at::TensorList(state), fwd_dtype, bwd_dtype, out_dtype,
+                              state.data(), fwd_dtype, bwd_dtype, out_dtype,
                               needs_input_grad, needs_weight_grad, norm);
 }
 
@@ -342,7 +344,7 @@ Tensor fp8_norm_linear_current(const Tensor& input, const Tensor& norm_weight,
                                   zero_centered_gamma);
   const auto [needs_input_grad, needs_weight_grad] =
       norm_needs_grads(input, norm_weight, norm_bias, weight);
-  return Fp8LinearStep::apply(input, weight, bias, norm_weight, norm_bias, at::TensorList(),
+  return Fp8LinearStep::apply(input, weight, bias, norm_weight, norm_bias, nullptr,
                               fwd_dtype, bwd_dtype, out_dtype, needs_input_grad,
                               needs_weight_grad, norm);
 }

@@ -50,7 +50,7 @@ struct MlpSpec {
 
 // Tensor arguments of forward (an absent optional counts), then the state, then the spec.
 constexpr size_t kTensorArgs = 7;
-constexpr size_t kMaxForwardInputs = kTensorArgs + kSlots + 1;
+constexpr size_t kMaxForwardInputs = kTensorArgs + 2;
 
 // What backward needs besides its saved variables, in one saved_data entry.
 std::vector<int64_t> pack_meta(const MlpSpec& spec, const Tensor& input,
@@ -70,10 +70,12 @@ struct Fp8NormMlpStep : public torch::autograd::Function<Fp8NormMlpStep> {
   static Tensor forward(AutogradContext* ctx, const Tensor& input, const Tensor& norm_weight,
                         const std::optional<Tensor>& norm_bias, const Tensor& fc1_weight,
                         const std::optional<Tensor>& fc1_bias, const Tensor& fc2_weight,
-                        const std::optional<Tensor>& fc2_bias, at::TensorList state,
+                        const std::optional<Tensor>& fc2_bias, const Tensor* state,
                         const MlpSpec& spec) {
+    // state: delayed scaling's kSlots tensors (Slot), or null for current scaling (a pointer:
+    // autograd would record tensor arguments as inputs of the node, a host cost per call).
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // (this node is the operators')
-    const bool delayed = !state.empty();
+    const bool delayed = state != nullptr;
     const auto& g = spec.grads;
     const bool needs_norm_grad = g[0] || g[1] || g[2];
     const bool needs_fc1_dgrad = needs_norm_grad;  // fc1's dgrad feeds only the norm's backward
@@ -276,7 +278,7 @@ MlpSpec mlp_spec(const char* op, const Tensor& input, const Tensor& norm_weight,
 Tensor norm_mlp_step(const Tensor& input, const Tensor& norm_weight,
                      const std::optional<Tensor>& norm_bias, const Tensor& fc1_weight,
                      const std::optional<Tensor>& fc1_bias, const Tensor& fc2_weight,
-                     const std::optional<Tensor>& fc2_bias, at::TensorList state,
+                     const std::optional<Tensor>& fc2_bias, const Tensor* state,
                      const MlpSpec& spec) {
   return Fp8NormMlpStep::apply(input, norm_weight, norm_bias, fc1_weight, fc1_bias, fc2_weight,
                                fc2_bias, state, spec);
@@ -326,7 +328,7 @@ Tensor fp8_norm_mlp_delayed(const Tensor& input, const Tensor& norm_weight,
   const auto slots = slots_of(op, fc1_weight, fwd_amax, fwd_scale, fwd_scale_inv, bwd_amax,
                               bwd_scale, bwd_scale_inv);
   return norm_mlp_step(input, norm_weight, norm_bias, fc1_weight, fc1_bias, fc2_weight,
-                       fc2_bias, slots, spec);
+                       fc2_bias, slots.data(), spec);
 }
 
 Tensor fp8_norm_mlp_current(const Tensor& input, const Tensor& norm_weight,
@@ -342,7 +344,7 @@ Tensor fp8_norm_mlp_current(const Tensor& input, const Tensor& norm_weight,
                                 fc2_weight, fc2_bias, activation, fwd_dtype, bwd_dtype,
                                 out_dtype);
   return norm_mlp_step(input, norm_weight, norm_bias, fc1_weight, fc1_bias, fc2_weight,
-                       fc2_bias, at::TensorList(), spec);
+                       fc2_bias, nullptr, spec);
 }
 
 }  // namespace
@@ -383,7 +385,7 @@ void bind_norm_mlp_step(pybind11::module_& module) {
         }
         return call_on_backward(
             norm_mlp_step(input, norm_weight, norm_bias, fc1_weight, fc1_bias, fc2_weight,
-                          fc2_bias, slots, spec),
+                          fc2_bias, delayed ? slots.data() : nullptr, spec),
             std::move(backward_step));
       },
       "transformer_fp8::fp8_norm_mlp_delayed (15 state slots) or _current (none), then "

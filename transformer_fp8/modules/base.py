@@ -23,6 +23,7 @@ from .fsdp_weight import GatheredFp8Weight
 from . import tensor_parallel
 
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 _FIT, _EMPTY, _UNALIGNED = "fit", "empty", "unaligned"
@@ -62,11 +63,13 @@ class Fp8StateMixin(Fp8State):
                              f"[..., {in_features}], got {tuple(inp.shape)}")
         if self._in_recompute():
             return self._fp8_replay(inp)
-        state = _autocast.current_state()
+        stack = _autocast.LOCAL.stack  # (current_state(), inline: every forward asks)
+        state = stack[-1] if stack else None
         if self._fp8_override is not None and state is not None:
             state = self._fp8_override.state_for(state)  # None: high precision
         weight = self.fp8_weights()[0]
-        sharded = is_dtensor(weight)  # tensor parallelism (tensor_parallel.py)
+        # tensor parallelism (tensor_parallel.py)
+        sharded = type(weight) not in _PLAIN_TENSORS and is_dtensor(weight)
         if sharded:
             tensor_parallel.prepare(self, state, inp)
         if state is None or not state.enabled:
@@ -135,8 +138,9 @@ class Fp8StateMixin(Fp8State):
 
     def _in_recompute(self) -> bool:
         """Whether this forward is activation checkpointing's recomputation of an FP8 one."""
-        # (An `if` on the records, not bool(): torch.compile traces the one, not the other.)
-        if self._replay_records and checkpointing.phase() is checkpointing.Phase.RECOMPUTE:
+        # (An `if` on the records, not bool(): torch.compile traces the one, not the other.
+        # The list itself: ReplayRecords.__bool__ would be a Python call on every forward.)
+        if self._replay_records.records and checkpointing.phase() is checkpointing.Phase.RECOMPUTE:
             return True
         return False
 

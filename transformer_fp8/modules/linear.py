@@ -181,7 +181,7 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
         return [(self.out_features, self.in_features)]
 
     def fp8_weights(self) -> list[torch.Tensor]:
-        return [self.weight_nk()]
+        return [self._param("weight", routed=False)]  # (weight_nk(), one call less per step)
 
     def reset_parameters(self) -> None:
         if not hasattr(self, "_parts"):  # nn.Linear.__init__ calls this first
@@ -210,7 +210,8 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
-        check_forward_flags("Linear", fp8_output, fp8_grad)
+        if fp8_output or fp8_grad:
+            check_forward_flags("Linear", fp8_output, fp8_grad)
         if self._wgrad is not None:  # (no attribute write otherwise: torch.compile)
             self._wgrad_first = is_first_microbatch
         out = self._dispatch(inp, is_first_microbatch, self.in_features)

@@ -28,8 +28,8 @@ from ..quantization import autocast as _autocast
 from ..quantization import replay as checkpointing
 from ..quantization.quantizer import Fp8Plan, Quantized
 from ..quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
-from ..quantization.roles import (QUANTIZERS, delayed_quantizers, float_state_buffers,
-                                  registered_quantizers)
+from ..quantization.roles import (_REGISTERED, QUANTIZERS, delayed_quantizers,
+                                  float_state_buffers, registered_quantizers)
 from ..quantization.update_plan import world_size
 from ..quantization.torch_autocast import output_dtype
 
@@ -49,6 +49,7 @@ NORM_MLP_ENABLED = _norm_mlp_step is not None
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
+_is_any_autocast_enabled = torch._C._is_any_autocast_enabled
 # The quantizers of the two recipes this step runs (a registered subclass's own are not).
 _delayed_quantizers = QUANTIZERS[DelayedScaling]
 _current_quantizers = QUANTIZERS[Float8CurrentScaling]
@@ -143,7 +144,9 @@ def _runs_fused(layer, state, is_first_microbatch) -> Optional[bool]:
     if observer is not None and observer.observes(layer):
         return None
     recipe = state.recipe
-    quantizers = registered_quantizers(recipe)
+    quantizers = _REGISTERED.get(type(recipe), _REGISTERED)  # (registered_quantizers, inline)
+    if quantizers is _REGISTERED:
+        quantizers = registered_quantizers(recipe)
     if quantizers is _delayed_quantizers:
         return True
     if (quantizers is _current_quantizers and recipe.fp8_format is not Format.E5M2
@@ -181,7 +184,8 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of, replayable: bo
     if checkpointed and not (delayed and replayable):
         return None
     fmt = recipe.fp8_format
-    out_dtype = output_dtype(inp)
+    # (output_dtype(inp), its common case inline)
+    out_dtype = output_dtype(inp) if _is_any_autocast_enabled() else inp.dtype
     if not delayed:
         return fmt, out_dtype, None, None
     if fmt is Format.E5M2:
@@ -189,8 +193,7 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of, replayable: bo
     # What roles.py's delayed scaling does for a forward, without quantizer objects: the
     # history length matched to the recipe, the state slices, the states registered with the
     # step (for the update at the context's exit and at the end of the backward pass).
-    layer._adopt_recipe(recipe)
-    state_slices = slices_of(layer, fmt)
+    state_slices = _delayed_state(layer, recipe, slices_of)
     backward_step = _autocast.record_forward(state, *layer._scaling_states)
     if checkpointed:
         _keep_replay_record(layer, delayed_quantizers(layer, fmt)[0], state_slices,
@@ -211,39 +214,43 @@ def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out
     layer._replay_records.keep(_autocast.forward_pass_id(), (plan.for_replay(),))
 
 
+def _delayed_state(layer, recipe, slices_of):
+    """The layer's delayed-scaling state slices (``slices_of(layer, fmt)``) for ``recipe``,
+    adopted first (the history length matched to it: state.py's _adopt_recipe). Made again
+    when the recipe, the layer's record of it or a state buffer is another object than when
+    they were made, else reused (slicing and adopting on every call would cost more host
+    time than the C++ step saves)."""
+    buffers = float_state_buffers(layer._buffers)
+    cached = layer._fused_step_cache
+    if (cached is not None and cached[0] is recipe and cached[1] is layer._recipe_code
+            and all(map(operator.is_, cached[2], buffers))):
+        return cached[3]
+    layer._adopt_recipe(recipe)
+    fmt = recipe.fp8_format
+    delayed_quantizers(layer, fmt)  # (binds the scaling states to the buffers if need be)
+    slices = slices_of(layer, fmt)
+    layer._fused_step_cache = (recipe, layer._recipe_code, float_state_buffers(layer._buffers),
+                               slices)
+    return slices
+
+
 def _state_slices(layer, fmt) -> tuple:
     """The delayed-scaling state of the layer's one GEMM as fp8_linear_delayed takes it: the
     input's and the weight's amax slot (history row 0) and scale, their scale_invs, and
-    grad_output's amax slot, scale and scale_inv; views of its state buffers. Made again when
-    a state buffer is another tensor than when they were made, else reused (slicing on every
-    call would cost more host time than the C++ step saves)."""
-    buffers = float_state_buffers(layer._buffers)
-    cached = layer._fused_step_cache
-    if cached is not None and all(map(operator.is_, cached[0], buffers)):
-        return cached[1]
-    delayed_quantizers(layer, fmt)  # (binds the scaling states to these buffers if need be)
+    grad_output's amax slot, scale and scale_inv; views of its state buffers."""
     fwd, bwd = layer._scaling_states
     fwd_row = fwd.history[0]
-    args = (fwd_row[0:1], fwd_row[1:2], fwd.scale[0:1], fwd.scale[1:2], fwd.scale_inv,
+    return (fwd_row[0:1], fwd_row[1:2], fwd.scale[0:1], fwd.scale[1:2], fwd.scale_inv,
             bwd.history[0], bwd.scale, bwd.scale_inv)
-    layer._fused_step_cache = (buffers, args)
-    return args
 
 
-def _mlp_state_slices(layer, fmt) -> tuple:
+def _mlp_state_slices(layer, fmt) -> list:
     """LayerNormMLP's delayed-scaling state as fp8_norm_mlp_delayed's Python entry takes it
     (csrc/norm_mlp_step.cpp's Slot order): the forward amax slots (history row 0: fc1 input,
     fc1 weight, fc2 input, fc2 weight) and scales, the forward scale_invs [4], then fc1's and
-    fc2's grad_output amax slots, scales and scale_invs. Cached as _state_slices's."""
-    buffers = float_state_buffers(layer._buffers)
-    cached = layer._fused_step_cache
-    if cached is not None and all(map(operator.is_, cached[0], buffers)):
-        return cached[1]
-    delayed_quantizers(layer, fmt)  # (binds the scaling states to these buffers if need be)
+    fc2's grad_output amax slots, scales and scale_invs."""
     fwd, bwd = layer._scaling_states
     fwd_row, bwd_row = fwd.history[0], bwd.history[0]
-    slots = ([fwd_row[i:i + 1] for i in range(4)] + [fwd.scale[i:i + 1] for i in range(4)]
-             + [fwd.scale_inv] + [bwd_row[i:i + 1] for i in range(2)]
-             + [bwd.scale[i:i + 1] for i in range(2)] + [bwd.scale_inv[i:i + 1] for i in range(2)])
-    layer._fused_step_cache = (buffers, slots)
-    return slots
+    return ([fwd_row[i:i + 1] for i in range(4)] + [fwd.scale[i:i + 1] for i in range(4)]
+            + [fwd.scale_inv] + [bwd_row[i:i + 1] for i in range(2)]
+            + [bwd.scale[i:i + 1] for i in range(2)] + [bwd.scale_inv[i:i + 1] for i in range(2)])

@@ -56,6 +56,7 @@ class _ThreadAutocast(threading.local):
 
 
 _LOCAL = _ThreadAutocast()
+LOCAL = _LOCAL  # (read by the modules' forward: base.py's _dispatch)
 _pass_ids = itertools.count(1)
 
 

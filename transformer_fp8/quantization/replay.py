@@ -60,28 +60,28 @@ class ReplayRecords:
     """One layer's replay records: (forward pass id, record) in the order they were kept."""
 
     def __init__(self):
-        self._records: list = []
+        self.records: list = []
 
     def __bool__(self) -> bool:
-        return bool(self._records)
+        return bool(self.records)
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self.records)
 
     def keep(self, pass_id: int, record) -> None:
         _KEPT_ANY[0] = True
-        if len(self._records) >= MAX_RECORDS_PER_LAYER:
-            del self._records[0]  # a forward whose backward never ran
-        self._records.append((pass_id, record))
+        if len(self.records) >= MAX_RECORDS_PER_LAYER:
+            del self.records[0]  # a forward whose backward never ran
+        self.records.append((pass_id, record))
 
     def take(self):
         """The record a recomputation replays (see the module docstring)."""
-        oldest = min(pass_id for pass_id, _ in self._records)
-        index = max(i for i, (pass_id, _) in enumerate(self._records) if pass_id == oldest)
-        return self._records.pop(index)[1]
+        oldest = min(pass_id for pass_id, _ in self.records)
+        index = max(i for i, (pass_id, _) in enumerate(self.records) if pass_id == oldest)
+        return self.records.pop(index)[1]
 
     def clear(self) -> None:
-        self._records.clear()
+        self.records.clear()
 
 
 # Whether any FP8 forward has kept a replay record in this process: until one has, no FP8 layer
