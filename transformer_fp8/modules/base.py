@@ -52,6 +52,9 @@ class Fp8StateMixin(Fp8State):
     """
 
     _fp8_override = None  # set per module by transformer_fp8.debug.override
+    # fused_step(module, inp, autocast state, is_first_microbatch) -> output, or None where the
+    # Python path (_fp8_run) must run: the module's C++ step (modules/linear_fused_step.py).
+    _fused_step = None
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -90,6 +93,11 @@ class Fp8StateMixin(Fp8State):
         if fit is _UNALIGNED or inp_dtype not in FP8_INPUT_DTYPES:
             self._warn_high_precision(inp_dtype)
             return self._high_precision(inp)
+        fused_step = self._fused_step
+        if fused_step is not None:  # the module's C++ step, where it applies
+            out = fused_step(self, inp, state, is_first_microbatch)
+            if out is not None:
+                return out
         return self._fp8_run(inp, state, is_first_microbatch)
 
     def _warn_high_precision(self, dtype) -> None:

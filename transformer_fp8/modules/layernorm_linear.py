@@ -171,10 +171,9 @@ class LayerNormLinear(NormFirstModule):
         out = linear(ln_out, self._param("weight"), self._gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out
 
-    def _fp8_run(self, inp, state, is_first_microbatch):
-        # The common cases (DelayedScaling, Float8CurrentScaling) as one C++ operator.
-        out = fused_norm_linear_step(self, inp, state, is_first_microbatch)
-        return out if out is not None else super()._fp8_run(inp, state, is_first_microbatch)
+    # The common cases (DelayedScaling, Float8CurrentScaling) as one C++ operator, tried first by
+    # base.py's _dispatch.
+    _fused_step = staticmethod(fused_norm_linear_step)
 
     def _fp8_apply(self, inp, plans):
         return _LayerNormLinearFunction.apply(

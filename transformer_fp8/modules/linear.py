@@ -219,10 +219,9 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
             return out, self._returned_bias("bias", out)
         return out
 
-    def _fp8_run(self, inp, state, is_first_microbatch):
-        # The common case (DelayedScaling, a plain weight) as one C++ operator.
-        out = fused_linear_step(self, inp, state, is_first_microbatch)
-        return out if out is not None else super()._fp8_run(inp, state, is_first_microbatch)
+    # The common cases (DelayedScaling, a plain weight) as one C++ operator, tried first by
+    # base.py's _dispatch.
+    _fused_step = staticmethod(fused_linear_step)
 
     def _fp8_apply(self, inp, plans):
         weight, bias = self.weight_nk(routed=True), self._gemm_bias()

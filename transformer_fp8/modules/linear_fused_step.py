@@ -50,6 +50,8 @@ NORM_MLP_ENABLED = _norm_mlp_step is not None
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
 _is_any_autocast_enabled = torch._C._is_any_autocast_enabled
+# (fwd_dtype, bwd_dtype) of each format: two property calls less per step.
+_FORMAT_DTYPES = {fmt: (fmt.fwd_dtype, fmt.bwd_dtype) for fmt in Format}
 # The quantizers of the two recipes this step runs (a registered subclass's own are not).
 _delayed_quantizers = QUANTIZERS[DelayedScaling]
 _current_quantizers = QUANTIZERS[Float8CurrentScaling]
@@ -58,9 +60,9 @@ _current_quantizers = QUANTIZERS[Float8CurrentScaling]
 def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
                       ) -> Optional[torch.Tensor]:
     """The Linear layer's FP8 output through fp8_linear_delayed or fp8_linear_current, or None
-    where the Python path must run. Called by Linear._fp8_run inside an enabled fp8_autocast,
-    after _dispatch's checks. (Every forward runs this: its checks are ordered cheapest
-    first.)"""
+    where the Python path must run. Called by base.py's _dispatch inside an enabled
+    fp8_autocast, after its checks (Linear._fused_step). (Every forward runs this: its checks
+    are ordered cheapest first.)"""
     if not ENABLED:
         return None
     delayed = _runs_fused(layer, state, is_first_microbatch)
@@ -71,13 +73,13 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     step = _prepare(layer, inp, state, delayed, (weight, bias), _state_slices)
     if step is None:
         return None
-    fmt, out_dtype, state_slices, backward_step = step
+    (fwd_dtype, bwd_dtype), out_dtype, state_slices, backward_step = step
     if state_slices is None:
-        return _current_step(inp, weight, bias, fmt.fwd_dtype, fmt.bwd_dtype, out_dtype)
+        return _current_step(inp, weight, bias, fwd_dtype, bwd_dtype, out_dtype)
     # backward_step.on_backward() is called before the node runs: it queues the grad_output
     # update for the end of the backward pass (amax_step.BackwardStep).
-    return _delayed_step(inp, weight, bias, *state_slices, fmt.fwd_dtype, fmt.bwd_dtype,
-                         out_dtype, backward_step)
+    return _delayed_step(inp, weight, bias, *state_slices, fwd_dtype, bwd_dtype, out_dtype,
+                         backward_step)
 
 
 def fused_norm_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
@@ -98,12 +100,12 @@ def fused_norm_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     step = _prepare(layer, inp, state, delayed, (weight, bias), _state_slices)
     if step is None:
         return None
-    fmt, out_dtype, state_slices, backward_step = step
+    (fwd_dtype, bwd_dtype), out_dtype, state_slices, backward_step = step
     norm = (inp, norm_weight, norm_bias, layer.normalization, layer.eps,
             layer.zero_centered_gamma, weight, bias)
     if state_slices is None:
-        return _norm_current_step(*norm, fmt.fwd_dtype, fmt.bwd_dtype, out_dtype)
-    return _norm_delayed_step(*norm, *state_slices, fmt.fwd_dtype, fmt.bwd_dtype, out_dtype,
+        return _norm_current_step(*norm, fwd_dtype, bwd_dtype, out_dtype)
+    return _norm_delayed_step(*norm, *state_slices, fwd_dtype, bwd_dtype, out_dtype,
                               backward_step)
 
 
@@ -125,12 +127,12 @@ def fused_norm_mlp_step(layer, inp: torch.Tensor, state, is_first_microbatch
     step = _prepare(layer, inp, state, delayed, params, _mlp_state_slices, replayable=False)
     if step is None:
         return None
-    fmt, out_dtype, slots, backward_step = step
+    (fwd_dtype, bwd_dtype), out_dtype, slots, backward_step = step
     fc1_weight, fc1_bias, fc2_weight, fc2_bias = params
     return _norm_mlp_step(inp, norm_weight, norm_bias, layer.normalization, layer.eps,
                           layer.zero_centered_gamma, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                          layer.activation, () if slots is None else slots, fmt.fwd_dtype,
-                          fmt.bwd_dtype, out_dtype, backward_step)
+                          layer.activation, () if slots is None else slots, fwd_dtype,
+                          bwd_dtype, out_dtype, backward_step)
 
 
 def _runs_fused(layer, state, is_first_microbatch) -> Optional[bool]:
@@ -157,9 +159,9 @@ def _runs_fused(layer, state, is_first_microbatch) -> Optional[bool]:
 
 def _prepare(layer, inp, state, delayed: bool, params, slices_of, replayable: bool = True
              ) -> Optional[tuple]:
-    """What a C++ step needs, or None where the Python path must run: (format, output dtype,
-    delayed scaling's state slices (``slices_of(layer, fmt)``) or None for current scaling,
-    the backward step or None). ``params``: the GEMMs' weights and biases as the step takes
+    """What a C++ step needs, or None where the Python path must run: ((forward, backward FP8
+    dtype), output dtype, delayed scaling's state slices (``slices_of(layer, fmt)``) or None
+    for current scaling, the backward step or None). ``params``: the GEMMs' weights and biases as the step takes
     them (None for an absent bias). Does the bookkeeping of the forward: the weights kept by
     is_first_microbatch dropped; under delayed scaling, the recipe adopted, the states
     registered with the step and, if ``replayable``, the replay record kept under
@@ -187,7 +189,7 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of, replayable: bo
     # (output_dtype(inp), its common case inline)
     out_dtype = output_dtype(inp) if _is_any_autocast_enabled() else inp.dtype
     if not delayed:
-        return fmt, out_dtype, None, None
+        return _FORMAT_DTYPES[fmt], out_dtype, None, None
     if fmt is Format.E5M2:
         return None  # (the Python path raises the error that names it)
     # What roles.py's delayed scaling does for a forward, without quantizer objects: the
@@ -198,7 +200,7 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of, replayable: bo
     if checkpointed:
         _keep_replay_record(layer, delayed_quantizers(layer, fmt)[0], state_slices,
                             backward_step, out_dtype)
-    return fmt, out_dtype, state_slices, backward_step
+    return _FORMAT_DTYPES[fmt], out_dtype, state_slices, backward_step
 
 
 def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out_dtype):
