@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
+from fused_step_checks import assert_same, check_histories_count_as_written, node_name
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Format, fp8_autocast
@@ -20,12 +21,7 @@ FUSED_NODE = "Fp8LinearStep"
 CURRENT = tfp8.Float8CurrentScaling()
 
 
-def _node(out) -> str:
-    """The name of the node that made ``out`` (a C++ node's own name, not "CppFunction")."""
-    if out.grad_fn is None:
-        return "none"
-    name = type(out.grad_fn).__name__
-    return out.grad_fn.name() if name == "CppFunction" else name
+_node = node_name
 
 
 def _python_path(monkeypatch):
@@ -46,21 +42,6 @@ def _run(layer, inputs, grads, recipe=RECIPE, input_grad=True, autocast_bf16=Fal
         layer.zero_grad(set_to_none=True)
         results.append((out.detach(), x.grad, params, node))
     return results
-
-
-def _assert_same(fused, python, fused_layer, python_layer):
-    for step, (got, ref) in enumerate(zip(fused, python)):
-        assert_bitwise_equal(got[0], ref[0], f"step {step} output")
-        if ref[1] is None:
-            assert got[1] is None
-        else:
-            assert_bitwise_equal(got[1], ref[1], f"step {step} input gradient")
-        for i, (a, b) in enumerate(zip(got[2], ref[2])):
-            assert (a is None) == (b is None), f"step {step} parameter {i}"
-            if b is not None:
-                assert_bitwise_equal(a, b, f"step {step} parameter {i} gradient")
-    for key in FP8_STATE_KEYS:
-        assert_bitwise_equal(getattr(fused_layer, key), getattr(python_layer, key), key)
 
 
 CASES = {
@@ -114,7 +95,7 @@ def test_fused_step_is_bit_identical_to_python_path(kind, case, device, gen, mon
     python = _run(python_layer, inputs, grads, recipe, input_grad)
     assert all(FUSED_NODE in r[3] for r in fused), [r[3] for r in fused]
     assert all(FUSED_NODE not in r[3] for r in python)
-    _assert_same(fused, python, _inner(layer), _inner(python_layer))
+    assert_same(fused, python, _inner(layer), _inner(python_layer))
     if kind == "delayed":
         assert _inner(layer).fp8_bwd_amax_history.any(), "the backward recorded its amaxes"
     else:
@@ -149,7 +130,7 @@ def test_fused_step_under_torch_autocast_is_bit_identical(recipe, gen, monkeypat
     python = _run(python_layer, inputs, grads, recipe, autocast_bf16=True)
     assert fused[0][0].dtype == torch.bfloat16
     assert FUSED_NODE in fused[0][3]
-    _assert_same(fused, python, layer, python_layer)
+    assert_same(fused, python, layer, python_layer)
 
 
 def test_microbatches_retain_graph_and_grad_of_input_only(gen, monkeypatch):
@@ -406,22 +387,8 @@ def test_python_entry_checks_arguments_as_the_operator(gen):
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_recorded_histories_count_as_written(device, gen):
-    """The C++ step writes the amaxes through views made past autograd's view tracking: it
-    moves the histories' version counters itself, as an operator with a Tensor(a!) argument,
-    so that autograd notices if a tensor saved for backward is a view of one."""
-    layer = tfp8.Linear(32, 32, device=device)
-    x = randn(gen, 16, 32, device=device).requires_grad_(True)
-    fwd, bwd = layer.fp8_fwd_amax_history, layer.fp8_bwd_amax_history
-    with fp8_autocast(fp8_recipe=RECIPE):
-        before = fwd._version
-        out = layer(x)
-        assert FUSED_NODE in _node(out)
-        assert fwd._version > before, "forward amaxes recorded"
-    before = bwd._version
-    seen = []  # the version once the node has run, before the update at the pass's end
-    x.register_hook(lambda grad: seen.append(bwd._version))
-    out.backward(randn(gen, 16, 32, device=device))
-    assert seen and seen[0] > before, "grad_output amax recorded"
+    check_histories_count_as_written(tfp8.Linear(32, 32, device=device), 32, 32, RECIPE,
+                                     FUSED_NODE, device, gen)
 
 
 def test_current_scaling_across_ranks_takes_the_python_path(gen, monkeypatch):

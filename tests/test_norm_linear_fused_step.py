@@ -10,6 +10,10 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
+from fused_step_checks import (case_recipe, check_double_backward_refused,
+                               check_histories_count_as_written, check_no_grad,
+                               check_torch_autocast, compare_with_python_path, node_name,
+                               output_and_recorded_amaxes, python_path)
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Format, fp8_autocast
@@ -22,50 +26,8 @@ FUSED_NODE = "Fp8LinearStep"
 IN, OUT = 32, 48
 
 
-def _node(out) -> str:
-    if out.grad_fn is None:
-        return "none"
-    name = type(out.grad_fn).__name__
-    return out.grad_fn.name() if name == "CppFunction" else name
-
-
 def _python_path(monkeypatch):
-    monkeypatch.setattr(linear_fused_step, "NORM_ENABLED", False)
-
-
-def _run(layer, inputs, grads, recipe, input_grad=True, autocast_bf16=False):
-    """Steps of forward in fp8_autocast and backward after it: (output, input gradient,
-    parameter gradients, node) per step."""
-    results = []
-    for x, g in zip(inputs, grads):
-        x = x.detach().requires_grad_(input_grad)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16), \
-                fp8_autocast(fp8_recipe=recipe):
-            out = layer(x)
-        if isinstance(out, tuple):  # return_bias: (out, bias), the bias not added
-            node = _node(out[0])
-            out = out[0] + out[1]
-        else:
-            node = _node(out)
-        out.backward(g.to(out.dtype))
-        params = [p.grad.clone() if p.grad is not None else None for p in layer.parameters()]
-        layer.zero_grad(set_to_none=True)
-        results.append((out.detach(), x.grad, params, node))
-    return results
-
-
-def _assert_same(fused, python, fused_layer, python_layer):
-    for step, (got, ref) in enumerate(zip(fused, python)):
-        assert_bitwise_equal(got[0], ref[0], f"step {step} output")
-        assert (got[1] is None) == (ref[1] is None), f"step {step} input gradient"
-        if ref[1] is not None:
-            assert_bitwise_equal(got[1], ref[1], f"step {step} input gradient")
-        for i, (a, b) in enumerate(zip(got[2], ref[2])):
-            assert (a is None) == (b is None), f"step {step} parameter {i}"
-            if b is not None:
-                assert_bitwise_equal(a, b, f"step {step} parameter {i} gradient")
-    for key in FP8_STATE_KEYS:
-        assert_bitwise_equal(getattr(fused_layer, key), getattr(python_layer, key), key)
+    python_path(monkeypatch, "NORM_ENABLED")
 
 
 CASES = {
@@ -118,51 +80,17 @@ def _layer(cfg, normalization, device):
 def test_fused_step_is_bit_identical_to_python_path(kind, normalization, case, device, gen,
                                                     monkeypatch):
     cfg = CASES[case]
-    dtype = cfg.get("dtype", torch.float32)
-    recipe = cfg.get("recipe", RECIPE)
-    if kind == "current":  # Float8CurrentScaling with the case's format
-        recipe = tfp8.Float8CurrentScaling(fp8_format=recipe.fp8_format)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    layer = _layer(cfg, normalization, device)
-    python_layer = copy.deepcopy(layer)
-    # Inputs at different magnitudes and offsets: the scales change from step to step.
-    inputs = [randn(gen, *cfg["shape"], dtype=dtype, device=device, scale=s) + shift
-              for s, shift in ((1.0, 0.0), (30.0, 5.0), (0.01, -0.02), (3.0, 1.0))]
-    grads = [randn(gen, *cfg["shape"][:-1], OUT, dtype=dtype, device=device, scale=s)
-             for s in (1e-3, 10.0, 1.0, 1e-5)]
-    input_grad = cfg.get("input_grad", True)
-    fused = _run(layer, inputs, grads, recipe, input_grad)
-    _python_path(monkeypatch)
-    python = _run(python_layer, inputs, grads, recipe, input_grad)
-    assert all(FUSED_NODE in r[3] for r in fused), [r[3] for r in fused]
-    assert all(FUSED_NODE not in r[3] for r in python)
-    _assert_same(fused, python, layer, python_layer)
-    # (step 2: grad_output at 1.0, well inside the range the scales were set for)
-    grads_of = dict(zip([n for n, _ in layer.named_parameters()], fused[2][2]))
-    for name in ("layer_norm_weight", "weight"):
-        if name not in cfg.get("frozen", ()) and name in grads_of:
-            assert grads_of[name] is not None and grads_of[name].abs().sum() > 0, name
-    if kind == "delayed":
-        assert layer.fp8_bwd_amax_history.any(), "the backward recorded its amaxes"
-        assert layer.fp8_fwd_amax_history[:, 0].any(), "the norm's output amax was recorded"
-    else:
-        assert not layer.fp8_fwd_amax_history.any(), "current scaling records none"
+    compare_with_python_path(_layer(cfg, normalization, device), cfg,
+                             case_recipe(kind, cfg, RECIPE), OUT, FUSED_NODE, "NORM_ENABLED",
+                             device, gen, monkeypatch)
 
 
 @pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
 def test_fused_step_under_torch_autocast_is_bit_identical(recipe, gen, monkeypatch):
-    """float32 parameters, bfloat16 compute (torch.autocast on the CPU)."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    layer = _layer({}, "LayerNorm", "cpu")
-    python_layer = copy.deepcopy(layer)
-    inputs = [randn(gen, 2, 16, IN, scale=s) for s in (1.0, 20.0, 0.1)]
-    grads = [randn(gen, 2, 16, OUT, scale=s) for s in (1.0, 1e-3, 5.0)]
-    fused = _run(layer, inputs, grads, recipe, autocast_bf16=True)
-    _python_path(monkeypatch)
-    python = _run(python_layer, inputs, grads, recipe, autocast_bf16=True)
-    assert fused[0][0].dtype == torch.bfloat16
-    assert FUSED_NODE in fused[0][3]
-    _assert_same(fused, python, layer, python_layer)
+    check_torch_autocast(_layer({}, "LayerNorm", "cpu"), IN, OUT, recipe, FUSED_NODE,
+                         "NORM_ENABLED", gen, monkeypatch)
 
 
 def _inside_checkpoint(layer, x, reentrant: bool, recipe):
@@ -173,7 +101,7 @@ def _inside_checkpoint(layer, x, reentrant: bool, recipe):
     def region(t):
         with fp8_autocast(fp8_recipe=recipe):
             out = layer(t)
-        seen.append((_node(out), bool(layer._replay_records)))
+        seen.append((node_name(out), bool(layer._replay_records)))
         return out
 
     torch.utils.checkpoint.checkpoint(region, x, use_reentrant=reentrant).sum().backward()
@@ -187,7 +115,7 @@ def test_python_path_where_the_fused_step_does_not_apply(gen):
     def node(recipe=RECIPE, **kwargs):
         with fp8_autocast(fp8_recipe=recipe):
             out = layer(x, **kwargs)
-        return _node(out[0] if isinstance(out, tuple) else out)
+        return node_name(out[0] if isinstance(out, tuple) else out)
 
     assert FUSED_NODE in node()
     assert FUSED_NODE in node(CURRENT)
@@ -197,10 +125,10 @@ def test_python_path_where_the_fused_step_does_not_apply(gen):
     assert FUSED_NODE not in node()
     layer.return_layernorm_output = False
     for reentrant in (False, True):
-        node_name, kept = _inside_checkpoint(layer, x, reentrant, RECIPE)
-        assert kept and (reentrant or FUSED_NODE in node_name), node_name
-        node_name, kept = _inside_checkpoint(layer, x, reentrant, CURRENT)
-        assert kept and (reentrant or FUSED_NODE not in node_name), node_name
+        name, kept = _inside_checkpoint(layer, x, reentrant, RECIPE)
+        assert kept and (reentrant or FUSED_NODE in name), name
+        name, kept = _inside_checkpoint(layer, x, reentrant, CURRENT)
+        assert kept and (reentrant or FUSED_NODE not in name), name
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
@@ -238,41 +166,15 @@ def test_checkpointed_fused_step_is_bit_identical_to_python_path(reentrant, gen,
 
 @pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
 def test_no_grad_forward_is_bit_identical_to_python_path(recipe, gen, monkeypatch):
-    layer = tfp8.LayerNormLinear(IN, OUT)
-    python_layer = copy.deepcopy(layer)
-    xs = [randn(gen, 3, 16, IN, scale=s) for s in (4.0, 0.1)]
-
-    def run(model):
-        outs = []
-        for x in xs:
-            with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
-                outs.append(model(x))
-        return outs
-
-    calls = []
-    name = "_norm_delayed_step" if recipe is RECIPE else "_norm_current_step"
-    entry = getattr(linear_fused_step, name)
-    monkeypatch.setattr(linear_fused_step, name, lambda *a: calls.append(1) or entry(*a))
-    fused = run(layer)
-    assert len(calls) == len(xs), "the C++ step ran"
-    _python_path(monkeypatch)
-    for step, (a, b) in enumerate(zip(fused, run(python_layer))):
-        assert_bitwise_equal(a, b, f"step {step}")
-        assert a.grad_fn is None
-    for key in FP8_STATE_KEYS:
-        assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
+    entry = "_norm_delayed_step" if recipe is RECIPE else "_norm_current_step"
+    check_no_grad(tfp8.LayerNormLinear(IN, OUT), IN, recipe, entry, "NORM_ENABLED", gen,
+                  monkeypatch)
 
 
 @pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
 def test_double_backward_is_refused_as_in_the_python_path(recipe, gen):
-    layer = tfp8.LayerNormLinear(IN, IN)
-    x = randn(gen, 16, IN).requires_grad_(True)
-    with fp8_autocast(fp8_recipe=recipe):
-        out = layer(x)
-    assert FUSED_NODE in _node(out)
-    (grad_x,) = torch.autograd.grad(out.square().sum(), [x], create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice.*once_differentiable"):
-        grad_x.sum().backward()
+    check_double_backward_refused(tfp8.LayerNormLinear(IN, IN), IN, recipe, FUSED_NODE, gen,
+                                  "differentiate twice.*once_differentiable")
 
 
 def _state() -> list:
@@ -327,14 +229,7 @@ def test_operator_matches_the_module(gen):
     layer = tfp8.LayerNormLinear(IN, OUT, recipe=RECIPE)
     reference = copy.deepcopy(layer)
     x = randn(gen, 20, IN, scale=3.0)
-    context = fp8_autocast(fp8_recipe=RECIPE)
-    with torch.no_grad():
-        context.__enter__()  # (left after the comparison: its exit rolls the histories)
-        try:
-            expected = reference(x)
-            recorded = reference.fp8_fwd_amax_history[0].clone()
-        finally:
-            context.__exit__(None, None, None)
+    expected, recorded = output_and_recorded_amaxes(reference, x, RECIPE)
     fmt = RECIPE.fp8_format
     slices = linear_fused_step._state_slices(layer, fmt)
     got = torch.ops.transformer_fp8.fp8_norm_linear_delayed(
@@ -348,16 +243,5 @@ def test_operator_matches_the_module(gen):
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_recorded_histories_count_as_written(device, gen):
-    layer = tfp8.LayerNormLinear(IN, IN, device=device)
-    x = randn(gen, 16, IN, device=device).requires_grad_(True)
-    fwd, bwd = layer.fp8_fwd_amax_history, layer.fp8_bwd_amax_history
-    with fp8_autocast(fp8_recipe=RECIPE):
-        before = fwd._version
-        out = layer(x)
-        assert FUSED_NODE in _node(out)
-        assert fwd._version > before, "forward amaxes recorded"
-    before = bwd._version
-    seen = []
-    x.register_hook(lambda grad: seen.append(bwd._version))
-    out.backward(randn(gen, 16, IN, device=device))
-    assert seen and seen[0] > before, "grad_output amax recorded"
+    check_histories_count_as_written(tfp8.LayerNormLinear(IN, IN, device=device), IN, IN, RECIPE,
+                                     FUSED_NODE, device, gen)

@@ -10,12 +10,13 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
-from test_norm_linear_fused_step import _assert_same, _node, _run
+from fused_step_checks import (case_recipe, check_double_backward_refused,
+                               check_histories_count_as_written, check_no_grad,
+                               check_torch_autocast, compare_with_python_path, node_name,
+                               output_and_recorded_amaxes, python_path)
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Format, fp8_autocast
-from transformer_fp8.modules import linear_fused_step
-from transformer_fp8.quantization.state import FP8_STATE_KEYS
 
 RECIPE = DelayedScaling(amax_history_len=4)
 CURRENT = tfp8.Float8CurrentScaling()
@@ -25,7 +26,7 @@ NORM_PARAMS = ("layer_norm_weight", "layer_norm_bias")
 
 
 def _python_path(monkeypatch):
-    monkeypatch.setattr(linear_fused_step, "NORM_MLP_ENABLED", False)
+    python_path(monkeypatch, "NORM_MLP_ENABLED")
 
 
 CASES = {
@@ -73,35 +74,12 @@ def _layer(cfg, normalization, activation, device):
 
 
 def _compare(kind, normalization, activation, cfg, device, gen, monkeypatch):
-    dtype = cfg.get("dtype", torch.float32)
-    recipe = cfg.get("recipe", RECIPE)
-    if kind == "current":  # Float8CurrentScaling with the case's format
-        recipe = tfp8.Float8CurrentScaling(fp8_format=recipe.fp8_format)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     layer = _layer(cfg, normalization, activation, device)
-    python_layer = copy.deepcopy(layer)
-    inputs = [randn(gen, *cfg["shape"], dtype=dtype, device=device, scale=s) + shift
-              for s, shift in ((1.0, 0.0), (30.0, 5.0), (0.01, -0.02), (3.0, 1.0))]
-    grads = [randn(gen, *cfg["shape"][:-1], HIDDEN, dtype=dtype, device=device, scale=s)
-             for s in (1e-3, 10.0, 1.0, 1e-5)]
-    input_grad = cfg.get("input_grad", True)
-    fused = _run(layer, inputs, grads, recipe, input_grad)
-    _python_path(monkeypatch)
-    python = _run(python_layer, inputs, grads, recipe, input_grad)
-    assert all(FUSED_NODE in r[3] for r in fused), [r[3] for r in fused]
-    assert all(FUSED_NODE not in r[3] for r in python)
-    _assert_same(fused, python, layer, python_layer)
-    # (step 2: grad_output at 1.0, well inside the range the scales were set for)
-    grads_of = dict(zip([n for n, _ in layer.named_parameters()], fused[2][2]))
-    for name, grad in grads_of.items():
-        if name not in cfg.get("frozen", ()) and not name.endswith("bias"):
-            assert grad is not None and grad.abs().sum() > 0, name
+    compare_with_python_path(layer, cfg, case_recipe(kind, cfg, RECIPE), HIDDEN, FUSED_NODE,
+                             "NORM_MLP_ENABLED", device, gen, monkeypatch)
     if kind == "delayed":
-        assert layer.fp8_bwd_amax_history.any(), "the backward recorded its amaxes"
-        assert layer.fp8_fwd_amax_history[:, 0].any() and \
-            layer.fp8_fwd_amax_history[:, 2].any(), "the norm's and activation's amaxes"
-    else:
-        assert not layer.fp8_fwd_amax_history.any(), "current scaling records none"
+        assert layer.fp8_fwd_amax_history[:, 2].any(), "the activation's output amax"
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -125,18 +103,9 @@ def test_every_activation_is_bit_identical_to_python_path(kind, activation, devi
 
 @pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
 def test_fused_step_under_torch_autocast_is_bit_identical(recipe, gen, monkeypatch):
-    """float32 parameters, bfloat16 compute (torch.autocast on the CPU)."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    layer = _layer({}, "LayerNorm", "swiglu", "cpu")
-    python_layer = copy.deepcopy(layer)
-    inputs = [randn(gen, 2, 16, HIDDEN, scale=s) for s in (1.0, 20.0, 0.1)]
-    grads = [randn(gen, 2, 16, HIDDEN, scale=s) for s in (1.0, 1e-3, 5.0)]
-    fused = _run(layer, inputs, grads, recipe, autocast_bf16=True)
-    _python_path(monkeypatch)
-    python = _run(python_layer, inputs, grads, recipe, autocast_bf16=True)
-    assert fused[0][0].dtype == torch.bfloat16
-    assert FUSED_NODE in fused[0][3]
-    _assert_same(fused, python, layer, python_layer)
+    check_torch_autocast(_layer({}, "LayerNorm", "swiglu", "cpu"), HIDDEN, HIDDEN, recipe,
+                         FUSED_NODE, "NORM_MLP_ENABLED", gen, monkeypatch)
 
 
 def test_python_path_where_the_fused_step_does_not_apply(gen):
@@ -146,7 +115,7 @@ def test_python_path_where_the_fused_step_does_not_apply(gen):
     def node(recipe=RECIPE, **kwargs):
         with fp8_autocast(fp8_recipe=recipe):
             out = layer(x, **kwargs)
-        return _node(out[0] if isinstance(out, tuple) else out)
+        return node_name(out[0] if isinstance(out, tuple) else out)
 
     assert FUSED_NODE in node()
     assert FUSED_NODE in node(CURRENT)
@@ -161,7 +130,7 @@ def test_python_path_where_the_fused_step_does_not_apply(gen):
     def region(t):  # under torch.utils.checkpoint: the Python path keeps the replay record
         with fp8_autocast(fp8_recipe=RECIPE):
             out = layer(t)
-        seen.append((_node(out), bool(layer._replay_records)))
+        seen.append((node_name(out), bool(layer._replay_records)))
         return out
 
     torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False).sum().backward()
@@ -187,7 +156,7 @@ def test_weights_kept_by_is_first_microbatch_are_dropped_by_a_fused_step(gen, mo
                 continue
             with fp8_autocast(fp8_recipe=RECIPE):
                 out = model(x, is_first_microbatch=flag)
-            nodes.append(_node(out))
+            nodes.append(node_name(out))
             out.square().sum().backward()
             got += [out.detach(), model.fc1_weight.grad.clone(), model.fc2_weight.grad.clone()]
         return got, nodes
@@ -202,41 +171,14 @@ def test_weights_kept_by_is_first_microbatch_are_dropped_by_a_fused_step(gen, mo
 
 @pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
 def test_no_grad_forward_is_bit_identical_to_python_path(recipe, gen, monkeypatch):
-    layer = tfp8.LayerNormMLP(HIDDEN, FFN)
-    python_layer = copy.deepcopy(layer)
-    xs = [randn(gen, 3, 16, HIDDEN, scale=s) for s in (4.0, 0.1)]
-
-    def run(model):
-        outs = []
-        for x in xs:
-            with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
-                outs.append(model(x))
-        return outs
-
-    calls = []
-    entry = linear_fused_step._norm_mlp_step
-    monkeypatch.setattr(linear_fused_step, "_norm_mlp_step",
-                        lambda *a: calls.append(1) or entry(*a))
-    fused = run(layer)
-    assert len(calls) == len(xs), "the C++ step ran"
-    _python_path(monkeypatch)
-    for step, (a, b) in enumerate(zip(fused, run(python_layer))):
-        assert_bitwise_equal(a, b, f"step {step}")
-        assert a.grad_fn is None
-    for key in FP8_STATE_KEYS:
-        assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
+    check_no_grad(tfp8.LayerNormMLP(HIDDEN, FFN), HIDDEN, recipe, "_norm_mlp_step",
+                  "NORM_MLP_ENABLED", gen, monkeypatch)
 
 
 @pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
 def test_double_backward_is_refused_as_in_the_python_path(recipe, gen):
-    layer = tfp8.LayerNormMLP(HIDDEN, FFN)
-    x = randn(gen, 16, HIDDEN).requires_grad_(True)
-    with fp8_autocast(fp8_recipe=recipe):
-        out = layer(x)
-    assert FUSED_NODE in _node(out)
-    (grad_x,) = torch.autograd.grad(out.square().sum(), [x], create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice the FP8 LayerNormMLP"):
-        grad_x.sum().backward()
+    check_double_backward_refused(tfp8.LayerNormMLP(HIDDEN, FFN), HIDDEN, recipe, FUSED_NODE,
+                                  gen, "differentiate twice the FP8 LayerNormMLP")
 
 
 def _operator_args(gen, **changes):
@@ -306,14 +248,7 @@ def test_operator_matches_the_module(gen):
     layer = tfp8.LayerNormMLP(HIDDEN, FFN, recipe=RECIPE)
     reference = copy.deepcopy(layer)
     x = randn(gen, 20, HIDDEN, scale=3.0)
-    context = fp8_autocast(fp8_recipe=RECIPE)
-    with torch.no_grad():
-        context.__enter__()  # (left after the comparison: its exit rolls the histories)
-        try:
-            expected = reference(x)
-            recorded = reference.fp8_fwd_amax_history[0].clone()
-        finally:
-            context.__exit__(None, None, None)
+    expected, recorded = output_and_recorded_amaxes(reference, x, RECIPE)
     fmt = RECIPE.fp8_format
     p = {name: param.detach() for name, param in layer.named_parameters()}
     got = torch.ops.transformer_fp8.fp8_norm_mlp_delayed(
@@ -329,16 +264,5 @@ def test_operator_matches_the_module(gen):
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_recorded_histories_count_as_written(device, gen):
-    layer = tfp8.LayerNormMLP(HIDDEN, FFN, device=device)
-    x = randn(gen, 16, HIDDEN, device=device).requires_grad_(True)
-    fwd, bwd = layer.fp8_fwd_amax_history, layer.fp8_bwd_amax_history
-    with fp8_autocast(fp8_recipe=RECIPE):
-        before = fwd._version
-        out = layer(x)
-        assert FUSED_NODE in _node(out)
-        assert fwd._version > before, "forward amaxes recorded"
-    before = bwd._version
-    seen = []
-    x.register_hook(lambda grad: seen.append(bwd._version))
-    out.backward(randn(gen, 16, HIDDEN, device=device))
-    assert seen and seen[0] > before, "grad_output amaxes recorded"
+    check_histories_count_as_written(tfp8.LayerNormMLP(HIDDEN, FFN, device=device), HIDDEN,
+                                     HIDDEN, RECIPE, FUSED_NODE, device, gen)

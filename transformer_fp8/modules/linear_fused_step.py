@@ -92,12 +92,10 @@ def fused_norm_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     if delayed is None:
         return None
     norm_weight, norm_bias = layer.layer_norm_weight, layer.layer_norm_bias
-    if type(norm_weight) not in _PLAIN_TENSORS or (
-            norm_bias is not None and type(norm_bias) not in _PLAIN_TENSORS):
-        return None
     weight = layer._param("weight")
     bias = layer._gemm_bias()
-    step = _prepare(layer, inp, state, delayed, (weight, bias), _state_slices)
+    step = _prepare(layer, inp, state, delayed, (weight, bias, norm_weight, norm_bias),
+                    _state_slices)
     if step is None:
         return None
     (fwd_dtype, bwd_dtype), out_dtype, state_slices, backward_step = step
@@ -119,12 +117,10 @@ def fused_norm_mlp_step(layer, inp: torch.Tensor, state, is_first_microbatch
     if delayed is None:
         return None
     norm_weight, norm_bias = layer.layer_norm_weight, layer.layer_norm_bias
-    if type(norm_weight) not in _PLAIN_TENSORS or (
-            norm_bias is not None and type(norm_bias) not in _PLAIN_TENSORS):
-        return None
     params = (layer._param("fc1_weight"), layer._param("fc1_bias"), layer._param("fc2_weight"),
               layer._fc2_gemm_bias())
-    step = _prepare(layer, inp, state, delayed, params, _mlp_state_slices, replayable=False)
+    step = _prepare(layer, inp, state, delayed, (*params, norm_weight, norm_bias),
+                    _mlp_state_slices, replayable=False)
     if step is None:
         return None
     (fwd_dtype, bwd_dtype), out_dtype, slots, backward_step = step
@@ -161,11 +157,12 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of, replayable: bo
              ) -> Optional[tuple]:
     """What a C++ step needs, or None where the Python path must run: ((forward, backward FP8
     dtype), output dtype, delayed scaling's state slices (``slices_of(layer, fmt)``) or None
-    for current scaling, the backward step or None). ``params``: the GEMMs' weights and biases as the step takes
-    them (None for an absent bias). Does the bookkeeping of the forward: the weights kept by
-    is_first_microbatch dropped; under delayed scaling, the recipe adopted, the states
-    registered with the step and, if ``replayable``, the replay record kept under
-    torch.utils.checkpoint (else the Python path runs there)."""
+    for current scaling, the backward step or None). ``params``: the tensors the step takes
+    besides the input (weights, biases, norm parameters; None for an absent one); a tensor
+    subclass among them (a DTensor, an FP8 weight) takes the Python path. Does the bookkeeping
+    of the forward: the weights kept by is_first_microbatch dropped; under delayed scaling, the
+    recipe adopted, the states registered with the step and, if ``replayable``, the replay
+    record kept under torch.utils.checkpoint (else the Python path runs there)."""
     recipe = state.recipe
     if type(inp) not in _PLAIN_TENSORS:
         return None  # (a tensor subclass: its __torch_function__ sees the Python path)
