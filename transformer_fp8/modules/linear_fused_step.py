@@ -12,9 +12,9 @@ Everything else takes the Python path: block recipes, current scaling reduced ac
 torch.compile's traces (the compiled path keeps its own form), weights that are DTensors, FP8
 weights or FSDP2 FP8 all-gathers, weights kept across microbatches (is_first_microbatch),
 layers whose casts debug statistics observe on this step or debug overrides change,
-LayerNormLinear and LayerNormMLP with return_layernorm_output, current scaling and
-LayerNormMLP under torch.utils.checkpoint. (A checkpointed delayed-scaling forward runs
-here and keeps the replay record its recomputation, on the Python path, repeats.)
+LayerNormLinear and LayerNormMLP with return_layernorm_output, and current scaling under
+torch.utils.checkpoint. (A checkpointed delayed-scaling forward runs here and keeps the replay
+record its recomputation, on the Python path, repeats.)
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def fused_norm_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
 def fused_norm_mlp_step(layer, inp: torch.Tensor, state, is_first_microbatch
                         ) -> Optional[torch.Tensor]:
     """LayerNormMLP's FP8 output through fp8_norm_mlp_delayed or _current, or None where the
-    Python path must run (as fused_norm_linear_step; also under torch.utils.checkpoint)."""
+    Python path must run (as fused_norm_linear_step)."""
     if not NORM_MLP_ENABLED or layer.return_layernorm_output:
         return None
     delayed = _runs_fused(layer, state, is_first_microbatch)
@@ -120,7 +120,7 @@ def fused_norm_mlp_step(layer, inp: torch.Tensor, state, is_first_microbatch
     params = (layer._param("fc1_weight"), layer._param("fc1_bias"), layer._param("fc2_weight"),
               layer._fc2_gemm_bias())
     step = _prepare(layer, inp, state, delayed, (*params, norm_weight, norm_bias),
-                    _mlp_state_slices, replayable=False)
+                    _mlp_state_slices)
     if step is None:
         return None
     (fwd_dtype, bwd_dtype), out_dtype, slots, backward_step = step
@@ -153,16 +153,15 @@ def _runs_fused(layer, state, is_first_microbatch) -> Optional[bool]:
     return None  # (E5M2: the Python path raises the error that names it)
 
 
-def _prepare(layer, inp, state, delayed: bool, params, slices_of, replayable: bool = True
-             ) -> Optional[tuple]:
+def _prepare(layer, inp, state, delayed: bool, params, slices_of) -> Optional[tuple]:
     """What a C++ step needs, or None where the Python path must run: ((forward, backward FP8
     dtype), output dtype, delayed scaling's state slices (``slices_of(layer, fmt)``) or None
     for current scaling, the backward step or None). ``params``: the tensors the step takes
     besides the input (weights, biases, norm parameters; None for an absent one); a tensor
     subclass among them (a DTensor, an FP8 weight) takes the Python path. Does the bookkeeping
     of the forward: the weights kept by is_first_microbatch dropped; under delayed scaling, the
-    recipe adopted, the states registered with the step and, if ``replayable``, the replay
-    record kept under torch.utils.checkpoint (else the Python path runs there)."""
+    recipe adopted, the states registered with the step and the replay record kept under
+    torch.utils.checkpoint."""
     recipe = state.recipe
     if type(inp) not in _PLAIN_TENSORS:
         return None  # (a tensor subclass: its __torch_function__ sees the Python path)
@@ -180,7 +179,7 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of, replayable: bo
     # current scaling (its scales exist only inside the operator).
     checkpointed = (checkpointing.may_be_checkpointed()
                     and checkpointing.phase() is checkpointing.Phase.ORIGINAL)
-    if checkpointed and not (delayed and replayable):
+    if checkpointed and not delayed:
         return None
     fmt = recipe.fp8_format
     # (output_dtype(inp), its common case inline)
@@ -195,22 +194,25 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of, replayable: bo
     state_slices = _delayed_state(layer, recipe, slices_of)
     backward_step = _autocast.record_forward(state, *layer._scaling_states)
     if checkpointed:
-        _keep_replay_record(layer, delayed_quantizers(layer, fmt)[0], state_slices,
-                            backward_step, out_dtype)
+        _keep_replay_record(layer, fmt, backward_step, out_dtype)
     return _FORMAT_DTYPES[fmt], out_dtype, state_slices, backward_step
 
 
-def _keep_replay_record(layer, gemm_quantizers, state_slices, backward_step, out_dtype):
+def _keep_replay_record(layer, fmt, backward_step, out_dtype):
     """What the recomputation of this checkpointed forward replays (base.py's _fp8_replay),
-    made by Fp8Plan.for_replay as on the Python path: the scales this forward casts with and a
-    copy of its scale_invs (the update at the context's exit changes both before the
-    recomputation runs; the operator makes its own equal copy)."""
-    input_q, weight_q, grad_q = gemm_quantizers
-    scale_inv = state_slices[4].clone()  # (fwd_scale_inv)
-    plan = Fp8Plan(input_q, weight_q, grad_q, None, backward_step, out_dtype)
-    plan.used = (Quantized(None, None, scale_inv[0:1], None, input_q.scale),
-                 Quantized(None, None, scale_inv[1:2], None, weight_q.scale))
-    layer._replay_records.keep(_autocast.forward_pass_id(), (plan.for_replay(),))
+    made by Fp8Plan.for_replay as on the Python path, one plan per GEMM: the scales this
+    forward casts with and a copy of its scale_invs (the update at the context's exit changes
+    both before the recomputation runs; the operator makes its own equal copy)."""
+    scale_inv = layer._scaling_states[0].scale_inv.clone()  # [input, weight] per GEMM
+    plans = []
+    for gemm, (input_q, weight_q, grad_q) in enumerate(delayed_quantizers(layer, fmt)):
+        plan = Fp8Plan(input_q, weight_q, grad_q, None, backward_step, out_dtype)
+        plan.used = (Quantized(None, None, scale_inv[2 * gemm:2 * gemm + 1], None,
+                               input_q.scale),
+                     Quantized(None, None, scale_inv[2 * gemm + 1:2 * gemm + 2], None,
+                               weight_q.scale))
+        plans.append(plan.for_replay())
+    layer._replay_records.keep(_autocast.forward_pass_id(), tuple(plans))
 
 
 def _delayed_state(layer, recipe, slices_of):
