@@ -183,3 +183,34 @@ def output_and_recorded_amaxes(layer, x, recipe) -> tuple:
             return layer(x), layer.fp8_fwd_amax_history[0].clone()
         finally:
             context.__exit__(None, None, None)
+
+
+def edge_inputs(features: int, device) -> dict:
+    """Inputs at the edges (name: tensor): no rows, no rows in 3-D, one row, a non-contiguous
+    view, a transposed copy, +inf and NaN entries."""
+    def randn(*shape):
+        return torch.randn(*shape, device=device)
+    with_inf = randn(16, features)
+    with_inf[3, 5] = float("inf")
+    with_inf[7, 0] = float("-inf")
+    with_nan = randn(16, features)
+    with_nan[2, 1] = float("nan")
+    return {"empty": randn(0, features), "empty_3d": randn(2, 0, features),
+            "one_row": randn(1, features), "non_contiguous": randn(24, features + 8)[:, :features],
+            "transposed": randn(features, 24).t(), "inf": with_inf, "nan": with_nan}
+
+
+def check_edge_input(make, case: str, features: int, out_features: int, recipe, fused_node: str,
+                     switch: str, device, monkeypatch) -> None:
+    """One forward + backward of ``make()`` on edge_inputs()[case] on both paths: output, input
+    and parameter gradients and FP8 state bit for bit (NaN included)."""
+    torch.manual_seed(0)
+    layer = make()
+    python_layer = copy.deepcopy(layer)
+    x = edge_inputs(features, device)[case]
+    grad = torch.randn(*x.shape[:-1], out_features, device=device)
+    fused = run_steps(layer, [x], [grad], recipe)
+    python_path(monkeypatch, switch)
+    python = run_steps(python_layer, [x], [grad], recipe)
+    assert fused_node in fused[0][3] and fused_node not in python[0][3]
+    assert_same(fused, python, layer, python_layer)

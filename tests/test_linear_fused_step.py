@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
-from fused_step_checks import assert_same, check_histories_count_as_written, node_name
+from fused_step_checks import (assert_same, check_edge_input, check_histories_count_as_written,
+                               edge_inputs, node_name)
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Format, fp8_autocast
@@ -419,3 +420,11 @@ def test_pickled_layer_holds_no_quantizer_after_the_fused_step(gen):
         assert copy_._fused_step_cache is None
         with fp8_autocast(fp8_recipe=RECIPE):
             assert_bitwise_equal(copy_(x), layer(x))
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("case", list(edge_inputs(32, "cpu")))
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_edge_inputs_are_bit_identical_to_python_path(recipe, case, device, monkeypatch):
+    check_edge_input(lambda: tfp8.Linear(32, 48, device=device), case, 32, 48, recipe,
+                     FUSED_NODE, "ENABLED", device, monkeypatch)

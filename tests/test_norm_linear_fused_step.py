@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
-from fused_step_checks import (case_recipe, check_double_backward_refused,
+from fused_step_checks import (case_recipe, check_double_backward_refused, check_edge_input,
                                check_histories_count_as_written, check_no_grad,
-                               check_torch_autocast, compare_with_python_path, node_name,
-                               output_and_recorded_amaxes, python_path)
+                               check_torch_autocast, compare_with_python_path, edge_inputs,
+                               node_name, output_and_recorded_amaxes, python_path)
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Format, fp8_autocast
@@ -245,3 +245,14 @@ def test_operator_matches_the_module(gen):
 def test_recorded_histories_count_as_written(device, gen):
     check_histories_count_as_written(tfp8.LayerNormLinear(IN, IN, device=device), IN, IN, RECIPE,
                                      FUSED_NODE, device, gen)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("case", list(edge_inputs(IN, "cpu")))
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_edge_inputs_are_bit_identical_to_python_path(recipe, normalization, case, device,
+                                                      monkeypatch):
+    check_edge_input(lambda: tfp8.LayerNormLinear(IN, OUT, normalization=normalization,
+                                                  device=device),
+                     case, IN, OUT, recipe, FUSED_NODE, "NORM_ENABLED", device, monkeypatch)
