@@ -93,11 +93,16 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
                         bool needs_weight_grad, NormSpec norm) {
     // The operators below need no autograd of their own (this node is theirs): dispatched
     // past the autograd and view-tracking kernels, a large part of the host time otherwise.
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const bool delayed = state != nullptr;
     const bool has_norm = norm.kind != NormSpec::kNone;
     const int64_t out_features = weight.size(0), in_features = weight.size(1);
-    const Tensor inp_2d = input.dim() == 2 ? input : input.reshape({-1, in_features});
+    // The input as [rows, K]. With a norm it is saved for the norm's backward: then made before
+    // autograd is dispatched past, a view of the input that shares its version counter, so
+    // that an in-place change of the input before backward is refused, as the Python path's.
+    const bool track_view = has_norm && input.dim() != 2;
+    Tensor inp_2d = track_view ? input.reshape({-1, in_features}) : input;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const bool delayed = state != nullptr;
+    if (input.dim() != 2 && !track_view) inp_2d = input.reshape({-1, in_features});
     const int64_t rows = inp_2d.size(0);
     Operand x_q, w_q;
     Tensor stat0, stat1;  // the norm's statistics

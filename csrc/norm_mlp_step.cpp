@@ -61,10 +61,12 @@ std::vector<int64_t> pack_meta(const MlpSpec& spec, const Tensor& input,
                             spec.norm.zero_centered_gamma ? 1 : 0, delayed ? 1 : 0};
   for (auto dtype : param_dtypes) meta.push_back(static_cast<int64_t>(dtype));
   for (bool p : present) meta.push_back(p ? 1 : 0);
+  for (bool wanted : spec.grads) meta.push_back(wanted ? 1 : 0);
   meta.insert(meta.end(), input.sizes().begin(), input.sizes().end());
   return meta;
 }
-constexpr size_t kMetaShapeStart = 11;
+constexpr size_t kMetaGradsStart = 11;
+constexpr size_t kMetaShapeStart = kMetaGradsStart + kTensorArgs;
 
 struct Fp8NormMlpStep : public torch::autograd::Function<Fp8NormMlpStep> {
   static Tensor forward(AutogradContext* ctx, const Tensor& input, const Tensor& norm_weight,
@@ -74,14 +76,17 @@ struct Fp8NormMlpStep : public torch::autograd::Function<Fp8NormMlpStep> {
                         const MlpSpec& spec) {
     // state: delayed scaling's kSlots tensors (Slot), or null for current scaling (a pointer:
     // autograd would record tensor arguments as inputs of the node, a host cost per call).
+    // The input as [rows, hidden], saved for the norm's backward: made before autograd is
+    // dispatched past, a view of the input that shares its version counter, so that an
+    // in-place change of the input before backward is refused, as the Python path's.
+    const int64_t hidden = input.size(-1);
+    const Tensor x = input.dim() == 2 ? input : input.reshape({-1, hidden});
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // (this node is the operators')
     const bool delayed = state != nullptr;
     const auto& g = spec.grads;
     const bool needs_norm_grad = g[0] || g[1] || g[2];
     const bool needs_fc1_dgrad = needs_norm_grad;  // fc1's dgrad feeds only the norm's backward
     const bool needs_fc2_dgrad = needs_norm_grad || g[3] || g[4];
-    const int64_t hidden = input.size(-1);
-    const Tensor x = input.dim() == 2 ? input : input.reshape({-1, hidden});
     const int64_t rows = x.size(0);
 
     // The forward casts' states: a copy of the scale_invs (the update at the context's exit
@@ -207,7 +212,12 @@ struct Fp8NormMlpStep : public torch::autograd::Function<Fp8NormMlpStep> {
       if (given[arg]) g[arg] = ctx->needs_input_grad(edge++);
     }
     const bool needs_norm_grad = g[0] || g[1] || g[2];
-    const bool needs_fc2_dgrad = needs_norm_grad || g[3] || g[4];
+    // fc2's dgrad and the activation's backward run (recording fc1's grad_output amax) when a
+    // tensor before fc2 took a gradient at forward, as the Python path decides from
+    // ctx.needs_input_grad; not from what this backward call asks for (a backward limited to
+    // fc2's parameters, inputs=...), which would leave that amax unrecorded.
+    bool fc2_dgrad_at_forward = false;
+    for (size_t arg = 0; arg < 5; ++arg) fc2_dgrad_at_forward |= meta[kMetaGradsStart + arg] != 0;
     const int64_t rows = x.size(0);
 
     const Tensor g_2d = grad_out.reshape({-1, grad_out.size(-1)});
@@ -219,7 +229,7 @@ struct Fp8NormMlpStep : public torch::autograd::Function<Fp8NormMlpStep> {
       grads[5] = fp8_gemm(g_q.data_t, g_q.scale_inv, act_t, act_scale_inv, w2_dtype,
                           std::nullopt, false);
     }
-    if (needs_fc2_dgrad) {
+    if (fc2_dgrad_at_forward) {
       // fc2 dgrad [M, F] = grad_out [M, H] @ fc2_weight [H, F], then the activation's backward.
       const Tensor grad_act = fp8_gemm(g_q.data, g_q.scale_inv, w2_t, w2_scale_inv,
                                        fc1_out.scalar_type(), std::nullopt, false)

@@ -60,14 +60,17 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // weight [N, K] cast to FP8, out = x @ w^T (+ bias) in out_dtype; backward casts grad_output
   // and runs dgrad and wgrad in FP8. Delayed: input and weight cast with their scales (amaxes
   // recorded into their 1-element slots of history row 0; fwd_scale_inv is [input, weight]),
-  // grad_output with grad_scale (amax into grad_amax). Current: each tensor with the scale of
-  // its own amax (one process: no reduction across ranks).
+  // grad_output with grad_scale (amax into grad_amax, when backward runs). Current: each
+  // tensor with the scale of its own amax (one process: no reduction across ranks). These
+  // operators record amaxes only: the update of the scales from them is fp8_autocast's (the
+  // modules call the operators' functions through transformer_fp8._C, which also registers
+  // the layer's state with the step and queues the backward update).
   m.def("fp8_linear_current(Tensor input, Tensor weight, Tensor? bias, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
-  m.def("fp8_linear_delayed(Tensor input, Tensor weight, Tensor? bias, Tensor(a!) input_amax, Tensor(b!) weight_amax, Tensor input_scale, Tensor weight_scale, Tensor fwd_scale_inv, Tensor grad_amax, Tensor grad_scale, Tensor grad_scale_inv, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
+  m.def("fp8_linear_delayed(Tensor input, Tensor weight, Tensor? bias, Tensor(a!) input_amax, Tensor(b!) weight_amax, Tensor input_scale, Tensor weight_scale, Tensor fwd_scale_inv, Tensor(c!) grad_amax, Tensor grad_scale, Tensor grad_scale_inv, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
   // The same after a norm of the input (normalization "LayerNorm" or "RMSNorm", whose bias is
   // None): delayed scaling casts the norm's output in the norm's kernel.
   m.def("fp8_norm_linear_current(Tensor input, Tensor norm_weight, Tensor? norm_bias, str normalization, float eps, bool zero_centered_gamma, Tensor weight, Tensor? bias, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
-  m.def("fp8_norm_linear_delayed(Tensor input, Tensor norm_weight, Tensor? norm_bias, str normalization, float eps, bool zero_centered_gamma, Tensor weight, Tensor? bias, Tensor(a!) input_amax, Tensor(b!) weight_amax, Tensor input_scale, Tensor weight_scale, Tensor fwd_scale_inv, Tensor grad_amax, Tensor grad_scale, Tensor grad_scale_inv, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
+  m.def("fp8_norm_linear_delayed(Tensor input, Tensor norm_weight, Tensor? norm_bias, str normalization, float eps, bool zero_centered_gamma, Tensor weight, Tensor? bias, Tensor(a!) input_amax, Tensor(b!) weight_amax, Tensor input_scale, Tensor weight_scale, Tensor fwd_scale_inv, Tensor(c!) grad_amax, Tensor grad_scale, Tensor grad_scale_inv, ScalarType fwd_dtype, ScalarType bwd_dtype, ScalarType out_dtype) -> Tensor");
   // LayerNormMLP's step (csrc/norm_mlp_step.cpp): norm -> fc1 -> activation -> fc2 and its
   // backward, both GEMMs in FP8. Delayed: history row 0's slots (fwd_amax [4]: fc1 input, fc1
   // weight, fc2 input, fc2 weight; bwd_amax [2]: fc1's and fc2's grad_output), their scales

@@ -214,3 +214,50 @@ def check_edge_input(make, case: str, features: int, out_features: int, recipe, 
     python = run_steps(python_layer, [x], [grad], recipe)
     assert fused_node in fused[0][3] and fused_node not in python[0][3]
     assert_same(fused, python, layer, python_layer)
+
+
+def check_inplace_input_change_refused(layer, shape, recipe, fused_node: str, gen) -> None:
+    """The norm's backward needs the layer's input: changed in place after the forward, the
+    backward is refused (autograd's version check), as on the Python path, for 2-D and 3-D
+    inputs alike (the C++ step saves a view sharing the input's version counter)."""
+    x = randn(gen, *shape).requires_grad_(True)
+    h = x * 1.0  # (a non-leaf, as a residual stream is)
+    with fp8_autocast(fp8_recipe=recipe):
+        out = layer(h)
+    assert fused_node in node_name(out)
+    h.mul_(3.0)
+    # (3-D: the saved input is a view made in the forward's no-grad mode, whose error names it)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation|modified inplace"):
+        out.sum().backward()
+
+
+def check_partial_backward(layer, features: int, out_features: int, param: str, recipe,
+                           fused_node: str, switch: str, gen, monkeypatch) -> None:
+    """A backward pass limited to one parameter (``backward(inputs=[param])``), over steps:
+    that gradient and the FP8 state (every grad_output amax the Python path records, whatever
+    the pass asks for) bit for bit on both paths."""
+    python_layer = copy.deepcopy(layer)
+    xs = [randn(gen, 2, 8, features, scale=s) for s in (1.0, 8.0, 0.25)]
+    grads = [randn(gen, 2, 8, out_features, scale=s) for s in (1.0, 1e-2, 4.0)]
+
+    def run(model):
+        got = []
+        for x, g in zip(xs, grads):
+            x = x.clone().requires_grad_(True)
+            with fp8_autocast(fp8_recipe=recipe):
+                out = model(x)
+            got.append(node_name(out))
+            target = getattr(model, param)
+            out.backward(g, inputs=[target])
+            got.append(target.grad.clone())
+            model.zero_grad(set_to_none=True)
+        return got
+
+    fused = run(layer)
+    python_path(monkeypatch, switch)
+    python = run(python_layer)
+    assert fused_node in fused[0] and fused_node not in python[0]
+    for i in range(1, len(fused), 2):
+        assert_bitwise_equal(fused[i], python[i], f"{param} gradient, step {i // 2}")
+    for key in FP8_STATE_KEYS:
+        assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
 from fused_step_checks import (assert_same, check_edge_input, check_histories_count_as_written,
-                               edge_inputs, node_name)
+                               check_partial_backward, edge_inputs, node_name)
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Format, fp8_autocast
@@ -428,3 +428,11 @@ def test_pickled_layer_holds_no_quantizer_after_the_fused_step(gen):
 def test_edge_inputs_are_bit_identical_to_python_path(recipe, case, device, monkeypatch):
     check_edge_input(lambda: tfp8.Linear(32, 48, device=device), case, 32, 48, recipe,
                      FUSED_NODE, "ENABLED", device, monkeypatch)
+
+
+@pytest.mark.parametrize("param", ["weight", "bias"])
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_backward_for_one_parameter_is_bit_identical_to_python_path(recipe, param, gen,
+                                                                   monkeypatch):
+    check_partial_backward(tfp8.Linear(32, 48), 32, 48, param, recipe, FUSED_NODE, "ENABLED",
+                           gen, monkeypatch)

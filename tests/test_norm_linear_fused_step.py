@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
 from fused_step_checks import (case_recipe, check_double_backward_refused, check_edge_input,
+                               check_inplace_input_change_refused, check_partial_backward,
                                check_histories_count_as_written, check_no_grad,
                                check_torch_autocast, compare_with_python_path, edge_inputs,
                                node_name, output_and_recorded_amaxes, python_path)
@@ -256,3 +257,18 @@ def test_edge_inputs_are_bit_identical_to_python_path(recipe, normalization, cas
     check_edge_input(lambda: tfp8.LayerNormLinear(IN, OUT, normalization=normalization,
                                                   device=device),
                      case, IN, OUT, recipe, FUSED_NODE, "NORM_ENABLED", device, monkeypatch)
+
+
+@pytest.mark.parametrize("shape", [(16, IN), (2, 8, IN)], ids=["2d", "3d"])
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_input_changed_in_place_after_forward_is_refused(recipe, shape, gen):
+    check_inplace_input_change_refused(tfp8.LayerNormLinear(IN, OUT), shape, recipe,
+                                       FUSED_NODE, gen)
+
+
+@pytest.mark.parametrize("param", ["weight", "bias", "layer_norm_weight"])
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_backward_for_one_parameter_is_bit_identical_to_python_path(recipe, param, gen,
+                                                                   monkeypatch):
+    check_partial_backward(tfp8.LayerNormLinear(IN, OUT), IN, OUT, param, recipe, FUSED_NODE,
+                           "NORM_ENABLED", gen, monkeypatch)

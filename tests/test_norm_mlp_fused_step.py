@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
 from fused_step_checks import (case_recipe, check_double_backward_refused, check_edge_input,
+                               check_inplace_input_change_refused, check_partial_backward,
                                check_histories_count_as_written, check_no_grad,
                                check_torch_autocast, compare_with_python_path, edge_inputs,
                                node_name, output_and_recorded_amaxes, python_path)
@@ -326,3 +327,20 @@ def test_edge_inputs_are_bit_identical_to_python_path(recipe, activation, case, 
                                                device=device),
                      case, HIDDEN, HIDDEN, recipe, FUSED_NODE, "NORM_MLP_ENABLED", device,
                      monkeypatch)
+
+
+@pytest.mark.parametrize("shape", [(16, HIDDEN), (2, 8, HIDDEN)], ids=["2d", "3d"])
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_input_changed_in_place_after_forward_is_refused(recipe, shape, gen):
+    check_inplace_input_change_refused(tfp8.LayerNormMLP(HIDDEN, FFN), shape, recipe,
+                                       FUSED_NODE, gen)
+
+
+@pytest.mark.parametrize("param", ["fc2_weight", "fc2_bias", "fc1_weight", "layer_norm_weight"])
+@pytest.mark.parametrize("recipe", [RECIPE, CURRENT], ids=["delayed", "current"])
+def test_backward_for_one_parameter_is_bit_identical_to_python_path(recipe, param, gen,
+                                                                   monkeypatch):
+    """fc2's parameters only: fc1's grad_output amax is still recorded, as the Python path
+    does (it decides from the forward's requires_grad, not from the pass's inputs)."""
+    check_partial_backward(tfp8.LayerNormMLP(HIDDEN, FFN), HIDDEN, HIDDEN, param, recipe,
+                           FUSED_NODE, "NORM_MLP_ENABLED", gen, monkeypatch)
