@@ -261,3 +261,16 @@ def check_partial_backward(layer, features: int, out_features: int, param: str, 
         assert_bitwise_equal(fused[i], python[i], f"{param} gradient, step {i // 2}")
     for key in FP8_STATE_KEYS:
         assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
+
+
+SWITCHES = ("ENABLED", "NORM_ENABLED", "NORM_MLP_ENABLED")
+
+
+@pytest.fixture(params=["cpp_step", "python_path"])
+def every_step_path(request, monkeypatch):
+    """A test module's tests run twice: with the modules' C++ steps (the default) and with the
+    Python autograd functions they replace (used with pytest.mark.usefixtures)."""
+    if request.param == "python_path":
+        for switch in SWITCHES:
+            monkeypatch.setattr(linear_fused_step, switch, False)
+    return request.param

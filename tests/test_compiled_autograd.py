@@ -66,14 +66,17 @@ def _node_names(model, recipe) -> set:
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("kind", ["linear", "layernorm_modules"])
 def test_compiled_autograd_is_bit_identical_to_eager(kind, recipe, path, monkeypatch):
-    if path == "python":
-        monkeypatch.setattr(linear_fused_step, "ENABLED", False)
+    if path == "python":  # (every module's C++ step off)
+        for switch in ("ENABLED", "NORM_ENABLED", "NORM_MLP_ENABLED"):
+            monkeypatch.setattr(linear_fused_step, switch, False)
     got, expected, compilations, (model, _) = runs(kind, RECIPES[recipe], "eager")
     assert len(compilations) == 1, f"the backward compiled {len(compilations)} times"
     assert_bit_identical(got, expected)
-    if kind == "linear":  # the path the test names is the one that ran
-        fused = any("Fp8LinearStep" in name for name in _node_names(model, RECIPES[recipe]))
-        assert fused == (path == "cpp_step")
+    # The path the test names is the one that ran.
+    names = _node_names(model, RECIPES[recipe])
+    steps = ("Fp8LinearStep",) if kind == "linear" else ("Fp8NormMlpStep", "Fp8LinearStep")
+    for step in steps:
+        assert any(step in name for name in names) == (path == "cpp_step"), (step, names)
     if recipe == "delayed":  # the grad_output scales moved with the steps, as in eager
         scales = [r.fp8_state["0.fp8_bwd_scale"] for r in got]
         assert not all(torch.equal(s, scales[0]) for s in scales[1:]), scales

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_bitwise_equal, randn, sqnr
+from fused_step_checks import every_step_path  # noqa: F401 (the fixture below)
 from integration_compare import (assert_bit_identical, counting_aot_eager, step_batches,
                                  train)
 
@@ -19,6 +20,9 @@ import transformer_fp8 as tfp8
 from transformer_fp8 import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                              Float8RowwiseScaling, fp8_autocast)
 from transformer_fp8.modules.activations import ACTIVATIONS, activation_hp
+
+# Every test runs with the modules' C++ steps and with the Python path they replace.
+pytestmark = pytest.mark.usefixtures("every_step_path")
 
 RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
 RECIPE_IDS = ["delayed", "current"]

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_bitwise_equal, randn, sqnr
+from fused_step_checks import every_step_path  # noqa: F401 (the fixture below)
 from integration_compare import assert_bit_identical, step_batches, train
 
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
@@ -24,6 +25,9 @@ from transformer_fp8.modules.activations import activation_hp
 from transformer_fp8.modules.attention import (DotProductAttention, RotaryPositionEmbedding,
                                        apply_rotary_pos_emb)
 from transformer_fp8.modules.transformer_layer import TransformerLayer
+
+# Every test runs with the modules' C++ steps and with the Python path they replace.
+pytestmark = pytest.mark.usefixtures("every_step_path")
 
 RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
 RECIPE_IDS = ["delayed", "current"]
