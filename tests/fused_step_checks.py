@@ -274,3 +274,54 @@ def every_step_path(request, monkeypatch):
         for switch in SWITCHES:
             monkeypatch.setattr(linear_fused_step, switch, False)
     return request.param
+
+
+def inside_checkpoint(layer, x, reentrant: bool, recipe):
+    """(the node of the layer's output, whether it kept a replay record) in the original
+    forward of a checkpointed region (the reentrant mode runs it under no_grad: no node)."""
+    seen = []
+
+    def region(t):
+        with fp8_autocast(fp8_recipe=recipe):
+            out = layer(t)
+        seen.append((node_name(out), bool(layer._replay_records)))
+        return out
+
+    torch.utils.checkpoint.checkpoint(region, x, use_reentrant=reentrant).sum().backward()
+    return seen[0]
+
+
+def check_checkpointed_region(model, features: int, reentrant: bool, recipe, switch: str, gen,
+                              monkeypatch) -> None:
+    """A checkpointed region (``model``): the C++ steps' original forward with the Python
+    path's recomputation (a replay of the recorded scales) against the Python path throughout,
+    over steps: outputs, every gradient and every FP8 layer's state bit for bit, every replay
+    record used."""
+    python_model = copy.deepcopy(model)
+    xs = [randn(gen, 2, 12, features, scale=s) for s in (1.0, 20.0, 0.05)]
+
+    def run(m):
+        got = []
+        for x in xs:
+            x = x.clone().requires_grad_(True)
+            with fp8_autocast(fp8_recipe=recipe):
+                out = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
+            (out * out).sum().backward()
+            got += [out.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+            m.zero_grad(set_to_none=True)
+        # A reentrant checkpoint's backward update waits for the next step (amax_step's
+        # BackwardStep); taking the state runs it, here rather than in the other run's step.
+        m.state_dict()
+        return got
+
+    fused = run(model)
+    python_path(monkeypatch, switch)
+    python = run(python_model)
+    for i, (a, b) in enumerate(zip(fused, python)):
+        assert_bitwise_equal(a, b, f"value {i}")
+    for layer, python_layer in zip(model, python_model):
+        if not hasattr(layer, "fp8_fwd_amax_history"):
+            continue  # (not an FP8 layer)
+        for key in FP8_STATE_KEYS:
+            assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
+        assert not layer._replay_records, "every record was replayed"

@@ -9,8 +9,9 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
-from fused_step_checks import (assert_same, check_edge_input, check_histories_count_as_written,
-                               check_partial_backward, edge_inputs, node_name)
+from fused_step_checks import (assert_same, check_checkpointed_region, check_edge_input,
+                               check_histories_count_as_written, check_partial_backward,
+                               edge_inputs, inside_checkpoint, node_name)
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Format, fp8_autocast
@@ -217,9 +218,9 @@ def test_python_path_where_the_fused_step_does_not_apply(gen):
     # Under torch.utils.checkpoint: delayed scaling keeps its replay record on the C++ step,
     # current scaling takes the Python path (which keeps it).
     for reentrant in (False, True):
-        node, kept = _inside_checkpoint(layer, x, reentrant, RECIPE)
+        node, kept = inside_checkpoint(layer, x, reentrant, RECIPE)
         assert kept and (reentrant or FUSED_NODE in node), node
-        node, kept = _inside_checkpoint(layer, x, reentrant, CURRENT)
+        node, kept = inside_checkpoint(layer, x, reentrant, CURRENT)
         assert kept and (reentrant or FUSED_NODE not in node), node
 
 
@@ -228,52 +229,13 @@ def _in_fp8(layer, x, recipe):
         return layer(x)
 
 
-def _inside_checkpoint(layer, x, reentrant: bool, recipe):
-    """(the node of the layer's output, whether it kept a replay record) in the original
-    forward of a checkpointed region (the reentrant mode runs it under no_grad: no node)."""
-    seen = []
-
-    def region(t):
-        out = _in_fp8(layer, t, recipe)
-        seen.append((_node(out), bool(layer._replay_records)))
-        return out
-
-    torch.utils.checkpoint.checkpoint(region, x, use_reentrant=reentrant).sum().backward()
-    return seen[0]
-
-
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_checkpointed_fused_step_is_bit_identical_to_python_path(reentrant, gen, monkeypatch):
     """A checkpointed region of two layers: the C++ step's original forward with the Python
     path's recomputation against the Python path throughout."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     model = torch.nn.Sequential(tfp8.Linear(32, 64), torch.nn.GELU(), tfp8.Linear(64, 32))
-    python_model = copy.deepcopy(model)
-    xs = [randn(gen, 2, 12, 32, scale=s) for s in (1.0, 20.0, 0.05)]
-
-    def run(m):
-        got = []
-        for x in xs:
-            x = x.clone().requires_grad_(True)
-            with fp8_autocast(fp8_recipe=RECIPE):
-                out = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
-            (out * out).sum().backward()
-            got += [out.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
-            m.zero_grad(set_to_none=True)
-        # A reentrant checkpoint's backward update waits for the next step (amax_step's
-        # BackwardStep); taking the state runs it, here rather than in the other run's step.
-        m.state_dict()
-        return got
-
-    fused = run(model)
-    _python_path(monkeypatch)
-    python = run(python_model)
-    for i, (a, b) in enumerate(zip(fused, python)):
-        assert_bitwise_equal(a, b, f"value {i}")
-    for layer, python_layer in ((model[0], python_model[0]), (model[2], python_model[2])):
-        for key in FP8_STATE_KEYS:
-            assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
-        assert not layer._replay_records, "every record was replayed"
+    check_checkpointed_region(model, 32, reentrant, RECIPE, "ENABLED", gen, monkeypatch)
 
 
 def test_no_grad_forward_records_amaxes_like_python_path(gen, monkeypatch):

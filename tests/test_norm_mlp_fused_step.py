@@ -10,15 +10,16 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE_PARAMS, assert_bitwise_equal, randn
-from fused_step_checks import (case_recipe, check_double_backward_refused, check_edge_input,
-                               check_inplace_input_change_refused, check_partial_backward,
-                               check_histories_count_as_written, check_no_grad,
-                               check_torch_autocast, compare_with_python_path, edge_inputs,
-                               node_name, output_and_recorded_amaxes, python_path)
+from fused_step_checks import (case_recipe, check_checkpointed_region,
+                               check_double_backward_refused, check_edge_input,
+                               check_histories_count_as_written,
+                               check_inplace_input_change_refused, check_no_grad,
+                               check_partial_backward, check_torch_autocast,
+                               compare_with_python_path, edge_inputs, inside_checkpoint, node_name,
+                               output_and_recorded_amaxes, python_path)
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Format, fp8_autocast
-from transformer_fp8.quantization.state import FP8_STATE_KEYS
 
 RECIPE = DelayedScaling(amax_history_len=4)
 CURRENT = tfp8.Float8CurrentScaling()
@@ -131,59 +132,20 @@ def test_python_path_where_the_fused_step_does_not_apply(gen):
     # current scaling takes the Python path (which keeps it).
     for reentrant in (False, True):
         for recipe, fused in ((RECIPE, True), (CURRENT, False)):
-            name, kept = _inside_checkpoint(layer, x, reentrant, recipe)
+            name, kept = inside_checkpoint(layer, x, reentrant, recipe)
             assert kept and (reentrant or (FUSED_NODE in name) == fused), (name, recipe)
-
-
-def _inside_checkpoint(layer, x, reentrant: bool, recipe):
-    """(the node of the layer's output, whether it kept a replay record) in the original
-    forward of a checkpointed region (the reentrant mode runs it under no_grad: no node)."""
-    seen = []
-
-    def region(t):
-        with fp8_autocast(fp8_recipe=recipe):
-            out = layer(t)
-        seen.append((node_name(out), bool(layer._replay_records)))
-        return out
-
-    torch.utils.checkpoint.checkpoint(region, x, use_reentrant=reentrant).sum().backward()
-    return seen[0]
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_checkpointed_fused_step_is_bit_identical_to_python_path(normalization, reentrant, gen,
                                                                  monkeypatch):
-    """A checkpointed region of two layers: the C++ step's original forward with the Python
-    path's recomputation (a replay of the recorded scales) against the Python path."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     model = torch.nn.Sequential(
         tfp8.LayerNormMLP(HIDDEN, FFN, normalization=normalization),
         tfp8.LayerNormMLP(HIDDEN, FFN, normalization=normalization, activation="swiglu"))
-    python_model = copy.deepcopy(model)
-    xs = [randn(gen, 2, 12, HIDDEN, scale=s) for s in (1.0, 20.0, 0.05)]
-
-    def run(m):
-        got = []
-        for x in xs:
-            x = x.clone().requires_grad_(True)
-            with fp8_autocast(fp8_recipe=RECIPE):
-                out = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
-            (out * out).sum().backward()
-            got += [out.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
-            m.zero_grad(set_to_none=True)
-        m.state_dict()  # (runs a reentrant checkpoint's waiting backward update)
-        return got
-
-    fused = run(model)
-    _python_path(monkeypatch)
-    python = run(python_model)
-    for i, (a, b) in enumerate(zip(fused, python)):
-        assert_bitwise_equal(a, b, f"value {i}")
-    for layer, python_layer in zip(model, python_model):
-        for key in FP8_STATE_KEYS:
-            assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
-        assert not layer._replay_records, "every record was replayed"
+    check_checkpointed_region(model, HIDDEN, reentrant, RECIPE, "NORM_MLP_ENABLED", gen,
+                              monkeypatch)
 
 
 def test_weights_kept_by_is_first_microbatch_are_dropped_by_a_fused_step(gen, monkeypatch):
