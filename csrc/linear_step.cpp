@@ -107,32 +107,19 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
     Operand x_q, w_q;
     Tensor stat0, stat1;  // the norm's statistics
     if (delayed) {
-      // A copy of the scale_invs: the update at the context's exit rewrites them in place
-      // before backward multiplies the saved transposes. On CUDA the weight's copy sits 16
-      // bytes after the input's: cuBLASLt refuses a scale 4 bytes into a buffer, and fp8_gemm
-      // would copy it again before each GEMM that reads it.
-      const Tensor& fwd_scale_inv = state[kFwdScaleInv];
-      Tensor scale_inv;
-      int64_t weight_slot = 1;
-      if (fwd_scale_inv.is_cuda()) {
-        scale_inv = at::empty({8}, fwd_scale_inv.options());
-        scale_inv.as_strided({2}, {4}).copy_(fwd_scale_inv);
-        weight_slot = 4;
-      } else {
-        scale_inv = fwd_scale_inv.clone();
-      }
+      const std::vector<Tensor> scale_inv = copy_scale_invs(state[kFwdScaleInv]);
       if (has_norm) {  // the norm's output cast in the norm's kernel
-        x_q.scale_inv = scale_inv.narrow(0, 0, 1);
+        x_q.scale_inv = scale_inv[0];
         Tensor y_t;
         std::tie(x_q.data, y_t, stat0, stat1) =
             norm_fp8(norm, inp_2d, *norm_weight, norm_bias, state[kInputScale], fwd_dtype,
                      state[kInputAmax], needs_weight_grad);
         if (needs_weight_grad) x_q.data_t = y_t;
       } else {
-        x_q = cast(pad_rows(inp_2d), state[kInputScale], scale_inv.narrow(0, 0, 1),
+        x_q = cast(pad_rows(inp_2d), state[kInputScale], scale_inv[0],
                    state[kInputAmax], fwd_dtype, needs_weight_grad);
       }
-      w_q = cast(weight, state[kWeightScale], scale_inv.narrow(0, weight_slot, 1),
+      w_q = cast(weight, state[kWeightScale], scale_inv[1],
                  state[kWeightAmax], fwd_dtype, needs_input_grad);
       bump_version(state[kInputAmax]);  // written through the kernels, below autograd
       bump_version(state[kWeightAmax]);

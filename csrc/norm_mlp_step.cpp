@@ -89,24 +89,12 @@ struct Fp8NormMlpStep : public torch::autograd::Function<Fp8NormMlpStep> {
     const bool needs_fc2_dgrad = needs_norm_grad || g[3] || g[4];
     const int64_t rows = x.size(0);
 
-    // The forward casts' states: a copy of the scale_invs (the update at the context's exit
-    // rewrites them before backward reads them); on CUDA 16 bytes apart (cuBLASLt refuses a
-    // scale 4 bytes into a buffer).
+    // The forward casts' states, with a copy of the scale_invs (copy_scale_invs).
     std::array<CastState, 4> fwd;  // fc1 input, fc1 weight, fc2 input, fc2 weight
     if (delayed) {
-      const Tensor& fwd_scale_inv = state[kFwdScaleInv];
-      Tensor scale_inv;
-      int64_t stride = 1;
-      if (fwd_scale_inv.is_cuda()) {
-        scale_inv = at::empty({16}, fwd_scale_inv.options());
-        scale_inv.as_strided({4}, {4}).copy_(fwd_scale_inv);
-        stride = 4;
-      } else {
-        scale_inv = fwd_scale_inv.clone();
-      }
+      const std::vector<Tensor> scale_inv = copy_scale_invs(state[kFwdScaleInv]);
       for (size_t i = 0; i < 4; ++i) {
-        fwd[i] = {state[kIn1Scale + i], scale_inv.narrow(0, static_cast<int64_t>(i) * stride, 1),
-                  state[kIn1Amax + i]};
+        fwd[i] = {state[kIn1Scale + i], scale_inv[i], state[kIn1Amax + i]};
       }
     }
     const at::ScalarType dtype = spec.fwd_dtype;

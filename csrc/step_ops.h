@@ -204,6 +204,28 @@ inline void check_shapes(const char* op, const Tensor& input, const Tensor& weig
               "], got ", bias->sizes());
 }
 
+// ---- the forward's copy of delayed scaling's scale_invs -----------------------------------
+
+// A copy of scale_invs [n], one 1-element tensor per entry, made once per forward: the update at
+// the context's exit rewrites the state in place before backward multiplies the saved
+// transposes. On CUDA the copies sit 16 bytes apart: cuBLASLt refuses a scale 4 bytes into a
+// buffer, and fp8_gemm would copy each again before every GEMM that reads it.
+inline std::vector<Tensor> copy_scale_invs(const Tensor& scale_inv) {
+  const int64_t n = scale_inv.numel();
+  const int64_t stride = scale_inv.is_cuda() ? 4 : 1;
+  Tensor copy;
+  if (stride == 1) {
+    copy = scale_inv.clone();
+  } else {
+    copy = at::empty({n * stride}, scale_inv.options());
+    copy.as_strided({n}, {stride}).copy_(scale_inv);
+  }
+  std::vector<Tensor> entries;
+  entries.reserve(n);
+  for (int64_t i = 0; i < n; ++i) entries.push_back(copy.narrow(0, i * stride, 1));
+  return entries;
+}
+
 // ---- one cast, as quantizer.py's TensorQuantizer.cast --------------------------------------
 
 struct Operand {
