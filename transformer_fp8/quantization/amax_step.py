@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from typing import Optional
 
 import torch
 
@@ -53,7 +54,6 @@ _EVERY_STATE_PLANS: dict = {}
 # made again with the same layout (one rank built a layer on another device, say) needs no
 # agreement; a new layout is agreed on by the ranks (see AmaxStep._plan_for_step).
 _LAST_LAYOUT: dict = {}
-_NO_PLAN = object()  # what AmaxStep._plan holds when the states added have different plans
 
 
 def _can_synchronize() -> bool:
@@ -73,8 +73,12 @@ class AmaxStep:
     every rank's buffer has the same layout; a module that ran on no rank keeps its state (the
     update leaves a column with no recorded amax untouched).
 
-    A step whose states are exactly those of its states' last plan (UpdatePlan), still current,
-    reuses it: noted state by state as they are added, so the step does no O(states) work."""
+    fp8_autocast keeps one step per (recipe, group) and thread from one training step to the
+    next (autocast.py): a state, once added, stays covered until it is added to another step
+    (a state belongs to one step at most: ``state.step``) or its module is freed. Covering a
+    state that recorded nothing this time changes no number (its columns are left untouched),
+    and the step's plan (UpdatePlan) is made once, not at every step: adding a state it holds
+    is one attribute read."""
 
     def __init__(self, recipe: DelayedScaling, group, role: str = "fwd",
                  include_unrecorded: bool = True):
@@ -82,29 +86,52 @@ class AmaxStep:
         # False in a graphed callable (see isolated_fp8_autocast): the step covers exactly the
         # modules that recorded, which are the same on every rank (a graph is static).
         self.include_unrecorded = include_unrecorded
-        self.states: dict[int, ScalingState] = {}
-        self._plan = None  # the plan of every state added so far, or _NO_PLAN
+        # The states covered, by creation index, weakly (a freed module's state leaves).
+        self._refs: dict[int, weakref.ref] = {}
+        self._plan = None  # the plan of the states covered, once made
+
+    @property
+    def states(self) -> dict[int, ScalingState]:
+        """The live states covered, by creation index."""
+        states = {key: ref() for key, ref in list(self._refs.items())}
+        return {key: state for key, state in states.items() if state is not None}
 
     def add(self, state: ScalingState) -> None:
-        states = self.states
-        if state.key in states:
-            return
-        states[state.key] = state
-        if len(states) == 1:
-            self._plan = state.plan
-        elif state.plan is not self._plan:
-            self._plan = _NO_PLAN
+        if state.step is self:
+            return  # (the common case: covered since an earlier step)
+        if state.step is not None:
+            state.step._remove(state)  # it moves here: no other step updates it
+        state.step = self
+        self._refs[state.key] = weakref.ref(state, self._freed)
+        self._plan = None
+
+    def _remove(self, state: ScalingState) -> None:
+        ref = self._refs.get(state.key)
+        if ref is not None and ref() is state:
+            del self._refs[state.key]
+            self._plan = None
+
+    def _freed(self, ref: weakref.ref) -> None:
+        """A covered state's module was freed (called by the garbage collector, any thread):
+        the plan, which holds its tensors, is made again without it."""
+        for key, held in list(self._refs.items()):
+            if held is ref:
+                self._refs.pop(key, None)
+                self._plan = None
 
     def _reduces(self) -> bool:
         return self.recipe.reduce_amax and world_size(self.group) > 1
 
-    def _recorded_plan(self) -> UpdatePlan:
-        """The plan of exactly the states added (made, and noted in them, if none is current)."""
+    def _recorded_plan(self) -> Optional[UpdatePlan]:
+        """The plan of exactly the states covered (made, and noted in them, if none is
+        current), or None when no state is."""
         plan = self._plan
-        if (isinstance(plan, UpdatePlan) and plan.count == len(self.states)
-                and plan.is_current(self.recipe)):
+        if plan is not None and plan.is_current(self.recipe):
             return plan
-        states = [self.states[key] for key in sorted(self.states)]
+        states = self.states
+        if not states:
+            return None
+        states = [states[key] for key in sorted(states)]
         plan = UpdatePlan(states, self.recipe, self.role)
         for state in states:
             state.plan = plan
@@ -122,8 +149,8 @@ class AmaxStep:
         ``reduce``: whether ranks reduce (_reduces()). ``agree``: False for a step that failed
         on this rank (discard): no collective, and the plan is not kept."""
         if not (self.include_unrecorded and (reduce or _COMPILED_MODULES)):
-            return self._recorded_plan() if self.states else None
-        recorded = self._recorded_plan() if self.states else None
+            return self._recorded_plan()
+        recorded = self._recorded_plan()
         devices = recorded.devices if recorded is not None else frozenset()
         if reduce:
             key = (self.recipe, self.role, devices, len(_COMPILED_MODULES))
@@ -189,9 +216,10 @@ class AmaxStep:
 
 
 class BackwardStep:
-    """The grad_output states of the modules of one forward pass. The first FP8 backward of a
-    backward pass queues the update for the end of that pass, so every backward pass (one per
-    microbatch, retain_graph, a frozen first layer...) is followed by exactly one update.
+    """The grad_output states of the modules run under one (recipe, group), kept from step to
+    step as AmaxStep's. The first FP8 backward of a backward pass queues the update for the end
+    of that pass, so every backward pass (one per microbatch, retain_graph, a frozen first
+    layer...) is followed by exactly one update.
 
     A reentrant activation checkpoint backpropagates its region in a nested backward pass; its
     end is not the end of the step's backward (a layer called in two regions is still to run

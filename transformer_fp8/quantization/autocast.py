@@ -49,8 +49,13 @@ class _ThreadAutocast(threading.local):
 
     def __init__(self):
         self.stack: list[AutocastState] = []
+        # The steps of the (recipe, group)s used under the outermost context, by step_key.
         self.forward_steps: dict = {}
         self.backward_steps: dict = {}
+        # The steps of every (recipe, group) this thread has used, kept from one outermost
+        # context to the next: each covers its modules' states from step to step (see
+        # AmaxStep), so that a step registers nothing new and reuses its prepared update.
+        self.kept_steps: dict = {}
         self.pass_id = 0  # of the outermost context last entered (see forward_pass_id)
         self.isolated = False  # inside isolated_fp8_autocast
 
@@ -66,10 +71,6 @@ def forward_pass_id() -> int:
     return _LOCAL.pass_id
 
 
-def _key(state: AutocastState):
-    return state.step_key
-
-
 def current_state() -> Optional[AutocastState]:
     """The innermost active fp8_autocast of this thread, or None outside any."""
     return _LOCAL.stack[-1] if _LOCAL.stack else None
@@ -77,16 +78,23 @@ def current_state() -> Optional[AutocastState]:
 
 def _prepare_steps(state: AutocastState):
     """The forward and backward steps of ``state``'s recipe and group under the outermost
-    context, made when a context is entered (eagerly, outside any compiled region) or at the
-    first record. A compiled forward records its amaxes but registers nothing: the steps cover
-    every module of the recipe (see AmaxStep._add_unrecorded_modules)."""
-    k = _key(state)
-    if k not in _LOCAL.forward_steps:
-        everywhere = not _LOCAL.isolated
-        _LOCAL.forward_steps[k] = AmaxStep(state.recipe, state.group, role="fwd",
-                                           include_unrecorded=everywhere)
-        _LOCAL.backward_steps[k] = BackwardStep(state.recipe, state.group,
-                                                include_unrecorded=everywhere)
+    context, taken when a context is entered (eagerly, outside any compiled region) or at the
+    first record: this thread's kept steps, made at the first use of the recipe and group.
+    A compiled forward records its amaxes but registers nothing: the steps cover every module
+    of the recipe (see AmaxStep._plan_for_step). An isolated context (a graphed callable's)
+    has steps of its own, which cover exactly the modules that run in it."""
+    local = _LOCAL
+    k = state.step_key
+    if k not in local.forward_steps:
+        steps = None if local.isolated else local.kept_steps.get(k)
+        if steps is None:
+            everywhere = not local.isolated
+            steps = (AmaxStep(state.recipe, state.group, role="fwd",
+                              include_unrecorded=everywhere),
+                     BackwardStep(state.recipe, state.group, include_unrecorded=everywhere))
+            if everywhere:
+                local.kept_steps[k] = steps
+        local.forward_steps[k], local.backward_steps[k] = steps
     return k
 
 
@@ -97,10 +105,13 @@ def record_forward(state: AutocastState, fwd_state: ScalingState,
     it returns (its backward calls on_backward())."""
     local = _LOCAL
     backward_step = local.backward_steps.get(state.step_key)
-    if backward_step is None:  # (steps made at the first record, see _prepare_steps)
+    if backward_step is None:  # (steps taken at the first record, see _prepare_steps)
         backward_step = local.backward_steps[_prepare_steps(state)]
-    local.forward_steps[state.step_key].add(fwd_state)
-    backward_step.add(bwd_state)
+    forward_step = local.forward_steps[state.step_key]
+    if fwd_state.step is not forward_step:  # (else covered since an earlier step)
+        forward_step.add(fwd_state)
+    if bwd_state.step is not backward_step.step:
+        backward_step.add(bwd_state)
     return backward_step
 
 
@@ -223,7 +234,7 @@ def isolated_fp8_autocast(enabled: bool, fp8_recipe: Optional[Recipe], fp8_group
     holds the forward update and its backward graph the backward update, so every replay does
     what an eager step does. The surrounding contexts are restored afterwards."""
     saved = (_LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps, _LOCAL.pass_id,
-             _LOCAL.isolated)
+             _LOCAL.isolated)  # (not kept_steps: an isolated context makes steps of its own)
     _LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps = [], {}, {}
     _LOCAL.isolated = True
     try:
