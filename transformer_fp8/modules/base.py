@@ -55,6 +55,9 @@ class Fp8StateMixin(Fp8State):
     # fused_step(module, inp, autocast state, is_first_microbatch) -> output, or None where the
     # Python path (_fp8_run) must run: the module's C++ step (modules/linear_fused_step.py).
     _fused_step = None
+    # What the module's next forward needs to run its last C++ step again, or None (set on the
+    # instance by the step: linear_fused_step.py's _keep_ticket).
+    _fused_ticket = None
 
     # ---- forward -----------------------------------------------------------------------------
 

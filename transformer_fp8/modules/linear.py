@@ -21,7 +21,7 @@ from ..quantization.state import FP8_STATE_KEYS, history_len_for
 from .base import Fp8StateMixin
 from .fp8_primary_weights import SCALE_INV_SUFFIX, make_fp8_primary_weights
 from .fsdp_all_gather import check_fp8_all_gather, enable_fp8_all_gather
-from .linear_fused_step import fused_linear_step
+from .linear_fused_step import fused_linear_step, ticketed_linear_step
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes
 from .tensor_parallel import sharded_linear
@@ -210,6 +210,13 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
+        if self._fused_ticket is not None:  # the C++ step of the last forward, if it holds
+            if is_first_microbatch is None and not fp8_output and not fp8_grad:
+                out = ticketed_linear_step(self, inp)
+                if out is not None:
+                    return out
+            else:  # (a weight kept for the next microbatches: the next forward drops it)
+                self.__dict__["_fused_ticket"] = None
         if fp8_output or fp8_grad:
             check_forward_flags("Linear", fp8_output, fp8_grad)
         if self._wgrad is not None:  # (no attribute write otherwise: torch.compile)

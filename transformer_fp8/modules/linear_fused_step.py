@@ -74,12 +74,72 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     if step is None:
         return None
     (fwd_dtype, bwd_dtype), out_dtype, state_slices, backward_step = step
+    _keep_ticket(layer, inp, state, weight, bias, state_slices, backward_step)
     if state_slices is None:
         return _current_step(inp, weight, bias, fwd_dtype, bwd_dtype, out_dtype)
     # backward_step.on_backward() is called before the node runs: it queues the grad_output
     # update for the end of the backward pass (amax_step.BackwardStep).
     return _delayed_step(inp, weight, bias, *state_slices, fwd_dtype, bwd_dtype, out_dtype,
                          backward_step)
+
+
+# ---- the ticket: the next forwards of a Linear layer under the same context, with fewer checks
+
+def _keep_ticket(layer, inp, state, weight, bias, state_slices, backward_step) -> None:
+    """After a forward that fused_linear_step ran, what the layer's next forwards need to run
+    the same step again (``ticketed_linear_step``): made only where the next forward's checks
+    reduce to identities (the same context, parameters, state buffers and steps) and to the
+    input's type, dtype and shape, which ticketed_linear_step compares; anything else (a
+    checkpointed or gradient-free forward, torch.autocast, return_bias, routed or split
+    weights, an input the layer would take in another dtype) takes the full path. The module
+    drops the ticket whenever one of its attributes is set (quantization/state.py)."""
+    if (layer._wgrad is not None or layer.return_bias or len(layer._parts["weight"]) != 1
+            or inp.dtype is not weight.dtype or _is_any_autocast_enabled()
+            or checkpointing.may_be_checkpointed()):
+        return
+    delayed = None
+    if state_slices is not None:
+        fwd_state, bwd_state = layer._scaling_states
+        delayed = (float_state_buffers(layer._buffers), fwd_state, fwd_state.step, bwd_state,
+                   backward_step, state_slices)
+    recipe_type = type(state.recipe)
+    layer.__dict__["_fused_ticket"] = (state, inp.shape[-1:], inp.dtype, weight, bias,
+                                       _FORMAT_DTYPES[state.recipe.fp8_format], recipe_type,
+                                       _REGISTERED[recipe_type], delayed)
+
+
+def ticketed_linear_step(layer, inp: torch.Tensor) -> Optional[torch.Tensor]:
+    """The Linear layer's FP8 output from its ticket (``_keep_ticket``), or None where its
+    full path must run: the C++ step of its last forward, called again once every condition
+    that forward was checked under is seen to hold still. Called by Linear.forward, for a
+    forward without is_first_microbatch, fp8_output or fp8_grad, while the layer holds a
+    ticket."""
+    if not ENABLED:
+        return None
+    (state, in_shape, dtype, weight, bias, (fwd_dtype, bwd_dtype), recipe_type, quantizers,
+     delayed) = layer._fused_ticket
+    stack = _autocast.LOCAL.stack
+    if not (stack and stack[-1] is state and type(inp) is torch.Tensor and inp.dtype is dtype
+            and inp.shape[-1:] == in_shape):
+        return None
+    params = layer._parameters  # (FSDP2 writes into it, past the module's __setattr__)
+    if (params["weight"] is not weight or params.get("bias") is not bias
+            or weight.dtype is not dtype or _is_compiling() or _is_any_autocast_enabled()
+            or _fp8_hooks.observer is not None or layer._replay_records.records
+            or _REGISTERED.get(recipe_type) is not quantizers  # (the recipe's registration)
+            or checkpointing.may_be_checkpointed()):
+        return None
+    if delayed is None:
+        return _current_step(inp, weight, bias, fwd_dtype, bwd_dtype, dtype)
+    buffers, fwd_state, forward_step, bwd_state, backward_step, slices = delayed
+    # The same state buffers (a write into _buffers bypasses the module's __setattr__), and
+    # the states covered by this context's steps (as record_forward would see to): the steps
+    # kept for this thread, recipe and group, which still hold them.
+    if (not all(map(operator.is_, buffers, float_state_buffers(layer._buffers)))
+            or _autocast.LOCAL.backward_steps.get(state.step_key) is not backward_step
+            or fwd_state.step is not forward_step or bwd_state.step is not backward_step.step):
+        return None
+    return _delayed_step(inp, weight, bias, *slices, fwd_dtype, bwd_dtype, dtype, backward_step)
 
 
 def fused_norm_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch

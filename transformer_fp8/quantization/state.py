@@ -124,6 +124,9 @@ class Fp8State:
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
+        # Any attribute set drops the ticket of the module's C++ step (it is made under the
+        # module's attributes of the moment: modules/linear_fused_step.py's _keep_ticket).
+        self.__dict__["_fused_ticket"] = None
         if name in _FLOAT_STATE_NAMES and "_scaling_states" in self.__dict__:
             self._bind_scaling_states()  # a state buffer replaced by assignment
 
@@ -170,6 +173,7 @@ class Fp8State:
         # pickle holds no quantizer object, so it does not depend on where those classes live.
         state["_delayed_cast_cache"] = None
         state["_fused_step_cache"] = None
+        state["_fused_ticket"] = None
         state["_weight_cache"] = [None] * self._num_gemms
         return state
 
