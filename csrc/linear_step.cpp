@@ -357,6 +357,15 @@ TORCH_LIBRARY_IMPL(transformer_fp8, CompositeImplicitAutograd, m) {
 // the output's node (None: nothing attached).
 void bind_linear_steps(pybind11::module_& module) {
   namespace py = pybind11;
+  py::class_<step::BackwardOnce, std::shared_ptr<step::BackwardOnce>>(
+      module, "BackwardOnce",
+      "Whether the backward pass under way has called backward_step.on_backward(), shared by "
+      "the hooks the C++ steps attach for that step (csrc/step_ops.h); cleared by the step.")
+      .def(py::init<const py::object&>(), py::arg("backward_step"))
+      .def("clear", [](step::BackwardOnce& once) { once.called.store(false); },
+           "The next node of a backward pass calls backward_step.on_backward() again.")
+      .def_property_readonly("called",
+                             [](const step::BackwardOnce& once) { return once.called.load(); });
   module.def(
       "linear_delayed",
       [](const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,

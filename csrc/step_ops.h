@@ -9,7 +9,9 @@
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -386,42 +388,63 @@ inline NormSpec norm_spec(const char* op, const Tensor& input, const Tensor& nor
 
 // ---- the Python side -------------------------------------------------------------------------
 
-// Calls backward_step.on_backward() when the node it is attached to is about to run: delayed
-// scaling's BackwardStep (amax_step.py), which queues the grad_output update for the end of the
-// backward pass (as a pre-hook registered from Python would, without the host cost of
-// registering one per call). Compiled autograd never runs C++ hooks: it asks each for its
-// compiled_args on every backward pass it runs, where this one calls
-// backward_step.hold_for_compiled_autograd() instead (the update then runs at the next
-// outermost fp8_autocast, as after any compiled backward).
-class CallOnBackward : public torch::autograd::FunctionPreHook {
- public:
-  explicit CallOnBackward(pybind11::object backward_step) : step_(std::move(backward_step)) {}
-  ~CallOnBackward() override {
+// Whether the backward pass under way has already called backward_step.on_backward(): one per
+// BackwardStep (amax_step.py, its `_once`), shared by the hooks of its nodes (CallOnBackward).
+// The first hook of a pass sets it and calls into Python; the others only read it, without the
+// GIL. The step clears it when the update it queued has run, or was discarded.
+struct BackwardOnce {
+  explicit BackwardOnce(const pybind11::object& backward_step)
+      : step(pybind11::weakref(backward_step)) {}
+  ~BackwardOnce() {
     if (!Py_IsInitialized()) {  // (the interpreter has gone: nothing left to release)
-      step_.release();
+      step.release();
       return;
     }
-    pybind11::gil_scoped_acquire gil;  // (the node may die on an autograd thread)
-    step_ = pybind11::object();
+    pybind11::gil_scoped_acquire gil;  // (the last hook may die on an autograd thread)
+    step = pybind11::weakref();
   }
+  // The BackwardStep, or None once it has gone (call with the GIL held).
+  pybind11::object backward_step() const { return step(); }
+
+  std::atomic<bool> called{false};
+  pybind11::weakref step;  // (weak: the step holds this object)
+};
+
+// Calls backward_step.on_backward() when the node it is attached to is about to run, unless an
+// earlier node of the same backward pass has: delayed scaling's BackwardStep (amax_step.py)
+// queues the grad_output update for the end of the backward pass (as a pre-hook registered from
+// Python would, without the host cost of registering one per call, or of a Python call per
+// node). Compiled autograd never runs C++ hooks: it asks each for its compiled_args on every
+// backward pass it runs, where this one calls backward_step.hold_for_compiled_autograd()
+// instead (the update then runs at the next outermost fp8_autocast, as after any compiled
+// backward).
+class CallOnBackward : public torch::autograd::FunctionPreHook {
+ public:
+  explicit CallOnBackward(std::shared_ptr<BackwardOnce> once) : once_(std::move(once)) {}
   variable_list operator()(const variable_list& grads) override {
-    pybind11::gil_scoped_acquire gil;
-    step_.attr("on_backward")();
+    if (!once_->called.exchange(true)) {
+      pybind11::gil_scoped_acquire gil;
+      pybind11::object step = once_->backward_step();
+      if (!step.is_none()) step.attr("on_backward")();
+    }
     return grads;
   }
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
     pybind11::gil_scoped_acquire gil;
-    step_.attr("hold_for_compiled_autograd")();
+    pybind11::object step = once_->backward_step();
+    if (!step.is_none()) step.attr("hold_for_compiled_autograd")();
   }
 
  private:
-  pybind11::object step_;
+  std::shared_ptr<BackwardOnce> once_;
 };
 
 // out, with backward_step's on_backward attached to its node (None: nothing attached).
-inline Tensor call_on_backward(Tensor out, pybind11::object backward_step) {
-  if (!backward_step.is_none() && out.grad_fn() != nullptr)
-    out.grad_fn()->add_pre_hook(std::make_unique<CallOnBackward>(std::move(backward_step)));
+inline Tensor call_on_backward(Tensor out, const pybind11::object& backward_step) {
+  if (!backward_step.is_none() && out.grad_fn() != nullptr) {
+    auto once = backward_step.attr("_once").cast<std::shared_ptr<BackwardOnce>>();
+    out.grad_fn()->add_pre_hook(std::make_unique<CallOnBackward>(std::move(once)));
+  }
   return out;
 }
 

@@ -212,38 +212,3 @@ def test_ticket_refuses_what_the_full_path_refuses(gen):
             layer(x.bfloat16())
     for before, after in zip(state, layer.fp8_state_tensors()):
         assert torch.equal(before, after), "a refused forward changes no state"
-
-
-def test_ticket_follows_the_state_to_another_step(gen):
-    """A layer run under another recipe moves to that recipe's step (its state is updated by
-    one step only) and back: the ticket of the first recipe is not taken while the state is
-    covered by the other step."""
-    layer = tfp8.Linear(32, 32, recipe=RECIPE)
-    x, g = randn(gen, 16, 32), randn(gen, 16, 32)
-    one_step(layer, x, g, RECIPE)
-    fwd_state = layer._scaling_states[0]
-    first_step = fwd_state.step
-    one_step(layer, x * 2, g, OTHER)
-    assert fwd_state.step is not first_step
-    assert fwd_state.key not in first_step.states
-    one_step(layer, x * 3, g, RECIPE)
-    assert fwd_state.step is first_step
-
-
-def test_a_freed_layer_leaves_the_kept_step(gen):
-    """The steps kept from step to step hold their states weakly: a freed layer's state (and
-    its tensors, through the step's plan) goes."""
-    import gc
-    import weakref
-    layer = tfp8.Linear(32, 32, recipe=RECIPE)
-    x, g = randn(gen, 16, 32), randn(gen, 16, 32)
-    one_step(layer, x, g, RECIPE)
-    one_step(layer, x, g, RECIPE)
-    step = layer._scaling_states[0].step
-    history = weakref.ref(layer.fp8_fwd_amax_history)
-    key = layer._scaling_states[0].key
-    assert key in step.states
-    del layer
-    gc.collect()
-    assert key not in step.states
-    assert step._plan is None and history() is None

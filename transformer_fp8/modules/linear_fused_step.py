@@ -50,6 +50,8 @@ NORM_MLP_ENABLED = _norm_mlp_step is not None
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
 _is_any_autocast_enabled = torch._C._is_any_autocast_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 # (fwd_dtype, bwd_dtype) of each format: two property calls less per step.
 _FORMAT_DTYPES = {fmt: (fmt.fwd_dtype, fmt.bwd_dtype) for fmt in Format}
 # The quantizers of the two recipes this step runs (a registered subclass's own are not).
@@ -127,8 +129,8 @@ def ticketed_linear_step(layer, inp: torch.Tensor) -> Optional[torch.Tensor]:
             or weight.dtype is not dtype or _is_compiling() or _is_any_autocast_enabled()
             or _fp8_hooks.observer is not None or layer._replay_records.records
             or _REGISTERED.get(recipe_type) is not quantizers  # (the recipe's registration)
-            or checkpointing.may_be_checkpointed()):
-        return None
+            or not _is_grad_enabled() or _top_saved_tensors_hooks(False) is not None):
+        return None  # (the last two: checkpointing.may_be_checkpointed(), inline)
     if delayed is None:
         return _current_step(inp, weight, bias, fwd_dtype, bwd_dtype, dtype)
     buffers, fwd_state, forward_step, bwd_state, backward_step, slices = delayed

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from .. import _C
 from . import replay as checkpointing
 from . import scaling_state
 from .recipe import DelayedScaling
@@ -197,6 +198,12 @@ class AmaxStep:
 
     def reduce_and_update(self) -> None:
         reduce = self._reduces()
+        plan = self._plan
+        if (not reduce and plan is not None and plan.generation == scaling_state._current[0]
+                and plan.recipe is self.recipe
+                and not (_COMPILED_MODULES and self.include_unrecorded)):
+            plan.update()  # (the common case: _plan_for_step's answer, without its calls)
+            return
         try:
             plan = self._plan_for_step(reduce)
         except RuntimeError:  # the ranks disagree on the layout: this step changes nothing
@@ -231,6 +238,9 @@ class BackwardStep:
     def __init__(self, recipe: DelayedScaling, group, include_unrecorded: bool = True):
         self.step = AmaxStep(recipe, group, role="bwd", include_unrecorded=include_unrecorded)
         self._queued = False
+        # Shared by the hooks that the C++ steps attach to their nodes (csrc/step_ops.h): only
+        # the first node of a backward pass calls on_backward(); cleared with _queued.
+        self._once = _C.BackwardOnce(self)
 
     def add(self, state: ScalingState) -> None:
         self.step.add(state)
@@ -253,15 +263,19 @@ class BackwardStep:
 
     def _finish(self) -> None:
         self._queued = False
+        self._once.clear()
         _QUEUED_BACKWARD_STEPS.pop(id(self), None)
-        if checkpointing.in_reentrant_backward():
+        if checkpointing._KEPT_ANY[0] and checkpointing.in_reentrant_backward():
             _PENDING_BACKWARD_STEPS[id(self)] = self
             return
-        self.update()
+        if _PENDING_BACKWARD_STEPS:
+            _PENDING_BACKWARD_STEPS.pop(id(self), None)
+        self.step.reduce_and_update()  # (update(), inline)
 
     def discard(self) -> None:
         """Its backward pass failed, so its queued update never ran: forget its amaxes."""
         self._queued = False
+        self._once.clear()
         self.step.discard()
 
     def update(self) -> None:

@@ -20,9 +20,11 @@ from typing import Iterator, Optional
 
 import torch
 
-from .amax_step import (AmaxStep, BackwardStep, adopt_recipe_for_waiting_modules,
-                        discard_failed_backward_passes, flush_pending_backward_updates,
-                        has_pending_backward_updates, hold_for_compiled_backward)
+from .amax_step import (_AWAITING_RECIPE, _HELD_BACKWARD_STEPS, _PENDING_BACKWARD_STEPS,
+                        _QUEUED_BACKWARD_STEPS, AmaxStep, BackwardStep,
+                        adopt_recipe_for_waiting_modules, discard_failed_backward_passes,
+                        flush_pending_backward_updates, has_pending_backward_updates,
+                        hold_for_compiled_backward)
 from .recipe import RECIPE_TYPES, DelayedScaling, Recipe
 from .scaling_state import ScalingState
 
@@ -61,6 +63,7 @@ class _ThreadAutocast(threading.local):
 
 
 _LOCAL = _ThreadAutocast()
+_is_compiling = torch.compiler.is_compiling
 LOCAL = _LOCAL  # (read by the modules' forward: base.py's _dispatch)
 _pass_ids = itertools.count(1)
 
@@ -116,17 +119,17 @@ def record_forward(state: AutocastState, fwd_state: ScalingState,
 
 
 def _exit_outermost(failed: bool) -> None:
-    steps = list(_LOCAL.forward_steps.values())
-    backward_steps = list(_LOCAL.backward_steps.values())
-    _LOCAL.forward_steps.clear()
-    _LOCAL.backward_steps.clear()
-    for step in steps:
-        if failed:
-            step.discard()
-        else:
-            step.reduce_and_update()
-    if not failed and not _LOCAL.isolated:
-        hold_for_compiled_backward(backward_steps)
+    local = _LOCAL
+    steps, backward_steps = local.forward_steps, local.backward_steps
+    if steps:
+        local.forward_steps, local.backward_steps = {}, {}
+        for step in steps.values():
+            if failed:
+                step.discard()
+            else:
+                step.reduce_and_update()
+    if not failed and not local.isolated:
+        hold_for_compiled_backward(list(backward_steps.values()))
 
 
 _STATES: dict = {}
@@ -196,25 +199,28 @@ class fp8_autocast(contextlib.ContextDecorator):
         self._delayed = enabled and isinstance(fp8_recipe, DelayedScaling)
 
     def __enter__(self) -> None:
-        state = self._state
-        if self._delayed and not torch.compiler.is_compiling():
+        state, delayed = self._state, self._delayed
+        # (The module-level containers read directly: entered on every step, these checks
+        # cost less than the calls that would make them.)
+        if delayed and _AWAITING_RECIPE.data and not _is_compiling():
             adopt_recipe_for_waiting_modules(state.recipe)
         local = _LOCAL
-        outermost = not local.stack
-        if outermost:
+        stack = local.stack
+        if not stack:  # the outermost context
             local.pass_id = next(_pass_ids)
             # (Not in an isolated context, which a graph may be capturing: the held updates
             # belong to the surrounding step and run at its next outermost context. Nor under
             # no_grad: an evaluation forward may come between a training forward and its
             # compiled backward, whose held update must wait for it; a forward without
             # gradients reads no grad_output scale.)
-            if not local.isolated:
+            if not local.isolated and (_QUEUED_BACKWARD_STEPS or _PENDING_BACKWARD_STEPS
+                                       or _HELD_BACKWARD_STEPS):
                 discard_failed_backward_passes()
                 if has_pending_backward_updates() and torch.is_grad_enabled():
                     flush_pending_backward_updates()
-        if self._delayed:
+        if delayed and state.step_key not in local.forward_steps:
             _prepare_steps(state)
-        local.stack.append(state)
+        stack.append(state)
 
     def __exit__(self, exc_type, exc, traceback) -> bool:
         # Outermost is this thread's: the object may be entered by several threads at once (a

@@ -19,10 +19,15 @@ from .scaling_state import ScalingState, generation
 
 # (None in a library built before it existed: the list operator then runs.)
 _BATCH = getattr(_C, "DelayedScalingBatch", None)
+_is_compiling = torch.compiler.is_compiling
+_len_torch_dispatch_stack = torch._C._len_torch_dispatch_stack
+
+
+_DISTRIBUTED = torch.distributed.is_available()
 
 
 def world_size(group) -> int:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not (_DISTRIBUTED and torch.distributed.is_initialized()):
         return 1
     return torch.distributed.get_world_size(group)
 
@@ -79,6 +84,8 @@ class UpdatePlan:
                 target.append(value)
         self.by_device = list(by_device.items())
         self._batches: Optional[list] = None  # per device: a DelayedScalingBatch or None
+        self._single_batch = None  # the one batch, where there is one device and a batch
+        self._algo = None
         # Whether the recipe's update is the batch's (the built-in algorithms).
         self._batchable = (isinstance(recipe.amax_compute_algo, str)
                            and recipe.scaling_factor_compute_algo is None)
@@ -106,15 +113,23 @@ class UpdatePlan:
         """The delayed-scaling update of every state, one call per device: a prepared batch for
         the built-in algorithms on the CPU and CUDA, else the operator (recipe callables, meta
         tensors, torch.compile)."""
-        recipe = self.recipe
-        algo = recipe.amax_compute_algo
         # The batch writes the tensors directly: under a dispatch mode (FakeTensorMode, make_fx
         # without compiling) the operator must run, so that the mode sees the update.
-        batched = (self._batchable and _BATCH is not None and not torch.compiler.is_compiling()
-                   and torch._C._len_torch_dispatch_stack() == 0)
+        if _is_compiling() or _len_torch_dispatch_stack():
+            batched = False
+        else:
+            single = self._single_batch
+            if single is not None:  # (the common case: one device, a built-in algorithm)
+                single.update(self.margin, self._algo)
+                return
+            batched = self._batchable and _BATCH is not None
+        recipe = self.recipe
+        algo = recipe.amax_compute_algo
         if batched and self._batches is None:
             self._batches = [_BATCH(*lists) if device.type in ("cpu", "cuda") else None
                              for device, lists in self.by_device]
+            if len(self._batches) == 1:
+                self._single_batch, self._algo = self._batches[0], algo
         margin = self.margin
         for i, (_, lists) in enumerate(self.by_device):
             if batched and self._batches[i] is not None:

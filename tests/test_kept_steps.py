@@ -1,0 +1,128 @@
+"""The steps of delayed scaling kept from one training step to the next (quantization/
+autocast.py's kept_steps, amax_step.AmaxStep): a state belongs to one step at most and moves
+with the recipe it runs under; a freed layer's state leaves its step; and the backward step's
+BackwardOnce (csrc/step_ops.h), which lets only the first node of a backward pass call into
+Python, is cleared after every pass, including one that failed, whose amaxes are discarded. The
+C++ step and the Python path are compared bit for bit around a failed backward pass."""
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from conftest import assert_bitwise_equal, randn
+from test_linear_ticket import OTHER, RECIPE, one_step
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import fp8_autocast
+from transformer_fp8.modules import linear_fused_step
+from transformer_fp8.quantization.state import FP8_STATE_KEYS
+
+
+def test_ticket_follows_the_state_to_another_step(gen):
+    """A layer run under another recipe moves to that recipe's step (its state is updated by
+    one step only) and back: the ticket of the first recipe is not taken while the state is
+    covered by the other step."""
+    layer = tfp8.Linear(32, 32, recipe=RECIPE)
+    x, g = randn(gen, 16, 32), randn(gen, 16, 32)
+    one_step(layer, x, g, RECIPE)
+    fwd_state = layer._scaling_states[0]
+    first_step = fwd_state.step
+    one_step(layer, x * 2, g, OTHER)
+    assert fwd_state.step is not first_step
+    assert fwd_state.key not in first_step.states
+    one_step(layer, x * 3, g, RECIPE)
+    assert fwd_state.step is first_step
+
+
+def test_a_freed_layer_leaves_the_kept_step(gen):
+    """The steps kept from step to step hold their states weakly: a freed layer's state (and
+    its tensors, through the step's plan) goes."""
+    layer = tfp8.Linear(32, 32, recipe=RECIPE)
+    x, g = randn(gen, 16, 32), randn(gen, 16, 32)
+    one_step(layer, x, g, RECIPE)
+    one_step(layer, x, g, RECIPE)
+    step = layer._scaling_states[0].step
+    history = weakref.ref(layer.fp8_fwd_amax_history)
+    key = layer._scaling_states[0].key
+    assert key in step.states
+    del layer
+    gc.collect()
+    assert key not in step.states
+    assert step._plan is None and history() is None
+
+
+class _Refused(Exception):
+    pass
+
+
+def _steps_around_a_failed_backward(layer, gen_seed):
+    """A step, a step whose backward pass raises after the layer's node ran (the input's
+    gradient hook), then two steps; returns the outputs and gradients of the good ones."""
+    gen = torch.Generator().manual_seed(gen_seed)
+    results = []
+    for step in range(4):
+        x = randn(gen, 2, 16, 32, scale=4.0 ** step).requires_grad_(True)
+        g = randn(gen, 2, 16, 32)
+        with fp8_autocast(fp8_recipe=RECIPE):
+            out = layer(x)
+        if step == 1:
+            def refuse(grad):
+                raise _Refused("the backward pass fails")
+            x.register_hook(refuse)
+            with pytest.raises(_Refused):
+                out.backward(g)
+            layer.zero_grad(set_to_none=True)
+            continue
+        out.backward(g)
+        results.append((out.detach(), x.grad, [p.grad.clone() for p in layer.parameters()]))
+        layer.zero_grad(set_to_none=True)
+    return results
+
+
+def test_a_failed_backward_pass_is_discarded_and_the_next_passes_update(gen, monkeypatch):
+    """The grad_output amaxes of the failed pass are discarded at the next fp8_autocast (no
+    scale changes from them) and the next passes queue their updates again, as on the Python
+    path, bit for bit."""
+    layer = tfp8.Linear(32, 32, recipe=RECIPE)
+    python_layer = copy.deepcopy(layer)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    fused = _steps_around_a_failed_backward(layer, seed)
+    monkeypatch.setattr(linear_fused_step, "ENABLED", False)
+    python = _steps_around_a_failed_backward(python_layer, seed)
+    for step, (a, b) in enumerate(zip(fused, python)):
+        for i, (x, y) in enumerate(zip([a[0], a[1], *a[2]], [b[0], b[1], *b[2]])):
+            assert_bitwise_equal(x, y, f"step {step} tensor {i}")
+    for key in FP8_STATE_KEYS:
+        assert_bitwise_equal(getattr(layer, key), getattr(python_layer, key), key)
+    bwd_history = layer.fp8_bwd_amax_history
+    assert bool((bwd_history[0] == 0).all()), "the last pass's amaxes were updated"
+
+
+def test_backward_once_is_cleared_after_every_pass(gen):
+    """Every backward pass through a model of C++ steps calls on_backward once (its first
+    node), and the flag is clear again after the pass: with retain_graph each pass updates."""
+    model = torch.nn.Sequential(*[tfp8.Linear(32, 32, recipe=RECIPE) for _ in range(3)])
+    x = randn(gen, 16, 32)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        out = model(x)
+    backward = model[0]._scaling_states[1].step
+    from transformer_fp8.quantization import autocast
+    kept = [steps[1] for steps in autocast._LOCAL.kept_steps.values()
+            if steps[1].step is backward]
+    assert len(kept) == 1
+    backward_step = kept[0]
+    calls = []
+    on_backward = backward_step.on_backward
+    backward_step.on_backward = lambda: calls.append(1) or on_backward()
+    rolled = []
+    for scale in (1.0, 3.0):
+        before = model[0].fp8_bwd_amax_history.clone()
+        (out * scale).sum().backward(retain_graph=True)
+        rolled.append(not torch.equal(before, model[0].fp8_bwd_amax_history))
+        assert not backward_step._once.called
+    del backward_step.on_backward
+    assert calls == [1, 1], "one call per pass, from its first node"
+    assert rolled == [True, True], "each pass updated the grad_output state"
