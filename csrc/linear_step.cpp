@@ -26,6 +26,9 @@
 #include <tuple>
 #include <vector>
 
+#include <ATen/SavedTensorHooks.h>
+#include <torch/csrc/autograd/python_variable.h>
+
 #include "python_module.h"
 #include "step_ops.h"
 
@@ -352,11 +355,119 @@ TORCH_LIBRARY_IMPL(transformer_fp8, CompositeImplicitAutograd, m) {
   m.impl("fp8_norm_linear_current", &fp8_norm_linear_current);
 }
 
+// ---- the ticket: the next forwards of a Linear layer (modules/linear_fused_step.py) ---------
+
+namespace {
+
+namespace py = pybind11;
+
+// What a Linear layer's next forwards pass to its C++ step, made after a forward that ran it
+// (modules/linear_fused_step.py's _keep_ticket): the step's arguments that stay the same from
+// one forward to the next (delayed scaling's state slices, the FP8 dtypes, the backward step's
+// BackwardOnce) and the objects the layer held then (its weight and bias Parameters, its six
+// state buffers). A call runs the step on an input only where the input and the layer are as
+// they were (the checks the layer's full path would make, reduced to identities, here in C++
+// where each costs nanoseconds), else returns None: the layer's full path runs instead.
+class LinearTicket {
+ public:
+  LinearTicket(py::object weight, py::object bias, std::vector<py::object> buffers,
+               std::vector<Tensor> state_slices, at::ScalarType fwd_dtype,
+               at::ScalarType bwd_dtype, at::ScalarType dtype, int64_t in_features,
+               const py::object& backward_step)
+      : weight_(std::move(weight)), bias_(std::move(bias)), buffers_(std::move(buffers)),
+        slices_(std::move(state_slices)), fwd_dtype_(fwd_dtype), bwd_dtype_(bwd_dtype),
+        dtype_(dtype), in_features_(in_features) {
+    TORCH_CHECK(buffers_.size() == kBufferNames.size() || buffers_.empty(),
+                "transformer_fp8: LinearTicket takes the layer's ", kBufferNames.size(),
+                " state buffers or none, got ", buffers_.size());
+    TORCH_CHECK(slices_.size() == 8 || slices_.empty(),
+                "transformer_fp8: LinearTicket takes 8 state slices or none, got ",
+                slices_.size());
+    TORCH_CHECK(slices_.empty() == backward_step.is_none() && slices_.empty() == buffers_.empty(),
+                "transformer_fp8: LinearTicket takes state slices, buffers and a backward "
+                "step together (delayed scaling) or none of them (current scaling)");
+    if (!backward_step.is_none())
+      once_ = backward_step.attr("_once").cast<std::shared_ptr<step::BackwardOnce>>();
+  }
+
+  // The layer's output, or None where the full path must run. ``parameters`` and ``buffers``:
+  // the layer's _parameters and _buffers dicts.
+  py::object operator()(const py::handle& input, const py::handle& parameters,
+                        const py::handle& buffers) const {
+    if (!THPVariable_CheckExact(input.ptr()) || !PyDict_Check(parameters.ptr()) ||
+        !PyDict_Check(buffers.ptr()))
+      return py::none();
+    const Tensor& x = THPVariable_Unpack(input.ptr());
+    if (x.scalar_type() != dtype_ || x.dim() < 1 || x.size(-1) != in_features_)
+      return py::none();
+    // As checkpointing.may_be_checkpointed(): a checkpointed forward keeps a replay record.
+    if (!c10::GradMode::is_enabled() || at::SavedTensorDefaultHooks::get_hooks(false))
+      return py::none();
+    static const std::array<py::object, 2> param_names = {py::str("weight"), py::str("bias")};
+    if (PyDict_GetItem(parameters.ptr(), param_names[0].ptr()) != weight_.ptr() ||
+        PyDict_GetItem(parameters.ptr(), param_names[1].ptr()) != bias_.ptr())
+      return py::none();
+    static const auto buffer_names = [] {
+      std::array<py::object, kBufferNames.size()> names;
+      for (size_t i = 0; i < names.size(); ++i) names[i] = py::str(kBufferNames[i]);
+      return names;
+    }();
+    for (size_t i = 0; i < buffers_.size(); ++i)
+      if (PyDict_GetItem(buffers.ptr(), buffer_names[i].ptr()) != buffers_[i].ptr())
+        return py::none();
+    const Tensor& weight = THPVariable_Unpack(weight_.ptr());
+    if (weight.scalar_type() != dtype_) return py::none();  // (its .data replaced)
+    const std::optional<Tensor> bias =
+        bias_.is_none() ? std::nullopt : std::optional<Tensor>(THPVariable_Unpack(bias_.ptr()));
+    if (slices_.empty())
+      return py::cast(fp8_linear_current(x, weight, bias, fwd_dtype_, bwd_dtype_, dtype_));
+    Tensor out = fp8_linear_delayed(x, weight, bias, slices_[0], slices_[1], slices_[2],
+                                    slices_[3], slices_[4], slices_[5], slices_[6], slices_[7],
+                                    fwd_dtype_, bwd_dtype_, dtype_);
+    if (out.grad_fn() != nullptr)
+      out.grad_fn()->add_pre_hook(std::make_unique<step::CallOnBackward>(once_));
+    return py::cast(std::move(out));
+  }
+
+  // The state buffers compared, in roles.FP8_FLOAT_STATE's order.
+  static constexpr std::array<const char*, 6> kBufferNames = {
+      "fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
+      "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv"};
+
+ private:
+  py::object weight_, bias_;
+  std::vector<py::object> buffers_;
+  std::vector<Tensor> slices_;
+  at::ScalarType fwd_dtype_, bwd_dtype_, dtype_;
+  int64_t in_features_;
+  std::shared_ptr<step::BackwardOnce> once_;
+};
+
+}  // namespace
+
 // The operators' functions called directly from Python (an eager step, no dispatcher on the
 // way in); linear_delayed and norm_linear_delayed also attach backward_step's on_backward (see CallOnBackward) to
 // the output's node (None: nothing attached).
 void bind_linear_steps(pybind11::module_& module) {
   namespace py = pybind11;
+  py::class_<LinearTicket>(module, "LinearTicket",
+                           "What a Linear layer's next forwards pass to its C++ step "
+                           "(csrc/linear_step.cpp; made by modules/linear_fused_step.py)")
+      .def(py::init<py::object, py::object, std::vector<py::object>, std::vector<Tensor>,
+                    at::ScalarType, at::ScalarType, at::ScalarType, int64_t,
+                    const py::object&>(),
+           py::arg("weight"), py::arg("bias"), py::arg("buffers"), py::arg("state_slices"),
+           py::arg("fwd_dtype"), py::arg("bwd_dtype"), py::arg("dtype"),
+           py::arg("in_features"), py::arg("backward_step"))
+      .def("__call__", &LinearTicket::operator(), py::arg("input"), py::arg("parameters"),
+           py::arg("buffers"),
+           "The layer's output through its C++ step, or None where the input or the layer "
+           "is not as the ticket was made for (the full path must run)")
+      .def_property_readonly_static("buffer_names", [](py::object) {
+        std::vector<std::string> names(LinearTicket::kBufferNames.begin(),
+                                       LinearTicket::kBufferNames.end());
+        return names;
+      });
   py::class_<step::BackwardOnce, std::shared_ptr<step::BackwardOnce>>(
       module, "BackwardOnce",
       "Whether the backward pass under way has called backward_step.on_backward(), shared by "

@@ -212,3 +212,24 @@ def test_ticket_refuses_what_the_full_path_refuses(gen):
             layer(x.bfloat16())
     for before, after in zip(state, layer.fp8_state_tensors()):
         assert torch.equal(before, after), "a refused forward changes no state"
+
+
+def test_ticket_compares_the_state_buffers_in_their_order():
+    """_C.LinearTicket compares the layer's state buffers by name, in the order of the buffers
+    it is given (roles.float_state_buffers)."""
+    from transformer_fp8 import _C
+    from transformer_fp8.quantization.state import FP8_FLOAT_STATE
+    assert tuple(_C.LinearTicket.buffer_names) == FP8_FLOAT_STATE
+
+
+def test_ticket_refuses_an_inconsistent_construction(gen):
+    """The ticket's arguments are checked when it is made: delayed scaling's slices, buffers
+    and backward step come together."""
+    from transformer_fp8 import _C
+    layer = tfp8.Linear(32, 32)
+    with pytest.raises(RuntimeError, match="8 state slices or none, got 1"):
+        _C.LinearTicket(layer.weight, layer.bias, [], [layer.fp8_fwd_scale], torch.float8_e4m3fn,
+                        torch.float8_e5m2, torch.float32, 32, None)
+    with pytest.raises(RuntimeError, match="together"):
+        _C.LinearTicket(layer.weight, layer.bias, [], [], torch.float8_e4m3fn,
+                        torch.float8_e5m2, torch.float32, 32, object())

@@ -41,6 +41,7 @@ _current_step = getattr(_C, "linear_current", None)
 _norm_delayed_step = getattr(_C, "norm_linear_delayed", None)
 _norm_current_step = getattr(_C, "norm_linear_current", None)
 _norm_mlp_step = getattr(_C, "norm_mlp", None)
+_LinearTicket = getattr(_C, "LinearTicket", None)
 
 # False: every step takes the Python path (tests compare the two).
 ENABLED = _current_step is not None
@@ -50,8 +51,6 @@ NORM_MLP_ENABLED = _norm_mlp_step is not None
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
 _is_any_autocast_enabled = torch._C._is_any_autocast_enabled
-_is_grad_enabled = torch.is_grad_enabled
-_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 # (fwd_dtype, bwd_dtype) of each format: two property calls less per step.
 _FORMAT_DTYPES = {fmt: (fmt.fwd_dtype, fmt.bwd_dtype) for fmt in Format}
 # The quantizers of the two recipes this step runs (a registered subclass's own are not).
@@ -91,57 +90,52 @@ def _keep_ticket(layer, inp, state, weight, bias, state_slices, backward_step) -
     """After a forward that fused_linear_step ran, what the layer's next forwards need to run
     the same step again (``ticketed_linear_step``): made only where the next forward's checks
     reduce to identities (the same context, parameters, state buffers and steps) and to the
-    input's type, dtype and shape, which ticketed_linear_step compares; anything else (a
-    checkpointed or gradient-free forward, torch.autocast, return_bias, routed or split
-    weights, an input the layer would take in another dtype) takes the full path. The module
-    drops the ticket whenever one of its attributes is set (quantization/state.py)."""
-    if (layer._wgrad is not None or layer.return_bias or len(layer._parts["weight"]) != 1
-            or inp.dtype is not weight.dtype or _is_any_autocast_enabled()
-            or checkpointing.may_be_checkpointed()):
+    input's type, dtype and shape, which the ticket compares (_C.LinearTicket,
+    csrc/linear_step.cpp, for those it can see); anything else (a checkpointed or
+    gradient-free forward, torch.autocast, return_bias, routed or split weights, an input the
+    layer would take in another dtype) takes the full path. The module drops the ticket
+    whenever one of its attributes is set (quantization/state.py)."""
+    if (_LinearTicket is None or layer._wgrad is not None or layer.return_bias
+            or len(layer._parts["weight"]) != 1 or inp.dtype is not weight.dtype
+            or _is_any_autocast_enabled() or checkpointing.may_be_checkpointed()):
         return
-    delayed = None
+    delayed, buffers = None, []
     if state_slices is not None:
         fwd_state, bwd_state = layer._scaling_states
-        delayed = (float_state_buffers(layer._buffers), fwd_state, fwd_state.step, bwd_state,
-                   backward_step, state_slices)
+        delayed = (fwd_state, fwd_state.step, bwd_state, backward_step)
+        buffers = list(float_state_buffers(layer._buffers))
+    fwd_dtype, bwd_dtype = _FORMAT_DTYPES[state.recipe.fp8_format]
+    ticket = _LinearTicket(weight, bias, buffers, list(state_slices or ()), fwd_dtype,
+                           bwd_dtype, inp.dtype, inp.shape[-1], backward_step)
     recipe_type = type(state.recipe)
-    layer.__dict__["_fused_ticket"] = (state, inp.shape[-1:], inp.dtype, weight, bias,
-                                       _FORMAT_DTYPES[state.recipe.fp8_format], recipe_type,
-                                       _REGISTERED[recipe_type], delayed)
+    layer.__dict__["_fused_ticket"] = (state, ticket, recipe_type, _REGISTERED[recipe_type],
+                                       delayed)
 
 
 def ticketed_linear_step(layer, inp: torch.Tensor) -> Optional[torch.Tensor]:
     """The Linear layer's FP8 output from its ticket (``_keep_ticket``), or None where its
     full path must run: the C++ step of its last forward, called again once every condition
-    that forward was checked under is seen to hold still. Called by Linear.forward, for a
-    forward without is_first_microbatch, fp8_output or fp8_grad, while the layer holds a
-    ticket."""
+    that forward was checked under is seen to hold still (here what only Python can see; the
+    input, the parameters, the state buffers and checkpointing in _C.LinearTicket). Called by
+    Linear.forward, for a forward without is_first_microbatch, fp8_output or fp8_grad, while
+    the layer holds a ticket."""
     if not ENABLED:
         return None
-    (state, in_shape, dtype, weight, bias, (fwd_dtype, bwd_dtype), recipe_type, quantizers,
-     delayed) = layer._fused_ticket
+    state, ticket, recipe_type, quantizers, delayed = layer._fused_ticket
     stack = _autocast.LOCAL.stack
-    if not (stack and stack[-1] is state and type(inp) is torch.Tensor and inp.dtype is dtype
-            and inp.shape[-1:] == in_shape):
-        return None
-    params = layer._parameters  # (FSDP2 writes into it, past the module's __setattr__)
-    if (params["weight"] is not weight or params.get("bias") is not bias
-            or weight.dtype is not dtype or _is_compiling() or _is_any_autocast_enabled()
+    if (not stack or stack[-1] is not state or _is_compiling() or _is_any_autocast_enabled()
             or _fp8_hooks.observer is not None or layer._replay_records.records
-            or _REGISTERED.get(recipe_type) is not quantizers  # (the recipe's registration)
-            or not _is_grad_enabled() or _top_saved_tensors_hooks(False) is not None):
-        return None  # (the last two: checkpointing.may_be_checkpointed(), inline)
-    if delayed is None:
-        return _current_step(inp, weight, bias, fwd_dtype, bwd_dtype, dtype)
-    buffers, fwd_state, forward_step, bwd_state, backward_step, slices = delayed
-    # The same state buffers (a write into _buffers bypasses the module's __setattr__), and
-    # the states covered by this context's steps (as record_forward would see to): the steps
-    # kept for this thread, recipe and group, which still hold them.
-    if (not all(map(operator.is_, buffers, float_state_buffers(layer._buffers)))
-            or _autocast.LOCAL.backward_steps.get(state.step_key) is not backward_step
-            or fwd_state.step is not forward_step or bwd_state.step is not backward_step.step):
+            or _REGISTERED.get(recipe_type) is not quantizers):  # (the recipe's registration)
         return None
-    return _delayed_step(inp, weight, bias, *slices, fwd_dtype, bwd_dtype, dtype, backward_step)
+    if delayed is not None:
+        # The states covered by this context's steps (as record_forward would see to): the
+        # steps kept for this thread, recipe and group, which still hold them.
+        fwd_state, forward_step, bwd_state, backward_step = delayed
+        if (_autocast.LOCAL.backward_steps.get(state.step_key) is not backward_step
+                or fwd_state.step is not forward_step
+                or bwd_state.step is not backward_step.step):
+            return None
+    return ticket(inp, layer._parameters, layer._buffers)
 
 
 def fused_norm_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
