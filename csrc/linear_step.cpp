@@ -365,27 +365,34 @@ namespace py = pybind11;
 // (modules/linear_fused_step.py's _keep_ticket): the step's arguments that stay the same from
 // one forward to the next (delayed scaling's state slices, the FP8 dtypes, the backward step's
 // BackwardOnce) and the objects the layer held then (its weight and bias Parameters, its six
-// state buffers). A call runs the step on an input only where the input and the layer are as
-// they were (the checks the layer's full path would make, reduced to identities, here in C++
-// where each costs nanoseconds), else returns None: the layer's full path runs instead.
+// state buffers) with their types. A call runs the step on an input only where the input and
+// the layer are as they were (the checks the layer's full path would make, reduced to
+// identities, here in C++ where each costs nanoseconds), else returns None: the layer's full
+// path runs instead.
+//
+// The layer's objects are borrowed: the Python ticket that holds this object holds them too
+// (a strong reference from here would hide a reference cycle through the layer from the
+// garbage collector).
 class LinearTicket {
  public:
-  LinearTicket(py::object weight, py::object bias, std::vector<py::object> buffers,
-               std::vector<Tensor> state_slices, at::ScalarType fwd_dtype,
-               at::ScalarType bwd_dtype, at::ScalarType dtype, int64_t in_features,
-               const py::object& backward_step)
-      : weight_(std::move(weight)), bias_(std::move(bias)), buffers_(std::move(buffers)),
-        slices_(std::move(state_slices)), fwd_dtype_(fwd_dtype), bwd_dtype_(bwd_dtype),
-        dtype_(dtype), in_features_(in_features) {
-    TORCH_CHECK(buffers_.size() == kBufferNames.size() || buffers_.empty(),
+  LinearTicket(const py::object& weight, const py::object& bias,
+               const std::vector<py::object>& buffers, std::vector<Tensor> state_slices,
+               at::ScalarType fwd_dtype, at::ScalarType bwd_dtype, at::ScalarType dtype,
+               int64_t in_features, const py::object& backward_step)
+      : weight_(held(weight)), bias_(held(bias)), slices_(std::move(state_slices)),
+        fwd_dtype_(fwd_dtype), bwd_dtype_(bwd_dtype), dtype_(dtype), in_features_(in_features) {
+    TORCH_CHECK(THPVariable_Check(weight.ptr()) && (bias.is_none() || THPVariable_Check(bias.ptr())),
+                "transformer_fp8: LinearTicket takes a weight tensor and a bias tensor or None");
+    TORCH_CHECK(buffers.size() == kBufferNames.size() || buffers.empty(),
                 "transformer_fp8: LinearTicket takes the layer's ", kBufferNames.size(),
-                " state buffers or none, got ", buffers_.size());
+                " state buffers or none, got ", buffers.size());
     TORCH_CHECK(slices_.size() == 8 || slices_.empty(),
                 "transformer_fp8: LinearTicket takes 8 state slices or none, got ",
                 slices_.size());
-    TORCH_CHECK(slices_.empty() == backward_step.is_none() && slices_.empty() == buffers_.empty(),
+    TORCH_CHECK(slices_.empty() == backward_step.is_none() && slices_.empty() == buffers.empty(),
                 "transformer_fp8: LinearTicket takes state slices, buffers and a backward "
                 "step together (delayed scaling) or none of them (current scaling)");
+    for (const py::object& buffer : buffers) buffers_.push_back(held(buffer));
     if (!backward_step.is_none())
       once_ = backward_step.attr("_once").cast<std::shared_ptr<step::BackwardOnce>>();
   }
@@ -403,22 +410,19 @@ class LinearTicket {
     // As checkpointing.may_be_checkpointed(): a checkpointed forward keeps a replay record.
     if (!c10::GradMode::is_enabled() || at::SavedTensorDefaultHooks::get_hooks(false))
       return py::none();
-    static const std::array<py::object, 2> param_names = {py::str("weight"), py::str("bias")};
-    if (PyDict_GetItem(parameters.ptr(), param_names[0].ptr()) != weight_.ptr() ||
-        PyDict_GetItem(parameters.ptr(), param_names[1].ptr()) != bias_.ptr())
+    // The same objects, of the same types (torch.utils.swap_tensors changes a tensor's class
+    // in place: a tensor subclass takes the full path).
+    const Names& names = interned_names();
+    if (!weight_.is(PyDict_GetItem(parameters.ptr(), names.weight)) ||
+        !bias_.is(PyDict_GetItem(parameters.ptr(), names.bias)))
       return py::none();
-    static const auto buffer_names = [] {
-      std::array<py::object, kBufferNames.size()> names;
-      for (size_t i = 0; i < names.size(); ++i) names[i] = py::str(kBufferNames[i]);
-      return names;
-    }();
     for (size_t i = 0; i < buffers_.size(); ++i)
-      if (PyDict_GetItem(buffers.ptr(), buffer_names[i].ptr()) != buffers_[i].ptr())
-        return py::none();
-    const Tensor& weight = THPVariable_Unpack(weight_.ptr());
+      if (!buffers_[i].is(PyDict_GetItem(buffers.ptr(), names.buffers[i]))) return py::none();
+    const Tensor& weight = THPVariable_Unpack(weight_.object);
     if (weight.scalar_type() != dtype_) return py::none();  // (its .data replaced)
     const std::optional<Tensor> bias =
-        bias_.is_none() ? std::nullopt : std::optional<Tensor>(THPVariable_Unpack(bias_.ptr()));
+        bias_.object == Py_None ? std::nullopt
+                                : std::optional<Tensor>(THPVariable_Unpack(bias_.object));
     if (slices_.empty())
       return py::cast(fp8_linear_current(x, weight, bias, fwd_dtype_, bwd_dtype_, dtype_));
     Tensor out = fp8_linear_delayed(x, weight, bias, slices_[0], slices_[1], slices_[2],
@@ -435,8 +439,32 @@ class LinearTicket {
       "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv"};
 
  private:
-  py::object weight_, bias_;
-  std::vector<py::object> buffers_;
+  // A borrowed object and the type it had.
+  struct Held {
+    PyObject* object;
+    PyTypeObject* type;
+    bool is(PyObject* other) const { return other == object && Py_TYPE(other) == type; }
+  };
+  static Held held(const py::object& object) { return {object.ptr(), Py_TYPE(object.ptr())}; }
+
+  // The dict keys, made once and never freed (no decref after the interpreter has gone).
+  struct Names {
+    PyObject* weight;
+    PyObject* bias;
+    std::array<PyObject*, kBufferNames.size()> buffers;
+  };
+  static const Names& interned_names() {
+    static const Names names = [] {
+      Names made{PyUnicode_InternFromString("weight"), PyUnicode_InternFromString("bias"), {}};
+      for (size_t i = 0; i < kBufferNames.size(); ++i)
+        made.buffers[i] = PyUnicode_InternFromString(kBufferNames[i]);
+      return made;
+    }();
+    return names;
+  }
+
+  Held weight_, bias_;
+  std::vector<Held> buffers_;
   std::vector<Tensor> slices_;
   at::ScalarType fwd_dtype_, bwd_dtype_, dtype_;
   int64_t in_features_;
@@ -453,8 +481,8 @@ void bind_linear_steps(pybind11::module_& module) {
   py::class_<LinearTicket>(module, "LinearTicket",
                            "What a Linear layer's next forwards pass to its C++ step "
                            "(csrc/linear_step.cpp; made by modules/linear_fused_step.py)")
-      .def(py::init<py::object, py::object, std::vector<py::object>, std::vector<Tensor>,
-                    at::ScalarType, at::ScalarType, at::ScalarType, int64_t,
+      .def(py::init<const py::object&, const py::object&, const std::vector<py::object>&,
+                    std::vector<Tensor>, at::ScalarType, at::ScalarType, at::ScalarType, int64_t,
                     const py::object&>(),
            py::arg("weight"), py::arg("bias"), py::arg("buffers"), py::arg("state_slices"),
            py::arg("fwd_dtype"), py::arg("bwd_dtype"), py::arg("dtype"),
@@ -470,13 +498,15 @@ void bind_linear_steps(pybind11::module_& module) {
       });
   py::class_<step::BackwardOnce, std::shared_ptr<step::BackwardOnce>>(
       module, "BackwardOnce",
-      "Whether the backward pass under way has called backward_step.on_backward(), shared by "
-      "the hooks the C++ steps attach for that step (csrc/step_ops.h); cleared by the step.")
+      "Which backward pass last called backward_step.on_backward(), shared by the hooks the "
+      "C++ steps attach for that step (csrc/step_ops.h); cleared by the step.")
       .def(py::init<const py::object&>(), py::arg("backward_step"))
-      .def("clear", [](step::BackwardOnce& once) { once.called.store(false); },
-           "The next node of a backward pass calls backward_step.on_backward() again.")
-      .def_property_readonly("called",
-                             [](const step::BackwardOnce& once) { return once.called.load(); });
+      .def("clear", [](step::BackwardOnce& once) { once.task.store(step::BackwardOnce::kNone); },
+           "The next node of any backward pass calls backward_step.on_backward() again.")
+      .def_property_readonly("task", [](const step::BackwardOnce& once) -> std::optional<int> {
+        const int task = once.task.load();
+        return task == step::BackwardOnce::kNone ? std::nullopt : std::optional<int>(task);
+      }, "The graph task id of the backward pass that last called on_backward(), or None.");
   module.def(
       "linear_delayed",
       [](const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/extension.h>
 
@@ -388,10 +389,11 @@ inline NormSpec norm_spec(const char* op, const Tensor& input, const Tensor& nor
 
 // ---- the Python side -------------------------------------------------------------------------
 
-// Whether the backward pass under way has already called backward_step.on_backward(): one per
-// BackwardStep (amax_step.py, its `_once`), shared by the hooks of its nodes (CallOnBackward).
-// The first hook of a pass sets it and calls into Python; the others only read it, without the
-// GIL. The step clears it when the update it queued has run, or was discarded.
+// Which backward pass last called backward_step.on_backward(): one per BackwardStep
+// (amax_step.py, its `_once`), shared by the hooks of its nodes (CallOnBackward). The first hook
+// of a pass (autograd's graph task) records the pass and calls into Python; the others of the
+// same pass only compare, without the GIL. The step clears it when the update it queued has
+// run, or was discarded.
 struct BackwardOnce {
   explicit BackwardOnce(const pybind11::object& backward_step)
       : step(pybind11::weakref(backward_step)) {}
@@ -406,12 +408,13 @@ struct BackwardOnce {
   // The BackwardStep, or None once it has gone (call with the GIL held).
   pybind11::object backward_step() const { return step(); }
 
-  std::atomic<bool> called{false};
+  static constexpr int kNone = -1;  // (graph task ids are >= 0)
+  std::atomic<int> task{kNone};
   pybind11::weakref step;  // (weak: the step holds this object)
 };
 
 // Calls backward_step.on_backward() when the node it is attached to is about to run, unless an
-// earlier node of the same backward pass has: delayed scaling's BackwardStep (amax_step.py)
+// earlier node of the same backward pass has (BackwardOnce): delayed scaling's BackwardStep (amax_step.py)
 // queues the grad_output update for the end of the backward pass (as a pre-hook registered from
 // Python would, without the host cost of registering one per call, or of a Python call per
 // node). Compiled autograd never runs C++ hooks: it asks each for its compiled_args on every
@@ -422,7 +425,8 @@ class CallOnBackward : public torch::autograd::FunctionPreHook {
  public:
   explicit CallOnBackward(std::shared_ptr<BackwardOnce> once) : once_(std::move(once)) {}
   variable_list operator()(const variable_list& grads) override {
-    if (!once_->called.exchange(true)) {
+    const int task = torch::autograd::get_current_graph_task_id();
+    if (once_->task.exchange(task) != task) {
       pybind11::gil_scoped_acquire gil;
       pybind11::object step = once_->backward_step();
       if (!step.is_none()) step.attr("on_backward")();

@@ -38,8 +38,10 @@ def test_ticket_follows_the_state_to_another_step(gen):
 
 
 def test_a_freed_layer_leaves_the_kept_step(gen):
-    """The steps kept from step to step hold their states weakly: a freed layer's state (and
-    its tensors, through the step's plan) goes."""
+    """The steps kept from step to step hold their states weakly: a freed layer's state leaves
+    at once; its tensors, which the step's plan holds, when the plan is made again (the next
+    change of the states: here a new layer), not when the collector runs (which differs from
+    rank to rank: tests/test_reduction_layout.py)."""
     layer = tfp8.Linear(32, 32, recipe=RECIPE)
     x, g = randn(gen, 16, 32), randn(gen, 16, 32)
     one_step(layer, x, g, RECIPE)
@@ -48,10 +50,17 @@ def test_a_freed_layer_leaves_the_kept_step(gen):
     history = weakref.ref(layer.fp8_fwd_amax_history)
     key = layer._scaling_states[0].key
     assert key in step.states
+    plan = step._plan
     del layer
     gc.collect()
     assert key not in step.states
-    assert step._plan is None and history() is None
+    assert step._plan is plan, "the collector changes no plan"
+    other = tfp8.Linear(32, 32, recipe=RECIPE)
+    one_step(other, x, g, RECIPE)
+    assert other._scaling_states[0].step is step and step._plan is not plan
+    del plan
+    gc.collect()
+    assert history() is None
 
 
 class _Refused(Exception):
@@ -122,7 +131,35 @@ def test_backward_once_is_cleared_after_every_pass(gen):
         before = model[0].fp8_bwd_amax_history.clone()
         (out * scale).sum().backward(retain_graph=True)
         rolled.append(not torch.equal(before, model[0].fp8_bwd_amax_history))
-        assert not backward_step._once.called
+        assert backward_step._once.task is None
     del backward_step.on_backward
     assert calls == [1, 1], "one call per pass, from its first node"
     assert rolled == [True, True], "each pass updated the grad_output state"
+
+
+@pytest.mark.parametrize("path", ["cxx", "python"])
+def test_a_pass_after_a_failed_one_queues_its_own_update(path, gen, monkeypatch):
+    """Two forward passes; the first one's backward pass fails, then the second one's runs
+    before any other fp8_autocast: the second pass still updates the grad_output state (the
+    failed pass's amaxes are discarded first), on both paths."""
+    if path == "python":
+        monkeypatch.setattr(linear_fused_step, "ENABLED", False)
+    layer = tfp8.Linear(32, 32, recipe=RECIPE)
+    xs = [randn(gen, 8, 32).requires_grad_(True) for _ in range(2)]
+    outs = []
+    for x in xs:
+        with fp8_autocast(fp8_recipe=RECIPE):
+            outs.append(layer(x))
+
+    def refuse(grad):
+        raise _Refused("the backward pass fails")
+    xs[0].register_hook(refuse)
+    with pytest.raises(_Refused):
+        outs[0].backward(randn(gen, 8, 32, scale=5.0))
+    g = randn(gen, 8, 32, scale=7.0)
+    outs[1].backward(g)
+    amax = g.abs().max().float()
+    assert torch.equal(layer.fp8_bwd_amax_history[-1], amax.reshape(1)), \
+        "the second pass's amax is in the history: its update ran"
+    assert bool((layer.fp8_bwd_amax_history[0] == 0).all())
+    assert float(layer.fp8_bwd_scale) != 1.0

@@ -233,3 +233,58 @@ def test_ticket_refuses_an_inconsistent_construction(gen):
     with pytest.raises(RuntimeError, match="together"):
         _C.LinearTicket(layer.weight, layer.bias, [], [], torch.float8_e4m3fn,
                         torch.float8_e5m2, torch.float32, 32, object())
+
+
+def test_a_parameter_whose_class_changes_in_place_takes_the_full_path(gen):
+    """torch.utils.swap_tensors changes a Parameter's class in place (the same object): a
+    tensor subclass takes the Python path, as on a forward without a ticket."""
+    class Subclass(torch.Tensor):
+        pass
+    layer = tfp8.Linear(32, 32, recipe=RECIPE)
+    x, g = randn(gen, 16, 32), randn(gen, 16, 32)
+    for _ in range(2):
+        assert "Fp8LinearStep" in one_step(layer, x, g, RECIPE)[3]
+    weight = layer.weight
+    torch.utils.swap_tensors(weight, torch.nn.Parameter(Subclass(weight.detach().clone())))
+    assert layer._parameters["weight"] is weight and type(weight) is not torch.nn.Parameter
+    assert "Fp8LinearStep" not in one_step(layer, x, g, RECIPE)[3]
+
+
+def test_a_layer_in_a_reference_cycle_through_its_ticket_is_collected(gen):
+    """The ticket holds the layer's parameters where the garbage collector sees them: a layer
+    whose parameter refers back to it is freed by a collection."""
+    import gc
+    import weakref
+    layer = tfp8.Linear(32, 32, recipe=RECIPE)
+    layer.weight.owner = layer  # a back-reference: a cycle through the ticket's weight
+    x, g = randn(gen, 16, 32), randn(gen, 16, 32)
+    for _ in range(2):
+        one_step(layer, x, g, RECIPE)
+    assert layer._fused_ticket is not None
+    ref = weakref.ref(layer)
+    del layer
+    gc.collect()
+    assert ref() is None
+
+
+def test_current_scaling_ticket_is_not_taken_across_ranks(gen, monkeypatch):
+    """A current-scaling ticket made in one process is not taken once the group has several
+    ranks (the Python path reduces the amaxes across them)."""
+    layer = tfp8.Linear(32, 32)
+    x, g = randn(gen, 16, 32), randn(gen, 16, 32)
+    one_step(layer, x, g, CURRENT)
+    assert layer._fused_ticket is not None
+    with fp8_autocast(fp8_recipe=CURRENT):
+        assert linear_fused_step.ticketed_linear_step(layer, x) is not None
+        monkeypatch.setattr(linear_fused_step, "world_size", lambda group: 2)
+        assert linear_fused_step.ticketed_linear_step(layer, x) is None
+
+
+def test_conv1d_weight_view_makes_no_ticket(gen):
+    """A weight that is not the Parameter itself (HuggingFace Conv1D's transposed view, split
+    parameters) makes no ticket: it could never match."""
+    layer = tfp8.Linear(32, 48, recipe=RECIPE, parameters_split=("a", "b"))
+    x, g = randn(gen, 16, 32), randn(gen, 16, 48)
+    for _ in range(2):
+        assert "Fp8LinearStep" in one_step(layer, x, g, RECIPE)[3]
+    assert layer._fused_ticket is None

@@ -119,3 +119,31 @@ def test_ranks_with_different_layers_get_a_clear_error_on_every_rank(tmp_path):
         assert result["unchanged"], f"rank {rank}: a scale changed in the failed step"
     for a, b in zip(results[0]["scales"], results[1]["scales"]):
         assert_bitwise_equal(a, b, "the ranks' scales after the recovered step")
+
+
+def _dead_covered_layer_worker(rank: int, out_dir: str) -> None:
+    gc.disable()
+    torch.manual_seed(0)
+    dead = tfp8.Linear(16, 16, recipe=RECIPE)
+    with tfp8.fp8_autocast(fp8_recipe=RECIPE):
+        dead(torch.randn(4, 16))  # now covered by this thread's kept step
+    dead.__dict__["_cycle"] = dead
+    del dead
+    if rank == 0:
+        gc.collect()  # rank 0 has freed it, rank 1 not yet
+    with tfp8.fp8_autocast(fp8_recipe=RECIPE):
+        pass  # a step in which no FP8 layer runs: the same reduction on both ranks
+    model = _model()
+    records = _train(model, rank)
+    gc.enable()
+    torch.save(records, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_a_dead_layer_covered_by_a_kept_step_changes_no_rank_alone(tmp_path):
+    """A layer covered by the kept step (it ran before), dead in a cycle, freed on one rank
+    only: the next steps reduce alike on both ranks (no collective mismatch) and train."""
+    run_ranks(_dead_covered_layer_worker, (str(tmp_path),), tmp_path)
+    records = [[StepRecord(**r) for r in torch.load(tmp_path / f"rank{rank}.pt",
+                                                    weights_only=True)] for rank in range(WORLD)]
+    for name, value in records[0][-1].fp8_state.items():
+        assert_bitwise_equal(records[1][-1].fp8_state[name], value, f"ranks differ on {name}")

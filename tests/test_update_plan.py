@@ -129,7 +129,8 @@ def checked_step(model, x, ran=None):
 
 
 def plan_of(layer, role="fwd"):
-    return layer._scaling_states[0 if role == "fwd" else 1].plan
+    """The plan of the step that covers the layer's state of ``role``."""
+    return layer._scaling_states[0 if role == "fwd" else 1].step._plan
 
 
 def make_model(gen, device, depth=3):

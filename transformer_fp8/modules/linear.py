@@ -215,7 +215,7 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
                 out = ticketed_linear_step(self, inp)
                 if out is not None:
                     return out
-            else:  # (a weight kept for the next microbatches: the next forward drops it)
+            else:  # (is_first_microbatch: the full path keeps or reuses a quantised weight)
                 self.__dict__["_fused_ticket"] = None
         if fp8_output or fp8_grad:
             check_forward_flags("Linear", fp8_output, fp8_grad)

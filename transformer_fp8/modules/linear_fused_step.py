@@ -95,10 +95,12 @@ def _keep_ticket(layer, inp, state, weight, bias, state_slices, backward_step) -
     gradient-free forward, torch.autocast, return_bias, routed or split weights, an input the
     layer would take in another dtype) takes the full path. The module drops the ticket
     whenever one of its attributes is set (quantization/state.py)."""
+    params = layer._parameters
     if (_LinearTicket is None or layer._wgrad is not None or layer.return_bias
-            or len(layer._parts["weight"]) != 1 or inp.dtype is not weight.dtype
-            or _is_any_autocast_enabled() or checkpointing.may_be_checkpointed()):
-        return
+            or params.get("weight") is not weight or params.get("bias") is not bias
+            or inp.dtype is not weight.dtype or _is_any_autocast_enabled()
+            or checkpointing.may_be_checkpointed()):
+        return  # (a weight that is not the Parameter itself: split, or Conv1D's transpose)
     delayed, buffers = None, []
     if state_slices is not None:
         fwd_state, bwd_state = layer._scaling_states
@@ -108,8 +110,10 @@ def _keep_ticket(layer, inp, state, weight, bias, state_slices, backward_step) -
     ticket = _LinearTicket(weight, bias, buffers, list(state_slices or ()), fwd_dtype,
                            bwd_dtype, inp.dtype, inp.shape[-1], backward_step)
     recipe_type = type(state.recipe)
+    # (The ticket borrows the weight, bias and buffers: the tuple holds them, where the
+    # garbage collector sees them.)
     layer.__dict__["_fused_ticket"] = (state, ticket, recipe_type, _REGISTERED[recipe_type],
-                                       delayed)
+                                       delayed, (weight, bias, buffers))
 
 
 def ticketed_linear_step(layer, inp: torch.Tensor) -> Optional[torch.Tensor]:
@@ -121,13 +125,16 @@ def ticketed_linear_step(layer, inp: torch.Tensor) -> Optional[torch.Tensor]:
     the layer holds a ticket."""
     if not ENABLED:
         return None
-    state, ticket, recipe_type, quantizers, delayed = layer._fused_ticket
+    state, ticket, recipe_type, quantizers, delayed, _ = layer._fused_ticket
     stack = _autocast.LOCAL.stack
     if (not stack or stack[-1] is not state or _is_compiling() or _is_any_autocast_enabled()
             or _fp8_hooks.observer is not None or layer._replay_records.records
             or _REGISTERED.get(recipe_type) is not quantizers):  # (the recipe's registration)
         return None
-    if delayed is not None:
+    if delayed is None:
+        if world_size(state.group) != 1:
+            return None  # (current scaling across ranks: the Python path reduces the amaxes)
+    else:
         # The states covered by this context's steps (as record_forward would see to): the
         # steps kept for this thread, recipe and group, which still hold them.
         fwd_state, forward_step, bwd_state, backward_step = delayed

@@ -109,33 +109,37 @@ class AmaxStep:
     def _remove(self, state: ScalingState) -> None:
         ref = self._refs.get(state.key)
         if ref is not None and ref() is state:
-            del self._refs[state.key]
+            self._refs.pop(state.key, None)
             self._plan = None
 
     def _freed(self, ref: weakref.ref) -> None:
-        """A covered state's module was freed (called by the garbage collector, any thread):
-        the plan, which holds its tensors, is made again without it."""
+        """A covered state's module was freed (called by the garbage collector, any thread, at
+        a moment that differs from rank to rank): it leaves the step, but the plan is kept
+        until the next change of the states (scaling_state.generation) or of the step's
+        membership, so that the collector's timing never decides a rank's reduction. (Until
+        then the plan holds the freed state's small tensors, and updates them: a column with
+        nothing recorded is left untouched.)"""
         for key, held in list(self._refs.items()):
             if held is ref:
                 self._refs.pop(key, None)
-                self._plan = None
 
     def _reduces(self) -> bool:
         return self.recipe.reduce_amax and world_size(self.group) > 1
 
-    def _recorded_plan(self) -> Optional[UpdatePlan]:
-        """The plan of exactly the states covered (made, and noted in them, if none is
-        current), or None when no state is."""
+    def _recorded_plan(self, reduce: bool = False) -> Optional[UpdatePlan]:
+        """The plan of exactly the states covered (made if none is current), or None when no
+        state is. ``reduce``: ranks reduce, and where the plan is made again, the garbage
+        collector runs first (as _plan_for_step's does), so that a layer freed on one rank and
+        not yet on another is covered on neither."""
         plan = self._plan
         if plan is not None and plan.is_current(self.recipe):
             return plan
+        if reduce and _can_synchronize():
+            gc.collect()
         states = self.states
         if not states:
             return None
-        states = [states[key] for key in sorted(states)]
-        plan = UpdatePlan(states, self.recipe, self.role)
-        for state in states:
-            state.plan = plan
+        plan = UpdatePlan([states[key] for key in sorted(states)], self.recipe, self.role)
         self._plan = plan
         return plan
 
@@ -151,7 +155,7 @@ class AmaxStep:
         on this rank (discard): no collective, and the plan is not kept."""
         if not (self.include_unrecorded and (reduce or _COMPILED_MODULES)):
             return self._recorded_plan()
-        recorded = self._recorded_plan()
+        recorded = self._recorded_plan(reduce)
         devices = recorded.devices if recorded is not None else frozenset()
         if reduce:
             key = (self.recipe, self.role, devices, len(_COMPILED_MODULES))
@@ -238,6 +242,7 @@ class BackwardStep:
     def __init__(self, recipe: DelayedScaling, group, include_unrecorded: bool = True):
         self.step = AmaxStep(recipe, group, role="bwd", include_unrecorded=include_unrecorded)
         self._queued = False
+        self._queued_task = None  # the graph task (backward pass) that queued the update
         # Shared by the hooks that the C++ steps attach to their nodes (csrc/step_ops.h): only
         # the first node of a backward pass calls on_backward(); cleared with _queued.
         self._once = _C.BackwardOnce(self)
@@ -246,15 +251,23 @@ class BackwardStep:
         self.step.add(state)
 
     def on_backward(self) -> None:
-        if not self._queued:
-            self._queued = True
-            # (One dict operation: atomic, no lock needed; the lock guards the compound ones.)
-            _QUEUED_BACKWARD_STEPS[id(self)] = self
-            _queue_callback(self._finish)
+        task = _current_graph_task_id()
+        if self._queued:
+            if task == self._queued_task or checkpointing.in_reentrant_backward():
+                return  # queued by this pass (or by the pass whose checkpoint this one runs)
+            # Queued by a pass that ended without running its callback: it failed (the engine
+            # drops the callbacks of a pass that raises). Its amaxes are discarded, as at the
+            # next outermost fp8_autocast, and this pass queues its own update.
+            _QUEUED_BACKWARD_STEPS.pop(id(self), None)
+            self.discard()
+        self._queued, self._queued_task = True, task
+        # (One dict operation: atomic, no lock needed; the lock guards the compound ones.)
+        _QUEUED_BACKWARD_STEPS[id(self)] = self
+        _queue_callback(self._finish)
 
     def hold_for_compiled_autograd(self) -> None:
         """Called instead of on_backward, on every backward pass that compiled autograd runs
-        through the C++ Linear step (csrc/linear_step.cpp's CallOnBackward: compiled autograd
+        through a C++ step (csrc/step_ops.h's CallOnBackward: compiled autograd
         has no end-of-pass callback for a hook to queue): the update is held for the next
         outermost fp8_autocast, as every later forward pass's (see note_compiled_backward)."""
         _COMPILED_BACKWARD_SEEN[0] = True
@@ -265,7 +278,8 @@ class BackwardStep:
         self._queued = False
         self._once.clear()
         _QUEUED_BACKWARD_STEPS.pop(id(self), None)
-        if checkpointing._KEPT_ANY[0] and checkpointing.in_reentrant_backward():
+        if checkpointing._KEPT_ANY[0] and checkpointing.in_reentrant_backward():  # (the call
+            # only where a checkpointed FP8 forward ever ran)
             _PENDING_BACKWARD_STEPS[id(self)] = self
             return
         if _PENDING_BACKWARD_STEPS:
@@ -285,6 +299,7 @@ class BackwardStep:
 
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_current_graph_task_id = torch._C._current_graph_task_id
 
 # Backward updates held back at the end of a reentrant checkpoint's nested backward pass (they
 # may be recorded on autograd's worker threads, hence a lock for the compound operations on

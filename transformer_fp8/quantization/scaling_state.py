@@ -35,7 +35,7 @@ class ScalingState:
     the owner whether a step under ``recipe`` covers this state, adopting the recipe if it has
     none (see amax_step.AmaxStep)."""
 
-    __slots__ = ("key", "role", "history", "scale", "scale_inv", "device", "plan", "step",
+    __slots__ = ("key", "role", "history", "scale", "scale_inv", "device", "step",
                  "_takes_recipe", "__weakref__")
 
     def __init__(self, key: int, role: str, takes_recipe: Callable[[object], bool]):
@@ -43,13 +43,11 @@ class ScalingState:
         self._takes_recipe = takes_recipe
         self.history = self.scale = self.scale_inv = None
         self.device = None
-        self.plan = None  # the last prepared update built with this state (update_plan.py)
         self.step = None  # the step (amax_step.AmaxStep) that covers it, where one does
 
     def bind(self, history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
         self.history, self.scale, self.scale_inv = history, scale, scale_inv
         self.device = history.device
-        self.plan = None
         bump_generation()
 
     def takes_recipe(self, recipe) -> bool:

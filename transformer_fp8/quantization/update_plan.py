@@ -71,7 +71,7 @@ class UpdatePlan:
 
     def __init__(self, states: list[ScalingState], recipe: DelayedScaling, role: str):
         self.generation = generation()  # read first: a change while building invalidates it
-        self.recipe, self.count = recipe, len(states)
+        self.recipe = recipe
         self.margin = ops._check_margin(recipe.margin)
         self.devices = frozenset(s.device for s in states)
         fp8_max = recipe.fp8_format.max_fwd if role == "fwd" else recipe.fp8_format.max_bwd
