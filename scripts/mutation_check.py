@@ -47,8 +47,8 @@ class Mutant:
 
 MUTANTS = [
     Mutant("reduction layout left to the collector", "quantization/amax_step.py",
-           "            gc.collect()\n", "            pass\n",
-           ("tests/test_reduction_layout.py",), "dead_model"),
+           "    gc.collect()\n", "    pass\n",
+           ("tests/test_reduction_layout.py",), "dead_model or dead_layer"),
     Mutant("compiled block wgrad x100", "modules/linear.py",
            "                                    ctx.weight_dtype)\n",
            "                                    ctx.weight_dtype)\n"

@@ -57,6 +57,13 @@ _EVERY_STATE_PLANS: dict = {}
 _LAST_LAYOUT: dict = {}
 
 
+def _collect_dead_layers() -> None:
+    """The garbage collector frees the dead layers (held in reference cycles) that some ranks
+    have freed and others not: what a rank reduces must not depend on when its collector ran.
+    Called only where the ranks make a plan of the reduction again."""
+    gc.collect()
+
+
 def _can_synchronize() -> bool:
     """Whether a plan being made may collect garbage and wait for a collective's result: not
     while torch.compile traces, nor while a CUDA graph is captured."""
@@ -135,7 +142,7 @@ class AmaxStep:
         if plan is not None and plan.is_current(self.recipe):
             return plan
         if reduce and _can_synchronize():
-            gc.collect()
+            _collect_dead_layers()
         states = self.states
         if not states:
             return None
@@ -168,9 +175,7 @@ class AmaxStep:
             return plan
         synchronize = reduce and agree and _can_synchronize()
         if synchronize:
-            # First the garbage collector frees the dead layers (held in reference cycles) that
-            # some ranks have freed and others not, so the layout below does not depend on it.
-            gc.collect()
+            _collect_dead_layers()  # (first: so that the layout below does not depend on it)
         states = self._covered_states(devices, reduce)
         if not agree:
             return UpdatePlan(states, self.recipe, self.role) if states else None
