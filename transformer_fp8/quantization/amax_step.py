@@ -121,14 +121,17 @@ class AmaxStep:
 
     def _freed(self, ref: weakref.ref) -> None:
         """A covered state's module was freed (called by the garbage collector, any thread, at
-        a moment that differs from rank to rank): it leaves the step, but the plan is kept
-        until the next change of the states (scaling_state.generation) or of the step's
-        membership, so that the collector's timing never decides a rank's reduction. (Until
-        then the plan holds the freed state's small tensors, and updates them: a column with
-        nothing recorded is left untouched.)"""
+        a moment that differs from rank to rank): it leaves the step. Where ranks reduce, the
+        plan is kept until the next change of the states (scaling_state.generation) or of the
+        step's membership, so that the collector's timing never decides a rank's reduction
+        (until then the plan holds the freed state's small tensors, and updates them: a column
+        with nothing recorded is left untouched); elsewhere the plan goes with it, and with the
+        plan the freed state's tensors."""
         for key, held in list(self._refs.items()):
             if held is ref:
                 self._refs.pop(key, None)
+                if not self._reduces():
+                    self._plan = None
 
     def _reduces(self) -> bool:
         return self.recipe.reduce_amax and world_size(self.group) > 1
