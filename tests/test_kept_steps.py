@@ -159,3 +159,82 @@ def test_a_pass_after_a_failed_one_queues_its_own_update(path, gen, monkeypatch)
         "the second pass's amax is in the history: its update ran"
     assert bool((layer.fp8_bwd_amax_history[0] == 0).all())
     assert float(layer.fp8_bwd_scale) != 1.0
+
+
+def test_threads_training_their_own_models_match_one_thread(gen):
+    """Each thread keeps its own steps (and its own backward passes' flags): two threads
+    training two copies of a model under one recipe, interleaved, end where each copy ends when
+    trained alone, bit for bit."""
+    import sys
+    import threading
+    base = torch.nn.Sequential(tfp8.Linear(32, 32, recipe=RECIPE), tfp8.Linear(32, 32, recipe=RECIPE))
+    data = [[(randn(gen, 8, 32, scale=3.0 ** (s % 5)), randn(gen, 8, 32)) for s in range(12)]
+            for _ in range(2)]
+
+    def train(model, steps):
+        outs = []
+        for x, g in steps:
+            with fp8_autocast(fp8_recipe=RECIPE):
+                out = model(x)
+            out.backward(g)
+            outs.append(out.detach())
+        return outs
+
+    alone = [copy.deepcopy(base) for _ in range(2)]
+    expected = [train(model, steps) for model, steps in zip(alone, data)]
+    threaded, got = [copy.deepcopy(base) for _ in range(2)], [None, None]
+
+    def run(i):
+        got[i] = train(threaded[i], data[i])
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (switch threads often: interleave the steps)
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    for i in range(2):
+        for step, (a, b) in enumerate(zip(got[i], expected[i])):
+            assert_bitwise_equal(a, b, f"thread {i} step {step}")
+        for (name, a), b in zip(threaded[i].state_dict().items(), alone[i].state_dict().values()):
+            assert_bitwise_equal(a, b, f"thread {i} {name}")
+
+
+def test_another_threads_context_leaves_a_running_backward_pass_alone(gen):
+    """Thread A's backward pass has queued its update and is still running when thread B
+    enters an outermost fp8_autocast: B discards and flushes only its own steps' passes, so A's
+    pass updates as it would alone."""
+    import threading
+    torch.manual_seed(0)
+    layer = tfp8.Linear(32, 32, recipe=RECIPE)
+    alone = copy.deepcopy(layer)
+    other = tfp8.Linear(32, 32, recipe=RECIPE)
+    x, g = randn(gen, 8, 32, scale=3.0), randn(gen, 8, 32, scale=50.0)
+
+    def step(model, pause=None):
+        inp = x.detach().requires_grad_(True)
+        with fp8_autocast(fp8_recipe=RECIPE):
+            out = model(inp)
+        if pause is not None:
+            inp.register_hook(pause)  # runs after the layer's node: its update is queued
+        out.backward(g)
+
+    step(alone)
+    queued, resume = threading.Event(), threading.Event()
+
+    def pause(grad):
+        queued.set()
+        assert resume.wait(30), "thread B did not go on"
+        return grad
+
+    thread = threading.Thread(target=step, args=(layer, pause))
+    thread.start()
+    assert queued.wait(30)
+    step(other)  # thread B: an outermost context (and a step of its own) meanwhile
+    resume.set()
+    thread.join()
+    for (name, a), b in zip(layer.state_dict().items(), alone.state_dict().values()):
+        assert_bitwise_equal(a, b, name)

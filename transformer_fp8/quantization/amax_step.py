@@ -251,6 +251,7 @@ class BackwardStep:
         self.step = AmaxStep(recipe, group, role="bwd", include_unrecorded=include_unrecorded)
         self._queued = False
         self._queued_task = None  # the graph task (backward pass) that queued the update
+        self.thread = threading.get_ident()  # whose forward passes it covers (see autocast)
         # Shared by the hooks that the C++ steps attach to their nodes (csrc/step_ops.h): only
         # the first node of a backward pass calls on_backward(); cleared with _queued.
         self._once = _C.BackwardOnce(self)
@@ -324,11 +325,15 @@ _QUEUED_BACKWARD_STEPS: dict[int, BackwardStep] = {}
 
 
 def discard_failed_backward_passes() -> None:
+    """Discard the amaxes of this thread's backward passes that failed: its steps still queued.
+    (Another thread's queued step may belong to a backward pass running now.)"""
     if not _QUEUED_BACKWARD_STEPS or torch._C._current_graph_task_id() != -1:
         return  # called from inside a backward pass (a recomputed region): none has failed
+    thread = threading.get_ident()
     with _PENDING_LOCK:
-        failed = list(_QUEUED_BACKWARD_STEPS.values())
-        _QUEUED_BACKWARD_STEPS.clear()
+        failed = [step for step in _QUEUED_BACKWARD_STEPS.values() if step.thread == thread]
+        for step in failed:
+            del _QUEUED_BACKWARD_STEPS[id(step)]
     for step in failed:
         step.discard()
 
@@ -389,12 +394,21 @@ def has_pending_backward_updates() -> bool:
     return bool(_PENDING_BACKWARD_STEPS or _HELD_BACKWARD_STEPS)
 
 
-def flush_pending_backward_updates() -> None:
-    """Run the backward updates held back (see BackwardStep), oldest first."""
+def flush_pending_backward_updates(this_thread_only: bool = False) -> None:
+    """Run the backward updates held back (see BackwardStep), oldest first: every one, or
+    (``this_thread_only``, at an outermost fp8_autocast) those of this thread's steps, whose
+    backward passes have ended (another thread's may be running)."""
+    thread = threading.get_ident()
     with _PENDING_LOCK:
-        pending = list(_PENDING_BACKWARD_STEPS.values())
+        pending = [step for step in _PENDING_BACKWARD_STEPS.values()
+                   if not this_thread_only or step.thread == thread]
         held = list(dict.fromkeys(_HELD_BACKWARD_STEPS))  # each step once, in order
-        _HELD_BACKWARD_STEPS.clear()
+        if this_thread_only:
+            _HELD_BACKWARD_STEPS[:] = [step for step in _HELD_BACKWARD_STEPS
+                                       if step.thread != thread]
+            held = [step for step in held if step.thread == thread]
+        else:
+            _HELD_BACKWARD_STEPS.clear()
     for step in pending:
         step.update()
     for step in held:

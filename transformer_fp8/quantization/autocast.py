@@ -217,7 +217,7 @@ class fp8_autocast(contextlib.ContextDecorator):
                                        or _HELD_BACKWARD_STEPS):
                 discard_failed_backward_passes()
                 if has_pending_backward_updates() and torch.is_grad_enabled():
-                    flush_pending_backward_updates()
+                    flush_pending_backward_updates(this_thread_only=True)
         if delayed and state.step_key not in local.forward_steps:
             _prepare_steps(state)
         stack.append(state)
