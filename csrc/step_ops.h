@@ -390,7 +390,7 @@ inline NormSpec norm_spec(const char* op, const Tensor& input, const Tensor& nor
 // ---- the Python side -------------------------------------------------------------------------
 
 // Which backward pass last called backward_step.on_backward(): one per BackwardStep
-// (amax_step.py, its `_once`), shared by the hooks of its nodes (CallOnBackward). The first hook
+// (backward_step.py, its `_once`), shared by the hooks of its nodes (CallOnBackward). The first hook
 // of a pass (autograd's graph task) records the pass and calls into Python; the others of the
 // same pass only compare, without the GIL. The step clears it when the update it queued has
 // run, or was discarded.
@@ -414,7 +414,7 @@ struct BackwardOnce {
 };
 
 // Calls backward_step.on_backward() when the node it is attached to is about to run, unless an
-// earlier node of the same backward pass has (BackwardOnce): delayed scaling's BackwardStep (amax_step.py)
+// earlier node of the same backward pass has (BackwardOnce): delayed scaling's BackwardStep (backward_step.py)
 // queues the grad_output update for the end of the backward pass (as a pre-hook registered from
 // Python would, without the host cost of registering one per call, or of a Python call per
 // node). Compiled autograd never runs C++ hooks: it asks each for its compiled_args on every

@@ -95,16 +95,16 @@ def device(request) -> str:
 @pytest.fixture(autouse=True)
 def _forget_compiled_fp8_modules():
     """A test that compiled FP8 modules (or ran compiled autograd) leaves them noted for every
-    later step of their recipe (amax_step.note_compiled, note_compiled_backward) while
-    torch.compile's caches keep them alive: forget them after it, so that tests run in any
+    later step of their recipe (amax_step.note_compiled, backward_step.note_compiled_backward)
+    while torch.compile's caches keep them alive: forget them after it, so that tests run in any
     order see only their own modules."""
     yield
-    from transformer_fp8.quantization import amax_step
-    if amax_step._COMPILED_MODULES or amax_step._COMPILED_BACKWARD_SEEN[0]:
+    from transformer_fp8.quantization import amax_step, backward_step
+    if amax_step._COMPILED_MODULES or backward_step._COMPILED_BACKWARD_SEEN[0]:
         torch._dynamo.reset()
         amax_step._COMPILED_MODULES.clear()
-        amax_step._COMPILED_BACKWARD_SEEN[0] = False
-        amax_step._HELD_BACKWARD_STEPS.clear()
+        backward_step._COMPILED_BACKWARD_SEEN[0] = False
+        backward_step._HELD_BACKWARD_STEPS.clear()
 
 
 @pytest.fixture

@@ -79,7 +79,7 @@ def fused_linear_step(layer, inp: torch.Tensor, state, is_first_microbatch
     if state_slices is None:
         return _current_step(inp, weight, bias, fwd_dtype, bwd_dtype, out_dtype)
     # backward_step.on_backward() is called before the node runs: it queues the grad_output
-    # update for the end of the backward pass (amax_step.BackwardStep).
+    # update for the end of the backward pass (backward_step.BackwardStep).
     return _delayed_step(inp, weight, bias, *state_slices, fwd_dtype, bwd_dtype, out_dtype,
                          backward_step)
 

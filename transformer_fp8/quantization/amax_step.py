@@ -1,21 +1,18 @@
 """The step machinery of delayed scaling: the amax states (ScalingState: history, scale,
 scale_inv) recorded under one recipe and process group, reduced across ranks in ONE collective
 and updated in ONE call per device (AmaxStep), once at the outermost fp8_autocast's exit for the
-forward and once per backward pass for grad_output (BackwardStep); the updates held back for
-reentrant checkpointing and compiled backwards. The registry of states that lays out the
-cross-rank reduction is scaling_state.py's; the prepared updates, update_plan.py's.
+forward and once per backward pass for grad_output (backward_step.py, with the updates held
+back for reentrant checkpointing and compiled backwards). The registry of states that lays out
+the cross-rank reduction is scaling_state.py's; the prepared updates, update_plan.py's.
 """
 from __future__ import annotations
 
 import gc
-import threading
 import weakref
 from typing import Optional
 
 import torch
 
-from .. import _C
-from . import replay as checkpointing
 from . import scaling_state
 from .recipe import DelayedScaling
 from .scaling_state import ScalingState
@@ -234,121 +231,8 @@ class AmaxStep:
             plan.discard()
 
 
-class BackwardStep:
-    """The grad_output states of the modules run under one (recipe, group), kept from step to
-    step as AmaxStep's. The first FP8 backward of a backward pass queues the update for the end
-    of that pass, so every backward pass (one per microbatch, retain_graph, a frozen first
-    layer...) is followed by exactly one update.
-
-    A reentrant activation checkpoint backpropagates its region in a nested backward pass; its
-    end is not the end of the step's backward (a layer called in two regions is still to run
-    its second backward), so the update waits: it runs at the next update of this step, or at
-    the next outermost fp8_autocast, or when a layer's state_dict is taken, whichever is first.
-    Until the next backward nothing reads the grad_output scales, so the numbers are the same.
-    """
-
-    def __init__(self, recipe: DelayedScaling, group, include_unrecorded: bool = True):
-        self.step = AmaxStep(recipe, group, role="bwd", include_unrecorded=include_unrecorded)
-        self._queued = False
-        self._queued_task = None  # the graph task (backward pass) that queued the update
-        self.thread = threading.get_ident()  # whose forward passes it covers (see autocast)
-        # Shared by the hooks that the C++ steps attach to their nodes (csrc/step_ops.h): only
-        # the first node of a backward pass calls on_backward(); cleared with _queued.
-        self._once = _C.BackwardOnce(self)
-
-    def add(self, state: ScalingState) -> None:
-        self.step.add(state)
-
-    def on_backward(self) -> None:
-        task = _current_graph_task_id()
-        if self._queued:
-            if task == self._queued_task or checkpointing.in_reentrant_backward():
-                return  # queued by this pass (or by the pass whose checkpoint this one runs)
-            # Queued by a pass that ended without running its callback: it failed (the engine
-            # drops the callbacks of a pass that raises). Its amaxes are discarded, as at the
-            # next outermost fp8_autocast, and this pass queues its own update.
-            _QUEUED_BACKWARD_STEPS.pop(id(self), None)
-            self.discard()
-        self._queued, self._queued_task = True, task
-        # (One dict operation: atomic, no lock needed; the lock guards the compound ones.)
-        _QUEUED_BACKWARD_STEPS[id(self)] = self
-        _queue_callback(self._finish)
-
-    def hold_for_compiled_autograd(self) -> None:
-        """Called instead of on_backward, on every backward pass that compiled autograd runs
-        through a C++ step (csrc/step_ops.h's CallOnBackward: compiled autograd
-        has no end-of-pass callback for a hook to queue): the update is held for the next
-        outermost fp8_autocast, as every later forward pass's (see note_compiled_backward)."""
-        _COMPILED_BACKWARD_SEEN[0] = True
-        with _PENDING_LOCK:
-            _HELD_BACKWARD_STEPS.append(self)
-
-    def _finish(self) -> None:
-        self._queued = False
-        self._once.clear()
-        _QUEUED_BACKWARD_STEPS.pop(id(self), None)
-        if checkpointing._KEPT_ANY[0] and checkpointing.in_reentrant_backward():  # (the call
-            # only where a checkpointed FP8 forward ever ran)
-            _PENDING_BACKWARD_STEPS[id(self)] = self
-            return
-        if _PENDING_BACKWARD_STEPS:
-            _PENDING_BACKWARD_STEPS.pop(id(self), None)
-        self.step.reduce_and_update()  # (update(), inline)
-
-    def discard(self) -> None:
-        """Its backward pass failed, so its queued update never ran: forget its amaxes."""
-        self._queued = False
-        self._once.clear()
-        self.step.discard()
-
-    def update(self) -> None:
-        if _PENDING_BACKWARD_STEPS:
-            _PENDING_BACKWARD_STEPS.pop(id(self), None)
-        self.step.reduce_and_update()
-
-
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-_current_graph_task_id = torch._C._current_graph_task_id
-
-# Backward updates held back at the end of a reentrant checkpoint's nested backward pass (they
-# may be recorded on autograd's worker threads, hence a lock for the compound operations on
-# them rather than thread-local state).
-_PENDING_LOCK = threading.Lock()
-_PENDING_BACKWARD_STEPS: dict[int, BackwardStep] = {}
-
-
-# Backward steps whose end-of-pass update is queued. The autograd engine drops the queue when a
-# backward pass raises: a step still here when the next outermost fp8_autocast is entered (or a
-# state_dict taken) belongs to a pass that failed, and its grad_output amaxes are discarded, as
-# an exception leaving fp8_autocast discards the forward's (so a failed step changes no scale).
-_QUEUED_BACKWARD_STEPS: dict[int, BackwardStep] = {}
-
-
-def discard_failed_backward_passes() -> None:
-    """Discard the amaxes of this thread's backward passes that failed: its steps still queued.
-    (Another thread's queued step may belong to a backward pass running now.)"""
-    if not _QUEUED_BACKWARD_STEPS or torch._C._current_graph_task_id() != -1:
-        return  # called from inside a backward pass (a recomputed region): none has failed
-    thread = threading.get_ident()
-    with _PENDING_LOCK:
-        failed = [step for step in _QUEUED_BACKWARD_STEPS.values() if step.thread == thread]
-        for step in failed:
-            del _QUEUED_BACKWARD_STEPS[id(step)]
-    for step in failed:
-        step.discard()
-
-
-# The backward steps of the last forward passes in a process that compiles FP8 modules: a
-# compiled backward cannot queue its update, which runs at the next outermost fp8_autocast (or
-# state_dict). (After an eager backward's own update it finds nothing recorded: a no-op.)
-_HELD_BACKWARD_STEPS: list = []
-
 # Creation indices of the FP8 modules that torch.compile has traced (see note_compiled).
 _COMPILED_MODULES: set = set()
-
-# Whether a backward pass through FP8 modules was traced (note_compiled_backward) or compiled
-# autograd ran one (hold_for_compiled_autograd) in this process.
-_COMPILED_BACKWARD_SEEN = [False]
 
 
 @torch.compiler.assume_constant_result
@@ -358,59 +242,3 @@ def note_compiled(key: str) -> bool:
     checkpointed region, and costs nothing at run time."""
     _COMPILED_MODULES.add(int(key))  # (key: the module's creation index, as a string)
     return True
-
-
-@torch.compiler.assume_constant_result
-def note_compiled_backward() -> bool:
-    """Called by an FP8 backward that torch.compile or compiled autograd traces (Fp8Plan.
-    on_backward), once per trace: the result is baked into the graph, which calls nothing here
-    when it runs. From now on every forward pass's backward steps are held for the next
-    outermost fp8_autocast; so are those of this thread's last forward pass, whose backward
-    this trace may be (compiled autograd traces at the first backward of the eager forward)."""
-    _COMPILED_BACKWARD_SEEN[0] = True
-    with _PENDING_LOCK:
-        _HELD_BACKWARD_STEPS.extend(getattr(_LAST_FORWARD, "backward_steps", ()))
-    _LAST_FORWARD.backward_steps = ()
-    return True
-
-
-# This thread's last forward pass's backward steps, where they were not held.
-_LAST_FORWARD = threading.local()
-
-
-def hold_for_compiled_backward(backward_steps: list) -> None:
-    """The backward steps of a forward pass that has just ended, held for a compiled backward
-    when the process compiles FP8 modules or runs compiled autograd (see
-    _HELD_BACKWARD_STEPS)."""
-    if not torch.is_grad_enabled():
-        return  # (no backward pass to come: an eval forward keeps the last training one)
-    if _COMPILED_MODULES or _COMPILED_BACKWARD_SEEN[0]:
-        _HELD_BACKWARD_STEPS.extend(backward_steps)
-    else:
-        _LAST_FORWARD.backward_steps = backward_steps
-
-
-def has_pending_backward_updates() -> bool:
-    return bool(_PENDING_BACKWARD_STEPS or _HELD_BACKWARD_STEPS)
-
-
-def flush_pending_backward_updates(this_thread_only: bool = False) -> None:
-    """Run the backward updates held back (see BackwardStep), oldest first: every one, or
-    (``this_thread_only``, at an outermost fp8_autocast) those of this thread's steps, whose
-    backward passes have ended (another thread's may be running)."""
-    thread = threading.get_ident()
-    with _PENDING_LOCK:
-        pending = [step for step in _PENDING_BACKWARD_STEPS.values()
-                   if not this_thread_only or step.thread == thread]
-        held = list(dict.fromkeys(_HELD_BACKWARD_STEPS))  # each step once, in order
-        if this_thread_only:
-            _HELD_BACKWARD_STEPS[:] = [step for step in _HELD_BACKWARD_STEPS
-                                       if step.thread != thread]
-            held = [step for step in held if step.thread == thread]
-        else:
-            _HELD_BACKWARD_STEPS.clear()
-    for step in pending:
-        step.update()
-    for step in held:
-        if not step._queued:
-            step.update()

@@ -8,7 +8,7 @@ in ONE collective, then ONE update_delayed_scaling call (per device) rolls every
 every scale. The backward amaxes (grad_output) go the same way, once per backward pass: at the
 end of each backward pass that ran through the modules of a forward pass.
 
-The steps themselves (AmaxStep, BackwardStep) are amax_step.py's.
+The steps themselves are amax_step.py's (AmaxStep) and backward_step.py's (BackwardStep).
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from typing import Iterator, Optional
 
 import torch
 
-from .amax_step import (_AWAITING_RECIPE, _HELD_BACKWARD_STEPS, _PENDING_BACKWARD_STEPS,
-                        _QUEUED_BACKWARD_STEPS, AmaxStep, BackwardStep,
-                        adopt_recipe_for_waiting_modules, discard_failed_backward_passes,
-                        flush_pending_backward_updates, has_pending_backward_updates,
-                        hold_for_compiled_backward)
+from .amax_step import _AWAITING_RECIPE, AmaxStep, adopt_recipe_for_waiting_modules
+from .backward_step import (_HELD_BACKWARD_STEPS, _PENDING_BACKWARD_STEPS,
+                            _QUEUED_BACKWARD_STEPS, BackwardStep,
+                            discard_failed_backward_passes, flush_pending_backward_updates,
+                            has_pending_backward_updates, hold_for_compiled_backward)
 from .recipe import RECIPE_TYPES, DelayedScaling, Recipe
 from .scaling_state import ScalingState
 

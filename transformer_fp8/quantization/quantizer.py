@@ -17,7 +17,7 @@ import torch
 
 from .. import ops
 from ..ops import fused as fused_ops
-from . import amax_step
+from . import amax_step, backward_step
 
 ALIGN = ops.GEMM_ALIGN  # FP8 GEMM dimensions must be multiples of it
 pad_rows = ops.pad_rows
@@ -205,7 +205,7 @@ class Fp8Plan:
     weight_quantizer: Quantizer
     grad_quantizer: Quantizer
     weight_fp8: Optional[Quantized]  # cached, or None: quantised in the call
-    backward_step: Optional[amax_step.BackwardStep]  # None without delayed scaling
+    backward_step: Optional[backward_step.BackwardStep]  # None without delayed scaling
     out_dtype: torch.dtype
     # Set by the forward: the input and weight operands as quantised (their scales).
     used: Optional[tuple] = None
@@ -226,7 +226,7 @@ class Fp8Plan:
 
     def on_backward(self) -> None:
         """Called first thing by the backward: queue the grad_output update for the end of
-        this backward pass (see amax_step.BackwardStep)."""
+        this backward pass (see backward_step.BackwardStep)."""
         if self.backward_step is None:
             return
         if not torch.compiler.is_compiling():
@@ -234,7 +234,7 @@ class Fp8Plan:
         else:
             # Traced (compiled autograd, or torch.compile's backward): the compiled graph cannot
             # queue the update; it is held for the next outermost fp8_autocast from now on.
-            amax_step.note_compiled_backward()
+            backward_step.note_compiled_backward()
 
     def keep_used(self, x_q: Quantized, w_q: Quantized) -> None:
         if not torch.compiler.is_compiling():  # for checkpoint replay, which runs eagerly

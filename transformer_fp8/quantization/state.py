@@ -9,9 +9,9 @@ state_dict (kept float32 by .half() and the like):
   fp8_recipe_fields [4] int64   the recipe in use, as a record: margin, format,
                                 amax_history_len, amax algo (-1: never used)
 Fp8State owns these buffers and everything that keeps them valid (meta init, device moves,
-checkpoints, copies, recipe changes). The step machinery (quantization/amax_step.py) reads and
-updates them through two ScalingStates (_scaling_states: forward, backward), which it binds again
-whenever its buffers are replaced; the forward that casts with them is modules/base.py's.
+checkpoints, copies, recipe changes). The step machinery (quantization/amax_step.py,
+backward_step.py) reads and updates them through two ScalingStates (_scaling_states: forward,
+backward), which it binds again whenever its buffers are replaced; the forward that casts with them is modules/base.py's.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .._dtensor import is_dtensor
-from . import amax_step
+from . import amax_step, backward_step
 from . import replay as checkpointing
 from . import scaling_state
 from .scaling_state import ScalingState
@@ -249,9 +249,9 @@ class Fp8State:
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A backward update held back by reentrant checkpointing (see autocast.BackwardStep)
         # runs first, so that a checkpoint holds the state a run without it would hold.
-        if amax_step.has_pending_backward_updates():
-            amax_step.flush_pending_backward_updates()
-        amax_step.discard_failed_backward_passes()
+        if backward_step.has_pending_backward_updates():
+            backward_step.flush_pending_backward_updates()
+        backward_step.discard_failed_backward_passes()
         self._fp8_state_to_local()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
