@@ -246,7 +246,7 @@ def test_context_object_reused_nested_and_as_decorator(gen, device, update_calls
 
 
 def test_callable_recipe_algorithms(gen, device):
-    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=lambda window: window[-1],
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=lambda history: history[0],
                             scaling_factor_compute_algo=lambda amax, scale, fp8_max, r:
                             torch.full_like(scale, 0.25))
     layer = tfp8.Linear(32, 16, device=device)

@@ -93,7 +93,7 @@ def test_delayed_scaling_accepts_valid_values():
     recipe = DelayedScaling(margin=2, fp8_format=Format.E4M3, amax_history_len=1,
                             amax_compute_algo="most_recent", reduce_amax=False)
     assert (recipe.margin, recipe.amax_history_len) == (2, 1)
-    fn = DelayedScaling(amax_compute_algo=lambda w: w[-1],
+    fn = DelayedScaling(amax_compute_algo=lambda h: h[0],
                         scaling_factor_compute_algo=lambda amax, scale, fp8_max, r: scale)
     assert callable(fn.amax_compute_algo) and callable(fn.scaling_factor_compute_algo)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import CUDA_SKIP, DEVICE_PARAMS, FLT_MAX, assert_bitwise_equal, rand_positive
 
+import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, ops
 from transformer_fp8 import reference as ref
 
@@ -196,10 +197,11 @@ def finite_state(gen, L, n, device):
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 @pytest.mark.parametrize("L", [1, 2, 31, 1024])
 @pytest.mark.parametrize("algo,fn", [("max", lambda w: w.amax(0)),
-                                     ("most_recent", lambda w: w[-1])],
+                                     ("most_recent", lambda h: h[0])],
                          ids=["max", "most_recent"])
 def test_callable_amax_algo_equals_builtin(device, gen, L, algo, fn):
-    """On finite windows, w.amax(0) is "max" and w[-1] is "most_recent": same bits."""
+    """On finite histories, h.amax(0) is "max" and h[0] (this step's amax, as Transformer
+    Engine passes the history) is "most_recent": same bits."""
     states = [finite_state(gen, L, 5, device), finite_state(gen, max(1, L // 2), 2, device)]
     python_path = clone_states(states, device)
     run_op(states, [448.0, 57344.0], margin=1, amax_compute_algo=algo)
@@ -234,7 +236,7 @@ def test_callable_amax_algo_with_non_finite(device, gen, L):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-@pytest.mark.parametrize("amax_algo", ["max", "most_recent", lambda w: w[-1]],
+@pytest.mark.parametrize("amax_algo", ["max", "most_recent", lambda h: h[0]],
                          ids=["max", "most_recent", "callable"])
 def test_callable_scaling_factor(device, gen, amax_algo):
     states = [make_state(gen, L, 7, "mixed", history_specials=True, device=device)
@@ -261,6 +263,49 @@ def test_callable_scaling_factor(device, gen, amax_algo):
         amax, old_scale, fp8_max, recipe_arg = call
         assert amax.shape == s.shape and fp8_max == 448.0 and recipe_arg is recipe
         assert_bitwise_equal(old_scale, s0, "scale passed to the callable")
+
+
+def test_callable_amax_algo_sees_the_history_as_transformer_engine_passes_it(gen):
+    """Transformer Engine calls amax_compute_algo on the history before the roll: row 0 this
+    step's amax, rows 1..L-1 the earlier ones, oldest first. A callable written for it (h[0]:
+    the current amax) must give here what it gives there: the scales of "most_recent", and a
+    history equal to the state's own, step after step."""
+    L, amaxes = 4, [1.0, 2.0, 4.0, 8.0, 16.0]
+    seen, scales, te_scales = [], [], []
+    history, scale, scale_inv = torch.zeros(L, 1), torch.ones(1), torch.ones(1)
+    te_history = torch.zeros(L, 1)
+    for a in amaxes:
+        history[0, 0] = te_history[0, 0] = a
+        before = history.clone()
+        ops.update_delayed_scaling([history], [scale], [scale_inv], [448.0], 0,
+                                   lambda h: seen.append(h.clone()) or h[0].clone())
+        assert torch.equal(seen[-1], before)  # the history itself, not a reordered window
+        scales.append(scale.item())
+        # Transformer Engine's roll (torch.roll by -1, row 0 reset), written out.
+        te_history = torch.roll(te_history, -1, 0)
+        te_history[0] = 0
+        te_scales.append(448.0 / a)
+        assert torch.equal(history, te_history)
+    assert scales == te_scales
+
+
+def test_callable_most_recent_trains_like_the_named_algorithm(gen):
+    """Through a Linear layer over steps whose amaxes grow: lambda h: h[0] and "most_recent"
+    give the same FP8 state, bit for bit (as in Transformer Engine)."""
+    states = []
+    for algo in ("most_recent", lambda h: h[0].clone()):
+        torch.manual_seed(0)
+        layer = tfp8.Linear(32, 32)
+        recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=algo)
+        for step in range(5):
+            x = torch.randn(16, 32, generator=gen.manual_seed(step)) * 2.0 ** step
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                layer(x).sum().backward()
+        states.append({k: v.clone() for k, v in layer.state_dict().items()
+                       if "fp8" in k and k != "fp8_recipe_fields"})  # (records the algo)
+    assert states[0].keys() == states[1].keys()
+    for key in states[0]:
+        assert_bitwise_equal(states[1][key], states[0][key], key)
 
 
 # ----------------------------------------------------------------------------- current scaling

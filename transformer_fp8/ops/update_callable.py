@@ -34,7 +34,10 @@ def delayed_scaling_result(
     # The window: old rows 1..L-1 (oldest first) and this step's amax last.
     window = torch.cat([history[1:], cur[None]])
     if callable(amax_compute_algo):
-        amax = _checked_result(amax_compute_algo(window), "amax_compute_algo", cur)
+        # Transformer Engine calls it on the history before the roll: row 0 this step's amax,
+        # rows 1..L-1 the earlier ones, oldest first (so h[0] is "most_recent"). A copy: the
+        # callable may write into it.
+        amax = _checked_result(amax_compute_algo(history.clone()), "amax_compute_algo", cur)
     elif amax_compute_algo == "max":
         amax = torch.where(torch.isfinite(window), window, float("-inf")).amax(dim=0)
     elif amax_compute_algo == "most_recent":
