@@ -84,6 +84,8 @@ def test_a_transformer_engine_checkpoint_loads_with_its_fp8_state():
                 "scale_bwd": torch.rand(4, generator=gen) + 1,
                 "amax_history_bwd": torch.rand(length, 4, generator=gen),
                 "extra_fp8_variables": {"num_gemms": 2, "fp8_checkpoint": True}}
+    # Slot 1 (GRAD_INPUT1) is one this version's LayerNormMLP never records into.
+    te_state["scale_bwd"][1], te_state["amax_history_bwd"][:, 1] = 1.0, 0.0
     source = te.LayerNormMLP(32, 64)
     checkpoint = te.strip_fp8_state(source.state_dict())
     checkpoint["_extra_state"] = te_extra_state(te_state)
@@ -145,3 +147,118 @@ def test_a_transformer_engine_transformer_layer_checkpoint_loads():
     layer.load_state_dict(checkpoint, strict=True)
     x = torch.randn(6, 2, 64)
     assert torch.equal(layer.eval()(x), source.eval()(x))
+
+
+# ---- the slots of LayerNormMLP and GroupedLinear moved between Transformer Engine versions ----
+
+# Where each Transformer Engine version keeps our columns: forward (each GEMM's input, weight),
+# backward (each GEMM's grad_output), in states of 3 forward and 2 backward slots per GEMM.
+def _by_gemm(n):
+    return [c for g in range(n) for c in (3 * g, 3 * g + 1)], [2 * g for g in range(n)]
+
+
+def _by_role(n):
+    return [c for g in range(n) for c in (g, n + g)], list(range(n))
+
+
+LAYOUTS = {
+    # LayerNormMLP: fc1's and fc2's grad_output in GRAD_OUTPUT2 / GRAD_OUTPUT1 (1.x),
+    # GRAD_INPUT1 / GRAD_OUTPUT1 (2.0-2.3), GRAD_OUTPUT1 / GRAD_OUTPUT2 (2.4 on).
+    "mlp-1.x": ("mlp", True, lambda n: (_by_gemm(n)[0], [2, 0])),
+    "mlp-2.0-2.3": ("mlp", False, lambda n: (_by_gemm(n)[0], [1, 0])),
+    "mlp-2.4+": ("mlp", False, _by_gemm),
+    # GroupedLinear: slots by role up to 2.2, by GEMM from 2.3.
+    "grouped-1.x": ("grouped", True, _by_role),
+    "grouped-2.0-2.2": ("grouped", False, _by_role),
+    "grouped-2.3+": ("grouped", False, _by_gemm),
+}
+
+
+def _trained(kind, length):
+    """A module after three FP8 steps (every scale moved), its state, and a step function."""
+    torch.manual_seed(0)
+    recipe = DelayedScaling(amax_history_len=length)
+    if kind == "mlp":
+        module, gemms = te.LayerNormMLP(32, 64), 2
+        def step(m, x):
+            with te.fp8_autocast(fp8_recipe=recipe):
+                out = m(x)
+            (out * 100).square().sum().backward()  # grad_outputs far from 1
+            return out
+    else:
+        module, gemms = te.GroupedLinear(3, 32, 16), 3
+        def step(m, x):
+            with te.fp8_autocast(fp8_recipe=recipe):
+                out = m(x, [8, 16, 8])
+            (out * 100).square().sum().backward()
+            return out
+    for i in range(3):
+        step(module, torch.randn(32, 32) * (i + 1))
+    return module, gemms, step
+
+
+def _te_state(module, gemms, layout, te_1x, length):
+    """The module's state as that Transformer Engine version writes it: every slot no GEMM
+    records into at scale 1 with an empty history."""
+    fwd, bwd = layout
+    state = {"scale_fwd": torch.ones(3 * gemms), "amax_history_fwd": torch.zeros(length, 3 * gemms),
+             "scale_bwd": torch.ones(2 * gemms), "amax_history_bwd": torch.zeros(length, 2 * gemms),
+             "extra_fp8_variables": {"num_gemms": gemms}}
+    state["scale_fwd"][fwd] = module.fp8_fwd_scale
+    state["amax_history_fwd"][:, fwd] = module.fp8_fwd_amax_history
+    state["scale_bwd"][bwd] = module.fp8_bwd_scale
+    state["amax_history_bwd"][:, bwd] = module.fp8_bwd_amax_history
+    if te_1x:  # 1.x: scale_inv too, no recipe
+        state["scale_inv_fwd"] = state["scale_fwd"].reciprocal()
+        state["scale_inv_bwd"] = state["scale_bwd"].reciprocal()
+    else:
+        state["recipe"] = DelayedScalingTE(amax_history_len=length)
+    return state
+
+
+@pytest.mark.parametrize("version", list(LAYOUTS))
+def test_layernorm_mlp_and_grouped_linear_checkpoints_of_every_version_load(version):
+    """A trained module's FP8 state, written in the layout of each Transformer Engine version,
+    loads back bit for bit (no warning), and the next step is bit for bit the trained one's."""
+    kind, te_1x, layout_of = LAYOUTS[version]
+    length = 8
+    source, gemms, step = _trained(kind, length)
+    assert torch.all(source.fp8_bwd_scale != 1) and torch.all(source.fp8_fwd_scale != 1)
+    checkpoint = te.strip_fp8_state(source.state_dict())
+    checkpoint["_extra_state"] = te_extra_state(
+        _te_state(source, gemms, layout_of(gemms), te_1x, length))
+    module = type(source)(*((32, 64) if kind == "mlp" else (3, 32, 16)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module.load_state_dict(checkpoint, strict=True)
+    for name in ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
+                 "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv"):
+        assert torch.equal(getattr(module, name), getattr(source, name)), name
+    x = torch.randn(32, 32)
+    source.zero_grad()
+    assert torch.equal(step(module, x), step(source, x))
+    for (name, p), q in zip(module.named_parameters(), source.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("case", ["both_slots", "one_slot"])
+def test_a_layernorm_mlp_state_of_no_certain_version_is_ignored_with_a_warning(case):
+    """A 2.x LayerNormMLP state whose recorded backward slots fit neither 2.x layout (both
+    GRAD_INPUT1 and GRAD_OUTPUT2), or fit both with different values (only GRAD_OUTPUT1: fc2's
+    grad_output up to 2.3, fc1's after), is ignored with a warning: the module keeps a fresh
+    state."""
+    length = 4
+    source, gemms, _ = _trained("mlp", length)
+    state = _te_state(source, gemms, _by_gemm(gemms), False, length)
+    if case == "both_slots":
+        state["scale_bwd"][1], state["amax_history_bwd"][0, 1] = 3.0, 2.0
+        reason = "fit no layout"
+    else:
+        state["scale_bwd"][2], state["amax_history_bwd"][:, 2] = 1.0, 0.0
+        reason = "cannot be told"
+    checkpoint = te.strip_fp8_state(source.state_dict())
+    checkpoint["_extra_state"] = te_extra_state(state)
+    module = te.LayerNormMLP(32, 64)
+    with pytest.warns(UserWarning, match=reason):
+        module.load_state_dict(checkpoint, strict=True)
+    assert torch.all(module.fp8_fwd_scale == 1) and torch.all(module.fp8_bwd_amax_history == 0)

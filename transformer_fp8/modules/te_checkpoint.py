@@ -5,7 +5,11 @@ entry: a pickled dict (scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd,
 stored in a uint8 tensor, or an empty tensor when it never ran in FP8. Its layout per GEMM g:
 forward columns 3g (input), 3g+1 (weight), 3g+2 (output, unused here); backward columns 2g
 (grad_output), 2g+1 (grad_input, unused here). Ours keeps 2g, 2g+1 forward and g backward
-(quantization/state.py), so the columns map one to one.
+(quantization/state.py). Two modules placed their GEMMs' slots otherwise, depending on the
+Transformer Engine version that wrote the checkpoint (_te_layouts): LayerNormMLP's
+grad_outputs, and GroupedLinear before 2.3 (slots by role, not by GEMM). Version 1.x writes no
+recipe (and scale_inv, which 2.x dropped); among the 2.x layouts the one whose slots hold the
+recorded columns is taken (a slot no GEMM used keeps scale 1 and an empty history).
 
 The pickle is read with an unpickler that builds tensors (through torch.load with
 weights_only=True) and dicts only: Transformer Engine's own classes (the recipe) become inert
@@ -151,8 +155,11 @@ def _load_delayed_state(module, state: dict) -> Optional[str]:
             or history_bwd.dim() != 2 or history_bwd.shape[1] != 2 * gemms):
         return (f"its layout (forward scales {tuple(scale_fwd.shape)}, backward "
                 f"{tuple(scale_bwd.shape)}) is not that of {gemms} GEMM(s)")
-    fwd_columns = [c for g in range(gemms) for c in (3 * g, 3 * g + 1)]
-    bwd_columns = [2 * g for g in range(gemms)]
+    layouts = _te_layouts(module, gemms, te_1x="recipe" not in state)
+    layout, reason = _pick_layout(layouts, scale_fwd, history_fwd, scale_bwd, history_bwd)
+    if layout is None:
+        return reason
+    fwd_columns, bwd_columns = layout
     device = module.fp8_fwd_scale.device
     with torch.no_grad():
         for name, history in (("fp8_fwd_amax_history", history_fwd[:, fwd_columns]),
@@ -170,6 +177,61 @@ def _load_delayed_state(module, state: dict) -> Optional[str]:
     module._delayed_cast_cache = None
     module._fused_step_cache = None
     return None
+
+
+def _te_layouts(module, gemms: int, te_1x: bool) -> list:
+    """The columns of Transformer Engine's state that hold ours, as (forward columns: each
+    GEMM's input and weight; backward columns: each GEMM's grad_output), one pair for each
+    layout the Transformer Engine versions that write this kind of state (1.x or 2.x) used."""
+    from .grouped_linear import GroupedLinear  # (here: those modules import this one)
+    from .layernorm_mlp import LayerNormMLP
+
+    by_gemm = ([c for g in range(gemms) for c in (3 * g, 3 * g + 1)],
+               [2 * g for g in range(gemms)])
+    if isinstance(module, LayerNormMLP):  # our GEMM 0 is fc1, GEMM 1 fc2
+        # fc1's and fc2's grad_output: GRAD_OUTPUT2 and GRAD_OUTPUT1 in 1.x, GRAD_INPUT1 and
+        # GRAD_OUTPUT1 in 2.0-2.3, GRAD_OUTPUT1 and GRAD_OUTPUT2 from 2.4.
+        return [(by_gemm[0], [2, 0])] if te_1x else [(by_gemm[0], [1, 0]), by_gemm]
+    if isinstance(module, GroupedLinear):
+        # Up to 2.2, by role: every input, then every weight; grad_outputs 0..n-1. From 2.3,
+        # by GEMM.
+        by_role = ([c for g in range(gemms) for c in (g, gemms + g)], list(range(gemms)))
+        return [by_role] if te_1x else [by_role, by_gemm]
+    return [by_gemm]
+
+
+def _used_columns(scale: torch.Tensor, history: torch.Tensor) -> set:
+    """The columns some GEMM recorded into: a non-zero (or NaN) amax, or a scale moved from 1."""
+    used = (history != 0).any(dim=0) | (scale != 1)
+    return set(used.nonzero().flatten().tolist())
+
+
+def _pick_layout(layouts, scale_fwd, history_fwd, scale_bwd, history_bwd):
+    """(layout, None), or (None, why no layout is certain). A layout fits when every column
+    that a GEMM recorded into, among those some layout reads, is one of its own; several that
+    fit must read the same values."""
+    if len(layouts) == 1:
+        return layouts[0], None
+    used_fwd, used_bwd = _used_columns(scale_fwd, history_fwd), _used_columns(scale_bwd,
+                                                                              history_bwd)
+    read_fwd = set().union(*(set(f) for f, _ in layouts))
+    read_bwd = set().union(*(set(b) for _, b in layouts))
+    fitting = [(f, b) for f, b in layouts
+               if used_fwd & read_fwd <= set(f) and used_bwd & read_bwd <= set(b)]
+    if not fitting:
+        return None, ("its recorded slots fit no layout of this module's Transformer Engine "
+                      "versions")
+
+    def values(layout):
+        f, b = layout
+        return (scale_fwd[f], history_fwd[:, f], scale_bwd[b], history_bwd[:, b])
+
+    first = values(fitting[0])
+    for other in fitting[1:]:
+        if not all(torch.equal(x, y) for x, y in zip(first, values(other))):
+            return None, ("which Transformer Engine version wrote it cannot be told from its "
+                          "recorded slots")
+    return fitting[0], None
 
 
 def drop_extra_state(state_dict, prefix: str, unexpected_keys: list, where: str,
