@@ -144,6 +144,43 @@ def test_transformers_conv1d_is_converted_and_trains_in_fp8():
     assert model[0].fp8_fwd_amax_history[-1].all(), "the layer ran in FP8 and recorded amaxes"
 
 
+@pytest.mark.parametrize("nf,nx", [(64, 64), (96, 32)], ids=["square", "wide"])
+def test_conv1d_with_is_first_microbatch_caches_its_weight_as_a_gemm_operand(nf, nx):
+    """The weight cast kept by is_first_microbatch=True (and reused by False) is the GEMM's
+    [out, in] operand, not the Parameter's transposed [in, out] storage: over accumulation
+    steps a Conv1D gives the outputs and every gradient of a Linear holding the transposed
+    weight, bit for bit (a square Conv1D computed with W^T and a wide one failed)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Conv1D(nf, nx))
+    tfp8.convert_to_fp8(model)
+    conv = model[0]
+    linear = tfp8.Linear(nx, nf)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        linear.bias.copy_(conv.bias)
+    recipe = tfp8.DelayedScaling(amax_history_len=4)
+    for step, first in enumerate((True, False, False, True, None)):
+        x = torch.randn(2, 8, nx) * (step + 1)
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            out = conv(x, is_first_microbatch=first)
+            expected = linear(x, is_first_microbatch=first)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert torch.equal(out, expected), step
+        assert torch.equal(conv.weight.grad, linear.weight.grad.t()), step
+        assert torch.equal(conv.bias.grad, linear.bias.grad), step
+    assert torch.equal(conv.fp8_fwd_scale, linear.fp8_fwd_scale)
+    assert sqnr(x @ conv.weight + conv.bias, out) > 15  # (delayed scales trail growing inputs)
+
+
+def test_conv1d_weights_are_refused_by_fp8_all_gather():
+    """Conv1D stores its weight transposed: enable_fp8_all_gather names it in its error."""
+    model = torch.nn.Sequential(Conv1D(64, 32))
+    tfp8.convert_to_fp8(model)
+    with pytest.raises(ValueError, match=r"stored transposed.*\['0'\]"):
+        tfp8.enable_fp8_all_gather(model)
+
+
 def test_skipped_layers_are_reported_with_reasons():
     model = torch.nn.Sequential(Block(), Conv1D(10, 64), torch.nn.MultiheadAttention(32, 2))
     with pytest.warns(UserWarning) as record:

@@ -31,6 +31,9 @@ class Conv1D(Linear):
     def weight_nk(self, routed: bool = False) -> torch.Tensor:
         return self.weight.t()
 
+    def fp8_weights(self) -> list[torch.Tensor]:
+        return [self.weight.t()]  # (as every module's: [out_features, in_features])
+
     def _high_precision(self, inp: torch.Tensor, linear=None) -> torch.Tensor:
         if linear is not None:
             return super()._high_precision(inp, linear)
