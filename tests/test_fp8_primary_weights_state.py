@@ -57,6 +57,57 @@ def test_copy_into_a_fresh_state_uses_the_values_own_scale(gen):
     assert_bitwise_equal(layer.weight.fp8_scale_inv, own.reciprocal())
 
 
+def test_copy_after_updates_with_a_history_of_one_uses_the_layers_scale(gen):
+    """amax_history_len=1: every update leaves the history empty, yet the state is not fresh
+    (its scale moved): a write casts with the layer's delayed weight scale and leaves it
+    as it is, as with longer histories."""
+    recipe = tfp8.DelayedScaling(amax_history_len=1)
+    layer = fp8_linear(recipe)
+    for _ in range(2):
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            layer(randn(gen, 16, 64)).sum().backward()
+    assert not layer.fp8_fwd_amax_history.any()
+    scale, scale_inv = layer.fp8_fwd_scale[1:2].clone(), layer.fp8_fwd_scale_inv[1:2].clone()
+    master = randn(gen, 32, 64, scale=0.01)  # its own scale would be far larger
+    with torch.no_grad():
+        layer.weight.copy_(master)
+    assert_bitwise_equal(layer.weight.fp8_data, ops.cast_to_fp8(master, scale, E4M3))
+    assert_bitwise_equal(layer.fp8_fwd_scale[1:2], scale, "the layer's scale is unchanged")
+    assert_bitwise_equal(layer.weight.fp8_scale_inv, scale_inv)
+
+
+def test_assigning_data_quantises_the_value(gen):
+    """weight.data = value writes as copy_ does (torch.nn.utils.vector_to_parameters writes
+    so); an Fp8Weight's FP8 data is taken as it is; another shape is refused, nothing
+    changed."""
+    layer, twin = fp8_linear(), fp8_linear()
+    master = randn(gen, 32, 64, scale=0.05)
+    layer.weight.data = master
+    with torch.no_grad():
+        twin.weight.copy_(master)
+    assert type(layer.weight) is Fp8Weight and layer.weight.dtype == torch.float32
+    for name in ("fp8_data", "fp8_scale_inv"):
+        assert_bitwise_equal(getattr(layer.weight, name), getattr(twin.weight, name), name)
+    for key, value in twin.state_dict().items():
+        assert_bitwise_equal(layer.state_dict()[key], value, key)
+    x = randn(gen, 8, 64)
+    with tfp8.fp8_autocast(fp8_recipe=DELAYED):
+        assert_bitwise_equal(layer(x), twin(x))
+    layer.weight.data = master.bfloat16()  # the nominal dtype follows, as for any Parameter
+    assert layer.weight.dtype == torch.bfloat16 and type(layer.weight) is Fp8Weight
+    other = fp8_linear(seed=1).weight
+    layer.weight.data = other
+    assert_bitwise_equal(layer.weight.fp8_data, other.fp8_data)
+    assert_bitwise_equal(layer.weight.fp8_scale_inv, other.fp8_scale_inv)
+    before = layer.weight.fp8_data.clone()
+    with pytest.raises(ValueError, match=r"keeps its shape \[32, 64\], got a value of shape"):
+        layer.weight.data = torch.zeros(64, 32)
+    assert_bitwise_equal(layer.weight.fp8_data, before)
+    vector = torch.nn.utils.parameters_to_vector(layer.parameters())
+    torch.nn.utils.vector_to_parameters(torch.zeros_like(vector), layer.parameters())
+    assert not layer.weight.dequantize().any() and not layer.bias.any()
+
+
 def test_current_scaling_weights_take_their_own_scale_at_every_write(gen):
     layer = fp8_linear(tfp8.Float8CurrentScaling())
     state = {k: v.clone() for k, v in layer.state_dict().items() if k.startswith("fp8_")}

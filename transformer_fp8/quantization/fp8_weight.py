@@ -31,7 +31,7 @@ class WeightCast:
     DelayedScaling: with the layer's current delayed weight scale (the weight's column of its
     forward state), the value's amax recorded into that column's history row 0, as every weight
     cast records it (the next update makes the next scale from it). While that column holds no
-    amax at all (a fresh or reset state) the value's own scale is used,
+    amax at all and the scale of 1 (a fresh or reset state) the value's own scale is used,
     ``fp8_max / amax / 2**margin`` (what an update of that amax gives), and becomes the layer's
     weight scale, so that the first forward casts nothing with the fresh state's scale of 1.
     Float8CurrentScaling: the value's own scale (its amax), no state.
@@ -70,7 +70,9 @@ class WeightCast:
         history = module.fp8_fwd_amax_history
         layer_scale = module.fp8_fwd_scale[col:col + 1]
         layer_scale_inv = module.fp8_fwd_scale_inv[col:col + 1]
-        fresh = ~(history[:, col] > 0).any()  # on the device: no host sync
+        # Fresh: no amax in the history and the scale of a fresh state (with a history of
+        # length 1 every update leaves the history empty: the scale tells). On the device.
+        fresh = ~(history[:, col] > 0).any() & (layer_scale == 1).all()
         scale = torch.where(fresh, own, layer_scale)
         scale_inv = torch.where(fresh, own.reciprocal(), layer_scale_inv)
         layer_scale.copy_(scale)
@@ -201,6 +203,29 @@ class Fp8Weight(torch.Tensor):
         if value.shape != self.shape:
             value = value.expand(self.shape)  # copy_ broadcasts its source
         self._fp8.take(self._fp8.cast.quantize(value, self.device))
+
+    def _get_data(self) -> "Fp8Weight":
+        return torch._C.TensorBase.data.__get__(self)
+
+    def _set_data(self, value: torch.Tensor) -> None:
+        """``weight.data = value`` (torch.nn.utils.vector_to_parameters, Module._apply): an
+        Fp8Weight's FP8 data and scales are taken as they are; any other value of the same
+        shape is quantised with this weight's rule, as copy_ does, and its floating dtype
+        becomes the nominal one (as assigning a tensor of another dtype does)."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Fp8Weight.data must be set to a tensor, got {type(value).__name__}")
+        if isinstance(value, Fp8Weight):
+            self._fp8.take(value._fp8)
+        else:
+            if value.shape != self.shape:
+                raise ValueError(f"Fp8Weight.data: a weight held in FP8 keeps its shape "
+                                 f"{list(self.shape)}, got a value of shape {list(value.shape)}")
+            with torch.no_grad():
+                self._write(value)
+            value = self._alias(value.dtype if value.dtype in HIGH_PRECISION else None)
+        torch._C.TensorBase.data.__set__(self, value)  # (the nominal dtype, device)
+
+    data = property(_get_data, _set_data)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
