@@ -321,3 +321,37 @@ def test_one_context_object_entered_by_two_threads_at_once():
     assert torch.equal(seen["a_before_exit"], ones), "A's update ran before its context's exit"
     assert not torch.equal(seen["a_after_exit"], ones), "A's update did not run at its exit"
     assert not torch.equal(seen["b_after_exit"], ones), "B's update did not run at its exit"
+
+
+@pytest.mark.parametrize("old_len,new_len", [(4, 8), (8, 3), (5, 1), (1, 6)])
+def test_a_new_history_length_keeps_the_recorded_amaxes(old_len, new_len, gen):
+    """A recipe with another amax_history_len resizes the histories as if they had always had
+    that length: from the switch on, they are those of a layer that ran every step under the
+    new length, bit for bit, less the amaxes the old length had already let go (a resize once
+    emptied them: the first update's 'max' forgot every earlier amax)."""
+    old, new = DelayedScaling(amax_history_len=old_len), DelayedScaling(amax_history_len=new_len)
+    torch.manual_seed(0)
+    layer = tfp8.Linear(32, 16, recipe=old)
+    always = tfp8.Linear(32, 16, recipe=new)
+    with torch.no_grad():
+        always.weight.copy_(layer.weight)
+        always.bias.copy_(layer.bias)
+    switch = 5
+    first_kept = switch + 1 - old_len  # the oldest step the old histories hold at the switch
+    for i in range(switch + 3):
+        x = randn(gen, 8, 32, scale=4.0 / (i + 1))  # falling amaxes: the oldest is the max
+        for module, recipe in ((layer, old if i < switch else new), (always, new)):
+            with fp8_autocast(fp8_recipe=recipe):
+                module(x).sum().backward()
+        if i < switch:
+            continue
+        for name in ("fp8_fwd_amax_history", "fp8_bwd_amax_history"):
+            expected = getattr(always, name).clone()  # row r (>= 1) holds step i - (L-1-r)
+            for row in range(1, new_len):
+                if i - (new_len - 1 - row) < first_kept:
+                    expected[row] = 0
+            assert torch.equal(getattr(layer, name), expected), (i, name)
+            assert getattr(layer, name)[1:].any() == (new_len > 1), "amaxes kept"
+        if new_len <= old_len:  # shortened: the same windows, so the same scales
+            for name in ("fp8_fwd_scale", "fp8_bwd_scale"):
+                assert torch.equal(getattr(layer, name), getattr(always, name)), (i, name)

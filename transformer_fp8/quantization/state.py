@@ -47,6 +47,21 @@ def recipe_code(recipe: DelayedScaling) -> list[int]:
             _ALGO_CODES.get(algo, 2) if isinstance(algo, str) else 2]
 
 
+def resized_history(history: torch.Tensor, length: int) -> torch.Tensor:
+    """The amax history [L, n] as a history of ``length`` rows that had always been that long:
+    row 0 (this step's amaxes) kept, then the newest of the earlier amaxes that fit, oldest
+    first, ending in the last row (the update rolls row 1 out: each amax leaves the window
+    ``length`` steps after it was recorded). Lengthened, the window holds the same amaxes;
+    shortened, the oldest leave (Transformer Engine keeps the first rows instead, its oldest
+    amaxes)."""
+    resized = history.new_zeros(length, history.shape[1])
+    resized[0] = history[0]
+    kept = min(length, history.shape[0]) - 1
+    if kept > 0:
+        resized[length - kept:] = history[history.shape[0] - kept:]
+    return resized
+
+
 def history_len_for(recipe) -> int:
     """The amax history length a module built for ``recipe`` starts with: the recipe's own for
     DelayedScaling, so that its state_dict has its final shapes from the start (a checkpoint of
@@ -204,8 +219,9 @@ class Fp8State:
         return self
 
     def _adopt_recipe(self, recipe: DelayedScaling) -> None:
-        """Match the history length to the recipe (a new length starts a fresh history; the
-        scales are kept) and record the recipe fields. Host work only when the recipe changes."""
+        """Match the history length to the recipe (resized_history: the amaxes recorded are
+        kept; so are the scales) and record the recipe fields. Host work only when the recipe
+        changes."""
         adopted = self.__dict__.get("_adopted_recipe")
         if adopted is not None and adopted[0] is recipe and adopted[1] is self._recipe_code:
             return  # the same recipe object as last time, and nothing reset the record since
@@ -226,7 +242,7 @@ class Fp8State:
                     "eagerly first")
             if history.shape[0] != recipe.amax_history_len:
                 # .data keeps the buffer object, so references (e.g. DDP's) stay valid.
-                history.data = history.new_zeros(recipe.amax_history_len, history.shape[1])
+                history.data = resized_history(history, recipe.amax_history_len)
                 self._delayed_cast_cache = None  # its views see the old storage
                 self._fused_step_cache = None
         self.fp8_recipe_fields.copy_(torch.tensor(code, dtype=torch.int64))
