@@ -4,6 +4,7 @@ Models written for TE run in tests/test_te_models.py, its checkpoints load in
 tests/test_te_checkpoints.py."""
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -189,8 +190,10 @@ def test_autocast_returns_the_autocast_dtype(build):
     assert x.grad.dtype == torch.float32
     assert all(p.grad.dtype == torch.float32 for p in block.parameters())
     if build != "layer":
-        # The value: the float32 norm rounded once to bfloat16.
-        assert torch.equal(out, block(x.detach()).to(torch.bfloat16))
+        # The value, as Transformer Engine's: input and parameters rounded to bfloat16, the
+        # norm in float32, its result rounded to bfloat16.
+        rounded = copy.deepcopy(block).to(torch.bfloat16).float()
+        assert torch.equal(out, rounded(x.detach().bfloat16().float()).to(torch.bfloat16))
 
 
 # ---- 5 and 9. Linear's Transformer Engine arguments; return_bias -----------------------------

@@ -139,11 +139,28 @@ def test_high_precision_is_exactly_the_composition(gen, device, enabled, normali
                                                True), normalization)
 
 
-def test_norm_modules_keep_the_input_dtype(gen):
-    x = randn(gen, 4, 16, dtype=torch.bfloat16)
-    for cls in (tfp8.LayerNorm, tfp8.RMSNorm):
-        out = cls(16)(x)
+@pytest.mark.parametrize("normalization", NORMS)
+def test_norm_modules_return_transformer_engines_dtype(gen, normalization):
+    """As Transformer Engine's LayerNorm / RMSNorm: the output in the weight's dtype (the
+    autocast dtype under torch.autocast), the input cast to it first; float32 math."""
+    cls = tfp8.LayerNorm if normalization == "LayerNorm" else tfp8.RMSNorm
+    for weight_dtype, x_dtype in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                  (torch.bfloat16, torch.bfloat16)):
+        norm = cls(16, params_dtype=weight_dtype)
+        randomize(norm, gen)
+        x = randn(gen, 4, 16, dtype=x_dtype)
+        def expected(dtype):  # float32 math on the input and parameters rounded to dtype
+            bias = None if norm.bias is None else norm.bias.detach().to(dtype).float()
+            return norm_ref(x.to(dtype).float(), normalization,
+                            norm.weight.detach().to(dtype).float(), bias, norm.eps).to(dtype)
+
+        out = norm(x)
+        assert out.dtype == weight_dtype
+        assert_bitwise_equal(out, expected(weight_dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = norm(x)
         assert out.dtype == torch.bfloat16
+        assert_bitwise_equal(out, expected(torch.bfloat16))
 
 
 # ---- FP8 numerics -------------------------------------------------------------------------------

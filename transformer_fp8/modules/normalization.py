@@ -1,6 +1,8 @@
 """LayerNorm and RMSNorm (Transformer Engine's modules), and the norm step of the fused modules.
 
-Both normalise each row over the last dimension in float32 and return the input's dtype:
+Both normalise each row over the last dimension in float32. The modules return Transformer
+Engine's dtype: the autocast dtype under torch.autocast, else the weight's (the input and the
+parameters are cast to it first); the fused modules' norm step returns the input's dtype:
   LayerNorm: y = (x - mean) / sqrt(var + eps) * gamma + beta   (biased variance)
   RMSNorm:   y = x / sqrt(mean(x^2) + eps) * gamma
 With zero_centered_gamma the stored weight is gamma - 1 (initialised to zeros), which keeps
@@ -173,8 +175,14 @@ class _Norm(torch.nn.Module):
         if inp.shape[-1:] != (self.hidden_size,):
             raise ValueError(f"{type(self).__name__}: input must have shape "
                              f"[..., {self.hidden_size}], got {tuple(inp.shape)}")
-        return norm_hp(inp, self.normalization, self.weight, self.bias, self.eps,
-                       self.zero_centered_gamma)
+        weight, bias = self.weight, self.bias
+        if inp.is_floating_point():
+            # Transformer Engine's dtype: the autocast dtype under torch.autocast, else the
+            # weight's; the input and the parameters are cast to it first (float32 math after).
+            dtype = autocast_dtype(inp.device.type) or weight.dtype
+            inp, weight = inp.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        return norm_hp(inp, self.normalization, weight, bias, self.eps, self.zero_centered_gamma)
 
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, eps={self.eps}, "
@@ -183,13 +191,15 @@ class _Norm(torch.nn.Module):
 
 class LayerNorm(_Norm):
     """Transformer Engine's LayerNorm: parameters weight (gamma, or gamma - 1 when
-    zero_centered_gamma) and bias; float32 math, output in the input's dtype."""
+    zero_centered_gamma) and bias; float32 math, output in the weight's dtype (the autocast
+    dtype under torch.autocast)."""
 
     normalization = "LayerNorm"
 
 
 class RMSNorm(_Norm):
     """Transformer Engine's RMSNorm: parameter weight (gamma, or gamma - 1 when
-    zero_centered_gamma); float32 math, output in the input's dtype."""
+    zero_centered_gamma); float32 math, output in the weight's dtype (the autocast dtype under
+    torch.autocast)."""
 
     normalization = "RMSNorm"
