@@ -9,7 +9,8 @@ are Transformer Engine's:
   * attention_mask is boolean with True = masked out (the opposite of SDPA's attn_mask):
     "padding" takes [b, 1, 1, s] (a tuple (query mask, key/value mask) when s_q != s_kv),
     "arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with "causal" or "no_mask" a
-    mask is ignored, as in Transformer Engine;
+    mask is ignored, as in Transformer Engine's fused backends (its unfused float32 path ORs it
+    into the causal mask);
   * query rows that may attend to nothing (padded queries) give zeros, not NaN.
 Rotary embeddings: RotaryPositionEmbedding(dim)(max_seq_len) is the angle tensor [s, 1, 1, d];
 apply_rotary_pos_emb applies it to the first d features of q or k with the non-interleaved
