@@ -262,3 +262,33 @@ def test_a_layernorm_mlp_state_of_no_certain_version_is_ignored_with_a_warning(c
     with pytest.warns(UserWarning, match=reason):
         module.load_state_dict(checkpoint, strict=True)
     assert torch.all(module.fp8_fwd_scale == 1) and torch.all(module.fp8_bwd_amax_history == 0)
+
+
+@pytest.mark.parametrize("bad", ["zero_scale", "nan_scale", "negative_scale", "negative_amax"])
+def test_a_corrupt_transformer_engine_state_is_refused_naming_it(bad):
+    """A Transformer Engine state that maps but holds a scale that is zero, NaN or negative (or
+    a negative amax) is refused as a corrupt checkpoint of ours is: load_state_dict raises,
+    naming the entry, and the module keeps its FP8 state."""
+    length = 4
+    state = {"recipe": DelayedScalingTE(amax_history_len=length),
+             "scale_fwd": torch.tensor([2.0, 3.0, 1.0]), "amax_history_fwd": torch.rand(length, 3),
+             "scale_bwd": torch.tensor([5.0, 1.0]), "amax_history_bwd": torch.rand(length, 2),
+             "extra_fp8_variables": {"num_gemms": 1}}
+    state["amax_history_bwd"][:, 1] = 0.0
+    if bad == "negative_amax":
+        state["amax_history_fwd"][2, 1] = -1.0
+    else:
+        state["scale_fwd"][0] = {"zero_scale": 0.0, "nan_scale": float("nan"),
+                                 "negative_scale": -2.0}[bad]
+    layer = te.Linear(32, 16)
+    with te.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=length)):
+        layer(torch.randn(8, 32)).sum().backward()
+    before = {k: v.clone() for k, v in layer.state_dict().items() if k.startswith("fp8_")}
+    checkpoint = te.strip_fp8_state(layer.state_dict())
+    checkpoint["_extra_state"] = te_extra_state(state)
+    match = "amaxes are never negative" if bad == "negative_amax" else "finite and positive"
+    with pytest.raises(RuntimeError, match=rf"Linear '\.': Transformer Engine's FP8 state "
+                                           rf"\(_extra_state\) read as .*{match}"):
+        layer.load_state_dict(checkpoint, strict=True)
+    for key, value in before.items():
+        assert torch.equal(layer.state_dict()[key], value), key

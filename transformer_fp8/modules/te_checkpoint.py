@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from ..quantization.state_validation import fp8_state_error
+
 EXTRA_STATE = "_extra_state"
 _STATE_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 
@@ -124,59 +126,77 @@ def _recipe_fields(recipe) -> Optional[list]:
     return [margin, fmt, length, algo]
 
 
-def load_extra_state(module, value, where: str) -> None:
-    """Load a Transformer Engine ``_extra_state`` into ``module``'s FP8 state (Fp8StateMixin)
-    where it maps; warn and leave the fresh state where it does not."""
+def prepare_extra_state(module, value, where: str) -> tuple:
+    """What a Transformer Engine ``_extra_state`` entry gives ``module``'s FP8 state
+    (Fp8StateMixin), read before anything of the module is loaded: (tensors, None) to load
+    with apply_extra_state; (None, error) for a state that maps but is corrupt (a zero,
+    negative or non-finite scale, a negative amax), refused as ours are; (None, None) for an
+    empty entry, or one that does not map (ignored with a warning: the module starts with a
+    fresh FP8 state)."""
     try:
         state = read_extra_state(value)
     except Exception as error:  # noqa: BLE001 (a payload we cannot read is reported, not fatal)
         warnings.warn(f"{where}: Transformer Engine's FP8 state could not be read ({error}); "
                       "ignored, the module starts with a fresh FP8 state", stacklevel=4)
-        return
+        return None, None
     if state is None:
-        return
-    reason = _load_delayed_state(module, state)
-    if reason:
+        return None, None
+    tensors, reason = _delayed_state_of(module, state)
+    if tensors is None:
         warnings.warn(f"{where}: Transformer Engine's FP8 state ignored ({reason}); the "
                       "module starts with a fresh FP8 state", stacklevel=4)
+        return None, None
+    error = fp8_state_error(module, tensors, "")
+    if error is not None:
+        return None, f"{where}: Transformer Engine's FP8 state ({EXTRA_STATE}) read as {error}"
+    return tensors, None
 
 
-def _load_delayed_state(module, state: dict) -> Optional[str]:
-    """Copies the state into the module; returns why it could not, or None."""
+def _delayed_state_of(module, state: dict) -> tuple:
+    """(our FP8 state tensors by buffer name, plus "fp8_recipe_fields" where the recipe is
+    known; None) or (None, why the state does not map)."""
     if not all(isinstance(state.get(k), torch.Tensor) for k in _STATE_KEYS):
         recipe = state.get("recipe")
         name = recipe.te_class.rsplit(".", 1)[-1] if isinstance(recipe, TeRecord) else "?"
-        return f"no delayed-scaling state in it (recipe {name})"
+        return None, f"no delayed-scaling state in it (recipe {name})"
     gemms = module._num_gemms
     scale_fwd, history_fwd = state["scale_fwd"].float(), state["amax_history_fwd"].float()
     scale_bwd, history_bwd = state["scale_bwd"].float(), state["amax_history_bwd"].float()
     if (scale_fwd.shape != (3 * gemms,) or scale_bwd.shape != (2 * gemms,)
             or history_fwd.dim() != 2 or history_fwd.shape[1] != 3 * gemms
             or history_bwd.dim() != 2 or history_bwd.shape[1] != 2 * gemms):
-        return (f"its layout (forward scales {tuple(scale_fwd.shape)}, backward "
-                f"{tuple(scale_bwd.shape)}) is not that of {gemms} GEMM(s)")
+        return None, (f"its layout (forward scales {tuple(scale_fwd.shape)}, backward "
+                      f"{tuple(scale_bwd.shape)}) is not that of {gemms} GEMM(s)")
     layouts = _te_layouts(module, gemms, te_1x="recipe" not in state)
     layout, reason = _pick_layout(layouts, scale_fwd, history_fwd, scale_bwd, history_bwd)
     if layout is None:
-        return reason
+        return None, reason
     fwd_columns, bwd_columns = layout
+    tensors = {"fp8_fwd_amax_history": history_fwd[:, fwd_columns].contiguous(),
+               "fp8_bwd_amax_history": history_bwd[:, bwd_columns].contiguous(),
+               "fp8_fwd_scale": scale_fwd[fwd_columns], "fp8_bwd_scale": scale_bwd[bwd_columns]}
+    for role in ("fwd", "bwd"):
+        tensors[f"fp8_{role}_scale_inv"] = tensors[f"fp8_{role}_scale"].reciprocal()
+    fields = _recipe_fields(state.get("recipe"))
+    if fields is not None:
+        tensors["fp8_recipe_fields"] = torch.tensor(fields, dtype=torch.int64)
+    return tensors, None
+
+
+def apply_extra_state(module, tensors: dict) -> None:
+    """Load what prepare_extra_state gave into the module's FP8 state."""
     device = module.fp8_fwd_scale.device
     with torch.no_grad():
-        for name, history in (("fp8_fwd_amax_history", history_fwd[:, fwd_columns]),
-                              ("fp8_bwd_amax_history", history_bwd[:, bwd_columns])):
-            getattr(module, name).data = history.to(device).contiguous()
-        for prefix, scale in (("fp8_fwd", scale_fwd[fwd_columns]),
-                              ("fp8_bwd", scale_bwd[bwd_columns])):
-            getattr(module, prefix + "_scale").copy_(scale)
-            getattr(module, prefix + "_scale_inv").copy_(scale.reciprocal())
-        fields = _recipe_fields(state.get("recipe"))
-        if fields is not None:
-            module.fp8_recipe_fields.copy_(torch.tensor(fields, dtype=torch.int64))
+        for name in ("fp8_fwd_amax_history", "fp8_bwd_amax_history"):
+            getattr(module, name).data = tensors[name].to(device)
+        for name in ("fp8_fwd_scale", "fp8_fwd_scale_inv", "fp8_bwd_scale", "fp8_bwd_scale_inv"):
+            getattr(module, name).copy_(tensors[name])
+        if "fp8_recipe_fields" in tensors:
+            module.fp8_recipe_fields.copy_(tensors["fp8_recipe_fields"])
     module._recipe_code = None  # adopted again from the recipe of the next FP8 forward
-    module._weight_cache = [None] * gemms
+    module._weight_cache = [None] * module._num_gemms
     module._delayed_cast_cache = None
     module._fused_step_cache = None
-    return None
 
 
 def _te_layouts(module, gemms: int, te_1x: bool) -> list:

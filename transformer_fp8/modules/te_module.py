@@ -125,17 +125,22 @@ class TeModuleMixin:
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        key = prefix + te_checkpoint.EXTRA_STATE
+        te_state = None
+        # Transformer Engine's FP8 state, read (and checked) first: a corrupt one loads nothing
+        # of this module. Our own FP8 keys win when a checkpoint has both.
+        if key in state_dict and prefix + "fp8_fwd_scale" not in state_dict:
+            te_state, error = te_checkpoint.prepare_extra_state(
+                self, state_dict[key], f"{type(self).__name__} '{prefix or '.'}'")
+            if error is not None:
+                error_msgs.append(error)  # load_state_dict raises
+                return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         for name in self._parameters:  # a checkpoint of FP8 weights: its dequantised values load
             if prefix + name + SCALE_INV_SUFFIX in unexpected_keys:
                 unexpected_keys.remove(prefix + name + SCALE_INV_SUFFIX)
-        key = prefix + te_checkpoint.EXTRA_STATE
-        if key not in state_dict:
-            return
         if key in unexpected_keys:
             unexpected_keys.remove(key)
-        # Our own FP8 keys win when a checkpoint has both.
-        if prefix + "fp8_fwd_scale" not in state_dict:
-            te_checkpoint.load_extra_state(self, state_dict[key],
-                                           f"{type(self).__name__} '{prefix or '.'}'")
+        if te_state is not None:
+            te_checkpoint.apply_extra_state(self, te_state)
