@@ -76,6 +76,47 @@ def test_resume_gives_bit_identical_losses(gen):
     assert total_loss(model, batches[4:]) < loss_before
 
 
+@pytest.mark.parametrize("built_for_recipe", [True, False], ids=["built_for", "built_plain"])
+def test_resume_with_a_nested_recipe_keeps_each_layers_recipe(gen, built_for_recipe):
+    """One layer trains under an inner recipe (history 16) nested in the model's (history 4).
+    Resumed from a checkpoint, the outer context, entered first, must not adopt its recipe for
+    the inner layer (which cut its loaded history to 4 rows): the resumed step is bit for bit
+    the uninterrupted one."""
+    import copy
+    outer, inner = DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=16)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            kwargs = ({"recipe": outer}, {"recipe": inner}) if built_for_recipe else ({}, {})
+            self.p = tfp8.Linear(32, 32, **kwargs[0])
+            self.q = tfp8.Linear(32, 32, **kwargs[1])
+
+        def forward(self, x):
+            with fp8_autocast(fp8_recipe=inner):
+                return self.q(self.p(x))
+
+    def step(net, x):
+        with fp8_autocast(fp8_recipe=outer):
+            out = net(x)
+        out.square().mean().backward()
+
+    torch.manual_seed(0)
+    net = Net()
+    inputs = [randn(gen, 16, 32, scale=s) for s in (40, 1, 1, 1, 1, 1, 1)]  # one large amax
+    for x in inputs[:6]:
+        step(net, x)
+    checkpoint = roundtrip(net.state_dict())
+    uninterrupted = copy.deepcopy(net)
+    step(uninterrupted, inputs[6])
+    resumed = Net()
+    resumed.load_state_dict(checkpoint)
+    step(resumed, inputs[6])
+    assert resumed.q.fp8_fwd_amax_history.shape[0] == 16
+    for key, value in uninterrupted.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+
+
 def test_plain_linear_checkpoint_loads_strictly_with_fresh_fp8_state(gen):
     plain = torch.nn.Linear(32, 16)
     layer = tfp8.Linear(32, 16)

@@ -193,6 +193,7 @@ def apply_extra_state(module, tensors: dict) -> None:
             getattr(module, name).copy_(tensors[name])
         if "fp8_recipe_fields" in tensors:
             module.fp8_recipe_fields.copy_(tensors["fp8_recipe_fields"])
+    module.note_saved_recipe()
     module._recipe_code = None  # adopted again from the recipe of the next FP8 forward
     module._weight_cache = [None] * module._num_gemms
     module._delayed_cast_cache = None

@@ -93,6 +93,9 @@ class Fp8State:
                              torch.full((4,), -1, dtype=torch.int64, device=device))
         self._num_gemms = num_gemms
         self._recipe_code: Optional[list[int]] = None
+        # The recipe record a loaded state was saved under (None: none, or never used): until
+        # the module runs, only a step of that recipe adopts it (_takes_recipe).
+        self._saved_recipe_code: Optional[list[int]] = None
         self._new_scaling_states()
         self._weight_cache = [None] * num_gemms
         self._delayed_cast_cache = None  # see _delayed_casts
@@ -163,7 +166,7 @@ class Fp8State:
                 if name not in HISTORIES:
                     getattr(self, name).fill_(1.0)
             self.fp8_recipe_fields.fill_(-1)
-        self._recipe_code = None
+        self._recipe_code = self._saved_recipe_code = None
         self._bind_scaling_states()  # (which steps cover it may change with the recipe)
         amax_step.await_recipe(self._scaling_states[0])
         self._weight_cache = [None] * self._num_gemms
@@ -255,12 +258,24 @@ class Fp8State:
 
     def _takes_recipe(self, recipe: DelayedScaling) -> bool:
         """Whether a step under ``recipe`` that this module did not run in on this rank reduces
-        and updates its states (it may have run on another rank): False when the module trains
-        with another recipe; else the recipe is adopted."""
-        if self._recipe_code is not None and self._recipe_code != recipe_code(recipe):
+        and updates its states (it may have run on another rank), or an fp8_autocast entered
+        under it adopts it for the module: False when the module trains with another recipe,
+        or holds a loaded state saved under another one (it waits for its own: adopting this
+        one would resize its histories); else the recipe is adopted."""
+        if self._recipe_code is not None:
+            if self._recipe_code != recipe_code(recipe):
+                return False
+        elif self._saved_recipe_code is not None and self._saved_recipe_code != recipe_code(recipe):
             return False
         self._adopt_recipe(recipe)
         return True
+
+    def note_saved_recipe(self) -> None:
+        """After a load: the recipe record the loaded state was saved under (see
+        _saved_recipe_code), read once on the host."""
+        fields = self.fp8_recipe_fields
+        saved = None if fields.is_meta else fields.tolist()
+        self._saved_recipe_code = saved if saved is not None and saved[0] >= 0 else None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A backward update held back by reentrant checkpointing (see autocast.BackwardStep)
@@ -295,6 +310,7 @@ class Fp8State:
             for key in FP8_STATE_KEYS:
                 if prefix + key in missing_keys:
                     missing_keys.remove(prefix + key)
+        self.note_saved_recipe()
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
         self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
         amax_step.await_recipe(self._scaling_states[0])
