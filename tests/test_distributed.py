@@ -193,6 +193,62 @@ def test_ranks_running_different_experts_share_one_reduction(tmp_path):
         assert fwd_history[e][-1, 1] == rank0["weight_amax"][e]
 
 
+def _two_steps_worker(rank, out_dir, case):
+    """Layer P trains under the world group's step, layer Q under another step of the same
+    recipe record: a group of this rank alone, or a recipe that differs in reduce_amax only;
+    nested or one after the other."""
+    own = [dist.new_group([0]), dist.new_group([1])][rank]
+    outer = tfp8.DelayedScaling(amax_history_len=4)
+    inner = dict(fp8_recipe=tfp8.DelayedScaling(amax_history_len=4,
+                                                reduce_amax=not case.startswith("no_reduce")),
+                 fp8_group=own if case.startswith("group") else None)
+    torch.manual_seed(0)
+    p_layer, q_layer = (tfp8.Linear(32, 32, recipe=outer) for _ in range(2))
+    data = torch.Generator().manual_seed(3000 + rank)
+    q_amaxes, p_amaxes = [], []
+    for _ in range(STEPS):
+        x = torch.randn(16, 32, generator=data) * (1 + 9 * rank)
+        grad = torch.randn(16, 32, generator=data) * (1 + 9 * rank)
+        if case.endswith("nested"):
+            with tfp8.fp8_autocast(fp8_recipe=outer):
+                h = p_layer(x)
+                with tfp8.fp8_autocast(**inner):
+                    q_in = h
+                    out = q_layer(h)
+        else:
+            with tfp8.fp8_autocast(**inner):
+                q_in = x
+                h = q_layer(x)
+            with tfp8.fp8_autocast(fp8_recipe=outer):
+                out = p_layer(h)
+        q_out_grad = []
+        (out if case.endswith("nested") else h).register_hook(
+            lambda g: q_out_grad.append(g.abs().max()))
+        out.backward(grad)
+        q_amaxes.append((q_in.abs().max(), q_out_grad[0],
+                         q_layer.fp8_fwd_amax_history[-1, 0].clone(),
+                         q_layer.fp8_bwd_amax_history[-1, 0].clone()))
+        p_amaxes.append(p_layer.fp8_fwd_amax_history[-1, 0].clone())
+    torch.save({"q": q_amaxes, "p": p_amaxes}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("case", ["group_nested", "group_sequential", "no_reduce_nested",
+                                  "no_reduce_sequential"])
+def test_a_layer_of_another_step_keeps_its_own_reduction(tmp_path, case):
+    """Layer Q runs under a step of the same recipe record as the world's (a group of its rank
+    alone, or reduce_amax=False): its histories hold its own rank's amaxes, never the world's
+    MAX (the world step covered every layer of its recipe record, Q included), while layer P's
+    hold the world's MAX."""
+    run_ranks(_two_steps_worker, (str(tmp_path), case), tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for rank in ranks:
+        for q_in, q_grad, q_fwd, q_bwd in rank["q"]:
+            assert q_fwd == q_in and q_bwd == q_grad
+    assert ranks[0]["q"][-1][2] != ranks[1]["q"][-1][2], "the ranks' amaxes differ"
+    for a, b in zip(ranks[0]["p"], ranks[1]["p"]):
+        assert a == b, "P: the world's MAX on both ranks"
+
+
 def _hanging_worker(rank, out_dir):
     if rank == 1:
         time.sleep(3600)  # never reaches the collective

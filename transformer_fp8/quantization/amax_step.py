@@ -44,8 +44,8 @@ def adopt_recipe_for_waiting_modules(recipe: DelayedScaling) -> None:
             state.takes_recipe(recipe)
 
 
-# Plans of the steps that cover every state of a recipe (ranks reduce), by (recipe, role,
-# devices, compiled count): the same whichever states recorded. Entries of older generations
+# Plans of the steps that cover every state of a recipe (ranks reduce), by (step, devices,
+# compiled count): the same whichever states recorded. Entries of older generations
 # are dropped when a new one is made.
 _EVERY_STATE_PLANS: dict = {}
 # The layout of the last plan made under each such key, kept when the plan is dropped: a plan
@@ -109,6 +109,9 @@ class AmaxStep:
         state.step = self
         self._refs[state.key] = weakref.ref(state, self._freed)
         self._plan = None
+        # The plans of other steps that covered it as a state of no step are made again
+        # (_covered_states: a state of another step is that step's alone).
+        scaling_state.bump_generation()
 
     def _remove(self, state: ScalingState) -> None:
         ref = self._refs.get(state.key)
@@ -165,7 +168,7 @@ class AmaxStep:
         recorded = self._recorded_plan(reduce)
         devices = recorded.devices if recorded is not None else frozenset()
         if reduce:
-            key = (self.recipe, self.role, devices, len(_COMPILED_MODULES))
+            key = (self, devices, len(_COMPILED_MODULES))  # (the states covered are its own)
             cache = _EVERY_STATE_PLANS
         else:
             key = (self.recipe, self.role, len(_COMPILED_MODULES))
@@ -197,9 +200,13 @@ class AmaxStep:
 
     def _covered_states(self, devices, reduce: bool) -> list[ScalingState]:
         """The states recorded and, by creation index, those of the process that train with
-        this recipe on ``devices`` (every one when ranks reduce, else the compiled ones)."""
+        this recipe on ``devices`` (every one when ranks reduce, else the compiled ones) and
+        belong to no other step: a state that ran under another group, another recipe with the
+        same record (reduce_amax differs, say) or in another thread is that step's alone."""
         states = dict(self.states)
         for state in scaling_state.registered(self.role):
+            if state.step is not None and state.step is not self:
+                continue
             if state.key not in states and (reduce or state.key in _COMPILED_MODULES):
                 if state.takes_recipe(self.recipe) and (not devices or state.device in devices):
                     states[state.key] = state
