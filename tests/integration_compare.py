@@ -197,18 +197,20 @@ def counting_aot_eager() -> tuple:
 def data_parallel_in_one_process(model: torch.nn.Module, batch: Callable, recipe, world: int,
                                  steps: int, lr: float) -> list:
     """What ``world`` data-parallel ranks compute, in one process: every rank's batch
-    (``batch(rank, step)``) in one forward, the ranks' losses summed, the gradients divided by
-    the world size (DDP's and FSDP2's average; a power of two, so exact) before each SGD step.
-    The amax of the whole batch is the MAX of the ranks' amaxes, so the FP8 casts are the same.
-    Per rank, a StepRecord per step (its own loss, the shared gradients and FP8 state)."""
+    (``batch(rank, step)``) in a forward of its own, in one fp8_autocast, the ranks' losses
+    summed, the gradients divided by the world size (DDP's and FSDP2's average; a power of two,
+    so exact) before each SGD step. Delayed scaling records the MAX of the forwards' amaxes, as
+    the ranks' reduction does; current scaling casts each batch with its own amax, as each
+    rank does. Per rank, a StepRecord per step (its own loss, the shared gradients and FP8
+    state)."""
     import transformer_fp8 as tfp8
 
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     records = [[] for _ in range(world)]
     for step in range(steps):
         with tfp8.fp8_autocast(fp8_recipe=recipe):
-            out = model(torch.cat([batch(rank, step) for rank in range(world)]))
-        losses = [part.square().mean() for part in out.chunk(world)]
+            outs = [model(batch(rank, step)) for rank in range(world)]
+        losses = [out.square().mean() for out in outs]
         sum(losses).backward()
         with torch.no_grad():
             for p in model.parameters():

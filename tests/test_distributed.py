@@ -2,7 +2,7 @@
 one per backward pass make every rank's FP8 state identical and equal to the MAX of the ranks'
 amaxes; losses, DDP's gradients and the FP8 state follow the same steps run in one process;
 with reduce_amax=False each rank keeps its own amax; with current scaling every rank casts
-with the scale of the MAX. Every run is bounded in time (tests/multiprocess.py)."""
+with its own amax. Every run is bounded in time (tests/multiprocess.py)."""
 from __future__ import annotations
 
 import os
@@ -47,7 +47,7 @@ def _model():
 
 
 def _recipe(mode):
-    return (tfp8.Float8CurrentScaling() if mode == "current" else
+    return (tfp8.Float8CurrentScaling() if mode.startswith("current") else
             tfp8.DelayedScaling(amax_history_len=4, reduce_amax=mode == "delayed"))
 
 
@@ -58,6 +58,9 @@ def _batch(rank, step):
 
 
 def _worker(rank, out_dir, mode, explicit_group):
+    if mode == "current_python":  # the Python path, whose scales the test counts
+        from transformer_fp8.modules import linear_fused_step
+        linear_fused_step.ENABLED = False
     group = dist.new_group(list(range(WORLD))) if explicit_group else None
     model = _model()
     # Without the buffer broadcast, each rank's FP8 state is only what it computed itself.
@@ -93,10 +96,8 @@ def _run(tmp_path, mode, explicit_group=False):
 
 
 def single_process_run(mode):
-    """The DDP run in one process: every rank's batch in one forward, each rank's loss summed,
-    the gradients divided by the world size (DDP's average) before the SGD step. The amax of
-    the whole batch is the MAX of the ranks' amaxes, so the FP8 casts are the same. One record
-    per rank (its own loss, the shared gradients and FP8 state) per step."""
+    """The DDP run in one process (integration_compare.data_parallel_in_one_process): one
+    record per rank (its own loss, the shared gradients and FP8 state) per step."""
     model = _model()
     return data_parallel_in_one_process(model, _batch, _recipe(mode), WORLD, STEPS, lr=LR)
 
@@ -136,16 +137,21 @@ def test_without_reduction_ranks_keep_their_own_amax(tmp_path):
     assert rank0["reductions"] == [0] * STEPS
 
 
-def test_current_scaling_scales_agree_across_ranks(tmp_path):
-    rank0, rank1 = _run(tmp_path, "current")
+def test_current_scaling_casts_with_each_ranks_own_amax(tmp_path):
+    """Float8CurrentScaling, as Transformer Engine's: each rank casts what it holds with its own
+    amax, with no collective (a cast's all-reduce paired other layers' casts when ranks ran
+    different experts); the weights, the same on every rank, get the same scales."""
+    rank0, rank1 = _run(tmp_path, "current_python")
+    assert rank0["reductions"] == rank1["reductions"] == [0] * STEPS
     assert len(rank0["scales"]) == STEPS * 2 * 3  # input, weight, grad of two layers
-    for a, b in zip(rank0["scales"], rank1["scales"]):
-        assert torch.equal(a, b)
-    # The first scale of each step is the first layer's input's: from the MAX of the amaxes.
     for step in range(STEPS):
-        amax = max(rank0["amaxes"][step], rank1["amaxes"][step])
-        torch.testing.assert_close(rank0["scales"][6 * step], (448.0 / amax).reshape(1),
-                                   rtol=1e-6, atol=0)
+        # The first scale of each step is the first layer's input's, the second its weight's.
+        for result in (rank0, rank1):
+            torch.testing.assert_close(result["scales"][6 * step],
+                                       (448.0 / result["amaxes"][step]).reshape(1),
+                                       rtol=1e-6, atol=0)
+        assert torch.equal(rank0["scales"][6 * step + 1], rank1["scales"][6 * step + 1])
+        assert not torch.equal(rank0["scales"][6 * step], rank1["scales"][6 * step])
 
 
 def _moe_worker(rank, out_dir):
@@ -247,6 +253,43 @@ def test_a_layer_of_another_step_keeps_its_own_reduction(tmp_path, case):
     assert ranks[0]["q"][-1][2] != ranks[1]["q"][-1][2], "the ranks' amaxes differ"
     for a, b in zip(ranks[0]["p"], ranks[1]["p"]):
         assert a == b, "P: the world's MAX on both ranks"
+
+
+def _current_moe_worker(rank, out_dir):
+    """Float8CurrentScaling, ranks running different experts (rank 0 experts 0 and 1, rank 1
+    expert 1 alone), of very different magnitudes; then the same forwards and backwards under
+    a group of this rank alone, as reference."""
+    own = [dist.new_group([0]), dist.new_group([1])][rank]
+    recipe = tfp8.Float8CurrentScaling()
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(tfp8.Linear(32, 32) for _ in range(2))
+    with torch.no_grad():
+        experts[1].weight.mul_(1e4)
+    mine = [0, 1] if rank == 0 else [1]
+    data = torch.Generator().manual_seed(4000 + rank)
+    x = torch.randn(16, 32, generator=data) * (1 if rank == 0 else 1e4)
+    grad = torch.randn(16, 32, generator=data)
+    results = {}
+    for name, group in (("world", None), ("own", own)):
+        x_run = x.clone().requires_grad_()
+        with tfp8.fp8_autocast(fp8_recipe=recipe, fp8_group=group):
+            outs = [experts[e](x_run) for e in mine]
+        torch.autograd.backward(outs, [grad] * len(outs))
+        results[name] = [o.detach() for o in outs] + [x_run.grad] + [
+            experts[e].weight.grad.clone() for e in mine]
+        experts.zero_grad()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_current_scaling_with_ranks_running_different_experts(tmp_path):
+    """Each rank casts with its own amaxes: ranks that run different experts (even different
+    numbers of them) compute exactly what they compute alone. (A cast's all-reduce over the
+    group paired one rank's expert with another's: 7 dB outputs, or a hang.)"""
+    run_ranks(_current_moe_worker, (str(tmp_path),), tmp_path)
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for got, want in zip(result["world"], result["own"], strict=True):
+            assert torch.equal(got, want), rank
 
 
 def _hanging_worker(rank, out_dir):

@@ -354,17 +354,16 @@ def test_recorded_histories_count_as_written(device, gen):
                                      FUSED_NODE, device, gen)
 
 
-def test_current_scaling_across_ranks_takes_the_python_path(gen, monkeypatch):
-    """With more than one rank in the group each amax is all-reduced, which the Python path
-    does: the C++ step runs only in one process."""
-    from transformer_fp8.modules import linear_fused_step as step
-    monkeypatch.setattr(step, "world_size", lambda group: 2)
+def test_the_c_step_runs_in_a_group_of_several_ranks(gen, monkeypatch):
+    """Neither recipe reduces inside the step (current scaling: each rank's own amaxes; delayed
+    scaling: at the step's end), so the C++ step runs whatever the group's size."""
+    from transformer_fp8.quantization import update_plan
+    monkeypatch.setattr(update_plan, "world_size", lambda group: 2)
     layer = tfp8.Linear(32, 32)
     x = randn(gen, 16, 32).requires_grad_(True)
-    with fp8_autocast(fp8_recipe=CURRENT):
-        assert FUSED_NODE not in _node(layer(x))
-    with fp8_autocast(fp8_recipe=RECIPE):  # (delayed scaling reduces at the step's end)
-        assert FUSED_NODE in _node(layer(x))
+    for recipe in (CURRENT, RECIPE):
+        with fp8_autocast(fp8_recipe=recipe):
+            assert FUSED_NODE in _node(layer(x))
 
 
 def test_pickled_layer_holds_no_quantizer_after_the_fused_step(gen):

@@ -8,10 +8,10 @@ Python path (linear.py's _Fp8LinearFunction, layernorm_linear.py's _LayerNormLin
 layernorm_mlp.py's _LayerNormMLPFunction, with the quantizers of roles.py), so the same bits,
 for a fraction of the host work: no Python autograd function, plan or quantizer call per step.
 
-Everything else takes the Python path: block recipes, current scaling reduced across ranks,
-torch.compile's traces (the compiled path keeps its own form), weights that are DTensors, FP8
-weights or FSDP2 FP8 all-gathers, weights kept across microbatches (is_first_microbatch),
-layers whose casts debug statistics observe on this step or debug overrides change,
+Everything else takes the Python path: block recipes, torch.compile's traces (the compiled
+path keeps its own form), weights that are DTensors, FP8 weights or FSDP2 FP8 all-gathers,
+weights kept across microbatches (is_first_microbatch), layers whose casts debug statistics
+observe on this step or debug overrides change,
 LayerNormLinear and LayerNormMLP with return_layernorm_output, and current scaling under
 torch.utils.checkpoint. (A checkpointed delayed-scaling forward runs here and keeps the replay
 record its recomputation, on the Python path, repeats.)
@@ -30,7 +30,6 @@ from ..quantization.quantizer import Fp8Plan, Quantized
 from ..quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
 from ..quantization.roles import (_REGISTERED, QUANTIZERS, delayed_quantizers,
                                   float_state_buffers, registered_quantizers)
-from ..quantization.update_plan import world_size
 from ..quantization.torch_autocast import output_dtype
 
 # The operators' functions called without the dispatcher (csrc/linear_step.cpp's Python entry:
@@ -131,10 +130,7 @@ def ticketed_linear_step(layer, inp: torch.Tensor) -> Optional[torch.Tensor]:
             or _fp8_hooks.observer is not None or layer._replay_records.records
             or _REGISTERED.get(recipe_type) is not quantizers):  # (the recipe's registration)
         return None
-    if delayed is None:
-        if world_size(state.group) != 1:
-            return None  # (current scaling across ranks: the Python path reduces the amaxes)
-    else:
+    if delayed is not None:
         # The states covered by this context's steps (as record_forward would see to): the
         # steps kept for this thread, recipe and group, which still hold them.
         fwd_state, forward_step, bwd_state, backward_step = delayed
@@ -210,9 +206,8 @@ def _runs_fused(layer, state, is_first_microbatch) -> Optional[bool]:
         quantizers = registered_quantizers(recipe)
     if quantizers is _delayed_quantizers:
         return True
-    if (quantizers is _current_quantizers and recipe.fp8_format is not Format.E5M2
-            and world_size(state.group) == 1):
-        return False
+    if quantizers is _current_quantizers and recipe.fp8_format is not Format.E5M2:
+        return False  # (each rank's own amax; a tensor-parallel layer's DTensors take Python)
     return None  # (E5M2: the Python path raises the error that names it)
 
 

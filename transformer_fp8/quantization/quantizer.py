@@ -126,8 +126,9 @@ class TensorQuantizer(Quantizer):
                    history[0, column:column + 1], history=history, column=column)
 
     @classmethod
-    def current(cls, dtype, group):
-        """The scale of the tensor's own amax, reduced across the group."""
+    def current(cls, dtype, group=None):
+        """The scale of the tensor's own amax; with a group (the ranks that each hold a shard
+        of the tensor: tensor parallelism), of the MAX of their amaxes."""
         return cls(dtype, group=group)
 
     @classmethod
@@ -174,7 +175,8 @@ class TensorQuantizer(Quantizer):
         """The transpose is produced in the same pass, only when a backward GEMM needs it."""
         if self.is_current:
             amax = ops.amax(x)
-            amax_step.all_reduce_max(amax, self.group)
+            if self.group is not None:
+                amax_step.all_reduce_max(amax, self.group)
             scale = ops.compute_scale_from_amax(amax.reshape(1), torch.finfo(self.dtype).max)
             scale_inv, amax_slot = scale.reciprocal(), None
         else:

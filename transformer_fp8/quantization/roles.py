@@ -15,6 +15,7 @@ import torch
 
 from . import amax_step
 from . import autocast as _autocast
+from .._dtensor import is_dtensor
 from .blockwise import BlockQuantizer
 from .quantizer import TensorQuantizer
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
@@ -80,8 +81,13 @@ def delayed_quantizers(fp8_state, fmt: Format, compiling: Optional[bool] = None)
 
 
 def _current(recipe: Float8CurrentScaling, fp8_state, autocast_state):
-    """Each tensor's own amax, all-reduced across the context's group."""
-    fmt, group = recipe.fp8_format, autocast_state.group
+    """Each tensor's own amax, as Transformer Engine's: each rank casts with the amax of what
+    it holds (data parallelism, experts that run on some ranks only). A tensor-parallel
+    module's shards are parts of one tensor: their amaxes are all-reduced (MAX) across the
+    context's group, so every shard is cast as the whole tensor would be."""
+    fmt, group = recipe.fp8_format, None
+    if is_dtensor(fp8_state.fp8_weights()[0]):
+        group = autocast_state.group or torch.distributed.group.WORLD
     return [tuple(TensorQuantizer.current(dtype, group)
                   for dtype in (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype))
             for _ in range(fp8_state._num_gemms)], None
