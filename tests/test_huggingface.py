@@ -119,3 +119,24 @@ def test_load_fp8_state_refuses_a_model_that_does_not_match(tmp_path):
         tfp8.load_fp8_state(smaller, tmp_path)
     for key, value in smaller.state_dict().items():
         assert torch.equal(value, before[key]), f"{key} changed by a refused load"
+
+
+@pytest.mark.parametrize("bad", ["nan_scale", "wrong_shape"])
+def test_load_fp8_state_of_a_corrupt_layer_loads_no_layer(tmp_path, bad):
+    """Every layer's FP8 state is checked before any is loaded: a corrupt scale (or a scale of
+    another shape) in the last layer's state leaves the earlier layers as they were, and the
+    error names the key."""
+    model = tfp8.convert_to_fp8(tiny_gpt2("cpu"), recipe=RECIPE)
+    train_lm(model, model, "cpu")
+    state = dict(model.state_dict())
+    key = "lm_head.fp8_fwd_scale" if "lm_head.fp8_fwd_scale" in state else sorted(
+        k for k in state if k.endswith("fp8_fwd_scale"))[-1]
+    state[key] = (torch.tensor([float("nan"), 1.0]) if bad == "nan_scale"
+                  else torch.ones(3))
+    target = tfp8.convert_to_fp8(tiny_gpt2("cpu"), recipe=RECIPE)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    match = "finite and positive" if bad == "nan_scale" else "has shape \\[3\\]"
+    with pytest.raises(RuntimeError, match=f"{key}.*{match}.*no layer was loaded"):
+        tfp8.load_fp8_state(target, state)
+    for name, value in target.state_dict().items():
+        assert torch.equal(value, before[name]), f"{name} changed by a refused load"

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
 from ..quantization.state import FP8_STATE_KEYS, Fp8State
+from ..quantization.state_validation import fp8_state_error
 
 
 def _is_fp8_key(key: str) -> bool:
@@ -87,7 +88,28 @@ def load_fp8_state(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, d
     if unused:
         raise KeyError(f"load_fp8_state: the checkpoint has FP8 state for layers the model does "
                        f"not have: {unused[:5]}{' ...' if len(unused) > 5 else ''}")
+    for name, keys in found.items():  # every layer's state checked before any is loaded
+        error = _state_error(layers[name], {full: state[full] for full in keys.values()},
+                             keys["fp8_fwd_scale"][:-len("fp8_fwd_scale")])
+        if error is not None:
+            raise RuntimeError(f"load_fp8_state: {error}; no layer was loaded")
     for name, keys in found.items():
         # Only FP8 keys are given: the layer's parameters stay as they are (strict=False).
         layers[name].load_state_dict({k: state[full] for k, full in keys.items()}, strict=False)
     return list(found)
+
+
+def _state_error(layer, state: dict, prefix: str) -> Optional[str]:
+    """Why ``layer`` would refuse its FP8 state (the keys of ``state`` start with ``prefix``):
+    a shape it cannot take (a history may have another length), or a value load_state_dict
+    refuses; None when it loads."""
+    for key in FP8_STATE_KEYS:
+        value, own = state[prefix + key], getattr(layer, key)
+        if not isinstance(value, torch.Tensor):
+            return f"{prefix}{key} is a {type(value).__name__}, not a tensor"
+        shape_ok = (value.dim() == 2 and value.shape[1] == own.shape[1]
+                    if key.endswith("amax_history") else value.shape == own.shape)
+        if not shape_ok:
+            return (f"{prefix}{key} has shape {list(value.shape)}, the layer's is "
+                    f"{list(own.shape)}")
+    return fp8_state_error(layer, state, prefix)
