@@ -223,3 +223,36 @@ def test_valid_states_still_load():
     layer = tfp8.Linear(32, 32)
     layer.load_state_dict(state)
     assert layer.fp8_fwd_scale[0] == flt_max
+
+
+def test_assign_true_keeps_the_fp8_state_usable(gen):
+    """load_state_dict(assign=True) takes the checkpoint's tensors as they are: float64 FP8
+    state is held in float32 (values kept), and a layer built on "meta" given a plain
+    checkpoint gets a fresh FP8 state on its parameters' device; both then train as a layer
+    loaded by copy does."""
+    source = tfp8.Linear(32, 16, recipe=RECIPE)
+    with fp8_autocast(fp8_recipe=RECIPE):
+        source(randn(gen, 8, 32)).sum().backward()
+    checkpoint = {k: v.double() if k.startswith("fp8_") and v.is_floating_point() else v.clone()
+                  for k, v in source.state_dict().items()}
+    assigned, copied = tfp8.Linear(32, 16, recipe=RECIPE), tfp8.Linear(32, 16, recipe=RECIPE)
+    assigned.load_state_dict(checkpoint, assign=True)
+    copied.load_state_dict(checkpoint)
+    plain = torch.nn.Linear(32, 16)
+    with torch.device("meta"):
+        from_meta = tfp8.Linear(32, 16, recipe=RECIPE)
+    from_meta.load_state_dict(plain.state_dict(), assign=True)
+    fresh = tfp8.Linear(32, 16, recipe=RECIPE)
+    fresh.load_state_dict(plain.state_dict())
+    x = randn(gen, 8, 32)
+    for layer, twin in ((assigned, copied), (from_meta, fresh)):
+        for key, value in twin.state_dict().items():
+            assert layer.state_dict()[key].dtype == value.dtype, key
+            assert layer.state_dict()[key].device == value.device, key
+        with fp8_autocast(fp8_recipe=RECIPE):
+            out, expected = layer(x), twin(x)
+        assert torch.equal(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        for key, value in twin.state_dict().items():
+            assert torch.equal(layer.state_dict()[key], value), key

@@ -270,6 +270,19 @@ class Fp8State:
         self._adopt_recipe(recipe)
         return True
 
+    def _assigned_state_made_usable(self) -> None:
+        """After load_state_dict(assign=True), which takes the checkpoint's tensors as they
+        are: the float state in float32, and, for a module built on "meta" given no FP8 state,
+        buffers on its parameters' device (reset to a fresh state by the caller)."""
+        param = next((p for p in self._parameters.values() if p is not None), None)
+        device = None if param is None or param.is_meta else param.device
+        for key in FP8_STATE_KEYS:
+            buffer = self._buffers[key]
+            if buffer.is_meta and device is not None:
+                self._buffers[key] = torch.empty_like(buffer, device=device)
+            elif key in _FLOAT_STATE_NAMES and buffer.dtype != torch.float32:
+                self._buffers[key] = buffer.float()
+
     def note_saved_recipe(self) -> None:
         """After a load: the recipe record the loaded state was saved under (see
         _saved_recipe_code), read once on the host."""
@@ -305,6 +318,7 @@ class Fp8State:
                 history.data = history.new_empty(incoming.shape)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        self._assigned_state_made_usable()
         if not present:
             self.reset_fp8_state()
             for key in FP8_STATE_KEYS:
