@@ -115,6 +115,21 @@ MUTANTS = [
            "        x = inp.to_local(grad_placements=[Partial()])\n",
            "        x = inp.to_local()\n",
            ("tests/test_tensor_parallel.py",), "two_ranks and delayed"),
+    Mutant("a reducing step covers another step's layers", "quantization/amax_step.py",
+           "            if state.step is not None and state.step is not self:\n"
+           "                continue\n", "",
+           ("tests/test_distributed.py",), "another_step"),
+    Mutant("current-scaling amaxes reduced across data-parallel ranks", "quantization/roles.py",
+           "    fmt, group = recipe.fp8_format, None\n",
+           "    fmt, group = recipe.fp8_format, (autocast_state.group\n"
+           "                                      or torch.distributed.group.WORLD)\n",
+           ("tests/test_distributed.py",), "different_experts or own_amax"),
+    Mutant("callable amax algorithm given a reordered window", "ops/update_callable.py",
+           "amax_compute_algo(history.clone())", "amax_compute_algo(window)",
+           ("tests/test_delayed_scaling.py",), "callable"),
+    Mutant("Conv1D keeps its [in, out] storage as the GEMM weight", "integrations/convert.py",
+           "        return [self.weight.t()]", "        return [self.weight]",
+           ("tests/test_convert.py",), "first_microbatch"),
 ]
 
 

@@ -255,10 +255,13 @@ def test_a_layer_of_another_step_keeps_its_own_reduction(tmp_path, case):
         assert a == b, "P: the world's MAX on both ranks"
 
 
-def _current_moe_worker(rank, out_dir):
+def _current_moe_worker(rank, out_dir, path):
     """Float8CurrentScaling, ranks running different experts (rank 0 experts 0 and 1, rank 1
     expert 1 alone), of very different magnitudes; then the same forwards and backwards under
-    a group of this rank alone, as reference."""
+    a group of this rank alone, as reference. ``path``: "python" turns the C++ step off."""
+    if path == "python":
+        from transformer_fp8.modules import linear_fused_step
+        linear_fused_step.ENABLED = False
     own = [dist.new_group([0]), dist.new_group([1])][rank]
     recipe = tfp8.Float8CurrentScaling()
     torch.manual_seed(0)
@@ -281,11 +284,12 @@ def _current_moe_worker(rank, out_dir):
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def test_current_scaling_with_ranks_running_different_experts(tmp_path):
+@pytest.mark.parametrize("path", ["cpp", "python"])
+def test_current_scaling_with_ranks_running_different_experts(tmp_path, path):
     """Each rank casts with its own amaxes: ranks that run different experts (even different
     numbers of them) compute exactly what they compute alone. (A cast's all-reduce over the
     group paired one rank's expert with another's: 7 dB outputs, or a hang.)"""
-    run_ranks(_current_moe_worker, (str(tmp_path),), tmp_path)
+    run_ranks(_current_moe_worker, (str(tmp_path), path), tmp_path)
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for got, want in zip(result["world"], result["own"], strict=True):
