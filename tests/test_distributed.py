@@ -296,6 +296,52 @@ def test_current_scaling_with_ranks_running_different_experts(tmp_path, path):
             assert torch.equal(got, want), rank
 
 
+def _routed_expert_worker(rank, out_dir, variant):
+    """Expert E runs under a group of this rank alone, nested in the world's context (dense
+    layer D): "first", only rank 0 routes tokens to E at the first step; "later", no rank at
+    the first step, only rank 0 at the second. Which step owns E then differs between the
+    ranks, and the world step's reduction must still line up."""
+    own = [dist.new_group([0]), dist.new_group([1])][rank]
+    recipe = tfp8.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    dense, expert = tfp8.Linear(32, 32), tfp8.Linear(32, 32)
+    data = torch.Generator().manual_seed(5000 + rank)
+    expert_rows, dense_rows = [], []
+    for step in range(3):
+        if variant == "first":
+            runs = rank == 0 or step > 0
+        else:
+            runs = (rank == 0 and step == 1) or step == 2
+        x = torch.randn(16, 32, generator=data) * (1 + 9 * rank)
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            h = dense(x)
+            with tfp8.fp8_autocast(fp8_recipe=recipe, fp8_group=own):
+                out = expert(h) if runs else h * 1
+        out.sum().backward()
+        # (the amax this rank saw, the amax its history holds for this step)
+        dense_rows.append((x.abs().max(), dense.fp8_fwd_amax_history[-1, 0].clone()))
+        if runs:
+            expert_rows.append((h.abs().max(), expert.fp8_fwd_amax_history[-1, 0].clone()))
+    torch.save({"dense": dense_rows, "expert": expert_rows},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("variant", ["first", "later"])
+def test_an_expert_of_a_nested_group_routed_on_some_ranks(tmp_path, variant):
+    """The ranks disagree on which step owns the expert (one ran it under its own group, the
+    other never did): the world step's layout is the same on both (zeros in place of the
+    amaxes of a state another step owns), so every step completes; the expert's history holds
+    its own rank's amax, the dense layer's the world's MAX."""
+    run_ranks(_routed_expert_worker, (str(tmp_path), variant), tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for rank in ranks:
+        assert rank["expert"], "the expert ran"
+        for amax, recorded in rank["expert"]:
+            assert recorded == amax
+    for (amax0, recorded0), (amax1, recorded1) in zip(ranks[0]["dense"], ranks[1]["dense"]):
+        assert recorded0 == recorded1 == max(amax0, amax1)
+
+
 def _hanging_worker(rank, out_dir):
     if rank == 1:
         time.sleep(3600)  # never reaches the collective

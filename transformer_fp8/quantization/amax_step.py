@@ -44,14 +44,19 @@ def adopt_recipe_for_waiting_modules(recipe: DelayedScaling) -> None:
             state.takes_recipe(recipe)
 
 
-# Plans of the steps that cover every state of a recipe (ranks reduce), by (step, devices,
-# compiled count): the same whichever states recorded. Entries of older generations
+# Plans of the steps that cover every state of a recipe (ranks reduce), by (recipe, role,
+# devices, compiled count): the same whichever states recorded. Entries of older generations
 # are dropped when a new one is made.
 _EVERY_STATE_PLANS: dict = {}
 # The layout of the last plan made under each such key, kept when the plan is dropped: a plan
 # made again with the same layout (one rank built a layer on another device, say) needs no
 # agreement; a new layout is agreed on by the ranks (see AmaxStep._plan_for_step).
 _LAST_LAYOUT: dict = {}
+
+
+# A count of the states that joined a step (AmaxStep.add): the steps' masks of the states of
+# other steps (_others_states) are made again when it changes.
+_OWNERSHIP = [0]
 
 
 def _collect_dead_layers() -> None:
@@ -94,6 +99,7 @@ class AmaxStep:
         # The states covered, by creation index, weakly (a freed module's state leaves).
         self._refs: dict[int, weakref.ref] = {}
         self._plan = None  # the plan of the states covered, once made
+        self._others = None  # (plan, _OWNERSHIP, positions): see _others_states
 
     @property
     def states(self) -> dict[int, ScalingState]:
@@ -108,16 +114,14 @@ class AmaxStep:
             state.step._remove(state)  # it moves here: no other step updates it
         state.step = self
         self._refs[state.key] = weakref.ref(state, self._freed)
-        self._plan = None
-        # The plans of other steps that covered it as a state of no step are made again
-        # (_covered_states: a state of another step is that step's alone).
-        scaling_state.bump_generation()
+        self._plan = self._others = None  # (the mask's plan may be this one)
+        _OWNERSHIP[0] += 1  # (the other steps' masks of it are made again: _others_states)
 
     def _remove(self, state: ScalingState) -> None:
         ref = self._refs.get(state.key)
         if ref is not None and ref() is state:
             self._refs.pop(state.key, None)
-            self._plan = None
+            self._plan = self._others = None  # (the mask's plan may be this one)
 
     def _freed(self, ref: weakref.ref) -> None:
         """A covered state's module was freed (called by the garbage collector, any thread, at
@@ -131,7 +135,7 @@ class AmaxStep:
             if held is ref:
                 self._refs.pop(key, None)
                 if not self._reduces():
-                    self._plan = None
+                    self._plan = self._others = None  # (the mask's plan may be this one)
 
     def _reduces(self) -> bool:
         return self.recipe.reduce_amax and world_size(self.group) > 1
@@ -168,7 +172,7 @@ class AmaxStep:
         recorded = self._recorded_plan(reduce)
         devices = recorded.devices if recorded is not None else frozenset()
         if reduce:
-            key = (self, devices, len(_COMPILED_MODULES))  # (the states covered are its own)
+            key = (self.recipe, self.role, devices, len(_COMPILED_MODULES))
             cache = _EVERY_STATE_PLANS
         else:
             key = (self.recipe, self.role, len(_COMPILED_MODULES))
@@ -200,13 +204,11 @@ class AmaxStep:
 
     def _covered_states(self, devices, reduce: bool) -> list[ScalingState]:
         """The states recorded and, by creation index, those of the process that train with
-        this recipe on ``devices`` (every one when ranks reduce, else the compiled ones) and
-        belong to no other step: a state that ran under another group, another recipe with the
-        same record (reduce_amax differs, say) or in another thread is that step's alone."""
+        this recipe on ``devices`` (every one when ranks reduce, else the compiled ones): the
+        layout of the reduction, the same on every rank whichever step each state ran under
+        (which steps the states belong to differs from rank to rank: _others_states)."""
         states = dict(self.states)
         for state in scaling_state.registered(self.role):
-            if state.step is not None and state.step is not self:
-                continue
             if state.key not in states and (reduce or state.key in _COMPILED_MODULES):
                 if state.takes_recipe(self.recipe) and (not devices or state.device in devices):
                     states[state.key] = state
@@ -227,15 +229,32 @@ class AmaxStep:
             raise
         if plan is None:
             return
+        others = self._others_states(plan)
         if reduce:
-            plan.reduce(self.group)
-        plan.update()
+            plan.reduce(self.group, others)
+        plan.without(others).update()
 
     def discard(self) -> None:
         """Forget the amaxes recorded since the last update (after an exception)."""
         plan = self._plan_for_step(self._reduces(), agree=False)
         if plan is not None:
-            plan.discard()
+            plan.without(self._others_states(plan)).discard()
+
+    def _others_states(self, plan: UpdatePlan) -> frozenset:
+        """The positions in ``plan`` of the states that belong to another step (which ran under
+        another group, another recipe with the same record, such as another reduce_amax, or in
+        another thread): that step's alone. This step neither updates them nor gives the
+        reduction their amaxes (zeros in their place: the layout stays the same on every rank,
+        where the states' steps differ). A compiled module's state belongs to no step (a traced
+        forward registers nothing). Made again when a state changes steps."""
+        cached = self._others
+        if cached is not None and cached[0] is plan and cached[1] == _OWNERSHIP[0]:
+            return cached[2]
+        others = frozenset(i for i, state in enumerate(ref() for ref in plan.state_refs)
+                           if state is not None and state.step is not None
+                           and state.step is not self and state.key not in _COMPILED_MODULES)
+        self._others = (plan, _OWNERSHIP[0], others)
+        return others
 
 
 # Creation indices of the FP8 modules that torch.compile has traced (see note_compiled).

@@ -8,6 +8,7 @@ Building a plan is O(states) of Python; a step that finds its plan does O(device
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -71,6 +72,9 @@ class UpdatePlan:
 
     def __init__(self, states: list[ScalingState], recipe: DelayedScaling, role: str):
         self.generation = generation()  # read first: a change while building invalidates it
+        # The states, weakly (a plan holds their tensors, never their modules' states: a freed
+        # module's state must go, see AmaxStep._freed).
+        self.state_refs, self.role = [weakref.ref(s) for s in states], role
         self.recipe = recipe
         self.margin = ops._check_margin(recipe.margin)
         self.devices = frozenset(s.device for s in states)
@@ -92,22 +96,42 @@ class UpdatePlan:
         self._rows: Optional[tuple] = None
         # Plans of the steps that also cover the unrecorded states (see amax_step), by key.
         self.completions: dict = {}
+        self._without: dict = {}  # plans of some of the states: see without()
 
     def is_current(self, recipe) -> bool:
         return self.generation == generation() and (self.recipe is recipe or self.recipe == recipe)
 
-    def reduce(self, group) -> None:
+    def reduce(self, group, others: frozenset = frozenset()) -> None:
         """One collective for the whole step: gather row 0 of every history (in creation-index
-        order, the same layout on every rank), MAX-reduce it, scatter it back."""
+        order, the same layout on every rank), MAX-reduce it, scatter it back. ``others``:
+        positions of states another step owns on this rank: zeros take their place, and they
+        are not written (a MAX with zeros changes no amax)."""
         pointers = [h.data_ptr() for h in self.histories]
         if self._rows is None or self._rows[2] != pointers:
             # (Views made again when a history's memory was swapped behind the plan: .data.)
             rows = [h[0] for h in self.histories]
             self._rows = (rows, [r.shape[0] for r in rows], pointers)
         rows, sizes, _ = self._rows
+        if others:
+            rows = [torch.zeros_like(r) if i in others else r for i, r in enumerate(rows)]
         recorded = torch.cat(rows)
         all_reduce_max(recorded, group)
-        torch._foreach_copy_(rows, list(recorded.split(sizes)))
+        parts = list(recorded.split(sizes))
+        if others:
+            kept = [i for i in range(len(rows)) if i not in others]
+            rows, parts = [rows[i] for i in kept], [parts[i] for i in kept]
+        torch._foreach_copy_(rows, parts)
+
+    def without(self, others: frozenset) -> "UpdatePlan":
+        """This plan less the states at positions ``others`` (itself when there are none)."""
+        if not others:
+            return self
+        plan = self._without.get(others)
+        if plan is None:
+            states = [ref() for i, ref in enumerate(self.state_refs) if i not in others]
+            plan = self._without[others] = UpdatePlan([s for s in states if s is not None],
+                                                      self.recipe, self.role)
+        return plan
 
     def update(self) -> None:
         """The delayed-scaling update of every state, one call per device: a prepared batch for
