@@ -256,3 +256,33 @@ def test_assign_true_keeps_the_fp8_state_usable(gen):
         expected.sum().backward()
         for key, value in twin.state_dict().items():
             assert torch.equal(layer.state_dict()[key], value), key
+
+
+def test_resume_under_another_recipe_with_torch_compile(gen):
+    """A checkpoint saved under one recipe (history 8) trains on under another (history 4)
+    with torch.compile: the fp8_autocast entered first adopts the new recipe for the loaded
+    layer, eagerly, so that the compiled forward resizes nothing; the amaxes kept are the
+    newest that fit, and the step is bit for bit the eager one."""
+    saved_under, trained_under = (DelayedScaling(amax_history_len=8),
+                                  DelayedScaling(amax_history_len=4))
+    layer = tfp8.Linear(32, 32, recipe=saved_under)
+    for scale in (4.0, 2.0, 1.0):
+        with fp8_autocast(fp8_recipe=saved_under):
+            layer(randn(gen, 16, 32, scale=scale)).sum().backward()
+    checkpoint = roundtrip(layer.state_dict())
+    eager, compiled = (tfp8.Linear(32, 32, recipe=trained_under) for _ in range(2))
+    for module in (eager, compiled):
+        module.load_state_dict(checkpoint)
+    compiled_fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    x = randn(gen, 16, 32)
+    with fp8_autocast(fp8_recipe=trained_under):
+        expected = eager(x)
+    with fp8_autocast(fp8_recipe=trained_under):
+        out = compiled_fn(x)
+    assert torch.equal(out, expected)
+    assert compiled.fp8_fwd_amax_history.shape[0] == 4
+    for key, value in eager.state_dict().items():
+        assert torch.equal(compiled.state_dict()[key], value), key
+    # (the newest amaxes of the loaded history kept, this step's in the last row)
+    assert torch.equal(compiled.fp8_fwd_amax_history[1:3],
+                       checkpoint["fp8_fwd_amax_history"][6:8])

@@ -93,9 +93,11 @@ class Fp8State:
                              torch.full((4,), -1, dtype=torch.int64, device=device))
         self._num_gemms = num_gemms
         self._recipe_code: Optional[list[int]] = None
-        # The recipe record a loaded state was saved under (None: none, or never used): until
-        # the module runs, only a step of that recipe adopts it (_takes_recipe).
+        # The recipe record a loaded state was saved under (None: none, or never used), and
+        # its histories as loaded, kept while another recipe is adopted for the module before
+        # it runs (see _adopt_recipe).
         self._saved_recipe_code: Optional[list[int]] = None
+        self._saved_histories: Optional[tuple] = None
         self._new_scaling_states()
         self._weight_cache = [None] * num_gemms
         self._delayed_cast_cache = None  # see _delayed_casts
@@ -166,7 +168,7 @@ class Fp8State:
                 if name not in HISTORIES:
                     getattr(self, name).fill_(1.0)
             self.fp8_recipe_fields.fill_(-1)
-        self._recipe_code = self._saved_recipe_code = None
+        self._recipe_code = self._saved_recipe_code = self._saved_histories = None
         self._bind_scaling_states()  # (which steps cover it may change with the recipe)
         amax_step.await_recipe(self._scaling_states[0])
         self._weight_cache = [None] * self._num_gemms
@@ -221,16 +223,39 @@ class Fp8State:
             self.reset_fp8_state()
         return self
 
-    def _adopt_recipe(self, recipe: DelayedScaling) -> None:
+    def _adopt_recipe(self, recipe: DelayedScaling, running: bool = True) -> None:
         """Match the history length to the recipe (resized_history: the amaxes recorded are
         kept; so are the scales) and record the recipe fields. Host work only when the recipe
-        changes."""
+        changes. ``running``: False where the module is not running but an fp8_autocast entered
+        under ``recipe`` (or its step) adopts it for a module that has none (_takes_recipe).
+
+        A loaded state keeps its histories aside while a recipe other than the one it was saved
+        under is adopted that way: when the module first runs, under the recipe it was saved
+        under (a nested one, whose context is entered after the outer one), they come back
+        exactly as loaded; once it has run, its state is its own."""
         adopted = self.__dict__.get("_adopted_recipe")
         if adopted is not None and adopted[0] is recipe and adopted[1] is self._recipe_code:
             return  # the same recipe object as last time, and nothing reset the record since
         code = recipe_code(recipe)
+        compiling = torch.compiler.is_compiling()
+        restored = None
+        if self._saved_recipe_code is not None and not compiling:
+            if running:
+                if code == self._saved_recipe_code:
+                    restored = self._saved_histories
+                self._saved_recipe_code = self._saved_histories = None
+            elif code != self._saved_recipe_code and self._saved_histories is None:
+                self._saved_histories = tuple(getattr(self, name).detach().clone()
+                                              for name in HISTORIES)
+        if restored is not None:
+            self._fp8_state_to_local()
+            for name, history in zip(HISTORIES, restored):
+                getattr(self, name).data = history
+            self._delayed_cast_cache = self._fused_step_cache = None
         if code == self._recipe_code:
-            if not torch.compiler.is_compiling():  # (a traced forward writes no Python state)
+            if restored is not None:
+                self._bind_scaling_states()
+            if running and not compiling:  # (a traced forward writes no Python state)
                 self.__dict__["_adopted_recipe"] = (recipe, self._recipe_code)
             return
         self._fp8_state_to_local()
@@ -259,15 +284,11 @@ class Fp8State:
     def _takes_recipe(self, recipe: DelayedScaling) -> bool:
         """Whether a step under ``recipe`` that this module did not run in on this rank reduces
         and updates its states (it may have run on another rank), or an fp8_autocast entered
-        under it adopts it for the module: False when the module trains with another recipe,
-        or holds a loaded state saved under another one (it waits for its own: adopting this
-        one would resize its histories); else the recipe is adopted."""
-        if self._recipe_code is not None:
-            if self._recipe_code != recipe_code(recipe):
-                return False
-        elif self._saved_recipe_code is not None and self._saved_recipe_code != recipe_code(recipe):
+        under it adopts it for the module: False when the module trains with another recipe;
+        else the recipe is adopted (running=False: see _adopt_recipe)."""
+        if self._recipe_code is not None and self._recipe_code != recipe_code(recipe):
             return False
-        self._adopt_recipe(recipe)
+        self._adopt_recipe(recipe, running=False)
         return True
 
     def _assigned_state_made_usable(self) -> None:
@@ -286,9 +307,11 @@ class Fp8State:
     def note_saved_recipe(self) -> None:
         """After a load: the recipe record the loaded state was saved under (see
         _saved_recipe_code), read once on the host."""
+        self._fp8_state_to_local()  # (a DTensor's values: its local tensor's)
         fields = self.fp8_recipe_fields
         saved = None if fields.is_meta else fields.tolist()
         self._saved_recipe_code = saved if saved is not None and saved[0] >= 0 else None
+        self._saved_histories = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A backward update held back by reentrant checkpointing (see autocast.BackwardStep)
