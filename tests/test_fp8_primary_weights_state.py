@@ -108,6 +108,24 @@ def test_assigning_data_quantises_the_value(gen):
     assert not layer.weight.dequantize().any() and not layer.bias.any()
 
 
+def test_module_conversions_through_data_keep_the_fp8_weight(gen):
+    """Module._apply assigns weight.data while the module's FP8 state is set aside: .double()
+    keeps the FP8 data bit for bit (re-quantised with the scale it holds, nothing recorded),
+    and to_empty() gives an FP8 weight of the same shape, without error."""
+    layer = fp8_linear()
+    data, scale_inv = layer.weight.fp8_data.clone(), layer.weight.fp8_scale_inv.clone()
+    state = {k: v.clone() for k, v in layer.state_dict().items() if k.startswith("fp8_")}
+    layer.double()
+    assert type(layer.weight) is Fp8Weight
+    assert_bitwise_equal(layer.weight.fp8_data, data)
+    assert_bitwise_equal(layer.weight.fp8_scale_inv, scale_inv)
+    for key, value in state.items():
+        assert_bitwise_equal(layer.state_dict()[key], value, key)
+    layer = fp8_linear()
+    layer.to_empty(device="cpu")
+    assert type(layer.weight) is Fp8Weight and layer.weight.fp8_data.shape == (32, 64)
+
+
 def test_current_scaling_weights_take_their_own_scale_at_every_write(gen):
     layer = fp8_linear(tfp8.Float8CurrentScaling())
     state = {k: v.clone() for k, v in layer.state_dict().items() if k.startswith("fp8_")}

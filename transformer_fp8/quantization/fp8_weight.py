@@ -50,6 +50,14 @@ class WeightCast:
         module = self._module()
         return WeightCast(memo.get(id(module), module), self.gemm, self.recipe)
 
+    def has_state(self) -> bool:
+        """Whether the rule can be applied now: its module's FP8 state is in place (not while
+        the module's _apply sets it aside)."""
+        if isinstance(self.recipe, Float8CurrentScaling):
+            return True
+        module = self._module()
+        return module is not None and "fp8_fwd_amax_history" in module._buffers
+
     def own_scale(self, hp: torch.Tensor):
         """(amax [1], scale [1]) of the value itself."""
         amax = ops.amax(hp).reshape(1)
@@ -210,8 +218,10 @@ class Fp8Weight(torch.Tensor):
     def _set_data(self, value: torch.Tensor) -> None:
         """``weight.data = value`` (torch.nn.utils.vector_to_parameters, Module._apply): an
         Fp8Weight's FP8 data and scales are taken as they are; any other value of the same
-        shape is quantised with this weight's rule, as copy_ does, and its floating dtype
-        becomes the nominal one (as assigning a tensor of another dtype does)."""
+        shape is quantised with this weight's rule, as copy_ does (inside the module's _apply,
+        whose FP8 state is set aside, with the scale the weight holds, recording nothing), and
+        its floating dtype becomes the nominal one (as assigning a tensor of another dtype
+        does)."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Fp8Weight.data must be set to a tensor, got {type(value).__name__}")
         if isinstance(value, Fp8Weight):
@@ -221,7 +231,11 @@ class Fp8Weight(torch.Tensor):
                 raise ValueError(f"Fp8Weight.data: a weight held in FP8 keeps its shape "
                                  f"{list(self.shape)}, got a value of shape {list(value.shape)}")
             with torch.no_grad():
-                self._write(value)
+                if self._fp8.cast.has_state():
+                    self._write(value)
+                else:  # (Module._apply: .double(), to_empty(); the module's state is aside)
+                    self._fp8.take(self._fp8.cast.quantize(
+                        value, self.device, (self._fp8.scale, self._fp8.scale_inv)))
             value = self._alias(value.dtype if value.dtype in HIGH_PRECISION else None)
         torch._C.TensorBase.data.__set__(self, value)  # (the nominal dtype, device)
 
