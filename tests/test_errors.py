@@ -264,3 +264,58 @@ def test_cast_transpose_column_limit():
     out, out_t = ops.cast_transpose_to_fp8(x[:, 1:], s, E4M3)
     assert out.shape == (1, 8388480) and out_t.shape == (8388480, 1)
     assert not out.float().any() and not out_t.float().any()
+
+
+# Every operator that writes an amax slot, called with the slot given: (name, call(amax)).
+def _amax_writers(gen, device):
+    x = randn(gen, 32, 16, device=device)
+    dy = randn(gen, 32, 16, device=device)
+    gated = randn(gen, 32, 32, device=device)
+    weight, bias = randn(gen, 16, device=device), randn(gen, 16, device=device)
+    scale = scalar(2.0, device)
+    e4m3 = torch.float8_e4m3fn
+    inputs = {"x": x, "dy": dy, "gated": gated, "weight": weight, "bias": bias,
+              "scale": scale}
+    from transformer_fp8 import fused_ops as fo
+    calls = {
+        "cast_to_fp8": lambda a: ops.cast_to_fp8(x, scale, e4m3, a),
+        "cast_transpose_to_fp8": lambda a: ops.cast_transpose_to_fp8(x, scale, e4m3, a),
+        "cast_transpose_dbias": lambda a: fo.cast_transpose_dbias(x, scale, e4m3, a),
+        "layernorm_fwd_fp8": lambda a: fo.layernorm_fwd_fp8(x, weight, bias, 1e-5, False,
+                                                            scale, e4m3, a),
+        "rmsnorm_fwd_fp8": lambda a: fo.rmsnorm_fwd_fp8(x, weight, 1e-5, False, scale,
+                                                        e4m3, a),
+        "activation_fwd_fp8": lambda a: fo.activation_fwd_fp8(x, "gelu", scale, e4m3, a),
+        "activation_bwd_fp8": lambda a: fo.activation_bwd_fp8(dy, x, "gelu", scale, e4m3, a),
+    }
+    # The arguments a slot could sit inside, per operator.
+    shares = {"cast_to_fp8": ("x", "scale"), "cast_transpose_to_fp8": ("x", "scale"),
+              "cast_transpose_dbias": ("x", "scale"),
+              "layernorm_fwd_fp8": ("x", "scale", "weight", "bias"),
+              "rmsnorm_fwd_fp8": ("x", "scale", "weight"),
+              "activation_fwd_fp8": ("x", "scale"),
+              "activation_bwd_fp8": ("x", "scale", "dy")}
+    return calls, shares, inputs
+
+
+def test_an_amax_slot_inside_an_argument_is_refused(gen, device):
+    """The amax slot is written in place: one that shares memory with an argument (a view of
+    the input, the scale itself, a weight) is refused naming that argument, and nothing is
+    written (it once overwrote x[0] or the scale silently); a negated view is refused by name
+    (it once failed inside the dispatcher)."""
+    calls, shares, inputs = _amax_writers(gen, device)
+    for op, call in calls.items():
+        for name in shares[op]:
+            before = {k: v.clone() for k, v in inputs.items()}
+            slot = inputs[name].reshape(-1)[:1]
+            with pytest.raises(RuntimeError, match=f"'amax' is written in place and must not "
+                                                   f"share memory with argument '{name}'"):
+                call(slot)
+            for key, value in inputs.items():
+                assert_bitwise_equal(value, before[key], f"{op}: {key} changed")
+        negated = torch.zeros(1, dtype=torch.complex64, device=device).conj().imag
+        assert negated.is_neg()
+        with pytest.raises(ValueError, match="'amax' is written in place and must not be a "
+                                             "negated or conjugated view"):
+            call(negated)
+        call(scalar(0.0, device))  # a slot of its own is taken

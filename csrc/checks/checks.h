@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,6 +39,38 @@ inline void check_scalar_f32(const at::Tensor& t, const char* name, const at::Te
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "transformer_fp8: argument '",
               name, "' must be a 1-element float32 tensor, got ", describe(t));
   check_same_device(t, name, ref, ref_name);
+}
+
+// Whether the memory of two tensors (from each one's first to its last element) intersects.
+inline bool memory_overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0 ||
+      a.device() != b.device()) {
+    return false;
+  }
+  auto range = [](const at::Tensor& t) {
+    int64_t last = 0;  // (torch strides are never negative)
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto* begin = static_cast<const char*>(t.data_ptr());
+    return std::make_pair(begin, begin + (last + 1) * t.element_size());
+  };
+  const auto [a_begin, a_end] = range(a);
+  const auto [b_begin, b_end] = range(b);
+  return a_begin < b_end && b_begin < a_end;
+}
+
+using NamedTensors = std::initializer_list<std::pair<const char*, const at::Tensor*>>;
+
+// The amax slot, written in place (the max of itself and what the operator sees): a 1-element
+// float32 tensor on x's device, not a lazily negated view (it would be written through its raw
+// memory) and apart from every argument it would otherwise change (nullptr entries skipped).
+inline void check_amax_slot(const at::Tensor& amax, const at::Tensor& x, NamedTensors inputs) {
+  check_scalar_f32(amax, "amax", x, "x");
+  TORCH_CHECK(!amax.is_neg() && !amax.is_conj(), "transformer_fp8: argument 'amax' is written "
+              "in place and must not be a negated or conjugated view; pass amax.resolve_neg()");
+  for (const auto& [name, t] : inputs) {
+    TORCH_CHECK(t == nullptr || !memory_overlaps(amax, *t), "transformer_fp8: argument 'amax' "
+                "is written in place and must not share memory with argument '", name, "'");
+  }
 }
 
 inline void check_high_precision(const at::Tensor& t, const char* name) {
@@ -77,7 +110,7 @@ inline Fp8Format check_cast_args(const at::Tensor& x, const at::Tensor& scale,
                                  at::ScalarType fp8_dtype, const c10::optional<at::Tensor>& amax) {
   check_high_precision(x, "x");
   check_scalar_f32(scale, "scale", x, "x");
-  if (amax.has_value()) check_scalar_f32(*amax, "amax", x, "x");
+  if (amax.has_value()) check_amax_slot(*amax, x, {{"x", &x}, {"scale", &scale}});
   return check_fp8_dtype(fp8_dtype, "fp8_dtype");
 }
 

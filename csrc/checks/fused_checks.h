@@ -55,13 +55,21 @@ inline int64_t padded_rows(int64_t rows, int64_t row_multiple) {
   return (rows + row_multiple - 1) / row_multiple * row_multiple;
 }
 
-// scale, fp8_dtype and the optional amax slot of an FP8-emitting operator.
+// scale, fp8_dtype and the optional amax slot of an FP8-emitting operator; ``others``: its
+// other inputs (weights, dy), which the slot must not overlap either.
 inline Fp8Format check_fp8_output_args(const at::Tensor& x, const at::Tensor& scale,
                                        at::ScalarType fp8_dtype,
                                        const c10::optional<at::Tensor>& amax,
-                                       int64_t row_multiple) {
+                                       int64_t row_multiple,
+                                       const at::Tensor* other = nullptr,
+                                       const char* other_name = "",
+                                       const at::Tensor* other2 = nullptr,
+                                       const char* other2_name = "") {
   check_scalar_f32(scale, "scale", x, "x");
-  if (amax.has_value()) check_scalar_f32(*amax, "amax", x, "x");
+  if (amax.has_value()) {
+    check_amax_slot(*amax, x, {{"x", &x}, {"scale", &scale}, {other_name, other},
+                               {other2_name, other2}});
+  }
   check_row_multiple(row_multiple);
   return check_fp8_dtype(fp8_dtype, "fp8_dtype");
 }

@@ -110,7 +110,7 @@ std::tuple<Tensor, Tensor, Tensor> activation_bwd_fp8_cpu(
   const Activation act = parse_activation(activation);
   const int64_t out_cols = check_activation_input(x, act, "activation_bwd_fp8");
   check_activation_grad(dy, x, out_cols);
-  check_fp8_output_args(x, scale, fp8_dtype, amax, row_multiple);
+  check_fp8_output_args(x, scale, fp8_dtype, amax, row_multiple, &dy, "dy");
   const Tensor dx = activation_grad_f32(dy, x, act);
   auto [dx_fp8, dx_t_fp8] =
       emit_fp8_rows(dx, scale, fp8_dtype, amax, with_transpose, row_multiple);

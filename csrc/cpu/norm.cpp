@@ -61,7 +61,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layernorm_fwd_fp8_cpu(
     const c10::optional<Tensor>& amax, bool with_transpose, bool return_hp,
     int64_t row_multiple) {
   check_norm_fwd_args(x, weight, bias, eps, "layernorm_fwd_fp8");
-  check_fp8_output_args(x, scale, fp8_dtype, amax, row_multiple);
+  check_fp8_output_args(x, scale, fp8_dtype, amax, row_multiple, &weight, "weight",
+                        bias.has_value() ? &*bias : nullptr, "bias");
   auto [y, mean, rstd] = layernorm_f32(x, weight, bias, eps, zero_centered_gamma);
   // The FP8 bytes come from the float32 y, not from y rounded to x's dtype.
   auto [y_fp8, y_t_fp8] = emit_fp8_rows(y, scale, fp8_dtype, amax, with_transpose, row_multiple);
@@ -81,7 +82,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_fwd_fp8_cpu(
     const Tensor& scale, at::ScalarType fp8_dtype, const c10::optional<Tensor>& amax,
     bool with_transpose, bool return_hp, int64_t row_multiple) {
   check_norm_fwd_args(x, weight, c10::nullopt, eps, "rmsnorm_fwd_fp8");
-  check_fp8_output_args(x, scale, fp8_dtype, amax, row_multiple);
+  check_fp8_output_args(x, scale, fp8_dtype, amax, row_multiple, &weight, "weight");
   auto [y, rstd] = rmsnorm_f32(x, weight, eps, zero_centered_gamma);
   auto [y_fp8, y_t_fp8] = emit_fp8_rows(y, scale, fp8_dtype, amax, with_transpose, row_multiple);
   Tensor y_hp = return_hp ? y.to(x.scalar_type()) : at::empty({0}, x.options());

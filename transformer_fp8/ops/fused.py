@@ -51,6 +51,17 @@ def layernorm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float,
     return _ops.layernorm_fwd(x, weight, bias, float(eps), zero_centered_gamma)
 
 
+def _amax_slot(op: str, amax: Optional[Tensor]) -> Optional[Tensor]:
+    """amax as the kernels take it. A lazily negated (or conjugated) view is refused here: the
+    dispatcher's fallback for such views fails on a mutated argument before the kernel's own
+    check runs. (Eager only: torch.compile cannot trace is_neg.)"""
+    if isinstance(amax, Tensor) and not torch.compiler.is_compiling() and \
+            (amax.is_neg() or amax.is_conj()):
+        raise ValueError(f"{op}: argument 'amax' is written in place and must not be a negated "
+                         "or conjugated view; pass amax.resolve_neg()")
+    return amax
+
+
 def layernorm_fwd_fp8(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float,
                       zero_centered_gamma: bool, scale: Tensor, fp8_dtype: torch.dtype,
                       amax: Optional[Tensor] = None, with_transpose: bool = False,
@@ -59,7 +70,8 @@ def layernorm_fwd_fp8(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: fl
     """LayerNorm emitting FP8: (y_fp8 [M_pad, N], y_t_fp8 [N, M_pad] or [0], y_hp [M, N] or [0],
     mean [M], rstd [M]). y_fp8 is the cast of the float32 y (see the module docstring)."""
     return _ops.layernorm_fwd_fp8(x, weight, bias, float(eps), zero_centered_gamma, scale,
-                                  fp8_dtype, amax, with_transpose, return_hp, row_multiple)
+                                  fp8_dtype, _amax_slot("layernorm_fwd_fp8", amax),
+                                  with_transpose, return_hp, row_multiple)
 
 
 def layernorm_bwd(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
@@ -82,7 +94,8 @@ def rmsnorm_fwd_fp8(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: 
                     row_multiple: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """RMSNorm emitting FP8: (y_fp8, y_t_fp8, y_hp, rstd), as layernorm_fwd_fp8."""
     return _ops.rmsnorm_fwd_fp8(x, weight, float(eps), zero_centered_gamma, scale, fp8_dtype,
-                                amax, with_transpose, return_hp, row_multiple)
+                                _amax_slot("rmsnorm_fwd_fp8", amax), with_transpose, return_hp,
+                                row_multiple)
 
 
 def rmsnorm_bwd(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor,
@@ -100,7 +113,8 @@ def activation_fwd_fp8(x: Tensor, activation: str, scale: Tensor, fp8_dtype: tor
                        amax: Optional[Tensor] = None, with_transpose: bool = False,
                        row_multiple: int = 1) -> tuple[Tensor, Tensor]:
     """The activation emitting FP8: (y_fp8 [M_pad, N], y_t_fp8 [N, M_pad] or [0])."""
-    return _ops.activation_fwd_fp8(x, activation, scale, fp8_dtype, amax, with_transpose,
+    return _ops.activation_fwd_fp8(x, activation, scale, fp8_dtype,
+                                   _amax_slot("activation_fwd_fp8", amax), with_transpose,
                                    row_multiple)
 
 
@@ -118,7 +132,8 @@ def activation_bwd_fp8(dy: Tensor, x: Tensor, activation: str, scale: Tensor,
     [0], dbias [N_in] or [0]). dbias = column sums of the float32 dx over the M real rows,
     accumulated in float32, returned in x's dtype (the bias gradient of the Linear before the
     activation)."""
-    return _ops.activation_bwd_fp8(dy, x, activation, scale, fp8_dtype, amax, with_transpose,
+    return _ops.activation_bwd_fp8(dy, x, activation, scale, fp8_dtype,
+                                   _amax_slot("activation_bwd_fp8", amax), with_transpose,
                                    with_dbias, row_multiple)
 
 
@@ -127,7 +142,8 @@ def cast_transpose_dbias(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype,
                          row_multiple: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """cast_transpose_to_fp8 with row padding plus dbias = x.sum(0) (float32 accumulation, in
     x's dtype), from one read of x: for the grad_output of a Linear with a bias."""
-    return _ops.cast_transpose_dbias(x, scale, fp8_dtype, amax, row_multiple)
+    return _ops.cast_transpose_dbias(x, scale, fp8_dtype, _amax_slot("cast_transpose_dbias", amax),
+                                     row_multiple)
 
 
 # Fake kernels: shapes and dtypes only, for torch.compile and meta tensors.

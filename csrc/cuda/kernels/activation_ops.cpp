@@ -38,7 +38,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_fp8(const Tensor& x, const Tensor* dy, 
                                              const c10::optional<Tensor>& amax,
                                              bool with_transpose, bool with_dbias,
                                              int64_t row_multiple, const char* op) {
-  const Fp8Format fmt = check_fp8_output_args(x, scale, fp8_dtype, amax, row_multiple);
+  const Fp8Format fmt = check_fp8_output_args(x, scale, fp8_dtype, amax, row_multiple, dy, "dy");
   check_cuda_input(x, "x", op);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

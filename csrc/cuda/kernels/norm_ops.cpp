@@ -48,7 +48,9 @@ NormFwdResult norm_fwd(const Tensor& x, const Tensor& weight, const c10::optiona
   r.y_hp = return_hp ? at::empty({rows, cols}, x.options()) : at::empty({0}, x.options());
   cuda::FusedOutput out;
   if (fp8_dtype.has_value()) {
-    const Fp8Format fmt = check_fp8_output_args(x, *scale, *fp8_dtype, amax, row_multiple);
+    const Fp8Format fmt = check_fp8_output_args(x, *scale, *fp8_dtype, amax, row_multiple,
+                                                &weight, "weight",
+                                                bias.has_value() ? &*bias : nullptr, "bias");
     r.fp8 = alloc_fp8_rows(x, rows, cols, *fp8_dtype, with_transpose, row_multiple, stream);
     out = fp8_output(r.fp8, fmt, *scale, amax);
   }
