@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CUDA_SKIP, DEVICE_PARAMS, FP8_MAX, HP_DTYPES, randn, sqnr
+from conftest import (CUDA_SKIP, DEVICE_PARAMS, FP8_MAX, HP_DTYPES, assert_bitwise_equal, randn,
+                      scalar, sqnr)
 
 from transformer_fp8 import ops
 from transformer_fp8 import reference as ref
@@ -188,3 +189,25 @@ def test_operands_of_any_alignment(device, gen, offset):
     a_view.copy_(a)
     b_view.copy_(b)
     check_against_reference(a_view, a_si, b_view, b_si, torch.bfloat16, bias)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_gemms_under_torch_autocast_compute_in_float32(gen, out_dtype):
+    """torch.autocast reaches the custom operators' CPU kernels (they have no autocast kernel
+    of their own): their float32 products must not become bfloat16 ones (they did: eager
+    differed from torch.compile, whose graphs run the kernels with autocast off)."""
+    a = ops.cast_to_fp8(randn(gen, 48, 64), scalar(8.0), torch.float8_e4m3fn)
+    b = ops.cast_to_fp8(randn(gen, 32, 64), scalar(16.0), torch.float8_e4m3fn)
+    a_si, b_si, bias = scalar(0.125), scalar(0.0625), randn(gen, 32).to(out_dtype)
+    expected = ops.fp8_gemm(a, a_si, b, b_si, out_dtype, bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ops.fp8_gemm(a, a_si, b, b_si, out_dtype, bias)
+    assert_bitwise_equal(got, expected)
+    from transformer_fp8.ops.blockwise import fp8_gemm_blockwise
+    from transformer_fp8.quantization.blockwise import BlockQuantizer
+    quantizer = BlockQuantizer(1, torch.float8_e4m3fn, power_2_scale=True)
+    qa, qb = quantizer.cast(randn(gen, 48, 128)), quantizer.cast(randn(gen, 32, 128))
+    expected = fp8_gemm_blockwise(qa.data, qa.scale_inv, qb.data, qb.scale_inv, out_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fp8_gemm_blockwise(qa.data, qa.scale_inv, qb.data, qb.scale_inv, out_dtype)
+    assert_bitwise_equal(got, expected)

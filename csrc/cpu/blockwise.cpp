@@ -100,7 +100,9 @@ at::Tensor fp8_gemm_blockwise_cpu(const at::Tensor& a, const at::Tensor& a_scale
                                   at::ScalarType out_dtype, const c10::optional<at::Tensor>& bias) {
   const BlockwiseGemmModes modes =
       check_gemm_blockwise_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias);
-  // Dequantise, multiply in float32, add the bias, round once to out_dtype.
+  // Dequantise, multiply in float32 (whatever the caller's torch.autocast: see gemm.cpp), add
+  // the bias, round once to out_dtype.
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   at::Tensor out = at::matmul(dequantize_operand(a, a_scale_inv, modes.a),
                               dequantize_operand(b, b_scale_inv, modes.b).t());
   if (bias.has_value()) out.add_(bias->to(at::kFloat));

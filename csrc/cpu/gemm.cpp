@@ -13,6 +13,9 @@ at::Tensor fp8_gemm_cpu(const at::Tensor& a, const at::Tensor& a_scale_inv, cons
                         const c10::optional<at::Tensor>& bias, bool use_fast_accum) {
   (void)use_fast_accum;  // CPU always accumulates in float32
   check_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias);
+  // Float32 math whatever the caller's torch.autocast (which at::matmul would otherwise obey
+  // here: the custom operator has no autocast kernel, so the mode reaches its kernel).
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   // The product of the FP8 values first, then the product of the two scales, as cuBLASLt
   // applies them: dequantising each operand first would overflow (or underflow) where the
   // product is finite (a_scale_inv = 1e36 with b_scale_inv = 1e-36).

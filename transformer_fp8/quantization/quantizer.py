@@ -143,8 +143,12 @@ class TensorQuantizer(Quantizer):
 
     def for_replay(self, used: Quantized) -> "TensorQuantizer":
         # The scale is copied: the delayed update changes it at the context's exit, before the
-        # recomputation runs (scale_inv is already a copy, see _known_scale).
-        return TensorQuantizer.replay(self.dtype, used.scale.clone(), used.scale_inv)
+        # recomputation runs (scale_inv is already a copy, see _known_scale). The replay casts
+        # as the original did: a current-scaling cast was not fused with the norm or the
+        # activation (it cast their output rounded to its dtype), so neither is its replay.
+        replay = TensorQuantizer.replay(self.dtype, used.scale.clone(), used.scale_inv)
+        replay.fuses_cast = self.fuses_cast
+        return replay
 
     def block_dims(self, cols: int) -> tuple:
         return 0, 0
