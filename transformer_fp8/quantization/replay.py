@@ -69,6 +69,8 @@ class ReplayRecords:
         return len(self.records)
 
     def keep(self, pass_id: int, record) -> None:
+        if not torch.is_grad_enabled() and not _region_may_be_recomputed():
+            return
         _KEPT_ANY[0] = True
         if len(self.records) >= MAX_RECORDS_PER_LAYER:
             del self.records[0]  # a forward whose backward never ran
@@ -82,6 +84,22 @@ class ReplayRecords:
 
     def clear(self) -> None:
         self.records.clear()
+
+
+def _region_may_be_recomputed() -> bool:
+    """Under no_grad in a checkpointed region's original forward: whether a backward may still
+    recompute the region. Not a non-reentrant region (it runs in the caller's grad mode: no
+    gradients, no backward); a reentrant one (whose forward always runs under no_grad) only
+    if one of its inputs requires gradients (else torch runs no backward through it)."""
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        if frame.f_code.co_filename == _CHECKPOINT_FILE and frame.f_code.co_name == "forward":
+            return any(isinstance(arg, torch.Tensor) and arg.requires_grad
+                       for arg in frame.f_locals.get("args", ()))
+        frame = frame.f_back
+    return False  # (no reentrant region's forward on the stack: a non-reentrant one)
 
 
 # Whether any FP8 forward has kept a replay record in this process: until one has, no FP8 layer
