@@ -319,3 +319,26 @@ def test_an_amax_slot_inside_an_argument_is_refused(gen, device):
                                              "negated or conjugated view"):
             call(negated)
         call(scalar(0.0, device))  # a slot of its own is taken
+
+
+@pytest.mark.parametrize("layout", ["transposed_history", "strided_scale", "expanded_history"])
+def test_callable_update_refuses_what_the_operator_refuses(gen, layout):
+    """A recipe callable runs the update in Python: its checks are the C++ operator's (each
+    tensor is rewritten in place, so each must be contiguous), with the argument named, and
+    nothing changes (a transposed history or a strided scale was accepted, an expanded
+    history failed inside torch)."""
+    history = rand_positive(gen, 4, 3)
+    scale, scale_inv = rand_positive(gen, 3), rand_positive(gen, 3)
+    if layout == "transposed_history":
+        history, name = rand_positive(gen, 3, 4).t(), "amax_histories"
+    elif layout == "strided_scale":
+        scale, name = rand_positive(gen, 6)[::2], "scales"
+    else:
+        history, name = rand_positive(gen, 1, 3).expand(4, 3), "amax_histories"
+    before = [t.clone() for t in (history, scale, scale_inv)]
+    for algo in ("max", lambda h: h.amax(0)):
+        with pytest.raises((ValueError, RuntimeError), match=rf"{name}\[0\]'? must be a "
+                                                             "contiguous float32 tensor"):
+            ops.update_delayed_scaling([history], [scale], [scale_inv], [448.0], 0, algo)
+    for t, b in zip((history, scale, scale_inv), before):
+        assert_bitwise_equal(t, b)

@@ -85,13 +85,16 @@ def check_delayed_scaling_lists(histories: Sequence[torch.Tensor], scales: Seque
         if not (math.isfinite(fp8_max) and fp8_max > 0):
             raise ValueError(f"fp8_maxes[{i}] must be finite and positive, got {fp8_max}")
     for i, (h, s, si) in enumerate(zip(histories, scales, scale_invs)):
-        if h.dim() != 2 or h.shape[0] < 1 or h.dtype != torch.float32:
-            raise ValueError(f"amax_histories[{i}] must be a float32 tensor of shape [L >= 1, n], "
-                             f"got {h.dtype} of shape {tuple(h.shape)}")
+        # (Contiguous, as the C++ operator requires: each is rewritten in place.)
+        if h.dim() != 2 or h.shape[0] < 1 or h.dtype != torch.float32 or not h.is_contiguous():
+            raise ValueError(f"amax_histories[{i}] must be a contiguous float32 tensor of shape "
+                             f"[L >= 1, n], got {h.dtype} of shape {tuple(h.shape)} and strides "
+                             f"{tuple(h.stride())}")
         for name, t in (("scales", s), ("scale_invs", si)):
-            if t.shape != (h.shape[1],) or t.dtype != torch.float32:
-                raise ValueError(f"{name}[{i}] must be a float32 tensor of shape "
-                                 f"[{h.shape[1]}], got {t.dtype} of shape {tuple(t.shape)}")
+            if t.shape != (h.shape[1],) or t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"{name}[{i}] must be a contiguous float32 tensor of shape "
+                                 f"[{h.shape[1]}], got {t.dtype} of shape {tuple(t.shape)} and "
+                                 f"strides {tuple(t.stride())}")
         if not h.device == s.device == si.device == device:
             raise ValueError(f"every tensor must be on {device}; at index {i} got "
                              f"{h.device}, {s.device}, {si.device}")
