@@ -7,11 +7,12 @@ the same gradients as a run without checkpointing, the recomputation must repeat
 forward's FP8 casts exactly (same scales, same recipe) and record no amax a second time.
 
 So an FP8 layer whose forward runs under torch.utils.checkpoint keeps a replay record (the
-scales it used, its backward plan), and when the same layer runs inside a recomputation it
-takes a record and replays it: one of the oldest forward pass that has records left (forward
-passes are backpropagated in order, as in gradient accumulation and pipelines), and within that
-pass the latest (checkpointed regions are recomputed last first, which matters for a layer
-called more than once in a forward pass). The phases are told apart by the frames of
+scales it used, its backward plan, the checkpointed region it ran in), and when the same layer
+runs inside a recomputation it takes a record and replays it: the first one its region kept
+(a region is recomputed in the order it first ran, which matters for a layer called more than
+once in it). Where the region cannot be told, one of the oldest forward pass that has records
+left (forward passes are backpropagated in order, as in gradient accumulation and pipelines),
+and within that pass the latest (regions are recomputed last first). The phases are told apart by the frames of
 torch/utils/checkpoint.py on the call stack: `CheckpointFunction.backward` (reentrant) and
 `recompute_fn` (non-reentrant) recompute; any other of its frames is an original forward.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import enum
 import functools
 import sys
+import weakref
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
@@ -56,8 +58,40 @@ def phase() -> Phase:
     return Phase.ORIGINAL if seen_checkpoint else Phase.NONE
 
 
+def _region() -> object:
+    """The checkpointed region the caller runs in, the same object in its original forward and
+    in its recomputation (None where it cannot be told): a reentrant region's autograd context
+    (``ctx`` of CheckpointFunction.forward / backward), a non-reentrant region's frame object
+    (``new_frame`` of the generator that checkpoint() runs it with, ``frame`` of the unpack
+    hook that recomputes it)."""
+    names = {"forward": "ctx", "backward": "ctx", "unpack_hook": "frame"}
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_filename == _CHECKPOINT_FILE:
+            if code.co_name in names:
+                return frame.f_locals.get(names[code.co_name])
+            generator = frame.f_locals.get("gen")  # checkpoint(): the non-reentrant generator
+            if code.co_name == "checkpoint" and getattr(generator, "gi_frame", None) is not None:
+                return generator.gi_frame.f_locals.get("new_frame")
+        frame = frame.f_back
+    return None
+
+
+def _weak(region) -> object:
+    """A weak reference to the region where one can be made (a record must not keep a
+    reentrant region's saved inputs alive), else the region."""
+    try:
+        return weakref.ref(region)
+    except TypeError:
+        return region
+
+
 class ReplayRecords:
-    """One layer's replay records: (forward pass id, record) in the order they were kept."""
+    """One layer's replay records: (forward pass id, region, record) in the order they were
+    kept (region: a weak reference to the checkpointed region, see _region)."""
 
     def __init__(self):
         self.records: list = []
@@ -74,13 +108,21 @@ class ReplayRecords:
         _KEPT_ANY[0] = True
         if len(self.records) >= MAX_RECORDS_PER_LAYER:
             del self.records[0]  # a forward whose backward never ran
-        self.records.append((pass_id, record))
+        region = _region()
+        self.records.append((pass_id, None if region is None else _weak(region), record))
 
     def take(self):
         """The record a recomputation replays (see the module docstring)."""
-        oldest = min(pass_id for pass_id, _ in self.records)
-        index = max(i for i, (pass_id, _) in enumerate(self.records) if pass_id == oldest)
-        return self.records.pop(index)[1]
+        region = _region()
+        if region is not None:
+            for i, (_, kept, record) in enumerate(self.records):
+                if kept is not None and (kept() if isinstance(kept, weakref.ref)
+                                         else kept) is region:
+                    del self.records[i]
+                    return record
+        oldest = min(pass_id for pass_id, _, _ in self.records)
+        index = max(i for i, (pass_id, _, _) in enumerate(self.records) if pass_id == oldest)
+        return self.records.pop(index)[2]
 
     def clear(self) -> None:
         self.records.clear()
