@@ -25,12 +25,13 @@ COLLECTIVE_TIMEOUT_S = 60
 DEFAULT_TIMEOUT_S = 180
 
 
-def _rank_main(worker, rank: int, world: int, out_dir: str, args: tuple) -> None:
+def _rank_main(worker, rank: int, world: int, out_dir: str, args: tuple,
+               attempt: int = 0) -> None:
     error_file = Path(out_dir) / f"rank{rank}.error"
     code = 0
     try:
-        dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg_init", rank=rank,
-                                world_size=world,
+        dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg_init{attempt}",
+                                rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         try:
             worker(rank, *args)
@@ -46,14 +47,35 @@ def _rank_main(worker, rank: int, world: int, out_dir: str, args: tuple) -> None
     os._exit(code)
 
 
+# Gloo failing to connect its ranks over loopback (seen in a CI run, in the mutation check's
+# first run): the processes never reached the test's code, so the run is made again, once.
+_CONNECTION_FAILURES = ("connectFullMesh failed", "Connection closed by peer",
+                        "Connection reset by peer")
+
+
 def run_ranks(worker, args: tuple, out_dir, world: int = WORLD,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Run ``worker(rank, *args)`` on ``world`` processes; fail the calling test if a rank
     raised, died, or had not finished after ``timeout_s`` seconds (then every rank is killed).
-    ``worker`` must be a module-level function (the processes are spawned)."""
-    out_dir = str(out_dir)
+    ``worker`` must be a module-level function (the processes are spawned). A run whose ranks
+    failed to connect (gloo's connection setup) is made again, once."""
+    for attempt in range(2):
+        hung, errors = _run_once(worker, args, str(out_dir), world, timeout_s, attempt)
+        connection_failed = not hung and any(failure in error for error in errors
+                                             for failure in _CONNECTION_FAILURES)
+        if not connection_failed:
+            break
+        for rank in range(world):
+            (Path(out_dir) / f"rank{rank}.error").unlink(missing_ok=True)
+    if errors:
+        pytest.fail("\n".join(errors), pytrace=False)
+
+
+def _run_once(worker, args: tuple, out_dir: str, world: int, timeout_s: float,
+              attempt: int) -> tuple:
+    """One run of every rank: (the ranks that hung, the error messages)."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(worker, rank, world, out_dir, args))
+    procs = [ctx.Process(target=_rank_main, args=(worker, rank, world, out_dir, args, attempt))
              for rank in range(world)]
     for p in procs:
         p.start()
@@ -75,6 +97,4 @@ def run_ranks(worker, args: tuple, out_dir, world: int = WORLD,
     if hung:
         errors.insert(0, f"ranks {hung} of {world} had not finished after {timeout_s:.0f} s "
                          "(a hang in a collective or in the process group's teardown): killed")
-    if errors:
-        pytest.fail("\n".join(errors), pytrace=False)
-
+    return hung, errors
