@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from .. import _C  # noqa: F401  (loads the library and registers the operators)
-from .checks import register_fake
+from .checks import check_wrapper_arguments, register_fake
 
 _ops = torch.ops.transformer_fp8
 
@@ -52,13 +52,13 @@ def layernorm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float,
 
 
 def _amax_slot(op: str, amax: Optional[Tensor]) -> Optional[Tensor]:
-    """amax as the kernels take it. A lazily negated (or conjugated) view is refused here: the
+    """amax as the kernels take it, checked by check_wrapper_arguments where a cheap test fails
+    (as the cast wrappers do): a lazily negated view must be refused here, since the
     dispatcher's fallback for such views fails on a mutated argument before the kernel's own
     check runs. (Eager only: torch.compile cannot trace is_neg.)"""
-    if isinstance(amax, Tensor) and not torch.compiler.is_compiling() and \
-            (amax.is_neg() or amax.is_conj()):
-        raise ValueError(f"{op}: argument 'amax' is written in place and must not be a negated "
-                         "or conjugated view; pass amax.resolve_neg()")
+    if amax is not None and (not isinstance(amax, Tensor) or (
+            not torch.compiler.is_compiling() and (amax.is_neg() or amax.is_conj()))):
+        check_wrapper_arguments(op, tensors={"amax": amax})
     return amax
 
 
