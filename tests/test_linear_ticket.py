@@ -49,12 +49,14 @@ def one_step(layer, x, g, recipe, checkpoint=None, autocast_bf16=False, **forwar
     return out.detach(), x.grad, params, node
 
 
+# The changes draw on the CPU generator and move the tensors to the layer's device.
 def _new_weight(layer, gen):
-    layer.weight = torch.nn.Parameter(randn(gen, *layer.weight.shape, scale=3.0))
+    layer.weight = torch.nn.Parameter(
+        randn(gen, *layer.weight.shape, scale=3.0).to(layer.weight.device))
 
 
 def _weight_data(layer, gen):
-    layer.weight.data = randn(gen, *layer.weight.shape, scale=0.5)  # same Parameter
+    layer.weight.data = randn(gen, *layer.weight.shape, scale=0.5).to(layer.weight.device)
 
 
 def _bias_removed(layer, gen):
@@ -62,11 +64,13 @@ def _bias_removed(layer, gen):
 
 
 def _parameters_dict_write(layer, gen):  # behind the module's __setattr__, as FSDP2 does
-    layer._parameters["weight"] = torch.nn.Parameter(randn(gen, *layer.weight.shape))
+    layer._parameters["weight"] = torch.nn.Parameter(
+        randn(gen, *layer.weight.shape).to(layer.weight.device))
 
 
 def _bias_in_parameters_dict(layer, gen):
-    layer._parameters["bias"] = torch.nn.Parameter(randn(gen, *layer.bias.shape))
+    layer._parameters["bias"] = torch.nn.Parameter(
+        randn(gen, *layer.bias.shape).to(layer.bias.device))
 
 
 def _bias_removed_from_parameters_dict(layer, gen):
