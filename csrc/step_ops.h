@@ -421,26 +421,39 @@ struct BackwardOnce {
 // backward pass it runs, where this one calls backward_step.hold_for_compiled_autograd()
 // instead (the update then runs at the next outermost fp8_autocast, as after any compiled
 // backward).
+//
+// The hook holds the BackwardStep itself (made with the GIL held): the node's backward must
+// find it. Nothing else may: an isolated fp8_autocast's steps (a graphed callable's) are dropped
+// when the context exits, before the backward pass, and a weak reference then found None (the
+// grad_output histories of LayerNormLinear and LayerNormMLP were never updated in CUDA graphs).
 class CallOnBackward : public torch::autograd::FunctionPreHook {
  public:
-  explicit CallOnBackward(std::shared_ptr<BackwardOnce> once) : once_(std::move(once)) {}
+  explicit CallOnBackward(std::shared_ptr<BackwardOnce> once)
+      : once_(std::move(once)), step_(once_->backward_step()) {}
+  ~CallOnBackward() override {
+    if (!Py_IsInitialized()) {  // (the interpreter has gone: nothing left to release)
+      step_.release();
+      return;
+    }
+    pybind11::gil_scoped_acquire gil;  // (a node may die on an autograd thread)
+    step_ = pybind11::object();
+  }
   variable_list operator()(const variable_list& grads) override {
     const int task = torch::autograd::get_current_graph_task_id();
     if (once_->task.exchange(task) != task) {
       pybind11::gil_scoped_acquire gil;
-      pybind11::object step = once_->backward_step();
-      if (!step.is_none()) step.attr("on_backward")();
+      if (!step_.is_none()) step_.attr("on_backward")();
     }
     return grads;
   }
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
     pybind11::gil_scoped_acquire gil;
-    pybind11::object step = once_->backward_step();
-    if (!step.is_none()) step.attr("hold_for_compiled_autograd")();
+    if (!step_.is_none()) step_.attr("hold_for_compiled_autograd")();
   }
 
  private:
   std::shared_ptr<BackwardOnce> once_;
+  pybind11::object step_;  // the BackwardStep (None if it had gone)
 };
 
 // out, with backward_step's on_backward attached to its node (None: nothing attached).

@@ -13,6 +13,7 @@ from integration_compare import STEP_SCALES, assert_bit_identical, record_step
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
+from transformer_fp8.quantization.autocast import isolated_fp8_autocast
 
 RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
 RECIPE_IDS = ["delayed", "current"]
@@ -370,3 +371,42 @@ def test_two_graphs_replayed_at_once_on_two_streams_match_eager(gen):
         for name, got, want in zip(("per-tensor graph", "block-scaled graph"), outputs, expected):
             assert torch.equal(got, want), name
         assert torch.equal(eager_out[0], expected_eager), "eager GEMM beside the replays"
+
+
+ISOLATED_MODULES = {
+    "Linear": lambda recipe: tfp8.Linear(64, 64, recipe=recipe),
+    "LayerNormLinear": lambda recipe: tfp8.LayerNormLinear(64, 64, normalization="RMSNorm",
+                                                           recipe=recipe),
+    "LayerNormMLP": lambda recipe: tfp8.LayerNormMLP(64, 128, activation="swiglu",
+                                                     recipe=recipe),
+    "both": lambda recipe: torch.nn.Sequential(
+        tfp8.LayerNormLinear(64, 64, normalization="RMSNorm", recipe=recipe),
+        tfp8.LayerNormMLP(64, 128, activation="swiglu", recipe=recipe)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("module", list(ISOLATED_MODULES))
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_isolated_context_steps_like_fp8_autocast(recipe, module, device):
+    """What make_graphed_callables captures, run eagerly: the forward inside
+    isolated_fp8_autocast, the backward after the context has exited (as torch's capture and
+    replays run them) give fp8_autocast's steps bit for bit, grad_output histories included.
+    (The C++ steps' backward hook held the isolated context's BackwardStep weakly: it was gone
+    by the backward, and LayerNormLinear's and LayerNormMLP's grad_output update never ran;
+    the graphed test on the H100 found it.)"""
+    torch.manual_seed(0)
+    model = ISOLATED_MODULES[module](recipe).to(device)
+    reference = copy.deepcopy(model)
+    got, expected = [], []
+    for x, g in step_inputs(5, 4, device):
+        x_g, x_r = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        with isolated_fp8_autocast(True, recipe, None):
+            out = model(x_g)
+        out.backward(g)
+        ref_out = step(reference, x_r, g, recipe)
+        got.append(record_step(out, model, {"input": x_g}))
+        expected.append(record_step(ref_out, reference, {"input": x_r}))
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+    assert_bit_identical(got, expected)
