@@ -55,16 +55,20 @@ __device__ __forceinline__ uint32_t bits_of(__nv_bfloat16 v) { return __bfloat16
 // Stores a pack at p (aligned to the pack's size) with one access of the pack's size, the word
 // built from the elements' bits. A plain assignment of the pack (or of a uint2 / uint4 built
 // from it: CUDA's vector types are structs, stored member by member) compiled to 16- or 32-bit
-// stores here (st.global.v2.u16 / st.global.u32 in the PTX); a 64-bit integer is stored whole,
-// and 16 bytes go through st.global.v4.b32.
+// stores here (st.global.v2.u16 / st.global.u32 in the PTX); 8 and 16 bytes go through
+// st.global.v2.b32 / st.global.v4.b32.
 template <typename T, int kVec>
 __device__ __forceinline__ void store_vec(T* p, const VecOf<T, kVec>& pack) {
   if constexpr (kVec == 1) {
     *p = pack.v[0];
   } else if constexpr (sizeof(T) == 2 && kVec == 4) {
-    const uint64_t lo = bits_of(pack.v[0]) | (bits_of(pack.v[1]) << 16);
-    const uint64_t hi = bits_of(pack.v[2]) | (bits_of(pack.v[3]) << 16);
-    *reinterpret_cast<uint64_t*>(p) = lo | (hi << 32);
+    // Two 32-bit words in one 8-byte store, named to the assembler. Built as one 64-bit
+    // integer instead, ptxas (CUDA 13.0, sm_90) lost the high word of one row of the fp16
+    // reglu backward: it stored a register holding another value (seen in the SASS and on the
+    // H100: test_activation_fwd_bwd_hp[...-float16-reglu-cuda]).
+    const uint32_t lo = bits_of(pack.v[0]) | (bits_of(pack.v[1]) << 16);
+    const uint32_t hi = bits_of(pack.v[2]) | (bits_of(pack.v[3]) << 16);
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(lo), "r"(hi) : "memory");
   } else if constexpr (sizeof(T) == 4 && kVec == 4) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(bits_of(pack.v[0])),
                  "r"(bits_of(pack.v[1])), "r"(bits_of(pack.v[2])), "r"(bits_of(pack.v[3]))
