@@ -355,3 +355,80 @@ def test_a_new_history_length_keeps_the_recorded_amaxes(old_len, new_len, gen):
         if new_len <= old_len:  # shortened: the same windows, so the same scales
             for name in ("fp8_fwd_scale", "fp8_bwd_scale"):
                 assert torch.equal(getattr(layer, name), getattr(always, name)), (i, name)
+
+
+# ------------------------------------------------------------- torch.func transforms: refused
+
+FUNC_TRANSFORMS = {
+    "grad": lambda f, x: torch.func.grad(lambda t: f(t).square().sum())(x),
+    "vmap": lambda f, x: torch.func.vmap(f)(x),
+}
+
+
+def _func_layer(module):
+    torch.manual_seed(0)
+    if module == "Linear":
+        return tfp8.Linear(32, 48)
+    return tfp8.LayerNormMLP(32, 64)
+
+
+def _train_steps(layer, recipe, steps=3):
+    records = []
+    for step in range(steps):
+        x = (torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step))
+             * 4.0 ** step).requires_grad_(True)
+        with fp8_autocast(fp8_recipe=recipe):
+            out = layer(x)
+        out.square().sum().backward()
+        records.append([out.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
+                       + [b.clone() for b in layer.buffers()])
+        layer.zero_grad(set_to_none=True)
+    return records
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+@pytest.mark.parametrize("context", ["inside", "outside"])
+@pytest.mark.parametrize("transform", list(FUNC_TRANSFORMS))
+@pytest.mark.parametrize("module", ["Linear", "LayerNormMLP"])
+def test_torch_func_transforms_are_refused_and_leave_the_state_alone(module, transform,
+                                                                      context, warm):
+    """An FP8 forward under torch.func.grad / vmap raises, the layer's state is as before, and
+    training goes on as if the call had not been made. (A fresh layer's amax history was
+    resized inside the transform before functorch refused an in-place write: the buffer kept
+    a dead functorch wrapper and the next step crashed with a segmentation fault.)"""
+    recipe = DelayedScaling(amax_history_len=4)  # (the fresh layer's history is resized)
+    layer = _func_layer(module)
+    reference = _func_layer(module)
+    if warm:
+        _train_steps(layer, recipe, 1)
+        _train_steps(reference, recipe, 1)
+    def snapshot():
+        return {k: v.clone() for k, v in layer.state_dict().items() if torch.is_tensor(v)}
+
+    def forward(t):
+        if context == "inside":
+            with fp8_autocast(fp8_recipe=recipe):
+                return layer(t)
+        return layer(t)
+
+    x = torch.randn(2, 8, 32)
+    # Where the context is entered inside the transform, or a fresh layer first meets its
+    # recipe there, the refusal is transformer_fp8's; a warm layer under a context entered
+    # outside gets torch.func's own refusal of its in-place FP8 operators.
+    message = "torch.func transform" if context == "inside" or not warm else None
+    if context == "outside":
+        with fp8_autocast(fp8_recipe=recipe):  # (its entry gives a fresh layer the recipe)
+            before = snapshot()
+            with pytest.raises(RuntimeError, match=message):
+                FUNC_TRANSFORMS[transform](forward, x)
+    else:
+        before = snapshot()
+        with pytest.raises(RuntimeError, match=message):
+            FUNC_TRANSFORMS[transform](forward, x)
+    after = snapshot()
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    for got, expected in zip(_train_steps(layer, recipe), _train_steps(reference, recipe)):
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e)

@@ -27,6 +27,7 @@ from .backward_step import (_HELD_BACKWARD_STEPS, _PENDING_BACKWARD_STEPS,
                             has_pending_backward_updates, hold_for_compiled_backward)
 from .recipe import RECIPE_TYPES, DelayedScaling, Recipe
 from .scaling_state import ScalingState
+from .transforms import refuse_functorch_transform
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,8 @@ class fp8_autocast(contextlib.ContextDecorator):
 
     def __enter__(self) -> None:
         state, delayed = self._state, self._delayed
+        if state.enabled and not _is_compiling():
+            refuse_functorch_transform("fp8_autocast(enabled=True) entered")
         # (The module-level containers read directly: entered on every step, these checks
         # cost less than the calls that would make them.)
         if delayed and _AWAITING_RECIPE.data and not _is_compiling():

@@ -25,6 +25,7 @@ from . import amax_step, backward_step
 from . import replay as checkpointing
 from . import scaling_state
 from .scaling_state import ScalingState
+from .transforms import refuse_functorch_transform
 from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
 from .state_validation import fp8_state_error
 
@@ -238,6 +239,8 @@ class Fp8State:
             return  # the same recipe object as last time, and nothing reset the record since
         code = recipe_code(recipe)
         compiling = torch.compiler.is_compiling()
+        if not compiling:  # (before anything is written)
+            refuse_functorch_transform(f"{type(self).__name__}'s FP8 state set up for a recipe")
         restored = None
         if self._saved_recipe_code is not None and not compiling:
             if running:
