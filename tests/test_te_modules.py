@@ -594,3 +594,68 @@ def test_layernorm_linear_return_bias_and_norm_output_values(gen):
                    m.layer_norm_bias.detach())
     (F.linear(ln2, m.weight.detach()).sum() + ln2.square().sum()).backward()
     assert sqnr(x_ref.grad, x.grad) >= 19
+
+
+# ------------------------------------------------- the norm's options set on a built module
+
+NORM_OPTION_CHANGES = {"eps": dict(eps=0.5), "zero_centered_gamma": dict(zero_centered_gamma=True),
+                       "both": dict(eps=0.25, zero_centered_gamma=True)}
+
+
+def _norm_module(kind, **options):
+    torch.manual_seed(0)
+    if kind == "LayerNormLinear":
+        return tfp8.LayerNormLinear(32, 48, **options)
+    return tfp8.LayerNormMLP(32, 64, **options)
+
+
+def _norm_module_steps(layer, recipe, checkpointed):
+    records = []
+    for step in range(3):
+        x = (torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step))
+             * 3.0 ** step).requires_grad_(True)
+
+        def forward(t):
+            with fp8_autocast(fp8_recipe=recipe):
+                return layer(t)
+
+        out = (torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
+               if checkpointed else forward(x))
+        out.square().sum().backward()
+        records.append([out.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
+                       + [b.clone() for b in layer.buffers()])
+        layer.zero_grad(set_to_none=True)
+    return records
+
+
+@pytest.mark.usefixtures("every_step_path")
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("change", list(NORM_OPTION_CHANGES))
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
+def test_norm_options_set_on_a_built_module_act_as_constructor_arguments(kind, change, recipe,
+                                                                          checkpointed):
+    """layer.eps = ... (or zero_centered_gamma) after construction: every step, on either path
+    and under activation checkpointing, bit for bit a module built with that value (same
+    parameters). (The Python path, and so the recomputation of a checkpointed region, kept the
+    constructor's values while the C++ steps read the new ones: outputs 14 dB apart.)"""
+    options = NORM_OPTION_CHANGES[change]
+    changed = _norm_module(kind)
+    for name, value in options.items():
+        setattr(changed, name, value)
+    built = _norm_module(kind, **options)
+    built.load_state_dict(changed.state_dict())
+    for got, expected in zip(_norm_module_steps(changed, recipe, checkpointed),
+                             _norm_module_steps(built, recipe, checkpointed)):
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("name, value", [("eps", -1.0), ("eps", float("nan")),
+                                         ("normalization", "BatchNorm")])
+def test_norm_options_set_on_a_built_module_are_checked(name, value):
+    layer = _norm_module("LayerNormLinear")
+    with pytest.raises(ValueError, match=name):
+        setattr(layer, name, value)
+    assert layer.eps == 1e-5 and layer.normalization == "LayerNorm"

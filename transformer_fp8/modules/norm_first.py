@@ -23,12 +23,28 @@ from .te_module import TeModuleMixin
 # (Re-exported: other modules import them from here.)
 check_unsupported = check_te_options
 
+# The norm's options, checked as the constructor checks them when set on a built module.
+_NORM_OPTIONS = {"normalization": check_normalization, "eps": check_eps,
+                 "zero_centered_gamma": bool}
+
 
 class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
     """Base of the modules that normalise their input and then run FP8 GEMMs. Subclasses set
     ``_gemm_dims()`` (the (out, in) features of each GEMM), ``fp8_weights()``,
     ``_high_precision(inp, linear=F.linear)`` (the torch composition, its GEMMs done by
     ``linear``) and ``_fp8_apply(inp, plans)``."""
+
+    def __setattr__(self, name, value):
+        check = _NORM_OPTIONS.get(name)
+        if check is not None and "_norm_step" in self.__dict__:
+            # The Python path's norm runs from _norm_step, the C++ steps and the
+            # high-precision form from the attributes: a change after construction (layer.eps
+            # = ...) reaches all of them (the Python path kept the constructor's values).
+            super().__setattr__(name, check(value))
+            super().__setattr__("_norm_step", NormStep(self.normalization, self.eps,
+                                                       self.zero_centered_gamma))
+            return
+        super().__setattr__(name, value)
 
     def _init_options(self, te_options: dict, dtype, params_dtype, return_bias,
                       return_layernorm_output, init_method, fuse_wgrad_accumulation=False,
