@@ -13,6 +13,7 @@ from integration_compare import STEP_SCALES, assert_bit_identical, record_step
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
+from transformer_fp8.integrations import cuda_graphs
 from transformer_fp8.quantization.autocast import isolated_fp8_autocast
 
 RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
@@ -409,4 +410,65 @@ def test_isolated_context_steps_like_fp8_autocast(recipe, module, device):
         expected.append(record_step(ref_out, reference, {"input": x_r}))
         for m in (model, reference):
             m.zero_grad(set_to_none=True)
+    assert_bit_identical(got, expected)
+
+
+def _regraph_block(recipe, device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(tfp8.Linear(64, 64, recipe=recipe), torch.nn.GELU(),
+                               tfp8.Linear(64, 64, recipe=recipe)).to(device)
+
+
+def test_graphing_again_wraps_the_modules_own_forward():
+    """make_graphed_callables' own steps around the capture (on the CPU, torch's replay left
+    out): after a first graphing, a second one wraps the module's forward, not the first
+    graphed forward (which then refused the replaced state it was meant to recover from)."""
+    recipe = DelayedScaling(amax_history_len=4)
+    block = _regraph_block(recipe, "cpu")
+    x = torch.randn(32, 64)
+
+    def graph(module):  # make_graphed_callables, its capture left out
+        wrapper = cuda_graphs._Fp8Callable(module, True, recipe, None)
+        wrapper(x)
+        module.forward = cuda_graphs._graphed_forward(
+            module, wrapper, cuda_graphs._state_pointers(cuda_graphs._fp8_layers(module)))
+        return wrapper
+
+    graph(block)
+    block.load_state_dict(_regraph_block(DelayedScaling(amax_history_len=8), "cpu").state_dict())
+    with pytest.raises(RuntimeError, match="Graph the module again"):
+        block(x)
+    for layer in cuda_graphs._fp8_layers(block):
+        layer.prepare_fp8_recipe(recipe)
+    wrapper = graph(block)
+    assert wrapper._module_forward.__func__ is torch.nn.Sequential.forward
+    block(x)  # the new pointers
+
+
+@CUDA_SKIP
+def test_a_module_graphed_again_replays_its_new_graphs():
+    """Graphed, then given a state of another history length (its graphed forward refuses),
+    graphed again: replays like eager steps, bit for bit."""
+    recipe = DelayedScaling(amax_history_len=4)
+    block = _regraph_block(recipe, "cuda")
+    sample = (torch.randn(32, 64, device="cuda", requires_grad=True),)
+    tfp8.make_graphed_callables(block, sample, fp8_enabled=True, fp8_recipe=recipe)
+    loaded = _regraph_block(DelayedScaling(amax_history_len=8), "cuda").state_dict()
+    block.load_state_dict(loaded)
+    with pytest.raises(RuntimeError, match="Graph the module again"):
+        block(sample[0])
+    reference = _regraph_block(recipe, "cuda")
+    reference.load_state_dict(loaded)
+    tfp8.make_graphed_callables(block, sample, fp8_enabled=True, fp8_recipe=recipe)
+    got, expected = [], []
+    for x, g in step_inputs(6, 4, "cuda"):
+        for model in (block, reference):
+            model.zero_grad(set_to_none=True)
+        x_g, x_r = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        out = block(x_g)
+        out.backward(g)
+        ref_out = step(reference, x_r, g, recipe)
+        torch.cuda.synchronize()
+        got.append(record_step(out, block, {"input": x_g}))
+        expected.append(record_step(ref_out, reference, {"input": x_r}))
     assert_bit_identical(got, expected)

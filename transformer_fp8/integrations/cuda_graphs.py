@@ -36,7 +36,10 @@ class _Fp8Callable(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, enabled: bool, recipe: Recipe, group):
         super().__init__()
         self.module = module
-        self._module_forward = module.forward  # before torch (or we) replace module.forward
+        # The module's own forward: before torch (or we) replace module.forward, and for a
+        # module graphed before, the forward that graphing replaced (not the old graphs).
+        forward = module.forward
+        self._module_forward = getattr(forward, "_tfp8_ungraphed_forward", forward)
         self._autocast_args = (enabled, recipe, group)
         # The module's mode, on the wrapper alone: train() would recurse and overwrite the
         # modes the user gave submodules (a frozen BatchNorm, a dropout switched off).
@@ -148,7 +151,8 @@ def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable, pointers: l
 
     def forward(*args):
         # The graphs hold the addresses of the FP8 state: a module moved (.to()) or given a
-        # state of another shape (load_state_dict, another history length) must not replay.
+        # state of another shape (load_state_dict, another history length) must not replay
+        # (graphed again, it replays new graphs: _Fp8Callable takes the ungraphed forward).
         if _state_pointers(layers) != pointers:
             raise RuntimeError(
                 f"{type(module).__name__}: its FP8 state tensors were replaced after "
@@ -158,6 +162,7 @@ def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable, pointers: l
         wrapper.training = module.training  # the mode the caller set on the module
         return replay_or_eager(*args)
 
+    forward._tfp8_ungraphed_forward = wrapper._module_forward
     return forward
 
 
