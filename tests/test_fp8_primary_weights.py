@@ -255,3 +255,50 @@ def test_state_dict_holds_plain_tensors():
     assert_bitwise_equal(state["weight"], fp8.weight.dequantize())
     assert_bitwise_equal(state["weight" + SCALE_INV_SUFFIX], fp8.weight.fp8_scale_inv)
     assert fp8.state_dict(keep_vars=True)["weight"] is fp8.weight
+
+
+WRITES = {
+    "optimizer_step": lambda m, w: torch.optim.SGD(m.parameters(), lr=0.5).step(),
+    "copy_": lambda m, w: w.copy_(torch.randn(w.shape) * 3),
+    "data": lambda m, w: setattr(w, "data", torch.randn(w.shape)),
+    "load_state_dict": lambda m, w: m.load_state_dict(
+        {k: (v * 2 if k == "weight" else v) for k, v in m.state_dict().items()}),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_writes_keep_the_fp8_tensors_addresses(recipe, write):
+    """A write (optimizer step, copy_, .data =, load_state_dict) goes into the weight's FP8
+    data, scale and scale_inv in place: a captured CUDA graph reads them at the addresses it
+    was captured with (each write replaced them, and replays read freed memory). A backward
+    after a write still uses the weight its forward cast (dgrad from the forward's operand),
+    bit for bit a run without the write."""
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        with tfp8.quantized_model_init(recipe=recipe):
+            layers.append(tfp8.Linear(32, 48))
+    written, untouched = layers
+    weight = written.weight
+
+    def tensors():
+        return (weight.fp8_data, weight._fp8.scale, weight.fp8_scale_inv)
+
+    before = [t.data_ptr() for t in tensors()]
+    x = torch.randn(16, 32)
+    grads = []
+    for layer, do_write in ((written, True), (untouched, False)):
+        xx = x.clone().requires_grad_(True)
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            out = layer(xx)
+        if do_write:
+            if write == "optimizer_step":
+                weight.grad = torch.ones_like(weight.dequantize())
+            with torch.no_grad():
+                WRITES[write](layer, layer.weight)
+        out.sum().backward()
+        grads.append(xx.grad)
+    assert [t.data_ptr() for t in tensors()] == before
+    assert not torch.equal(written.weight.dequantize(), untouched.weight.dequantize())
+    assert_bitwise_equal(grads[0], grads[1], "input gradient")

@@ -110,7 +110,20 @@ class Fp8Data:
         self.hp_init = hp_init
 
     def take(self, other: "Fp8Data") -> None:
-        self.data, self.scale, self.scale_inv = other.data, other.scale, other.scale_inv
+        """Hold ``other``'s data and scales: copied into this object's tensors where they are
+        alike (same shape, dtype, device), so that their addresses stay those a captured CUDA
+        graph reads (each optimizer step replaced them: replays read freed memory), else the
+        tensors taken."""
+        mine = (self.data, self.scale, self.scale_inv)
+        theirs = (other.data, other.scale, other.scale_inv)
+        if all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+               for a, b in zip(mine, theirs)):
+            with torch.no_grad():
+                for a, b in zip(mine, theirs):
+                    if a is not b:
+                        a.copy_(b)
+            return
+        self.data, self.scale, self.scale_inv = theirs
 
     def moved(self, device) -> "Fp8Data":
         return Fp8Data(self.data.to(device), self.scale.to(device), self.scale_inv.to(device),
@@ -168,8 +181,12 @@ class Fp8Weight(torch.Tensor):
         fp8 = self._fp8
         if fp8_dtype != fp8.data.dtype:
             return None
-        data_t = fp8.data.t().contiguous() if with_transpose else None
-        return Quantized(fp8.data, data_t, fp8.scale_inv, fp8.scale_inv, fp8.scale)
+        if not with_transpose:
+            return Quantized(fp8.data, None, fp8.scale_inv, fp8.scale_inv, fp8.scale)
+        # What the backward reads (dgrad), copied: a write between this forward and its
+        # backward (an optimizer step) changes the weight's tensors in place (Fp8Data.take).
+        return Quantized(fp8.data, fp8.data.t().contiguous(), fp8.scale_inv,
+                         fp8.scale_inv.clone(), fp8.scale)
 
     def dequantize(self) -> torch.Tensor:
         """The value it stands for, a plain tensor of its nominal dtype."""
