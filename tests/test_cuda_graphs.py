@@ -4,6 +4,8 @@ reads no tensor value on the host (what capture forbids), whatever the recipe.""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -471,4 +473,90 @@ def test_a_module_graphed_again_replays_its_new_graphs():
         torch.cuda.synchronize()
         got.append(record_step(out, block, {"input": x_g}))
         expected.append(record_step(ref_out, reference, {"input": x_r}))
+    assert_bit_identical(got, expected)
+
+
+def test_a_captured_update_keeps_the_tensors_it_writes(monkeypatch):
+    """A step captured while another model of the same recipe exists (the eager copy): the
+    captured update covers that model's states too, and keeps their tensors when the model is
+    freed (the plan went with it, and replays wrote freed memory). On the CPU, with capture
+    pretended (the plans' devices taken for CUDA ones)."""
+    from transformer_fp8.quantization import amax_step, update_plan
+    init = update_plan.UpdatePlan.__init__
+
+    def on_cuda_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.on_cuda = True
+
+    monkeypatch.setattr(update_plan.UpdatePlan, "__init__", on_cuda_init)
+    monkeypatch.setattr(amax_step, "_CAPTURED_PLANS", {})
+    monkeypatch.setattr(amax_step, "_stream_capturing", lambda: False)
+    recipe = DelayedScaling(amax_history_len=4)
+    eager = make_model("cpu", recipe)
+    graphed = copy.deepcopy(eager)
+    inputs = step_inputs(1, 4)
+    for x, g in inputs[:3]:
+        for model in (eager, graphed):
+            step(model, x.clone().requires_grad_(True), g, recipe)
+    kept = [weakref.ref(t) for layer in (eager[0], eager[2])
+            for t in (layer.fp8_fwd_amax_history, layer.fp8_bwd_amax_history)]
+    monkeypatch.setattr(amax_step, "_stream_capturing", lambda: True)
+    x, g = inputs[3]
+    step(graphed, x.clone().requires_grad_(True), g, recipe)  # "captured"
+    monkeypatch.setattr(amax_step, "_stream_capturing", lambda: False)
+    del eager
+    gc.collect()
+    assert all(ref() is not None for ref in kept)
+
+
+@CUDA_SKIP
+def test_replays_leave_the_memory_of_a_freed_model_alone():
+    """A whole step captured while another model of the recipe exists, which is then freed:
+    the replays still update what the capture covered, never memory handed out since (small
+    tensors allocated after the free, where the freed model's FP8 state was, stay as written),
+    and still match eager steps bit for bit."""
+    recipe = DelayedScaling(amax_history_len=4)
+    bystander = make_model("cuda", recipe)
+    eager = make_model("cuda", recipe)
+    graphed = copy.deepcopy(eager)
+    inputs = step_inputs(7, 6, "cuda")
+    step(bystander, inputs[0][0].clone().requires_grad_(True), inputs[0][1], recipe)
+    static_x = torch.zeros(32, 64, device="cuda", requires_grad=True)
+    static_g = torch.zeros(32, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x, g in inputs[:3]:
+            step(eager, x.clone().requires_grad_(True), g, recipe)
+            with torch.no_grad():
+                static_x.copy_(x)
+                static_g.copy_(g)
+            for p in list(graphed.parameters()) + [static_x]:
+                p.grad = None
+            step(graphed, static_x, static_g, recipe)
+    torch.cuda.current_stream().wait_stream(side)
+    for p in list(graphed.parameters()) + [static_x]:
+        p.grad.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(graphed, static_x, static_g, recipe)
+    del bystander
+    gc.collect()
+    torch.cuda.synchronize()
+    fillers = [torch.full((n,), -7.0, device="cuda") for n in (2, 4, 8) for _ in range(200)]
+    expected, got = [], []
+    for x, g in inputs[3:]:
+        for p in eager.parameters():
+            p.grad = None
+        x_in = x.clone().requires_grad_(True)
+        expected.append(record_step(step(eager, x_in, g, recipe), eager, {"input": x_in}))
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_g.copy_(g)
+            for p in list(graphed.parameters()) + [static_x]:
+                p.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        got.append(record_step(static_out, graphed, {"input": static_x}))
+    assert all(bool((t == -7.0).all()) for t in fillers)
     assert_bit_identical(got, expected)

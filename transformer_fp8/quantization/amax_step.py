@@ -58,6 +58,18 @@ _LAST_LAYOUT: dict = {}
 # other steps (_others_states) are made again when it changes.
 _OWNERSHIP = [0]
 
+# Plans whose update a CUDA graph captured, kept for the life of the process: every replay
+# writes their tensors, which may be those of a module outside the captured step (a step
+# covers every module of its recipe in the thread: an eager copy, an evaluation model). Freed
+# with that module, the plan took them along and the replays wrote freed memory.
+_CAPTURED_PLANS: dict = {}
+_stream_capturing = torch.cuda.is_current_stream_capturing
+
+
+def _keep_if_captured(plan: UpdatePlan) -> None:
+    if plan.on_cuda and _stream_capturing():
+        _CAPTURED_PLANS[id(plan)] = plan
+
 
 def _collect_dead_layers() -> None:
     """The garbage collector frees the dead layers (held in reference cycles) that some ranks
@@ -221,6 +233,8 @@ class AmaxStep:
                 and plan.recipe is self.recipe
                 and not (_COMPILED_MODULES and self.include_unrecorded)):
             plan.update()  # (the common case: _plan_for_step's answer, without its calls)
+            if plan.on_cuda:
+                _keep_if_captured(plan)
             return
         try:
             plan = self._plan_for_step(reduce)
@@ -233,6 +247,7 @@ class AmaxStep:
         if reduce:
             plan.reduce(self.group, others)
         plan.without(others).update()
+        _keep_if_captured(plan)  # (its plans without some states with it)
 
     def discard(self) -> None:
         """Forget the amaxes recorded since the last update (after an exception)."""

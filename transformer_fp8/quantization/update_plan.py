@@ -78,6 +78,7 @@ class UpdatePlan:
         self.recipe = recipe
         self.margin = ops._check_margin(recipe.margin)
         self.devices = frozenset(s.device for s in states)
+        self.on_cuda = any(device.type == "cuda" for device in self.devices)
         fp8_max = recipe.fp8_format.max_fwd if role == "fwd" else recipe.fp8_format.max_bwd
         self.histories = [s.history for s in states]
         self.layout = layout_of(states)
