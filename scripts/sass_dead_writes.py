@@ -9,10 +9,11 @@ stored an unrelated register; fused_store.cuh's store_vec avoids it).
 
     python scripts/sass_dead_writes.py [file.cu ...]      # default: every kernel file
 
-Needs nvcc and cuobjdump (CUOBJDUMP=/path/to/cuobjdump, else from PATH; the CUDA toolkit's, or
-PyPI's nvidia-cuda-cuobjdump). Exit status 1 when a dead write is found. Moves (ptxas leaves
-redundant ones), 64-bit multiply-adds and FP64 operations (register pairs the text does not
-mark) are not reported: the check is about lost 32-bit results.
+Needs nvcc, cuobjdump and nvdisasm (CUOBJDUMP=/path/to/cuobjdump, else from PATH, else PyPI's
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm where installed). Exit status 1 when a dead write
+is found, 2 when a tool is missing. Moves (ptxas leaves redundant ones), 64-bit multiply-adds
+and FP64 operations (register pairs the text does not mark) are not reported: the check is
+about lost 32-bit results.
 """
 from __future__ import annotations
 
@@ -114,8 +115,14 @@ def check(cu_file: Path, cuobjdump: str, workdir: str) -> int:
     cubin = os.path.join(workdir, cu_file.stem + ".cubin")
     subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90", "-cubin", "-o", cubin,
                     str(cu_file), f"-I{ROOT / 'csrc'}", f"-I{KERNELS}"], check=True)
-    sass = subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True,
-                          text=True).stdout
+    env = dict(os.environ)  # (cuobjdump runs nvdisasm, found beside it in PyPI's packages)
+    env["PATH"] = os.pathsep.join([str(Path(cuobjdump).parent), env.get("PATH", "")])
+    done = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        if "nvdisasm" in done.stderr:
+            raise ToolMissing(done.stderr.strip())
+        raise RuntimeError(f"cuobjdump failed on {cubin}: {done.stderr.strip()}")
+    sass = done.stdout
     count = 0
     for name, lines in kernels(sass):
         for block in basic_blocks(lines):
@@ -130,14 +137,36 @@ def check(cu_file: Path, cuobjdump: str, workdir: str) -> int:
     return count
 
 
+class ToolMissing(Exception):
+    pass
+
+
+def find_cuobjdump() -> str | None:
+    found = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    if found:
+        return found
+    try:  # PyPI's nvidia-cuda-cuobjdump: nvidia/cu*/bin/cuobjdump
+        import nvidia
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        for candidate in sorted(Path(root).glob("cu*/bin/cuobjdump")):
+            return str(candidate)
+    return None
+
+
 def main(argv: list[str]) -> int:
-    cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    cuobjdump = find_cuobjdump()
     if cuobjdump is None or shutil.which("nvcc") is None:
         print("needs nvcc and cuobjdump (set CUOBJDUMP)", file=sys.stderr)
         return 2
     files = [Path(a) for a in argv] or sorted(KERNELS.glob("*.cu"))
-    with tempfile.TemporaryDirectory() as workdir:
-        total = sum(check(f, cuobjdump, workdir) for f in files)
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            total = sum(check(f, cuobjdump, workdir) for f in files)
+    except ToolMissing as missing:
+        print(f"needs nvdisasm beside cuobjdump: {missing}", file=sys.stderr)
+        return 2
     return 1 if total else 0
 
 
