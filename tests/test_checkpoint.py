@@ -286,3 +286,49 @@ def test_resume_under_another_recipe_with_torch_compile(gen):
     # (the newest amaxes of the loaded history kept, this step's in the last row)
     assert torch.equal(compiled.fp8_fwd_amax_history[1:3],
                        checkpoint["fp8_fwd_amax_history"][6:8])
+
+
+UNLOADABLE = {
+    "scale_int64": ("fp8_fwd_scale", lambda t: t.to(torch.int64)),
+    "history_int32": ("fp8_bwd_amax_history", lambda t: t.to(torch.int32)),
+    "scale_meta": ("fp8_bwd_scale", lambda t: t.to("meta")),
+    "history_meta_other_length": ("fp8_fwd_amax_history",
+                                  lambda t: torch.empty(8, t.shape[1], device="meta")),
+    "scale_inv_list": ("fp8_fwd_scale_inv", lambda t: t.tolist()),
+}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "nonstrict"])
+@pytest.mark.parametrize("entry", UNLOADABLE, ids=list(UNLOADABLE))
+def test_unloadable_fp8_state_is_refused_naming_the_key(entry, strict):
+    """An integer tensor (copy_ would cast it: a zero scale passed unchecked), a meta tensor (no
+    values: a history re-sized for it was left uninitialised) or a non-tensor is refused by
+    name, and the module keeps its state."""
+    key, make = UNLOADABLE[entry]
+    state = _trained_layer_state()
+    state[key] = make(state[key])
+    layer = tfp8.Linear(32, 32)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(RuntimeError, match=key):
+        layer.load_state_dict(state, strict=strict)
+    after = layer.state_dict()
+    for k, v in after.items():
+        assert torch.equal(v, before[k]), f"{k} changed by a refused load"
+
+
+def test_a_module_whose_load_fails_keeps_its_whole_fp8_state():
+    """A checkpoint whose FP8 state is valid (a history of another length) but whose weight
+    has the wrong shape: load_state_dict raises, and the module's FP8 state is all as it was
+    (the history had been re-sized and loaded, its scales loaded: half a checkpoint)."""
+    state = _trained_layer_state()
+    state["fp8_fwd_amax_history"] = torch.rand(8, state["fp8_fwd_amax_history"].shape[1])
+    state["weight"] = torch.randn(32, 31)
+    layer = tfp8.Linear(32, 32)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(RuntimeError, match="weight"):
+        layer.load_state_dict(state)
+    for k, v in layer.state_dict().items():
+        if k.startswith("fp8_"):  # (its parameters load as torch loads them)
+            assert v.shape == before[k].shape and torch.equal(v, before[k]), k
+    with fp8_autocast(fp8_recipe=RECIPE):  # and it trains
+        layer(torch.randn(4, 32)).sum().backward()

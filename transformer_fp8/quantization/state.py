@@ -336,14 +336,28 @@ class Fp8State:
         if error is not None:
             error_msgs.append(error)  # load_state_dict raises; nothing of this module is loaded
             return
+        # What the FP8 state was, put back if any of this module's entries fails to load (a
+        # history re-sized for the checkpoint was left uninitialised, a scale loaded without
+        # its scale_inv). (Parameters load as torch loads them.)
+        saved = [(key, self._buffers[key], self._buffers[key].data,
+                  self._buffers[key].detach().clone()) for key in FP8_STATE_KEYS]
         for key in HISTORIES:
             incoming, history = state_dict.get(prefix + key), getattr(self, key)
             if (isinstance(incoming, torch.Tensor) and incoming.dim() == 2
                     and incoming.shape[0] != history.shape[0]
                     and incoming.shape[1] == history.shape[1]):
                 history.data = history.new_empty(incoming.shape)
+        errors_before = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if len(error_msgs) > errors_before:
+            with torch.no_grad():
+                for key, buffer, data, values in saved:
+                    self._buffers[key] = buffer
+                    if buffer.shape != data.shape:
+                        buffer.data = data
+                    buffer.copy_(values)
+            return  # load_state_dict raises
         self._assigned_state_made_usable()
         if not present:
             self.reset_fp8_state()

@@ -19,6 +19,19 @@ def _values(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t.detach().to("cpu", torch.float64)
 
 
+def _not_loadable(incoming, current: torch.Tensor) -> Optional[str]:
+    """Why ``incoming`` cannot become the float32 FP8 state ``current`` (copy_ would cast an
+    integer silently, and a meta tensor has no values), or None."""
+    if not isinstance(incoming, torch.Tensor):
+        return f"an FP8 state entry must be a tensor, got {type(incoming).__name__}"
+    if not incoming.is_floating_point():
+        return f"an FP8 state entry must be a floating-point tensor, got {incoming.dtype}"
+    if incoming.is_meta and not current.is_meta:
+        return ("a meta tensor has no values to load (the model that saved it was never "
+                "materialised)")
+    return None
+
+
 def _first_bad(mask: torch.Tensor, values: torch.Tensor) -> str:
     index = int(mask.nonzero()[0][0]) if values.dim() else 0
     return f"element {index} is {values.reshape(-1)[index].item()!r}"
@@ -28,6 +41,12 @@ def fp8_state_error(module: torch.nn.Module, state_dict: dict, prefix: str) -> O
     """Why the FP8 state that ``state_dict`` would give ``module`` is invalid, naming the key;
     None when it is valid. A key absent from state_dict keeps the module's current tensor (as
     load_state_dict(strict=False) does), so the pair checked is the one the module would hold."""
+    for key in ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
+                "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv"):
+        if prefix + key in state_dict:
+            problem = _not_loadable(state_dict[prefix + key], module._buffers[key])
+            if problem is not None:
+                return f"{prefix}{key}: {problem}; refusing to load it"
     for role in ("fwd", "bwd"):
         scale_key, inv_key = f"fp8_{role}_scale", f"fp8_{role}_scale_inv"
         if prefix + scale_key not in state_dict and prefix + inv_key not in state_dict:
@@ -38,12 +57,14 @@ def fp8_state_error(module: torch.nn.Module, state_dict: dict, prefix: str) -> O
             incoming = state_dict.get(prefix + key, current)
             values = _values(incoming)
             if values is None or values.shape != current.shape:
-                return None  # not a float tensor of the right shape: load_state_dict says so
+                break  # (meta on meta, or a shape load_state_dict refuses naming the key)
             bad = ~(torch.isfinite(values) & (values > 0))
             if bad.any():
                 return (f"{prefix}{key}: an FP8 scale must be finite and positive, "
                         f"{_first_bad(bad, values)}; refusing to load a corrupt FP8 state")
             pair[key] = values
+        if len(pair) < 2:
+            continue
         mismatch = (pair[scale_key] * pair[inv_key] - 1.0).abs() > _PAIR_TOLERANCE
         if mismatch.any():
             missing = [prefix + k for k in (scale_key, inv_key) if prefix + k not in state_dict]
