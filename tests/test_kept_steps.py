@@ -16,7 +16,7 @@ from conftest import assert_bitwise_equal, randn
 from test_linear_ticket import OTHER, RECIPE, one_step
 
 import transformer_fp8 as tfp8
-from transformer_fp8 import fp8_autocast
+from transformer_fp8 import DelayedScaling, fp8_autocast
 from transformer_fp8.modules import linear_fused_step
 from transformer_fp8.quantization.state import FP8_STATE_KEYS
 
@@ -238,3 +238,78 @@ def test_another_threads_context_leaves_a_running_backward_pass_alone(gen):
     thread.join()
     for (name, a), b in zip(layer.state_dict().items(), alone.state_dict().values()):
         assert_bitwise_equal(a, b, name)
+
+
+class _FailingAlgo:
+    """A recipe's amax_compute_algo (Transformer Engine's callable form) that raises when
+    armed; else the max over the window."""
+
+    def __init__(self):
+        self.armed = False
+
+    def __call__(self, history):
+        if self.armed:
+            self.armed = False
+            raise _Refused("the recipe's callable fails")
+        return history.amax(dim=0)
+
+
+def _good_steps(model, recipe, seed, steps=3, other=None):
+    gen = torch.Generator().manual_seed(seed)
+    records = []
+    for step in range(steps):
+        x = randn(gen, 4, 32, scale=3.0 ** step).requires_grad_(True)
+        with fp8_autocast(fp8_recipe=recipe):
+            out = model(x)
+            if other is not None:  # a second model under a nested context of its own recipe
+                with fp8_autocast(fp8_recipe=other[1]):
+                    out = out + other[0](x)
+        (out * 2.0 ** -step).sum().backward()
+        records.append([out.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+                       + [b.clone() for b in model.buffers()])
+        model.zero_grad(set_to_none=True)
+    return records
+
+
+@pytest.mark.parametrize("where", ["forward_update", "backward_update", "outer_of_two"])
+def test_an_update_that_raises_discards_its_steps_amaxes(where):
+    """A delayed-scaling update that raises (here the recipe's callable; a failed collective or
+    an interrupt alike) discards the amaxes of its step, and of the steps still to update in
+    the same context, as a failed step does: the next steps are bit for bit those of a model
+    that never ran the failed one (the amaxes stayed in history row 0, and the next step's
+    were folded into them: outputs 1.3 apart)."""
+    algo = _FailingAlgo()
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=algo)
+    inner = DelayedScaling(amax_history_len=3)
+
+    def build():
+        torch.manual_seed(0)
+        return (torch.nn.Sequential(tfp8.Linear(32, 32), torch.nn.GELU(), tfp8.Linear(32, 32)),
+                tfp8.Linear(32, 32))
+
+    (failing, failing_other), (reference, reference_other) = build(), build()
+    x = torch.randn(4, 32) * 300
+    algo.armed = where != "backward_update"
+    with pytest.raises(_Refused):
+        with fp8_autocast(fp8_recipe=recipe):
+            out = failing(x)
+            if where == "outer_of_two":
+                with fp8_autocast(fp8_recipe=inner):
+                    out = out + failing_other(x)
+        if where == "backward_update":
+            algo.armed = True
+            (out * 1000).sum().backward()
+    failing.zero_grad(set_to_none=True)
+    failing_other.zero_grad(set_to_none=True)
+    if where == "backward_update":  # (its forward's update ran: the reference's runs too)
+        with fp8_autocast(fp8_recipe=recipe):
+            reference(x)
+    other = where == "outer_of_two"
+    got = _good_steps(failing, recipe, 1, other=(failing_other, inner) if other else None)
+    expected = _good_steps(reference, recipe, 1,
+                           other=(reference_other, inner) if other else None)
+    for step, (g_step, e_step) in enumerate(zip(got, expected)):
+        for i, (g, e) in enumerate(zip(g_step, e_step)):
+            assert_bitwise_equal(g, e, f"step {step} tensor {i}")
+    for a, b in zip(failing_other.buffers(), reference_other.buffers()):
+        assert_bitwise_equal(a, b, "the inner recipe's model")

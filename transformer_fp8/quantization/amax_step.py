@@ -71,6 +71,28 @@ def _keep_if_captured(plan: UpdatePlan) -> None:
         _CAPTURED_PLANS[id(plan)] = plan
 
 
+def discard_quietly(step) -> None:
+    """step.discard() while an exception propagates: an error of its own is not the one to
+    report (the ranks may disagree on the layout, say, which discard re-checks without
+    agreeing)."""
+    try:
+        step.discard()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def update_all(updates: list) -> None:
+    """update(step) for each (step, update) in order; after one raises (and has discarded its
+    own amaxes), the later steps are discarded: none keeps a step's amaxes for the next."""
+    for i, (step, update) in enumerate(updates):
+        try:
+            update(step)
+        except BaseException:
+            for later, _ in updates[i + 1:]:
+                discard_quietly(later)
+            raise
+
+
 def _collect_dead_layers() -> None:
     """The garbage collector frees the dead layers (held in reference cycles) that some ranks
     have freed and others not: what a rank reduces must not depend on when its collector ran.
@@ -227,27 +249,32 @@ class AmaxStep:
         return [states[key] for key in sorted(states)]
 
     def reduce_and_update(self) -> None:
-        reduce = self._reduces()
-        plan = self._plan
-        if (not reduce and plan is not None and plan.generation == scaling_state._current[0]
-                and plan.recipe is self.recipe
-                and not (_COMPILED_MODULES and self.include_unrecorded)):
-            plan.update()  # (the common case: _plan_for_step's answer, without its calls)
-            if plan.on_cuda:
-                _keep_if_captured(plan)
-            return
+        """Reduce (where ranks do) and update every state covered. If that raises (the ranks
+        disagree on the layout, a collective or a recipe callable fails, an interrupt), the
+        amaxes recorded since the last update are discarded, as after a failed step: left in
+        history row 0, the next step's amaxes were folded into them."""
         try:
+            reduce = self._reduces()
+            plan = self._plan
+            if (not reduce and plan is not None
+                    and plan.generation == scaling_state._current[0]
+                    and plan.recipe is self.recipe
+                    and not (_COMPILED_MODULES and self.include_unrecorded)):
+                plan.update()  # (the common case: _plan_for_step's answer, without its calls)
+                if plan.on_cuda:
+                    _keep_if_captured(plan)
+                return
             plan = self._plan_for_step(reduce)
-        except RuntimeError:  # the ranks disagree on the layout: this step changes nothing
-            self.discard()
+            if plan is None:
+                return
+            others = self._others_states(plan)
+            if reduce:
+                plan.reduce(self.group, others)
+            plan.without(others).update()
+            _keep_if_captured(plan)  # (its plans without some states with it)
+        except BaseException:
+            discard_quietly(self)
             raise
-        if plan is None:
-            return
-        others = self._others_states(plan)
-        if reduce:
-            plan.reduce(self.group, others)
-        plan.without(others).update()
-        _keep_if_captured(plan)  # (its plans without some states with it)
 
     def discard(self) -> None:
         """Forget the amaxes recorded since the last update (after an exception)."""

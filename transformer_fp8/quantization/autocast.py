@@ -20,7 +20,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from .amax_step import _AWAITING_RECIPE, AmaxStep, adopt_recipe_for_waiting_modules
+from .amax_step import (_AWAITING_RECIPE, AmaxStep, adopt_recipe_for_waiting_modules,
+                        update_all)
 from .backward_step import (_HELD_BACKWARD_STEPS, _PENDING_BACKWARD_STEPS,
                             _QUEUED_BACKWARD_STEPS, BackwardStep,
                             discard_failed_backward_passes, flush_pending_backward_updates,
@@ -124,11 +125,11 @@ def _exit_outermost(failed: bool) -> None:
     steps, backward_steps = local.forward_steps, local.backward_steps
     if steps:
         local.forward_steps, local.backward_steps = {}, {}
-        for step in steps.values():
-            if failed:
+        if failed:
+            for step in steps.values():
                 step.discard()
-            else:
-                step.reduce_and_update()
+        else:
+            update_all([(step, AmaxStep.reduce_and_update) for step in steps.values()])
     if not failed and not local.isolated:
         hold_for_compiled_backward(list(backward_steps.values()))
 

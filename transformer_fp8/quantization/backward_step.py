@@ -12,7 +12,7 @@ import torch
 
 from .. import _C
 from . import replay as checkpointing
-from .amax_step import _COMPILED_MODULES, AmaxStep
+from .amax_step import _COMPILED_MODULES, AmaxStep, update_all
 from .recipe import DelayedScaling
 from .scaling_state import ScalingState
 
@@ -180,8 +180,10 @@ def flush_pending_backward_updates(this_thread_only: bool = False) -> None:
             held = [step for step in held if step.thread == thread]
         else:
             _HELD_BACKWARD_STEPS.clear()
-    for step in pending:
+    update_all([(step, BackwardStep.update) for step in pending]
+               + [(step, _update_unless_queued) for step in held])
+
+
+def _update_unless_queued(step: BackwardStep) -> None:
+    if not step._queued:  # (a held step whose next pass is running queues its own update)
         step.update()
-    for step in held:
-        if not step._queued:
-            step.update()
