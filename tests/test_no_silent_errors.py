@@ -173,8 +173,18 @@ def test_cpu_gemm_applies_the_scales_after_the_product():
 
 @pytest.mark.parametrize("margin", [33, 140, 1000])
 def test_margin_that_underflows_the_scale_is_refused(margin):
-    with pytest.raises(ValueError, match=r"margin must be an integer in \[0, 32\]"):
+    with pytest.raises(ValueError, match=rf"margin must be an integer in \[0, 32\].*got {margin}$"):
         DelayedScaling(margin=margin)
+
+
+@pytest.mark.parametrize("recipe", [42, "DelayedScaling", DelayedScaling])
+def test_prepare_fp8_recipe_refuses_what_is_not_a_recipe(recipe):
+    layer = tfp8.Linear(32, 32)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(TypeError, match="prepare_fp8_recipe: recipe must be None, a Delayed"):
+        layer.prepare_fp8_recipe(recipe)
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 def test_largest_margin_still_trains_finitely():
@@ -353,3 +363,12 @@ def test_meta_input_to_a_meta_built_linear_inside_fp8_autocast():
     assert out.device.type == "meta" and out.shape == (4, 16) and out.dtype == torch.float32
     with fp8_autocast(), pytest.raises(RuntimeError, match="must be on the same device"):
         tfp8.Linear(32, 16)(torch.empty(4, 32, device="meta"))
+
+
+@pytest.mark.parametrize("enabled", [False, True], ids=["high_precision", "fp8"])
+@pytest.mark.parametrize("value", [[[1.0] * 32], (1.0,) * 32, 3.0, None])
+def test_an_input_that_is_not_a_tensor_is_refused_by_name(value, enabled):
+    layer = tfp8.Linear(32, 32)
+    with pytest.raises(TypeError, match="Linear: input must be a tensor, got"):
+        with tfp8.fp8_autocast(enabled=enabled):
+            layer(value)

@@ -64,6 +64,9 @@ class Fp8StateMixin(Fp8State):
     def _dispatch(self, inp: torch.Tensor, is_first_microbatch, in_features: int):
         """The module's output: FP8 inside an enabled fp8_autocast, else its high-precision
         form (``_high_precision(inp)``, exactly the torch composition)."""
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: input must be a tensor, got "
+                            f"{type(inp).__name__}")
         if inp.shape[-1:] != (in_features,):
             raise ValueError(f"{type(self).__name__}: input must have shape "
                              f"[..., {in_features}], got {tuple(inp.shape)}")

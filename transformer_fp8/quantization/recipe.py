@@ -76,7 +76,7 @@ class DelayedScaling:
         if (isinstance(self.margin, bool) or not isinstance(self.margin, int)
                 or not 0 <= self.margin <= MAX_MARGIN):
             raise ValueError(f"margin must be an integer in [0, {MAX_MARGIN}] (a larger margin "
-                             "makes scales that underflow float32), got {self.margin!r}")
+                             f"makes scales that underflow float32), got {self.margin!r}")
         _check_format(self.fp8_format)
         if (isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int)
                 or self.amax_history_len < 1):

@@ -26,7 +26,8 @@ from . import replay as checkpointing
 from . import scaling_state
 from .scaling_state import ScalingState
 from .transforms import refuse_functorch_transform
-from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format, Recipe
+from .recipe import (BLOCK_RECIPES, RECIPE_TYPES, DelayedScaling, Float8CurrentScaling, Format,
+                     Recipe)
 from .state_validation import fp8_state_error
 
 FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
@@ -157,6 +158,10 @@ class Fp8State:
 
     def prepare_fp8_recipe(self, recipe: Recipe) -> None:
         """Size the FP8 state for ``recipe`` now, as the first FP8 forward under it would."""
+        if recipe is not None and not isinstance(recipe, RECIPE_TYPES):
+            raise TypeError(f"{type(self).__name__}.prepare_fp8_recipe: recipe must be None, a "
+                            "DelayedScaling, Float8CurrentScaling, Float8BlockScaling or "
+                            f"Float8RowwiseScaling, got {type(recipe).__name__}")
         if isinstance(recipe, DelayedScaling):
             self._adopt_recipe(recipe)
 
