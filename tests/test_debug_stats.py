@@ -262,3 +262,67 @@ def test_microbatches_combine_to_the_figures_of_the_whole_batch(gen, device):
         figures(x[20:], q[20:], scale, 448.0)["sqnr_db"]), rel=1e-12)
     empty = operand_stats(x[:0], q[:0], scale, 448.0)  # a cast of no rows counts nowhere
     assert derive(combine(torch.stack([halves[0], empty])).cpu()) == derive(halves[0].cpu())
+
+
+# ---- review fixes: padding, overrides, NaN ranking, enabling again ---------------------------
+
+@pytest.mark.parametrize("recipe", [tfp8.Float8RowwiseScaling(), tfp8.Float8BlockScaling()],
+                         ids=["rowwise", "block"])
+def test_block_figures_leave_the_gemm_padding_out(recipe):
+    """20 rows: the layer pads its operands to 32 for the GEMM; the statistics count the 20
+    rows' blocks only (the zero rows were blocks of amax 0 and scale 1: blocks 32 instead of
+    20, block_amax_min 0, scale_min 1 where every real scale is 64 or more)."""
+    torch.manual_seed(0)
+    layer = tfp8.Linear(256, 64)
+    x, g = torch.randn(20, 256), torch.randn(20, 64) * 1e-3
+    with debug.collect_stats(torch.nn.Sequential(layer)) as stats:
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            out = layer(x.clone().requires_grad_(True))
+        out.backward(g)
+        records = {r["tensor"]: r for r in stats.step()}
+    for role, t in (("input", x), ("grad_output", g)):
+        cols = t.shape[1] if isinstance(recipe, tfp8.Float8RowwiseScaling) else 128
+        blocks = torch.stack([t[:, c:c + cols].abs().amax(1) for c in range(0, t.shape[1], cols)])
+        record = records[role]
+        assert record["blocks"] == blocks.numel(), role
+        assert record["block_amax_min"] == pytest.approx(blocks.min().item()), role
+        assert record["scale_min"] > 1.0, role
+
+
+@pytest.mark.parametrize("gemms", [["fprop"], ["dgrad"], ["wgrad"]])
+@pytest.mark.parametrize("module", ["Linear", "LayerNormLinear"])
+def test_an_override_of_some_gemms_leaves_every_operand_recorded(module, gemms):
+    """Under debug.override(gemms=...) the operands still cast to FP8 are all recorded (a
+    fused cast of a role with no high-precision orientation went past the statistics:
+    grad_output or a norm's output was missing)."""
+    torch.manual_seed(0)
+    layer = (tfp8.Linear(64, 32) if module == "Linear" else tfp8.LayerNormLinear(64, 32))
+    model = torch.nn.Sequential(layer)
+    debug.override(model, "0", fp8=False, gemms=gemms)
+    with debug.collect_stats(model) as stats:
+        with tfp8.fp8_autocast(fp8_recipe=DELAYED):
+            out = layer(torch.randn(32, 64, requires_grad=True))
+        out.sum().backward()
+        recorded = {r["tensor"] for r in stats.step()}
+    assert recorded == {"input", "weight", "grad_output"}
+
+
+def test_worst_report_ranks_nan_first_and_the_rest_in_order():
+    records = [dict(layer=str(i), gemm="", tensor="input", step=0, sqnr_db=v, underflow_frac=0.0,
+                    saturation_frac=0.0, dynamic_range_log2=0.0, amax=1.0, scale_min=1.0)
+               for i, v in enumerate([31.6, 32.0, float("nan"), 31.1, 31.3, 31.0])]
+    records.append(dict(records[2], sqnr_db=40.0, step=1))  # a later, finite value of layer 2
+    lines = debug.worst_report(records, "sqnr_db", top=3).splitlines()[1:]
+    assert [line.split(":")[0] for line in lines] == ["2", "5", "3"]
+
+
+def test_collecting_again_after_disable_writes(tmp_path):
+    torch.manual_seed(0)
+    layer = tfp8.Linear(32, 32)
+    stats = debug.collect_stats(torch.nn.Sequential(layer), path=str(tmp_path / "s.jsonl"))
+    for _ in range(2):
+        with stats:
+            with tfp8.fp8_autocast(fp8_recipe=DELAYED):
+                layer(torch.randn(16, 32, requires_grad=True)).sum().backward()
+            assert len(stats.step()) == 3
+    assert len(debug.read_records(str(tmp_path / "s.jsonl"))) == 6

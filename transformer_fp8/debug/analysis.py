@@ -32,13 +32,16 @@ def worst_report(source: Union[str, list], figure: str = "sqnr_db", top: int = 5
         raise ValueError(f"figure must be one of {sorted(_WORSE_IS_LOWER)}, got {figure!r}")
     worst: dict = {}
     lower = _WORSE_IS_LOWER[figure]
+
+    def badness(record) -> tuple:  # smaller is worse; NaN is the worst of all
+        value = record[figure]
+        return (0, 0.0) if math.isnan(value) else (1, value if lower else -value)
+
     for r in _records(source):
         key = row_label(r)
-        value = r[figure]
-        better = (lambda a, b: a <= b) if lower else (lambda a, b: a >= b)
-        if key not in worst or not better(worst[key][figure], value) or math.isnan(value):
+        if key not in worst or badness(r) < badness(worst[key]):
             worst[key] = r
-    ranked = sorted(worst.values(), key=lambda r: r[figure], reverse=not lower)[:top]
+    ranked = sorted(worst.values(), key=badness)[:top]
     width = max([len("operand")] + [len(row_label(r)) for r in ranked])
     lines = [f"{'operand':<{width}}  {'step':>5} {'SQNR dB':>8} {'underflow':>9} "
              f"{'saturated':>9} {'range log2':>10} {'amax':>10} {'scale':>10}"]

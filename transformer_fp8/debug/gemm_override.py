@@ -54,6 +54,12 @@ class HighPrecisionOrientations(Quantizer):
     def _cast_in_kernel(self, fused, with_transpose: bool):
         return self.inner._cast_in_kernel(fused, with_transpose)
 
+    def cast_fused(self, fused, unfused, with_transpose):
+        if self.fuses_cast:  # (no orientation unquantised: the inner cast as it is, so that
+            # an inner ObservedQuantizer records it: its statistics lost this operand)
+            return self.inner.cast_fused(fused, unfused, with_transpose)
+        return super().cast_fused(fused, unfused, with_transpose)
+
     def cast(self, x: torch.Tensor, with_transpose: bool = True) -> Quantized:
         fp8_data = 0 not in self.high_precision
         fp8_data_t = with_transpose and 1 not in self.high_precision

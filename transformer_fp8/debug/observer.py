@@ -36,6 +36,9 @@ class ObservedQuantizer(Quantizer):
 
     def _record(self, x_hp: torch.Tensor, q: Quantized) -> None:
         block_rows, block_cols = self.inner.block_dims(x_hp.shape[1])
+        # The operand's own rows: not the zero rows pad_rows added for the GEMM (operand_stats
+        # takes as many of q's rows and of the block scales' as x_hp has).
+        x_hp = x_hp[:getattr(x_hp, "real_rows", x_hp.shape[0])]
         with torch.no_grad():
             self.collector.record(self.key, operand_stats(
                 x_hp, q.data, self.inner.dequant_scale(q), torch.finfo(self.dtype).max,

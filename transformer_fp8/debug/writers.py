@@ -22,6 +22,8 @@ class JsonLinesWriter:
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, records: list) -> None:
+        if self._file.closed:  # (closed by the collector's disable(), enabled again since)
+            self._file = open(self.path, "a", encoding="utf-8")
         for record in records:
             self._file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
         self._file.flush()

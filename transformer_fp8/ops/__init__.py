@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from .. import _C  # noqa: F401  (loads the library and registers the operators)
+from .. import _fp8_hooks
 from .checks import check_wrapper_arguments, register_fake
 from .update_callable import check_delayed_scaling_lists, delayed_scaling_result
 
@@ -24,9 +25,16 @@ GEMM_ALIGN = 16  # on CUDA, fp8_gemm's M, N and K must be multiples of 16
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] with zero rows up to a multiple of GEMM_ALIGN, as a GEMM operand: zero rows
-    change no amax or block scale, and the product rows they give are dropped."""
+    change no amax or block scale, and the product rows they give are dropped. While debug
+    statistics are collected (eagerly), the padded tensor carries M as ``real_rows``: the
+    statistics of its cast leave the padding out (its zero blocks were counted)."""
     extra = (-x.shape[0]) % GEMM_ALIGN
-    return torch.nn.functional.pad(x, (0, 0, 0, extra)) if extra else x
+    if not extra:
+        return x
+    padded = torch.nn.functional.pad(x, (0, 0, 0, extra))
+    if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
+        padded.real_rows = x.shape[0]
+    return padded
 
 
 def function_output(out: torch.Tensor, rows: int, shape) -> torch.Tensor:
