@@ -158,13 +158,17 @@ def test_first_checkpointed_layers_of_a_process_hold_the_nested_update(mode, mon
     assert replay._KEPT_ANY[0]
 
 
-def test_forward_passes_backpropagated_in_order_pipeline_style():
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_forward_passes_backpropagated_in_order_pipeline_style(mode):
     """Two forward passes, then their backward passes in the same order (as a pipeline
-    schedule does), per step: each recomputation replays its own pass."""
+    schedule does), per step: each recomputation replays its own pass, and each backward pass
+    updates the grad_output scales at its end, as without checkpointing (the reentrant mode's
+    nested passes held the update for the next fp8_autocast: the second pass cast its
+    grad_output with the scale from before the first)."""
     torch.manual_seed(0)
     plain = Model()
     checkpointed = copy.deepcopy(plain)
-    checkpointed.checkpoint = "non_reentrant"
+    checkpointed.checkpoint = mode
     recipe = DelayedScaling(amax_history_len=4)
     batches = step_batches(torch.Generator().manual_seed(1), 6, 16, 32)
     records = {}
@@ -338,3 +342,40 @@ def test_two_checkpointed_forwards_in_one_context_backpropagated_in_forward_orde
     for step, (expected, got) in enumerate(zip(*runs)):
         for a, b in zip(got, expected):
             assert torch.equal(a, b), step
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("module", ["Linear", "LayerNormMLP"])
+def test_a_failed_backward_pass_through_a_checkpoint_is_discarded(mode, module):
+    """A backward pass that raises after a checkpointed region's backward ran (a hook on the
+    region's input): its grad_output amaxes are discarded, as without checkpointing (the
+    reentrant mode's nested pass had held its update back, and the next fp8_autocast ran it:
+    the failed pass's grad_output of 1000 went into the scales)."""
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def build():
+        torch.manual_seed(0)
+        return tfp8.Linear(32, 32) if module == "Linear" else tfp8.LayerNormMLP(32, 64)
+
+    def steps(model, checkpointed):
+        gen = torch.Generator().manual_seed(3)
+        records = []
+        for step in range(4):
+            x = (torch.randn(8, 32, generator=gen) * 2.0 ** step).requires_grad_(True)
+            with fp8_autocast(fp8_recipe=recipe):
+                out = (torch_checkpoint.checkpoint(model, x, use_reentrant=mode == "reentrant")
+                       if checkpointed else model(x))
+            if step == 1:
+                def refuse(grad):
+                    raise RuntimeError("the backward pass fails")
+                x.register_hook(refuse)
+                with pytest.raises(RuntimeError, match="the backward pass fails"):
+                    (out * 1000).sum().backward()
+                model.zero_grad(set_to_none=True)
+                continue
+            out.square().sum().backward()
+            records.append(record_step(out, model, {"input": x}))
+            model.zero_grad(set_to_none=True)
+        return records
+
+    assert_bit_identical(steps(build(), True), steps(build(), False))

@@ -13,6 +13,7 @@ from .. import _fp8_hooks
 from .._dtensor import is_dtensor, local_tensor
 from ..quantization import autocast as _autocast
 from ..quantization import replay as checkpointing
+from ..quantization.backward_step import update_at_end_of_pass
 from ..quantization.calibration import recording_linear
 from ..quantization.fp8_weight import Fp8Weight
 from ..quantization.quantizer import ALIGN, Fp8Plan
@@ -162,7 +163,10 @@ class Fp8StateMixin(Fp8State):
     def _fp8_replay(self, inp, *args):
         """The recomputation of a checkpointed FP8 forward: the same casts with the same
         scales, no amax recorded; its backward casts and records grad_output as usual."""
-        return self._fp8_apply(inp, self._replay_records.take(), *args)
+        plans = self._replay_records.take()
+        if any(plan.backward_step is not None for plan in plans):
+            update_at_end_of_pass()  # (a reentrant region's: see backward_step)
+        return self._fp8_apply(inp, plans, *args)
 
     def _weight_for_step(self, gemm: int, weight, weight_quantizer, is_first_microbatch):
         """None: quantise the weight in this call. True: quantise it now and keep it. False:

@@ -6,6 +6,7 @@ backwards (run).
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -108,17 +109,63 @@ _QUEUED_BACKWARD_STEPS: dict[int, BackwardStep] = {}
 
 
 def discard_failed_backward_passes() -> None:
-    """Discard the amaxes of this thread's backward passes that failed: its steps still queued.
-    (Another thread's queued step may belong to a backward pass running now.)"""
-    if not _QUEUED_BACKWARD_STEPS or torch._C._current_graph_task_id() != -1:
+    """Discard the amaxes of this thread's backward passes that failed: its steps still queued,
+    and those held back by reentrant checkpoints' nested passes whose enclosing pass never
+    ended (update_at_end_of_pass). (Another thread's queued step may belong to a backward pass
+    running now.)"""
+    if torch._C._current_graph_task_id() != -1:
         return  # called from inside a backward pass (a recomputed region): none has failed
     thread = threading.get_ident()
+    failed = []
     with _PENDING_LOCK:
-        failed = [step for step in _QUEUED_BACKWARD_STEPS.values() if step.thread == thread]
-        for step in failed:
-            del _QUEUED_BACKWARD_STEPS[id(step)]
+        if _QUEUED_BACKWARD_STEPS:
+            failed = [step for step in _QUEUED_BACKWARD_STEPS.values() if step.thread == thread]
+            for step in failed:
+                del _QUEUED_BACKWARD_STEPS[id(step)]
+        unfinished = getattr(_THREAD, "passes_to_end", None)
+        if unfinished:  # an enclosing pass that queued its end-of-pass update, then failed
+            unfinished.clear()
+            held_back = [step for step in _PENDING_BACKWARD_STEPS.values()
+                         if step.thread == thread]
+            for step in held_back:
+                del _PENDING_BACKWARD_STEPS[id(step)]
+            failed += held_back
     for step in failed:
         step.discard()
+
+
+# This thread's backward passes that will run the updates held back by the reentrant
+# checkpoints in them when they end (update_at_end_of_pass): a pass still here after it
+# ended failed.
+_THREAD = threading.local()
+
+
+def update_at_end_of_pass() -> None:
+    """Called by the recomputation of a reentrant checkpoint's region, which runs in the
+    backward pass that reached the checkpoint, before the region's own nested pass: the
+    grad_output updates that the nested passes hold back (BackwardStep._finish) run when that
+    enclosing pass ends, as a pass without checkpointing updates at its end (two backward
+    passes between fp8_autocast entries each update). If it fails, they are discarded at the
+    next outermost fp8_autocast, as a failed pass's are. Where the enclosing pass is itself a
+    nested one (a reentrant checkpoint inside another), they wait for the next fp8_autocast."""
+    task = _current_graph_task_id()
+    if task == -1 or checkpointing.reentrant_depth() != 1:
+        return
+    passes = getattr(_THREAD, "passes_to_end", None)
+    if passes is None:
+        passes = _THREAD.passes_to_end = set()
+    if task in passes:
+        return
+    passes.add(task)
+    _queue_callback(functools.partial(_end_of_pass, task))
+
+
+def _end_of_pass(task: int) -> None:
+    _THREAD.passes_to_end.discard(task)
+    thread = threading.get_ident()
+    with _PENDING_LOCK:
+        steps = [step for step in _PENDING_BACKWARD_STEPS.values() if step.thread == thread]
+    update_all([(step, BackwardStep.update) for step in steps])
 
 
 # The backward steps of the last forward passes in a process that compiles FP8 modules: a

@@ -157,6 +157,14 @@ def in_reentrant_backward() -> bool:
     return "backward" in _checkpoint_frames(sys._getframe(1))
 
 
+def reentrant_depth() -> int:
+    """How many reentrant checkpoints' backward calls are on the stack (recomputing or running
+    their region's nested pass)."""
+    if not _KEPT_ANY[0]:
+        return 0
+    return sum(name == "backward" for name in _checkpoint_frames(sys._getframe(1)))
+
+
 def may_be_checkpointed() -> bool:
     """Cheap pre-check before phase(): a checkpointed forward runs either with grad disabled
     (reentrant) or under a saved-tensors hook (non-reentrant)."""

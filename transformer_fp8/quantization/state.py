@@ -324,9 +324,9 @@ class Fp8State:
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A backward update held back by reentrant checkpointing (see autocast.BackwardStep)
         # runs first, so that a checkpoint holds the state a run without it would hold.
+        backward_step.discard_failed_backward_passes()
         if backward_step.has_pending_backward_updates():
             backward_step.flush_pending_backward_updates()
-        backward_step.discard_failed_backward_passes()
         self._fp8_state_to_local()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
