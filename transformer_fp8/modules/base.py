@@ -164,8 +164,10 @@ class Fp8StateMixin(Fp8State):
         """The recomputation of a checkpointed FP8 forward: the same casts with the same
         scales, no amax recorded; its backward casts and records grad_output as usual."""
         plans = self._replay_records.take()
-        if any(plan.backward_step is not None for plan in plans):
-            update_at_end_of_pass()  # (a reentrant region's: see backward_step)
+        for plan in plans:
+            if plan.backward_step is not None:  # (a reentrant region's: see backward_step)
+                update_at_end_of_pass(plan.backward_step.thread)
+                break
         return self._fp8_apply(inp, plans, *args)
 
     def _weight_for_step(self, gemm: int, weight, weight_quantizer, is_first_microbatch):

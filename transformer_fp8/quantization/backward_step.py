@@ -122,9 +122,10 @@ def discard_failed_backward_passes() -> None:
             failed = [step for step in _QUEUED_BACKWARD_STEPS.values() if step.thread == thread]
             for step in failed:
                 del _QUEUED_BACKWARD_STEPS[id(step)]
-        unfinished = getattr(_THREAD, "passes_to_end", None)
+        unfinished = [task for task, owner in _PASSES_TO_END.items() if owner == thread]
         if unfinished:  # an enclosing pass that queued its end-of-pass update, then failed
-            unfinished.clear()
+            for task in unfinished:
+                del _PASSES_TO_END[task]
             held_back = [step for step in _PENDING_BACKWARD_STEPS.values()
                          if step.thread == thread]
             for step in held_back:
@@ -134,36 +135,35 @@ def discard_failed_backward_passes() -> None:
         step.discard()
 
 
-# This thread's backward passes that will run the updates held back by the reentrant
-# checkpoints in them when they end (update_at_end_of_pass): a pass still here after it
-# ended failed.
-_THREAD = threading.local()
+# The backward passes that will run, when they end, the updates held back by the reentrant
+# checkpoints in them (update_at_end_of_pass): graph task id -> the thread whose steps they
+# update (its forward ran them; the pass itself may run on autograd's device threads). A pass
+# still here when that thread is outside any backward pass failed.
+_PASSES_TO_END: dict = {}
 
 
-def update_at_end_of_pass() -> None:
-    """Called by the recomputation of a reentrant checkpoint's region, which runs in the
-    backward pass that reached the checkpoint, before the region's own nested pass: the
-    grad_output updates that the nested passes hold back (BackwardStep._finish) run when that
-    enclosing pass ends, as a pass without checkpointing updates at its end (two backward
-    passes between fp8_autocast entries each update). If it fails, they are discarded at the
-    next outermost fp8_autocast, as a failed pass's are. Where the enclosing pass is itself a
-    nested one (a reentrant checkpoint inside another), they wait for the next fp8_autocast."""
+def update_at_end_of_pass(thread: int) -> None:
+    """Called by the recomputation of a reentrant checkpoint's region (of layers run by
+    ``thread``), which runs in the backward pass that reached the checkpoint, before the
+    region's own nested pass: the grad_output updates that the nested passes hold back
+    (BackwardStep._finish) run when that enclosing pass ends, as a pass without checkpointing
+    updates at its end (two backward passes between fp8_autocast entries each update). If it
+    fails, they are discarded at the next outermost fp8_autocast, as a failed pass's are.
+    Where the enclosing pass is itself a nested one (a reentrant checkpoint inside another),
+    they wait for the next fp8_autocast."""
     task = _current_graph_task_id()
     if task == -1 or checkpointing.reentrant_depth() != 1:
         return
-    passes = getattr(_THREAD, "passes_to_end", None)
-    if passes is None:
-        passes = _THREAD.passes_to_end = set()
-    if task in passes:
-        return
-    passes.add(task)
-    _queue_callback(functools.partial(_end_of_pass, task))
-
-
-def _end_of_pass(task: int) -> None:
-    _THREAD.passes_to_end.discard(task)
-    thread = threading.get_ident()
     with _PENDING_LOCK:
+        if task in _PASSES_TO_END:
+            return
+        _PASSES_TO_END[task] = thread
+    _queue_callback(functools.partial(_end_of_pass, task, thread))
+
+
+def _end_of_pass(task: int, thread: int) -> None:
+    with _PENDING_LOCK:
+        _PASSES_TO_END.pop(task, None)
         steps = [step for step in _PENDING_BACKWARD_STEPS.values() if step.thread == thread]
     update_all([(step, BackwardStep.update) for step in steps])
 
