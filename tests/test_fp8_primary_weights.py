@@ -302,3 +302,27 @@ def test_writes_keep_the_fp8_tensors_addresses(recipe, write):
     assert [t.data_ptr() for t in tensors()] == before
     assert not torch.equal(written.weight.dequantize(), untouched.weight.dequantize())
     assert_bitwise_equal(grads[0], grads[1], "input gradient")
+
+
+@pytest.mark.parametrize("convert", ["half", "to_bfloat16"])
+def test_a_converted_copy_of_a_weight_is_independent_of_it(convert):
+    """weight.half() / .to(torch.bfloat16) holds the same FP8 values in
+    tensors of its own: writes (in place since 37b70be) into either leave the other as it was
+    (the copy shared the original's tensors: an optimizer step changed an EMA copy)."""
+    torch.manual_seed(0)
+    with tfp8.quantized_model_init(recipe=CURRENT):
+        layer = tfp8.Linear(32, 48)
+    weight = layer.weight
+    copy = {"half": lambda w: w.half(),
+            "to_bfloat16": lambda w: w.to(torch.bfloat16)}[convert](weight)
+    assert isinstance(copy, Fp8Weight)
+    assert_bitwise_equal(copy.fp8_data, weight.fp8_data, "FP8 data")
+    original, copied = weight.dequantize().clone(), copy.dequantize().clone()
+    with torch.no_grad():
+        weight.copy_(torch.randn(48, 32) * 4)
+    assert_bitwise_equal(copy.dequantize(), copied, "the copy after a write to the weight")
+    changed = weight.dequantize().clone()
+    with torch.no_grad():
+        copy.copy_(torch.randn(48, 32) * 7)
+    assert_bitwise_equal(weight.dequantize(), changed, "the weight after a write to the copy")
+    assert not torch.equal(original, changed)

@@ -125,9 +125,11 @@ class Fp8Data:
             return
         self.data, self.scale, self.scale_inv = theirs
 
-    def moved(self, device) -> "Fp8Data":
-        return Fp8Data(self.data.to(device), self.scale.to(device), self.scale_inv.to(device),
-                       self.cast, self.hp_init)
+    def moved(self, device, copy: bool = False) -> "Fp8Data":
+        """Its tensors on ``device`` (the same ones where they are there already, unless
+        ``copy``)."""
+        return Fp8Data(self.data.to(device, copy=copy), self.scale.to(device, copy=copy),
+                       self.scale_inv.to(device, copy=copy), self.cast, self.hp_init)
 
 
 class Fp8Weight(torch.Tensor):
@@ -269,9 +271,11 @@ class Fp8Weight(torch.Tensor):
                 this._write(args[1])
                 return this
             if func is aten._to_copy.default and _moves_only(this, kwargs):
-                # .to(device) / .half(): the same FP8 data, on that device, of that dtype.
+                # .to(device) / .half(): the same FP8 values, on that device, of that dtype,
+                # in tensors of its own (writes go into a weight's tensors in place: a shared
+                # one would change the original too).
                 device = kwargs.get("device") or this.device
-                return this._alias(kwargs.get("dtype"), this._fp8.moved(device))
+                return this._alias(kwargs.get("dtype"), this._fp8.moved(device, copy=True))
         if func._schema.is_mutable:
             return _mutate(func, args, kwargs)
         # Any other use (a high-precision computation, clone, a view): the dequantised value.
