@@ -152,8 +152,10 @@ def test_fused_casts_of_layernorm_mlp_are_recorded(gen, device):
         with debug.collect_stats(model) as stats:
             linear_step(model, x, randn(gen, 16, 64, device=device), recipe)
             records = {(r["gemm"], r["tensor"]): r for r in stats.step()}
-        assert sorted(records) == [(g, t) for g in ("fc1", "fc2")
-                                   for t in ("grad_output", "input", "weight")]
+        roles = ("grad_output", "input", "weight")
+        if isinstance(recipe, tfp8.Float8BlockScaling):  # (and the transposes' own scales)
+            roles = ("grad_output", "grad_output_t", "input", "input_t", "weight", "weight_t")
+        assert sorted(records) == [(g, t) for g in ("fc1", "fc2") for t in roles]
         ln = torch.nn.functional.layer_norm(x, (64,), mlp.layer_norm_weight,
                                             mlp.layer_norm_bias, mlp.eps)
         assert records["fc1", "input"]["amax"] == pytest.approx(ln.abs().max().item(),
@@ -326,3 +328,40 @@ def test_collecting_again_after_disable_writes(tmp_path):
                 layer(torch.randn(16, 32, requires_grad=True)).sum().backward()
             assert len(stats.step()) == 3
     assert len(debug.read_records(str(tmp_path / "s.jsonl"))) == 6
+
+
+@pytest.mark.parametrize("recipe", [tfp8.Float8RowwiseScaling(), tfp8.Float8BlockScaling()],
+                         ids=["rowwise", "block"])
+def test_block_recipes_record_the_transposed_operands(recipe):
+    """Under block scaling x^T, w^T and g^T have scales of their own (wgrad and dgrad read
+    them): recorded as input_t, weight_t and grad_output_t, each with the figures of the cast
+    of the transposed tensor itself. A token 1e5 times the others: 19% of x^T (the wgrad
+    operand) flushes to zero, which input's figures do not show."""
+    torch.manual_seed(0)
+    layer = tfp8.Linear(256, 64)
+    x = torch.randn(20, 256)
+    x[3] *= 1e5
+    g = torch.randn(20, 64)
+    with debug.collect_stats(torch.nn.Sequential(layer)) as stats:
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            out = layer(x.clone().requires_grad_(True))
+        out.backward(g)
+        records = {r["tensor"]: r for r in stats.step()}
+    assert sorted(records) == ["grad_output", "grad_output_t", "input", "input_t", "weight",
+                               "weight_t"]
+    rowwise = isinstance(recipe, tfp8.Float8RowwiseScaling)
+    fwd, bwd = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+    for role, t, fp8, dims in (("input", x, fwd, (1, -1) if rowwise else (1, 128)),
+                               ("weight", layer.weight.detach(), fwd,
+                                (1, -1) if rowwise else (128, 128)),
+                               ("grad_output", g, bwd, (1, -1) if rowwise else (1, 128))):
+        t_t = t.t().contiguous()
+        q, scale_inv, _, _ = quantize_blockwise(t_t, *dims, fp8_dtype=fp8)
+        block_rows, block_cols = (1, t_t.shape[1]) if rowwise else dims
+        expected = figures(t_t, q, scale_inv.reciprocal(), torch.finfo(fp8).max, block_rows,
+                           block_cols)
+        got = records[role + "_t"]
+        for key in ("amax", "underflow_frac", "saturation_frac", "blocks", "block_amax_min"):
+            assert got[key] == expected[key], (role, key)
+        assert got["sqnr_db"] == pytest.approx(expected["sqnr_db"], rel=1e-9), role
+    assert records["input_t"]["underflow_frac"] > 0.15 > records["input"]["underflow_frac"]

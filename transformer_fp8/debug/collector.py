@@ -176,7 +176,8 @@ class Fp8Stats:
         step reduce to blocks == 0 and are left out by _gather."""
         if self._all_keys is None:
             local = sorted((name, gemm, role) for module, name in self.selected.items()
-                           for gemm in _observer.gemm_names(module) for role in _observer.ROLES)
+                           for gemm in _observer.gemm_names(module)
+                           for role in _observer.ROLES + _observer.TRANSPOSED_ROLES)
             gathered = [None] * torch.distributed.get_world_size(self.group)
             torch.distributed.all_gather_object(gathered, local, group=self.group)
             self._all_keys = sorted({tuple(k) for rank_keys in gathered for k in rank_keys})

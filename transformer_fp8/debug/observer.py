@@ -12,6 +12,9 @@ from ..quantization.quantizer import Quantized, Quantizer
 from .stats import operand_stats
 
 ROLES = ("input", "weight", "grad_output")
+# Under block scaling the transposed operands (wgrad's input and grad_output, dgrad's weight)
+# have scales of their own: recorded under these names.
+TRANSPOSED_ROLES = tuple(role + "_t" for role in ROLES)
 
 
 def gemm_names(module) -> tuple:
@@ -38,11 +41,20 @@ class ObservedQuantizer(Quantizer):
         block_rows, block_cols = self.inner.block_dims(x_hp.shape[1])
         # The operand's own rows: not the zero rows pad_rows added for the GEMM (operand_stats
         # takes as many of q's rows and of the block scales' as x_hp has).
-        x_hp = x_hp[:getattr(x_hp, "real_rows", x_hp.shape[0])]
+        rows = getattr(x_hp, "real_rows", x_hp.shape[0])
+        x_hp = x_hp[:rows]
+        fp8_max = torch.finfo(self.dtype).max
         with torch.no_grad():
             self.collector.record(self.key, operand_stats(
-                x_hp, q.data, self.inner.dequant_scale(q), torch.finfo(self.dtype).max,
-                block_rows, block_cols))
+                x_hp, q.data, self.inner.dequant_scale(q), fp8_max, block_rows, block_cols))
+            if q.data_t is not None and q.scale is None and q.scale_inv_t is not q.scale_inv:
+                # Block scaling: the transpose's own blocks and scales (its columns are x's
+                # rows, the padding last), the operand of wgrad or dgrad.
+                t_rows, t_cols = self.inner.block_dims(rows)
+                name, gemm, role = self.key
+                self.collector.record((name, gemm, role + "_t"), operand_stats(
+                    x_hp.t().contiguous(), q.data_t[:, :rows].contiguous(),
+                    q.scale_inv_t.reciprocal(), fp8_max, t_rows, t_cols))
 
     def cast(self, x, with_transpose=True):
         q = self.inner.cast(x, with_transpose)
