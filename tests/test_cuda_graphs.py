@@ -67,14 +67,10 @@ def test_training_step_reads_no_tensor_value_on_the_host(device, recipe):
     assert mode.reads == [], f"host reads in a training step: {mode.reads}"
 
 
-@CUDA_SKIP
-@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
-def test_whole_training_step_replays_in_a_cuda_graph(recipe):
-    """Three warm-up steps, a captured step, then three replays against eager steps: output,
-    every gradient, the input's, and the FP8 state, bit for bit."""
-    eager = make_model("cuda", recipe)
-    graphed = copy.deepcopy(eager)
-    inputs = step_inputs(0, 6, "cuda")
+def capture_and_replay_a_whole_step(eager, graphed, inputs, recipe, after_capture=None):
+    """Three warm-up steps on a side stream (plans, workspaces, recipe adoption), one step of
+    ``graphed`` captured, ``after_capture()``, then replays against eager steps of ``eager``:
+    (got, expected) step records."""
     static_x = torch.zeros(32, 64, device="cuda", requires_grad=True)
     static_g = torch.zeros(32, 64, device="cuda")
 
@@ -85,7 +81,6 @@ def test_whole_training_step_replays_in_a_cuda_graph(recipe):
         out = step(eager, x_in, g, recipe)
         return record_step(out, eager, {"input": x_in})
 
-    # Warm-up on a side stream (plans, workspaces, recipe adoption), then capture one step.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -104,6 +99,8 @@ def test_whole_training_step_replays_in_a_cuda_graph(recipe):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = step(graphed, static_x, static_g, recipe)  # grads accumulate into zeros
+    if after_capture is not None:
+        after_capture()
 
     expected, got = [], []
     for x, g in inputs[3:]:
@@ -116,7 +113,18 @@ def test_whole_training_step_replays_in_a_cuda_graph(recipe):
         graph.replay()
         torch.cuda.synchronize()
         got.append(record_step(static_out, graphed, {"input": static_x}))
-    assert_bit_identical(got, expected)
+    return got, expected
+
+
+@CUDA_SKIP
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_whole_training_step_replays_in_a_cuda_graph(recipe):
+    """Three warm-up steps, a captured step, then three replays against eager steps: output,
+    every gradient, the input's, and the FP8 state, bit for bit."""
+    eager = make_model("cuda", recipe)
+    graphed = copy.deepcopy(eager)
+    assert_bit_identical(*capture_and_replay_a_whole_step(
+        eager, graphed, step_inputs(0, 6, "cuda"), recipe))
 
 
 # ---- make_graphed_callables ------------------------------------------------------------------
@@ -299,18 +307,22 @@ def test_make_graphed_callables_of_fused_modules_replays_like_eager_steps(recipe
     reference = copy.deepcopy(block)
     sample = (torch.randn(32, 64, device="cuda", requires_grad=True),)
     tfp8.make_graphed_callables(block, sample, fp8_enabled=True, fp8_recipe=recipe)
+    assert_graphed_steps_like_eager(block, reference, recipe, seed=3)
+
+
+def assert_graphed_steps_like_eager(graphed, reference, recipe, seed):
+    """Steps of a graphed module (its replays) and of its eager reference under fp8_autocast:
+    outputs, gradients and FP8 state bit for bit."""
     got, expected = [], []
-    for x, g in step_inputs(3, 4, "cuda"):
-        for model in (block, reference):
+    for x, g in step_inputs(seed, 4, "cuda"):
+        for model in (graphed, reference):
             model.zero_grad(set_to_none=True)
         x_g, x_r = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        out = block(x_g)
+        out = graphed(x_g)
         out.backward(g)
-        with fp8_autocast(fp8_recipe=recipe):
-            ref_out = reference(x_r)
-        ref_out.backward(g)
+        ref_out = step(reference, x_r, g, recipe)
         torch.cuda.synchronize()
-        got.append(record_step(out, block, {"input": x_g}))
+        got.append(record_step(out, graphed, {"input": x_g}))
         expected.append(record_step(ref_out, reference, {"input": x_r}))
     assert_bit_identical(got, expected)
 
@@ -462,18 +474,7 @@ def test_a_module_graphed_again_replays_its_new_graphs():
     reference = _regraph_block(recipe, "cuda")
     reference.load_state_dict(loaded)
     tfp8.make_graphed_callables(block, sample, fp8_enabled=True, fp8_recipe=recipe)
-    got, expected = [], []
-    for x, g in step_inputs(6, 4, "cuda"):
-        for model in (block, reference):
-            model.zero_grad(set_to_none=True)
-        x_g, x_r = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        out = block(x_g)
-        out.backward(g)
-        ref_out = step(reference, x_r, g, recipe)
-        torch.cuda.synchronize()
-        got.append(record_step(out, block, {"input": x_g}))
-        expected.append(record_step(ref_out, reference, {"input": x_r}))
-    assert_bit_identical(got, expected)
+    assert_graphed_steps_like_eager(block, reference, recipe, seed=6)
 
 
 def test_a_captured_update_keeps_the_tensors_it_writes(monkeypatch):
@@ -516,47 +517,21 @@ def test_replays_leave_the_memory_of_a_freed_model_alone():
     tensors allocated after the free, where the freed model's FP8 state was, stay as written),
     and still match eager steps bit for bit."""
     recipe = DelayedScaling(amax_history_len=4)
-    bystander = make_model("cuda", recipe)
+    models = {"bystander": make_model("cuda", recipe)}
     eager = make_model("cuda", recipe)
     graphed = copy.deepcopy(eager)
     inputs = step_inputs(7, 6, "cuda")
-    step(bystander, inputs[0][0].clone().requires_grad_(True), inputs[0][1], recipe)
-    static_x = torch.zeros(32, 64, device="cuda", requires_grad=True)
-    static_g = torch.zeros(32, 64, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for x, g in inputs[:3]:
-            step(eager, x.clone().requires_grad_(True), g, recipe)
-            with torch.no_grad():
-                static_x.copy_(x)
-                static_g.copy_(g)
-            for p in list(graphed.parameters()) + [static_x]:
-                p.grad = None
-            step(graphed, static_x, static_g, recipe)
-    torch.cuda.current_stream().wait_stream(side)
-    for p in list(graphed.parameters()) + [static_x]:
-        p.grad.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step(graphed, static_x, static_g, recipe)
-    del bystander
-    gc.collect()
-    torch.cuda.synchronize()
-    fillers = [torch.full((n,), -7.0, device="cuda") for n in (2, 4, 8) for _ in range(200)]
-    expected, got = [], []
-    for x, g in inputs[3:]:
-        for p in eager.parameters():
-            p.grad = None
-        x_in = x.clone().requires_grad_(True)
-        expected.append(record_step(step(eager, x_in, g, recipe), eager, {"input": x_in}))
-        with torch.no_grad():
-            static_x.copy_(x)
-            static_g.copy_(g)
-            for p in list(graphed.parameters()) + [static_x]:
-                p.grad.zero_()
-        graph.replay()
+    step(models["bystander"], inputs[0][0].clone().requires_grad_(True), inputs[0][1], recipe)
+    fillers = []
+
+    def free_the_bystander():
+        del models["bystander"]
+        gc.collect()
         torch.cuda.synchronize()
-        got.append(record_step(static_out, graphed, {"input": static_x}))
+        fillers.extend(torch.full((n,), -7.0, device="cuda") for n in (2, 4, 8)
+                       for _ in range(200))
+
+    got, expected = capture_and_replay_a_whole_step(eager, graphed, inputs, recipe,
+                                                    free_the_bystander)
     assert all(bool((t == -7.0).all()) for t in fillers)
     assert_bit_identical(got, expected)
