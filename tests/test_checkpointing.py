@@ -379,3 +379,32 @@ def test_a_failed_backward_pass_through_a_checkpoint_is_discarded(mode, module):
         return records
 
     assert_bit_identical(steps(build(), True), steps(build(), False))
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_a_retained_graph_backpropagated_twice_replays_the_same_casts(recipe):
+    """loss.backward(retain_graph=True) then a second backward: the reentrant mode recomputes
+    each region twice, and both recomputations replay the original forward's casts (the
+    second ran the layers' full FP8 forward: other scales, gradients wrong). Bit for bit a run
+    without checkpointing, over steps where the scales change."""
+    torch.manual_seed(0)
+    plain = Model()
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.checkpoint = "reentrant"
+    batches = step_batches(torch.Generator().manual_seed(2), 3, 24, 32)
+    records = {}
+    for name, model in (("plain", plain), ("checkpointed", checkpointed)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        records[name] = []
+        for x in batches:
+            x = x.clone().requires_grad_(True)
+            with fp8_autocast(fp8_recipe=recipe):
+                out = model(x)
+            loss = out.square().mean()
+            loss.backward(retain_graph=True)
+            (loss * 3).backward()
+            records[name].append(record_step(loss, model, {"input": x}))
+            opt.step()
+            opt.zero_grad()
+    assert_bit_identical(records["checkpointed"], records["plain"])

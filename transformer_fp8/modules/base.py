@@ -155,8 +155,11 @@ class Fp8StateMixin(Fp8State):
         """Whether this forward is activation checkpointing's recomputation of an FP8 one."""
         # (An `if` on the records, not bool(): torch.compile traces the one, not the other.
         # The list itself: ReplayRecords.__bool__ would be a Python call on every forward.)
-        if self._replay_records.records and checkpointing.phase() is checkpointing.Phase.RECOMPUTE:
-            return True
+        records = self._replay_records
+        if records.records or records.retained:
+            if checkpointing.phase() is checkpointing.Phase.RECOMPUTE:
+                return True
+            records.drop_freed()  # (a forward outside any recomputation)
         return False
 
     @torch.compiler.disable

@@ -91,10 +91,17 @@ def _weak(region) -> object:
 
 class ReplayRecords:
     """One layer's replay records: (forward pass id, region, record) in the order they were
-    kept (region: a weak reference to the checkpointed region, see _region)."""
+    kept (region: a weak reference to the checkpointed region, see _region).
+
+    A recomputation takes its region's records in order. A reentrant region's taken records
+    are ``retained`` until the region is freed: a second backward through a retained graph
+    (retain_graph=True) recomputes the region again and must replay the same casts (it ran
+    the layer's full FP8 forward instead: other scales, amaxes recorded twice, gradients
+    wrong)."""
 
     def __init__(self):
         self.records: list = []
+        self.retained: list = []  # taken records of reentrant regions still alive
 
     def __bool__(self) -> bool:
         return bool(self.records)
@@ -102,10 +109,16 @@ class ReplayRecords:
     def __len__(self) -> int:
         return len(self.records)
 
+    def drop_freed(self) -> None:
+        """Forget the retained records of regions that have been freed."""
+        if self.retained:
+            self.retained = [entry for entry in self.retained if entry[1]() is not None]
+
     def keep(self, pass_id: int, record) -> None:
         if not torch.is_grad_enabled() and not _region_may_be_recomputed():
             return
         _KEPT_ANY[0] = True
+        self.drop_freed()
         if len(self.records) >= MAX_RECORDS_PER_LAYER:
             del self.records[0]  # a forward whose backward never ran
         region = _region()
@@ -115,17 +128,29 @@ class ReplayRecords:
         """The record a recomputation replays (see the module docstring)."""
         region = _region()
         if region is not None:
-            for i, (_, kept, record) in enumerate(self.records):
-                if kept is not None and (kept() if isinstance(kept, weakref.ref)
-                                         else kept) is region:
+            if not any(_is(entry, region) for entry in self.records):
+                # The region recomputed again (a retained graph): its records, from the first.
+                again = [entry for entry in self.retained if _is(entry, region)]
+                self.retained = [entry for entry in self.retained if not _is(entry, region)]
+                self.records[:0] = again
+            for i, entry in enumerate(self.records):
+                if _is(entry, region):
                     del self.records[i]
-                    return record
+                    if isinstance(entry[1], weakref.ref):  # a reentrant region's
+                        self.retained.append(entry)
+                    return entry[2]
         oldest = min(pass_id for pass_id, _, _ in self.records)
         index = max(i for i, (pass_id, _, _) in enumerate(self.records) if pass_id == oldest)
         return self.records.pop(index)[2]
 
     def clear(self) -> None:
         self.records.clear()
+        self.retained.clear()
+
+
+def _is(entry, region) -> bool:
+    kept = entry[1]
+    return kept is not None and (kept() if isinstance(kept, weakref.ref) else kept) is region
 
 
 def _region_may_be_recomputed() -> bool:
