@@ -158,7 +158,7 @@ class Fp8StateMixin(Fp8State):
         records = self._replay_records
         if records.records or records.retained:
             if checkpointing.phase() is checkpointing.Phase.RECOMPUTE:
-                return True
+                return records.can_replay()  # (else as a forward that kept nothing)
             records.drop_freed()  # (a forward outside any recomputation)
         return False
 

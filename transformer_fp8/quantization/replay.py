@@ -124,6 +124,14 @@ class ReplayRecords:
         region = _region()
         self.records.append((pass_id, None if region is None else _weak(region), record))
 
+    def can_replay(self) -> bool:
+        """Whether a recomputation has a record to take: one waiting, or a retained one of
+        its region (only those are taken again)."""
+        if self.records:
+            return True
+        region = _region()
+        return region is not None and any(_is(entry, region) for entry in self.retained)
+
     def take(self):
         """The record a recomputation replays (see the module docstring)."""
         region = _region()
