@@ -48,6 +48,13 @@ class Model(torch.nn.Module):
         return x
 
 
+def assert_runs_equal(expected_run, got_run) -> None:
+    """Two runs (per step, a list of tensors) bit for bit the same."""
+    for step, (expected, got) in enumerate(zip(expected_run, got_run)):
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b), step
+
+
 def run_both(recipe, device, mode, steps=3):
     """The same steps without and with checkpointing: (checkpointed model, got, expected)."""
     torch.manual_seed(0)
@@ -311,9 +318,7 @@ def test_a_layer_called_twice_in_one_region_replays_its_calls_in_order(mode):
                           model.bias.grad.clone()))
             model.zero_grad()
         runs.append(steps)
-    for step, (expected, got) in enumerate(zip(*runs)):
-        for a, b in zip(got, expected):
-            assert torch.equal(a, b), step
+    assert_runs_equal(*runs)
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
@@ -339,9 +344,7 @@ def test_two_checkpointed_forwards_in_one_context_backpropagated_in_forward_orde
             results.append([x.grad for x in xs] + [p.grad.clone() for p in model.parameters()])
             model.zero_grad()
         runs.append(results)
-    for step, (expected, got) in enumerate(zip(*runs)):
-        for a, b in zip(got, expected):
-            assert torch.equal(a, b), step
+    assert_runs_equal(*runs)
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
