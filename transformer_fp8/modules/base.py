@@ -13,7 +13,6 @@ from .. import _fp8_hooks
 from .._dtensor import is_dtensor, local_tensor
 from ..quantization import autocast as _autocast
 from ..quantization import replay as checkpointing
-from ..quantization.backward_step import update_at_end_of_pass
 from ..quantization.calibration import recording_linear
 from ..quantization.fp8_weight import Fp8Weight
 from ..quantization.quantizer import ALIGN, Fp8Plan
@@ -71,8 +70,10 @@ class Fp8StateMixin(Fp8State):
         if inp.shape[-1:] != (in_features,):
             raise ValueError(f"{type(self).__name__}: input must have shape "
                              f"[..., {in_features}], got {tuple(inp.shape)}")
-        if self._in_recompute():
-            return self._fp8_replay(inp)
+        if self._replay_records.entries:  # (the list: one attribute read on every forward)
+            replay = self._replay_records.for_recomputation()
+            if replay is not None:
+                return self._fp8_replay(inp, *replay)
         stack = _autocast.LOCAL.stack  # (current_state(), inline: every forward asks)
         state = stack[-1] if stack else None
         if self._fp8_override is not None and state is not None:
@@ -139,39 +140,25 @@ class Fp8StateMixin(Fp8State):
             for gemm, (weight, (input_q, weight_q, grad_q))
             in enumerate(zip(self.fp8_weights(), quantizers)))
         out = self._fp8_apply(inp, plans, *args)
-        if (not torch.compiler.is_compiling() and checkpointing.may_be_checkpointed()
-                and checkpointing.phase() is checkpointing.Phase.ORIGINAL):
-            # Runs under torch.utils.checkpoint: keep what its recomputation needs to repeat
-            # it exactly (the scales used: the update changes them before it runs).
-            self._replay_records.keep(_autocast.forward_pass_id(),
-                                      tuple(plan.for_replay() for plan in plans))
+        regions = checkpointing.regions_to_keep()
+        if regions:
+            # Runs under torch.utils.checkpoint: keep what its recomputations need to repeat
+            # it exactly (the scales used: the update changes them before they run).
+            self._replay_records.keep(regions, tuple(plan.for_replay() for plan in plans))
         return out
 
     @torch.compiler.disable
     def _fp8_run_eagerly(self, inp, state, is_first_microbatch, *args):
         return self._fp8_run(inp, state, is_first_microbatch, *args)
 
-    def _in_recompute(self) -> bool:
-        """Whether this forward is activation checkpointing's recomputation of an FP8 one."""
-        # (An `if` on the records, not bool(): torch.compile traces the one, not the other.
-        # The list itself: ReplayRecords.__bool__ would be a Python call on every forward.)
-        records = self._replay_records
-        if records.records or records.retained:
-            if checkpointing.phase() is checkpointing.Phase.RECOMPUTE:
-                return records.can_replay()  # (else as a forward that kept nothing)
-            records.drop_freed()  # (a forward outside any recomputation)
-        return False
-
     @torch.compiler.disable
-    def _fp8_replay(self, inp, *args):
+    def _fp8_replay(self, inp, plans, regions):
         """The recomputation of a checkpointed FP8 forward: the same casts with the same
-        scales, no amax recorded; its backward casts and records grad_output as usual."""
-        plans = self._replay_records.take()
-        for plan in plans:
-            if plan.backward_step is not None:  # (a reentrant region's: see backward_step)
-                update_at_end_of_pass(plan.backward_step.thread)
-                break
-        return self._fp8_apply(inp, plans, *args)
+        scales (``plans``, a replay record), no amax recorded; its backward casts and records
+        grad_output as usual. ``regions``: the checkpointed regions whose first forward this
+        recomputation runs (nested checkpoints), which keep the record for their own."""
+        self._replay_records.keep(regions, plans)
+        return self._fp8_apply(inp, plans)
 
     def _weight_for_step(self, gemm: int, weight, weight_quantizer, is_first_microbatch):
         """None: quantise the weight in this call. True: quantise it now and keep it. False:

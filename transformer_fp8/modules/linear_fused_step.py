@@ -127,8 +127,7 @@ def ticketed_linear_step(layer, inp: torch.Tensor) -> Optional[torch.Tensor]:
     state, ticket, recipe_type, quantizers, delayed, _ = layer._fused_ticket
     stack = _autocast.LOCAL.stack
     if (not stack or stack[-1] is not state or _is_compiling() or _is_any_autocast_enabled()
-            or _fp8_hooks.observer is not None or layer._replay_records.records
-            or layer._replay_records.retained
+            or _fp8_hooks.observer is not None or layer._replay_records.entries
             or _REGISTERED.get(recipe_type) is not quantizers):  # (the recipe's registration)
         return None
     if delayed is not None:
@@ -236,9 +235,8 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of) -> Optional[tu
     # Under torch.utils.checkpoint (the recomputation never gets here: _dispatch replays it)
     # the forward keeps a replay record: made here for delayed scaling, by the Python path for
     # current scaling (its scales exist only inside the operator).
-    checkpointed = (checkpointing.may_be_checkpointed()
-                    and checkpointing.phase() is checkpointing.Phase.ORIGINAL)
-    if checkpointed and not delayed:
+    regions = checkpointing.regions_to_keep()
+    if regions and not delayed:
         return None
     fmt = recipe.fp8_format
     # (output_dtype(inp), its common case inline)
@@ -252,12 +250,12 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of) -> Optional[tu
     # step (for the update at the context's exit and at the end of the backward pass).
     state_slices = _delayed_state(layer, recipe, slices_of)
     backward_step = _autocast.record_forward(state, *layer._scaling_states)
-    if checkpointed:
-        _keep_replay_record(layer, fmt, backward_step, out_dtype)
+    if regions:
+        _keep_replay_record(layer, fmt, backward_step, out_dtype, regions)
     return _FORMAT_DTYPES[fmt], out_dtype, state_slices, backward_step
 
 
-def _keep_replay_record(layer, fmt, backward_step, out_dtype):
+def _keep_replay_record(layer, fmt, backward_step, out_dtype, regions):
     """What the recomputation of this checkpointed forward replays (base.py's _fp8_replay),
     made by Fp8Plan.for_replay as on the Python path, one plan per GEMM: the scales this
     forward casts with and a copy of its scale_invs (the update at the context's exit changes
@@ -271,7 +269,7 @@ def _keep_replay_record(layer, fmt, backward_step, out_dtype):
                      Quantized(None, None, scale_inv[2 * gemm + 1:2 * gemm + 2], None,
                                weight_q.scale))
         plans.append(plan.for_replay())
-    layer._replay_records.keep(_autocast.forward_pass_id(), tuple(plans))
+    layer._replay_records.keep(regions, tuple(plans))
 
 
 def _delayed_state(layer, recipe, slices_of):

@@ -143,16 +143,15 @@ _PASSES_TO_END: dict = {}
 
 
 def update_at_end_of_pass(thread: int) -> None:
-    """Called by the recomputation of a reentrant checkpoint's region (of layers run by
-    ``thread``), which runs in the backward pass that reached the checkpoint, before the
-    region's own nested pass: the grad_output updates that the nested passes hold back
-    (BackwardStep._finish) run when that enclosing pass ends, as a pass without checkpointing
-    updates at its end (two backward passes between fp8_autocast entries each update). If it
-    fails, they are discarded at the next outermost fp8_autocast, as a failed pass's are.
-    Where the enclosing pass is itself a nested one (a reentrant checkpoint inside another),
-    they wait for the next fp8_autocast."""
+    """Called before the backward of a reentrant checkpoint's region (of layers run by
+    ``thread``), in the backward pass that reached the checkpoint: the grad_output updates
+    that the region's nested pass (and those of regions nested in it) hold back
+    (BackwardStep._finish) run when that pass ends, as a pass without checkpointing updates at
+    its end (two backward passes between fp8_autocast entries each update). If it fails, they
+    are discarded at the next outermost fp8_autocast, as a failed pass's are. A region inside
+    another one's nested pass leaves it to the outermost region."""
     task = _current_graph_task_id()
-    if task == -1 or checkpointing.reentrant_depth() != 1:
+    if task == -1 or checkpointing.reentrant_depth() != 0:
         return
     with _PENDING_LOCK:
         if task in _PASSES_TO_END:

@@ -7,77 +7,104 @@ the same gradients as a run without checkpointing, the recomputation must repeat
 forward's FP8 casts exactly (same scales, same recipe) and record no amax a second time.
 
 So an FP8 layer whose forward runs under torch.utils.checkpoint keeps a replay record (the
-scales it used, its backward plan, the checkpointed region it ran in), and when the same layer
-runs inside a recomputation it takes a record and replays it: the first one its region kept
-(a region is recomputed in the order it first ran, which matters for a layer called more than
-once in it). Where the region cannot be told, one of the oldest forward pass that has records
-left (forward passes are backpropagated in order, as in gradient accumulation and pipelines),
-and within that pass the latest (regions are recomputed last first). The phases are told apart by the frames of
-torch/utils/checkpoint.py on the call stack: `CheckpointFunction.backward` (reentrant) and
-`recompute_fn` (non-reentrant) recompute; any other of its frames is an original forward.
+scales it used, its backward plan) for each checkpointed region it runs in, and when it runs
+inside the recomputation of one of those regions it replays that region's records, in the
+order its calls first ran (a layer called twice in a region). Nested checkpoints make a call
+run several times: in the recomputation of an outer region, an inner checkpoint's forward is a
+first forward of a new region, recomputed later in its turn. So a call that replays an outer
+region's record keeps it again for the inner regions it runs in, and every recomputation of
+every region casts exactly as the very first forward did.
+
+A region is the object torch keeps for it in both phases: a reentrant region's autograd context
+(``ctx`` of CheckpointFunction.forward / backward), a non-reentrant region's _CheckpointFrame
+(``new_frame`` of the generator that checkpoint() runs it with, ``frame`` of the unpack hook
+that recomputes it). Both are found by a walk up the stack through the frames of
+torch/utils/checkpoint.py (checkpoint_context). Records die with their region.
 """
 from __future__ import annotations
 
-import enum
 import functools
 import sys
+import threading
 import weakref
+from typing import NamedTuple, Optional
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 _CHECKPOINT_FILE = _torch_checkpoint.__file__
-_RECOMPUTE_FRAMES = frozenset({"backward", "recompute_fn"})
-_MAX_FRAMES = 200  # how far up the stack to look
 MAX_RECORDS_PER_LAYER = 1024  # replay records a layer keeps before dropping the oldest
 
 
-class Phase(enum.Enum):
-    NONE = 0  # not under torch.utils.checkpoint
-    ORIGINAL = 1  # the first forward of a checkpointed region
-    RECOMPUTE = 2  # its recomputation during backward
+class CheckpointContext(NamedTuple):
+    """Where a call runs with respect to torch.utils.checkpoint."""
+    # (region, key) of the innermost recomputation on the stack, or None; the key tells one
+    # recomputation of a region from another (a retained graph backpropagated twice).
+    recomputation: Optional[tuple]
+    # The regions whose first forward runs on the stack inside that recomputation (or
+    # anywhere, if none), innermost first, that a backward may recompute.
+    regions: tuple
+
+
+def checkpoint_context() -> CheckpointContext:
+    """The caller's CheckpointContext (a walk up the stack)."""
+    regions = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == _CHECKPOINT_FILE:
+            name = code.co_name
+            if name == "backward":  # CheckpointFunction.backward: a reentrant recomputation
+                # (one per backward pass through the region: the pass tells them apart)
+                recomputation = (frame.f_locals.get("ctx"), torch._C._current_graph_task_id())
+                return CheckpointContext(recomputation, tuple(regions))
+            if name == "unpack_hook":  # a non-reentrant recomputation (the unpack hook of
+                local = frame.f_locals  # _checkpoint_hook, not _recomputation_hook's)
+                if "frame" in local:
+                    recomputation = (local["frame"], local.get("gid"))
+                    return CheckpointContext(recomputation, tuple(regions))
+            elif name == "forward":  # CheckpointFunction.forward: a reentrant first forward
+                local = frame.f_locals
+                if "ctx" in local and "run_function" in local and _reentrant_needs_grad(local):
+                    regions.append(local["ctx"])
+            elif name == "checkpoint":  # checkpoint(): a non-reentrant first forward
+                generator = frame.f_locals.get("gen")
+                if getattr(generator, "gi_frame", None) is not None:
+                    region = generator.gi_frame.f_locals.get("new_frame")
+                    if region is not None and _non_reentrant_needs_grad(region):
+                        regions.append(region)
+        frame = frame.f_back
+    return CheckpointContext(None, tuple(regions))
+
+
+def _reentrant_needs_grad(local) -> bool:
+    """Whether a backward may recompute a reentrant region: one of its inputs requires
+    gradients (its forward runs under no_grad; without one torch runs no backward through it)."""
+    return any(isinstance(arg, torch.Tensor) and arg.requires_grad
+               for arg in local.get("args", ()))
+
+
+def _non_reentrant_needs_grad(region) -> bool:
+    """Whether a backward may recompute a non-reentrant region: it ran with gradients enabled
+    (its input saver has a grad_fn; without, torch installs no hook and recomputes nothing)."""
+    saver = getattr(region, "input_saver", None)
+    return saver is None or getattr(saver, "grad_fn", None) is not None
 
 
 def _checkpoint_frames(frame):
     """The names of the functions of torch/utils/checkpoint.py on the stack above ``frame``."""
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return
+    while frame is not None:
         if frame.f_code.co_filename == _CHECKPOINT_FILE:
             yield frame.f_code.co_name
         frame = frame.f_back
 
 
-def phase() -> Phase:
-    """Where the caller runs with respect to torch.utils.checkpoint (a walk up the stack)."""
-    seen_checkpoint = False
-    for name in _checkpoint_frames(sys._getframe(1)):
-        if name in _RECOMPUTE_FRAMES:
-            return Phase.RECOMPUTE
-        seen_checkpoint = True
-    return Phase.ORIGINAL if seen_checkpoint else Phase.NONE
-
-
-def _region() -> object:
-    """The checkpointed region the caller runs in, the same object in its original forward and
-    in its recomputation (None where it cannot be told): a reentrant region's autograd context
-    (``ctx`` of CheckpointFunction.forward / backward), a non-reentrant region's frame object
-    (``new_frame`` of the generator that checkpoint() runs it with, ``frame`` of the unpack
-    hook that recomputes it)."""
-    names = {"forward": "ctx", "backward": "ctx", "unpack_hook": "frame"}
-    frame = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return None
-        code = frame.f_code
-        if code.co_filename == _CHECKPOINT_FILE:
-            if code.co_name in names:
-                return frame.f_locals.get(names[code.co_name])
-            generator = frame.f_locals.get("gen")  # checkpoint(): the non-reentrant generator
-            if code.co_name == "checkpoint" and getattr(generator, "gi_frame", None) is not None:
-                return generator.gi_frame.f_locals.get("new_frame")
-        frame = frame.f_back
-    return None
+def regions_to_keep() -> tuple:
+    """The regions a forward that is not a replay keeps a record for (cheap where no
+    checkpoint can be running: see may_be_checkpointed)."""
+    if torch.compiler.is_compiling() or not may_be_checkpointed():
+        return ()
+    return checkpoint_context().regions
 
 
 def _weak(region) -> object:
@@ -89,92 +116,73 @@ def _weak(region) -> object:
         return region
 
 
-class ReplayRecords:
-    """One layer's replay records: (forward pass id, region, record) in the order they were
-    kept (region: a weak reference to the checkpointed region, see _region).
+def _alive(kept) -> bool:
+    return not isinstance(kept, weakref.ref) or kept() is not None
 
-    A recomputation takes its region's records in order. A reentrant region's taken records
-    are ``retained`` until the region is freed: a second backward through a retained graph
-    (retain_graph=True) recomputes the region again and must replay the same casts (it ran
-    the layer's full FP8 forward instead: other scales, amaxes recorded twice, gradients
-    wrong)."""
+
+def _before_reentrant_backward(thread: int, grad_outputs) -> None:
+    """Runs before the backward of a reentrant region with FP8 records (a hook on its node), in
+    the backward pass that reached it: the grad_output updates that its nested pass and those
+    of the regions nested in it hold back run when that pass ends (backward_step.py)."""
+    from .backward_step import update_at_end_of_pass
+    update_at_end_of_pass(thread)
+
+
+def _is(kept, region) -> bool:
+    return (kept() if isinstance(kept, weakref.ref) else kept) is region
+
+
+_NOT_REPLAYED = object()  # the key of an entry no recomputation has replayed yet
+
+
+class ReplayRecords:
+    """One layer's replay records: [region (weakly), record, key of the last recomputation that
+    replayed it] entries, in the order they were kept."""
 
     def __init__(self):
-        self.records: list = []
-        self.retained: list = []  # taken records of reentrant regions still alive
+        self.entries: list = []
 
     def __bool__(self) -> bool:
-        return bool(self.records)
-
-    def __len__(self) -> int:
-        return len(self.records)
+        """Whether a record waits for its first replay (its region still alive)."""
+        return any(key is _NOT_REPLAYED and _alive(kept) for kept, _, key in self.entries)
 
     def drop_freed(self) -> None:
-        """Forget the retained records of regions that have been freed."""
-        if self.retained:
-            self.retained = [entry for entry in self.retained if entry[1]() is not None]
+        """Forget the records of regions that have been freed."""
+        self.entries = [entry for entry in self.entries if _alive(entry[0])]
 
-    def keep(self, pass_id: int, record) -> None:
-        if not torch.is_grad_enabled() and not _region_may_be_recomputed():
+    def keep(self, regions, record) -> None:
+        """Keep ``record`` for each of ``regions`` (see checkpoint_context)."""
+        if not regions:
             return
         _KEPT_ANY[0] = True
         self.drop_freed()
-        if len(self.records) >= MAX_RECORDS_PER_LAYER:
-            del self.records[0]  # a forward whose backward never ran
-        region = _region()
-        self.records.append((pass_id, None if region is None else _weak(region), record))
+        for region in regions:
+            if len(self.entries) >= MAX_RECORDS_PER_LAYER:
+                del self.entries[0]  # a forward whose backward never ran
+            self.entries.append([_weak(region), record, _NOT_REPLAYED])
+            if hasattr(region, "register_prehook") and "_tfp8_hooked" not in region.__dict__:
+                # A reentrant region (an autograd node): see _before_reentrant_backward.
+                region._tfp8_hooked = True
+                region.register_prehook(
+                    functools.partial(_before_reentrant_backward, threading.get_ident()))
 
-    def can_replay(self) -> bool:
-        """Whether a recomputation has a record to take: one waiting, or a retained one of
-        its region (only those are taken again)."""
-        if self.records:
-            return True
-        region = _region()
-        return region is not None and any(_is(entry, region) for entry in self.retained)
-
-    def take(self):
-        """The record a recomputation replays (see the module docstring)."""
-        region = _region()
-        if region is not None:
-            if not any(_is(entry, region) for entry in self.records):
-                # The region recomputed again (a retained graph): its records, from the first.
-                again = [entry for entry in self.retained if _is(entry, region)]
-                self.retained = [entry for entry in self.retained if not _is(entry, region)]
-                self.records[:0] = again
-            for i, entry in enumerate(self.records):
-                if _is(entry, region):
-                    del self.records[i]
-                    if isinstance(entry[1], weakref.ref):  # a reentrant region's
-                        self.retained.append(entry)
-                    return entry[2]
-        oldest = min(pass_id for pass_id, _, _ in self.records)
-        index = max(i for i, (pass_id, _, _) in enumerate(self.records) if pass_id == oldest)
-        return self.records.pop(index)[2]
+    def for_recomputation(self):
+        """Inside a recomputation of a region this layer kept records for: (the record this
+        call replays, the regions to keep it for again); else None. The record is the region's
+        first one this recomputation has not replayed yet."""
+        context = checkpoint_context()
+        if context.recomputation is None:
+            self.drop_freed()  # (a forward outside any recomputation)
+            return None
+        region, key = context.recomputation
+        for entry in self.entries:
+            if entry[2] is not key and entry[2] != key and _is(entry[0], region):
+                entry[2] = key
+                return entry[1], context.regions
+        return None  # (none left: it runs as a forward that kept nothing)
 
     def clear(self) -> None:
-        self.records.clear()
-        self.retained.clear()
-
-
-def _is(entry, region) -> bool:
-    kept = entry[1]
-    return kept is not None and (kept() if isinstance(kept, weakref.ref) else kept) is region
-
-
-def _region_may_be_recomputed() -> bool:
-    """Under no_grad in a checkpointed region's original forward: whether a backward may still
-    recompute the region. Not a non-reentrant region (it runs in the caller's grad mode: no
-    gradients, no backward); a reentrant one (whose forward always runs under no_grad) only
-    if one of its inputs requires gradients (else torch runs no backward through it)."""
-    frame = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            break
-        if frame.f_code.co_filename == _CHECKPOINT_FILE and frame.f_code.co_name == "forward":
-            return any(isinstance(arg, torch.Tensor) and arg.requires_grad
-                       for arg in frame.f_locals.get("args", ()))
-        frame = frame.f_back
-    return False  # (no reentrant region's forward on the stack: a non-reentrant one)
+        self.entries.clear()
 
 
 # Whether any FP8 forward has kept a replay record in this process: until one has, no FP8 layer
@@ -199,7 +207,7 @@ def reentrant_depth() -> int:
 
 
 def may_be_checkpointed() -> bool:
-    """Cheap pre-check before phase(): a checkpointed forward runs either with grad disabled
+    """Cheap pre-check before checkpoint_context(): a checkpointed first forward runs either with grad disabled
     (reentrant) or under a saved-tensors hook (non-reentrant)."""
     return (not torch.is_grad_enabled()
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
