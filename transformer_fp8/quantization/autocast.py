@@ -62,6 +62,7 @@ class _ThreadAutocast(threading.local):
         self.kept_steps: dict = {}
         self.pass_id = 0  # of the outermost context last entered (see forward_pass_id)
         self.isolated = False  # inside isolated_fp8_autocast
+        self.calibrating = False  # a calibrating context was entered under the outermost one
 
 
 _LOCAL = _ThreadAutocast()
@@ -123,9 +124,14 @@ def record_forward(state: AutocastState, fwd_state: ScalingState,
 def _exit_outermost(failed: bool) -> None:
     local = _LOCAL
     steps, backward_steps = local.forward_steps, local.backward_steps
+    calibrating, local.calibrating = local.calibrating, False
     if steps:
         local.forward_steps, local.backward_steps = {}, {}
-        if failed:
+        if failed or not (torch.is_grad_enabled() or calibrating):
+            # A failed step, or an evaluation (no_grad, inference_mode; as in Transformer
+            # Engine, the grad mode at the exit): its amaxes are forgotten, no scale changes,
+            # so evaluating between training steps leaves their numbers as they were.
+            # Calibration, which runs under no_grad, updates.
             for step in steps.values():
                 step.discard()
         else:
@@ -168,7 +174,8 @@ class fp8_autocast(contextlib.ContextDecorator):
     fp8_group: the process group whose ranks share amaxes (default: the whole world).
     Call backward outside the context. Nested contexts: the innermost one decides how modules
     run; the outermost one's exit reduces and updates. If an exception leaves the outermost
-    context, the amaxes recorded in it are discarded and no scale changes.
+    context, or it exits under no_grad or inference_mode (an evaluation; calibration excepted),
+    the amaxes recorded in it are discarded and no scale changes.
 
     (A class rather than a generator-based context manager: entered and left on every step, it
     costs less host time. Its arguments are checked when it is made; it may be entered again
@@ -224,6 +231,8 @@ class fp8_autocast(contextlib.ContextDecorator):
                     flush_pending_backward_updates(this_thread_only=True)
         if delayed and state.step_key not in local.forward_steps:
             _prepare_steps(state)
+        if state.calibrating:
+            local.calibrating = True
         stack.append(state)
 
     def __exit__(self, exc_type, exc, traceback) -> bool:
@@ -244,15 +253,15 @@ def isolated_fp8_autocast(enabled: bool, fp8_recipe: Optional[Recipe], fp8_group
     holds the forward update and its backward graph the backward update, so every replay does
     what an eager step does. The surrounding contexts are restored afterwards."""
     saved = (_LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps, _LOCAL.pass_id,
-             _LOCAL.isolated)  # (not kept_steps: an isolated context makes steps of its own)
-    _LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps = [], {}, {}
-    _LOCAL.isolated = True
+             _LOCAL.isolated, _LOCAL.calibrating)  # (not kept_steps: an isolated context
+    _LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps = [], {}, {}  # has its own)
+    _LOCAL.isolated, _LOCAL.calibrating = True, False
     try:
         with fp8_autocast(enabled=enabled, fp8_recipe=fp8_recipe, fp8_group=fp8_group):
             yield
     finally:
         (_LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps, _LOCAL.pass_id,
-         _LOCAL.isolated) = saved
+         _LOCAL.isolated, _LOCAL.calibrating) = saved
 
 
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,

@@ -1,0 +1,115 @@
+"""Evaluation forwards inside fp8_autocast between training steps: under no_grad or
+inference_mode (the grad mode at the outermost exit, as in Transformer Engine) their amaxes are
+forgotten and no scale changes, so the training run is bit for bit the one without them. (They
+rolled the histories and moved the scales: a few evaluation batches of small activations gave
+the next training step a scale that saturated its inputs.) Calibration, which runs under
+no_grad too, still updates."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import DEVICE_PARAMS
+from integration_compare import assert_bit_identical, fp8_state, step_batches, train
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import DelayedScaling, fp8_autocast
+
+
+def make_model(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(tfp8.Linear(32, 64), torch.nn.GELU(), tfp8.LayerNormMLP(64, 128),
+                               tfp8.LayerNormLinear(64, 32)).to(device)
+
+
+GRAD_FREE = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("mode", list(GRAD_FREE))
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_evaluation_between_training_steps_changes_nothing(device, mode, algo):
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=algo)
+    plain, evaluated = make_model(device), make_model(device)
+    gen = torch.Generator().manual_seed(1)
+    batches = step_batches(gen, 6, 16, 32, device=device)
+    evaluation = [(torch.randn(16, 32, generator=gen) * scale).to(device)
+                  for scale in (0.01, 30.0, 0.5)]
+    expected, got = [], []
+    for step in range(3):
+        expected += train(plain, plain, batches[2 * step:2 * step + 2], recipe)
+        got += train(evaluated, evaluated, batches[2 * step:2 * step + 2], recipe)
+        before = fp8_state(evaluated)
+        for x in evaluation:
+            with GRAD_FREE[mode](), fp8_autocast(fp8_recipe=recipe):
+                out = evaluated(x)
+            assert torch.isfinite(out).all()
+        after = fp8_state(evaluated)
+        for key in before:
+            assert torch.equal(before[key], after[key]), (step, key)
+    assert_bit_identical(got, expected)
+
+
+def test_evaluation_output_uses_the_training_scales():
+    """The evaluation forward casts with the scales the last training step left (it is the
+    forward that step's model would run), whatever the evaluation batch's own amaxes."""
+    recipe = DelayedScaling(amax_history_len=2)
+    model = make_model("cpu")
+    train(model, model, step_batches(torch.Generator().manual_seed(2), 2, 16, 32), recipe)
+    x = torch.randn(16, 32) * 50  # (far above the training amaxes: it saturates, as a
+    twin = copy.deepcopy(model)   # training forward with these scales would)
+    with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+        first = model(x)
+        second = model(x)  # (inside the same context: still the same scales)
+    with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+        third = model(x)
+    with fp8_autocast(fp8_recipe=recipe):
+        training = twin(x)
+    assert torch.equal(first, second) and torch.equal(first, third)
+    assert torch.equal(first, training.detach())
+
+
+def test_calibration_under_no_grad_still_sets_the_scales():
+    recipe = DelayedScaling(amax_history_len=4)
+    model = make_model("cpu")
+    x = torch.randn(16, 32) * 20
+    with torch.no_grad(), fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe):
+        model(x)
+    first = model[0]
+    assert first.fp8_fwd_scale[0].item() == pytest.approx(448 / x.abs().max().item(), rel=1e-6)
+    # (and a calibrating context inside an FP8 one under no_grad updates too)
+    model = make_model("cpu")
+    with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+        with fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe):
+            model(x)
+    assert model[0].fp8_fwd_scale[0].item() == pytest.approx(448 / x.abs().max().item(),
+                                                             rel=1e-6)
+
+
+def test_grad_mode_at_the_exit_decides():
+    """As in Transformer Engine: no_grad entered inside the context (grad enabled again at its
+    exit) updates as a training forward does; a context entered inside no_grad does not."""
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(16, 32) * 7
+    inside, outside = make_model("cpu"), make_model("cpu")
+    with fp8_autocast(fp8_recipe=recipe), torch.no_grad():
+        inside(x)
+    with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+        outside(x)
+    assert inside[0].fp8_fwd_scale[0].item() == pytest.approx(448 / x.abs().max().item(),
+                                                              rel=1e-6)
+    assert outside[0].fp8_fwd_scale[0].item() == 1.0
+    assert not outside[0].fp8_fwd_amax_history.any(), "nothing kept for the next step"
+
+
+def test_an_evaluation_amax_is_not_folded_into_the_next_training_step():
+    """The evaluation's amaxes are not folded into the next training step's (a larger
+    evaluation amax would otherwise set that step's scale)."""
+    recipe = DelayedScaling(amax_history_len=1)
+    plain, evaluated = make_model("cpu"), make_model("cpu")
+    with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+        evaluated(torch.randn(16, 32) * 1000)
+    batches = step_batches(torch.Generator().manual_seed(3), 3, 16, 32)
+    assert_bit_identical(train(evaluated, evaluated, batches, recipe),
+                         train(plain, plain, batches, recipe))
