@@ -230,6 +230,11 @@ def test_quantize_errors_name_the_argument(gen):
         quantize_blockwise(x.double(), 1, 128)
     with pytest.raises(RuntimeError, match="argument 'fp8_dtype'"):
         quantize_blockwise(x, 1, 128, torch.bfloat16)
+    # (the operator's bool would take None as False: an fp32 scale where 2**k was asked)
+    with pytest.raises(TypeError, match="power_2_scale must be True or False, got NoneType"):
+        quantize_blockwise(x, 1, 128, torch.float8_e4m3fn, None)
+    with pytest.raises(TypeError, match="with_transpose must be True or False, got int"):
+        quantize_blockwise(x, 1, 128, torch.float8_e4m3fn, True, 1)
 
 
 def test_gemm_errors_name_the_argument(gen):

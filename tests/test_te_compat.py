@@ -244,6 +244,36 @@ def test_linear_takes_transformer_engines_arguments():
         te.Linear(32, 48, parameters_split={"q": 16, "k": 16})
 
 
+@pytest.mark.parametrize("module", ["linear", "layernorm_linear"])
+def test_init_method_initialises_each_split_part_as_its_own_weight(module):
+    """A fan-based init_method sees each part's shape, as in Transformer Engine (it saw the
+    joined [48, 32] weight: xavier's bound sqrt(6 / 80) instead of sqrt(6 / 48)); biases zero;
+    reset_parameters() gives the same distribution."""
+    seen = []
+
+    def init(weight):
+        seen.append(tuple(weight.shape))
+        torch.nn.init.ones_(weight)
+
+    split = {"query": 16, "key": 16, "value": 16}
+    make = {"linear": lambda: te.Linear(32, 48, init_method=init, parameters_split=split),
+            "layernorm_linear": lambda: te.LayerNormLinear(32, 48, init_method=init,
+                                                           parameters_split=split)}[module]
+    layer = make()
+    assert seen == [(16, 32)] * 3
+    assert all(getattr(layer, f"{n}_bias").count_nonzero() == 0 for n in split)
+    torch.manual_seed(0)
+    xavier = {"linear": lambda: te.Linear(32, 3 * 1024, init_method=torch.nn.init.xavier_uniform_,
+                                          parameters_split=("q", "k", "v")),
+              "layernorm_linear": lambda: te.LayerNormLinear(
+                  32, 3 * 1024, init_method=torch.nn.init.xavier_uniform_,
+                  parameters_split=("q", "k", "v"))}[module]()
+    bound = (6 / (32 + 1024)) ** 0.5  # one part's fans
+    for name in ("q_weight", "k_weight", "v_weight"):
+        weight = getattr(xavier, name)
+        assert weight.abs().max() <= bound and weight.abs().max() > 0.95 * bound
+
+
 @pytest.mark.parametrize("kind", ["linear", "layernorm_linear", "mlp", "grouped"])
 def test_return_bias_without_bias_is_an_empty_tensor(kind):
     module = {"linear": lambda: te.Linear(32, 16, bias=False, return_bias=True),

@@ -135,13 +135,13 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
         self._init_te_module(fuse_wgrad_accumulation, delay_wgrad_compute)
         self.return_bias = bool(return_bias)
         self.init_method = init_method
-        if init_method is not None and not self.weight.is_meta:
-            self._init_te_parameters(self.weight, self.bias)
         weight, bias_param = self._parameters.pop("weight"), self._parameters.pop("bias")
         self._register_gemm_parameter("weight", weight.data if parts else weight, parts)
         self._register_gemm_parameter(
             "bias", None if bias_param is None else (bias_param.data if parts else bias_param),
             parts)
+        if init_method is not None and not weight.is_meta:
+            self._init_te_parameters()
         if recipe is None:
             recipe = _autocast.init_recipe()  # from quantized_model_init, if any
         self._register_fp8_state(self.weight_nk().device, history_len_for(recipe))
@@ -158,11 +158,15 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
         self.return_bias = False
         self.init_method = None
 
-    def _init_te_parameters(self, weight, bias) -> None:
-        self.init_method(weight)
-        if bias is not None:
-            with torch.no_grad():
-                bias.zero_()
+    def _init_te_parameters(self) -> None:
+        """init_method on each weight Parameter (each part of a split weight, as Transformer
+        Engine does: a fan-based init sees the part's shape), zero biases."""
+        for weight in self._parameters_of("weight"):
+            self.init_method(weight)
+        with torch.no_grad():
+            for bias in self._parameters_of("bias"):
+                if bias is not None:
+                    bias.zero_()
 
     def weight_nk(self, routed: bool = False) -> torch.Tensor:
         """The weight as [out_features, in_features] (the Parameter itself, or its parts joined

@@ -53,6 +53,10 @@ def quantize_blockwise(x: torch.Tensor, block_rows: int = 1, block_cols: int = B
         check_wrapper_arguments("quantize_blockwise", tensors={"x": x},
                                 dtypes={"fp8_dtype": fp8_dtype},
                                 ints={"block_rows": block_rows, "block_cols": block_cols})
+    for name, flag in (("power_2_scale", power_2_scale), ("with_transpose", with_transpose)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"quantize_blockwise: {name} must be True or False, got "
+                            f"{type(flag).__name__}")
     return _ops.quantize_blockwise(x, block_rows, block_cols, fp8_dtype, power_2_scale,
                                    with_transpose)
 
