@@ -201,6 +201,10 @@ class TensorQuantizer(Quantizer):
         return Quantized(x_fp8, x_t_fp8, scale_inv, scale_inv, scale), extra
 
 
+def _scales_of(q: Quantized) -> Quantized:
+    return Quantized(None, None, q.scale_inv, None, q.scale)
+
+
 @dataclass
 class Fp8Plan:
     """Everything one FP8 GEMM's forward and backward need besides the tensors: a quantizer per
@@ -243,8 +247,11 @@ class Fp8Plan:
             backward_step.note_compiled_backward()
 
     def keep_used(self, x_q: Quantized, w_q: Quantized) -> None:
-        if not torch.compiler.is_compiling():  # for checkpoint replay, which runs eagerly
-            self.used = (x_q, w_q)
+        """Keep the scales the forward's operands were cast with, for checkpoint replay (which
+        runs eagerly). Not their FP8 data: the plan lives until backward, which keeps only
+        the transposed copies it reads (holding the rest doubled the FP8 activations kept)."""
+        if not torch.compiler.is_compiling():
+            self.used = (_scales_of(x_q), _scales_of(w_q))
 
     def for_replay(self) -> "Fp8Plan":
         """The plan that repeats this forward exactly (activation checkpointing)."""
