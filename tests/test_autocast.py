@@ -432,3 +432,30 @@ def test_torch_func_transforms_are_refused_and_leave_the_state_alone(module, tra
     for got, expected in zip(_train_steps(layer, recipe), _train_steps(reference, recipe)):
         for g, e in zip(got, expected):
             assert torch.equal(g, e)
+
+
+def test_a_recipe_made_anew_at_every_step_keeps_no_state_per_step():
+    """A new lambda at every step makes a recipe unequal to the last: the autocast states and
+    steps kept for it stay bounded (they grew by one per step, never freed), and training
+    is bit for bit that of one recipe object."""
+    from transformer_fp8.quantization import autocast as autocast_module
+
+    torch.manual_seed(0)
+    fresh, single = tfp8.Linear(32, 16), tfp8.Linear(32, 16)
+    single.load_state_dict(fresh.state_dict())
+    one = DelayedScaling(amax_history_len=2, amax_compute_algo=lambda h: h.max(dim=0).values)
+    steps = autocast_module.MAX_KEPT_RECIPES + 20
+    for step in range(steps):
+        x = torch.randn(8, 32) * (step % 5 + 1)
+        recipe = DelayedScaling(amax_history_len=2,
+                                amax_compute_algo=lambda h: h.max(dim=0).values)
+        for layer, r in ((fresh, recipe), (single, one)):
+            with fp8_autocast(fp8_recipe=r):
+                out = layer(x)
+            out.square().sum().backward()
+    assert len(autocast_module._STATES) <= autocast_module.MAX_KEPT_RECIPES
+    assert len(autocast_module._STEP_KEYS) <= autocast_module.MAX_KEPT_RECIPES
+    assert len(autocast_module._LOCAL.kept_steps) <= autocast_module.MAX_KEPT_RECIPES
+    assert torch.equal(fresh.weight.grad, single.weight.grad)
+    for name, buf in fresh.named_buffers():
+        assert torch.equal(buf, dict(single.named_buffers())[name]), name

@@ -92,14 +92,19 @@ def _prepare_steps(state: AutocastState):
     local = _LOCAL
     k = state.step_key
     if k not in local.forward_steps:
-        steps = None if local.isolated else local.kept_steps.get(k)
+        kept = local.kept_steps
+        steps = None if local.isolated else kept.pop(k, None)
         if steps is None:
             everywhere = not local.isolated
             steps = (AmaxStep(state.recipe, state.group, role="fwd",
                               include_unrecorded=everywhere),
                      BackwardStep(state.recipe, state.group, include_unrecorded=everywhere))
-            if everywhere:
-                local.kept_steps[k] = steps
+        if not local.isolated:
+            kept[k] = steps  # (the most recently used last; see MAX_KEPT_RECIPES)
+            if len(kept) > MAX_KEPT_RECIPES:
+                for old in [old for old in kept if old not in local.forward_steps][
+                        :len(kept) - MAX_KEPT_RECIPES]:
+                    del kept[old]
         local.forward_steps[k], local.backward_steps[k] = steps
     return k
 
@@ -154,11 +159,28 @@ def _state_for(enabled: bool, recipe: Recipe, group, calibrating: bool = False) 
             and last.enabled is enabled and last.calibrating is calibrating):
         return last  # (the same objects as the last context's: no recipe hashed)
     key = (enabled, recipe, group, calibrating)
-    if key not in _STATES:
+    state = _STATES.pop(key, None)
+    if state is None:
         step_key = _STEP_KEYS.setdefault((recipe, group), object())
-        _STATES[key] = AutocastState(enabled, recipe, group, calibrating, step_key)
-    _LAST_STATE[0] = _STATES[key]
-    return _STATES[key]
+        state = AutocastState(enabled, recipe, group, calibrating, step_key)
+    _STATES[key] = state  # (the most recently used last)
+    if len(_STATES) > MAX_KEPT_RECIPES:
+        _forget_least_recent_state()
+    _LAST_STATE[0] = state
+    return state
+
+
+# How many (recipe, group)s keep their AutocastState and steps: a recipe made anew at every step
+# (a new lambda as amax_compute_algo compares unequal to the last) made one more of each at every
+# step, never freed. Beyond this, the least recently used are forgotten; used again, they are
+# made anew (the modules' states join the new steps, as they do at a recipe change).
+MAX_KEPT_RECIPES = 64
+
+
+def _forget_least_recent_state() -> None:
+    oldest = _STATES.pop(next(iter(_STATES)))
+    if all(state.step_key is not oldest.step_key for state in _STATES.values()):
+        _STEP_KEYS.pop((oldest.recipe, oldest.group), None)
 
 
 class fp8_autocast(contextlib.ContextDecorator):
