@@ -21,6 +21,11 @@ ShardedWeight (fsdp_weight.py). When FSDP2 all-gathers such a weight:
   (fsdp_block_gather.py); what arrives is bit for bit the block cast of the full weight.
 * in the backward (FSDP2 gathers again where it resharded after forward): the forward's form,
   with the forward's scale and no amax recorded, so the backward sees the forward's weight.
+* a weight FSDP2 left gathered from an earlier forward pass (it reshards neither the root
+  after forward nor any module after backward while gradients accumulate): under
+  DelayedScaling its scale may have changed since and this pass has not recorded its amax, so
+  the module's forward gathers it again, here (``gather_again``: the same all-gather, on the
+  FSDP group, at the same point on every rank).
 * anywhere else (outside fp8_autocast, calibration, a module that runs in high precision, a
   recipe other than these, 1x128 weight blocks, shards that cut a 128x128 block, DelayedScaling
   amaxes not reduced over the FSDP group): the high-precision shard, so that the module
@@ -190,8 +195,14 @@ def all_gather_inputs(shard: ShardedWeight, mesh, outer_size, module, mp_policy)
     else:
         data, form = _cast_shard(shard, x, module, form, mesh)
         inputs = (data.view(torch.uint8),)  # one byte per element (any backend moves uint8)
+    delayed_pass = None  # the forward pass whose delayed cast this is (see gather_again)
+    if form.fp8_dtype is not None and form.block is None and isinstance(
+            _module_state(module).recipe if not _in_backward() else None, DelayedScaling):
+        delayed_pass = _autocast.forward_pass_id()
     if not _in_backward():
-        shard._forward_form = form
+        shard._forward_form, shard._forward_pass = form, delayed_pass
+    else:
+        delayed_pass = getattr(shard, "_forward_pass", None)
     layout = (form.fp8_dtype is None, form.block is None, inputs[0].dtype)
     if shard._last_layout is not None and shard._last_layout != layout:
         _drop_fsdp_buffers(shard)
@@ -199,7 +210,9 @@ def all_gather_inputs(shard: ShardedWeight, mesh, outer_size, module, mp_policy)
     # FSDP2 gathers equal pieces: pad this shard's rows (and row blocks) to the padded size.
     padded_rows = math.ceil(outer_size[0] / mesh.size())
     sizes = (padded_rows, padded_rows // BLOCK)  # the data's rows, the block scales' rows
-    return tuple(_pad_rows(t, n) for t, n in zip(inputs, sizes)), (form, outer_size[0])
+    source = (shard, mesh, outer_size, module, mp_policy)
+    return (tuple(_pad_rows(t, n) for t, n in zip(inputs, sizes)),
+            (form, outer_size[0], delayed_pass, source))
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -213,7 +226,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def gathered_weight(all_gather_outputs, metadata, param_dtype, out):
     """fsdp_post_all_gather: the full weight from what arrived (a GatheredFp8Weight, or the
     high-precision tensor), and the tensors whose storage FSDP2 frees after use."""
-    gathered, (form, rows) = all_gather_outputs[0], metadata
+    gathered, (form, rows, delayed_pass, source) = all_gather_outputs[0], metadata
     if form.fp8_dtype is None:
         if out is not None:
             return None  # out is a view of the same buffer, which FSDP2 has refilled
@@ -225,9 +238,32 @@ def gathered_weight(all_gather_outputs, metadata, param_dtype, out):
         data, scale_inv = gathered.view(form.fp8_dtype)[:rows], form.scale_inv
     if out is not None:
         out._refill(data, form.scale, scale_inv, form.block)
+        out._delayed_pass, out._source = delayed_pass, source
         return None
-    return (GatheredFp8Weight(data, form.scale, scale_inv, param_dtype, block=form.block),
-            tuple(all_gather_outputs))
+    weight = GatheredFp8Weight(data, form.scale, scale_inv, param_dtype, block=form.block)
+    weight._delayed_pass, weight._source = delayed_pass, source
+    return weight, tuple(all_gather_outputs)
+
+
+def gather_again(weight: GatheredFp8Weight) -> None:
+    """All-gather ``weight`` again, in place, as FSDP2 would for this forward (a weight it left
+    gathered from an earlier forward pass cast with that pass's delayed scale: see the module
+    docstring): each rank casts its shard with the current scale and records its amax, and
+    the pieces are all-gathered on the FSDP group."""
+    shard, mesh, outer_size, module, mp_policy = weight._source
+    inputs, metadata = all_gather_inputs(shard, mesh, outer_size, module, mp_policy)
+    if metadata[0].fp8_dtype is None or metadata[0].block is not None:
+        raise RuntimeError("fp8_all_gather: a weight left gathered in FP8 by FSDP2 is to be "
+                           "gathered again in another form (the recipe changed between two "
+                           "forward passes without a reshard); call reshard() on the FSDP "
+                           "modules first")
+    outputs = []
+    for piece in inputs:
+        out = piece.new_empty((piece.shape[0] * mesh.size(),) + tuple(piece.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, piece.contiguous(),
+                                                 group=mesh.get_group())
+        outputs.append(out)
+    gathered_weight(outputs, metadata, weight.dtype, weight)
 
 
 def _drop_fsdp_buffers(shard: ShardedWeight) -> None:

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .. import ops
 from ..ops.blockwise import BLOCK, scale_shape_and_strides
+from ..quantization.autocast import forward_pass_id
 from ..quantization.quantizer import Quantized, TensorQuantizer
 
 aten = torch.ops.aten
@@ -116,6 +117,10 @@ class GatheredFp8Weight(torch.Tensor):
     def __init__(self, data, scale, scale_inv, dtype, requires_grad: bool = False, block=None):
         self._fp8, self._scale, self._scale_inv = data, scale, scale_inv
         self._block = block
+        # Set by fsdp_all_gather.gathered_weight: the forward pass whose delayed scale it was
+        # cast with (None: not a delayed cast), and how to gather it again (gather_again).
+        self._delayed_pass = None
+        self._source = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -124,7 +129,9 @@ class GatheredFp8Weight(torch.Tensor):
         return f"GatheredFp8Weight(shape={tuple(self.shape)}, fp8_dtype={self._fp8.dtype}, {how})"
 
     def _again(self) -> "GatheredFp8Weight":
-        return type(self)(self._fp8, self._scale, self._scale_inv, self.dtype, block=self._block)
+        again = type(self)(self._fp8, self._scale, self._scale_inv, self.dtype, block=self._block)
+        again._delayed_pass, again._source = self._delayed_pass, self._source
+        return again
 
     def _refill(self, data, scale, scale_inv, block=None) -> None:
         """Point at this step's gathered data and scale(s) (FSDP2 keeps the Parameter object)."""
@@ -143,6 +150,10 @@ class GatheredFp8Weight(torch.Tensor):
         another FP8 dtype than the GEMM asks for."""
         if fp8_dtype != self._fp8.dtype:
             return None
+        if self._delayed_pass is not None and self._delayed_pass != forward_pass_id():
+            # Cast with an earlier pass's delayed scale, its amax not recorded in this pass.
+            from .fsdp_all_gather import gather_again
+            gather_again(self)
         data_t = self._fp8.t().contiguous() if with_transpose else None
         if self._block is None:
             return Quantized(self._fp8, data_t, self._scale_inv, self._scale_inv, self._scale)
