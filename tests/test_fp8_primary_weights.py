@@ -326,3 +326,29 @@ def test_a_converted_copy_of_a_weight_is_independent_of_it(convert):
         copy.copy_(torch.randn(48, 32) * 7)
     assert_bitwise_equal(weight.dequantize(), changed, "the weight after a write to the copy")
     assert not torch.equal(original, changed)
+
+
+@pytest.mark.parametrize("recipe", [tfp8.DelayedScaling(amax_history_len=4),
+                                    tfp8.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("module", ["linear", "layernorm_mlp"])
+def test_compiled_fp8_weights_train_as_eager(module, recipe):
+    """torch.compile (aot_eager): the FP8 step of a layer with FP8 weights runs eagerly (a
+    graph break), so the weights get their gradients (the trace took the weight's inner
+    tensors as inputs: every weight gradient was None, no error) and training is bit for bit
+    eager's, over steps whose scales change."""
+    import copy
+
+    from integration_compare import assert_bit_identical, step_batches, train
+
+    torch.manual_seed(0)
+    with tfp8.quantized_model_init(recipe=recipe):
+        eager = (tfp8.Linear(64, 32) if module == "linear" else tfp8.LayerNormMLP(64, 128))
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    run = torch.compile(compiled, backend="aot_eager")
+    batches = step_batches(torch.Generator().manual_seed(1), 3, 16, 64)
+    got = train(compiled, run, batches, recipe, lr=0.01)
+    expected = train(eager, eager, batches, recipe, lr=0.01)
+    assert all(g is not None for step in got for name, g in step.grads.items()
+               if "weight" in name), "every weight got a gradient"
+    assert_bit_identical(got, expected)

@@ -123,9 +123,11 @@ class Fp8StateMixin(Fp8State):
         recipe's quantizers, see quantization/roles.py), then _fp8_apply; keeps a replay record
         when activation checkpointing will recompute it."""
         if torch.compiler.is_compiling() and any(
-                isinstance(w, GatheredFp8Weight) for w in self.fp8_weights()):
-            # A weight all-gathered in FP8 by FSDP2 (a tensor subclass) cannot enter a traced
-            # autograd.Function: this layer's FP8 step runs eagerly (a graph break).
+                isinstance(w, (GatheredFp8Weight, Fp8Weight)) for w in self.fp8_weights()):
+            # A weight all-gathered in FP8 by FSDP2, or an FP8 primary weight (tensor
+            # subclasses), cannot enter a traced autograd.Function (the trace takes the
+            # subclass's inner tensors as inputs: the weight got no gradient): this layer's FP8
+            # step runs eagerly (a graph break).
             return self._fp8_run_eagerly(inp, state, is_first_microbatch, *args)
         quantizers, backward_step = quantizers_for_step(state.recipe, self, state)
         if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
