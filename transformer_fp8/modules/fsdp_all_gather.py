@@ -195,14 +195,16 @@ def all_gather_inputs(shard: ShardedWeight, mesh, outer_size, module, mp_policy)
     else:
         data, form = _cast_shard(shard, x, module, form, mesh)
         inputs = (data.view(torch.uint8),)  # one byte per element (any backend moves uint8)
-    delayed_pass = None  # the forward pass whose delayed cast this is (see gather_again)
-    if form.fp8_dtype is not None and form.block is None and isinstance(
-            _module_state(module).recipe if not _in_backward() else None, DelayedScaling):
-        delayed_pass = _autocast.forward_pass_id()
-    if not _in_backward():
-        shard._forward_form, shard._forward_pass = form, delayed_pass
+    # The forward pass whose delayed scale the cast used (see gather_again), None for any
+    # other form; the backward's gather repeats the forward's.
+    if _in_backward():
+        delayed_pass = shard._forward_pass
     else:
-        delayed_pass = getattr(shard, "_forward_pass", None)
+        delayed_pass = None
+        if form.fp8_dtype is not None and form.block is None and isinstance(
+                _module_state(module).recipe, DelayedScaling):
+            delayed_pass = _autocast.forward_pass_id()
+        shard._forward_form, shard._forward_pass = form, delayed_pass
     layout = (form.fp8_dtype is None, form.block is None, inputs[0].dtype)
     if shard._last_layout is not None and shard._last_layout != layout:
         _drop_fsdp_buffers(shard)
@@ -257,13 +259,16 @@ def gather_again(weight: GatheredFp8Weight) -> None:
                            "gathered again in another form (the recipe changed between two "
                            "forward passes without a reshard); call reshard() on the FSDP "
                            "modules first")
-    outputs = []
-    for piece in inputs:
-        out = piece.new_empty((piece.shape[0] * mesh.size(),) + tuple(piece.shape[1:]))
-        torch.distributed.all_gather_into_tensor(out, piece.contiguous(),
-                                                 group=mesh.get_group())
-        outputs.append(out)
-    gathered_weight(outputs, metadata, weight.dtype, weight)
+    (piece,) = inputs
+    gathered = piece.new_empty((piece.shape[0] * mesh.size(),) + tuple(piece.shape[1:]))
+    torch.distributed.all_gather_into_tensor(gathered, piece.contiguous(), group=mesh.get_group())
+    form, rows, delayed_pass, _ = metadata
+    # Into FSDP2's buffer, which the weight's data views (same form, same size): FSDP2 frees
+    # it at its reshard, as after its own all-gather. (The transposed copies the earlier
+    # passes' backward reads are copies of their own.)
+    weight._fp8.copy_(gathered.view(form.fp8_dtype)[:rows])
+    weight._scale, weight._scale_inv, weight._delayed_pass = (form.scale, form.scale_inv,
+                                                              delayed_pass)
 
 
 def _drop_fsdp_buffers(shard: ShardedWeight) -> None:

@@ -65,6 +65,7 @@ class ShardedWeight(torch.Tensor):
         # The last forward's all-gather (fsdp_all_gather.GatherForm), repeated by the
         # backward's, and the layout of the last all-gather (FSDP2 keeps its buffers).
         self._forward_form = None
+        self._forward_pass = None  # the forward pass of that form's delayed cast, if any
         self._last_layout = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
