@@ -79,11 +79,13 @@ def mean_square(out: torch.Tensor) -> torch.Tensor:
 
 
 def train(model: torch.nn.Module, run: Callable, batches: list, recipe, *, lr: float = 0.1,
-          loss_fn: Callable = mean_square, input_grad: bool = True) -> list:
+          loss_fn: Callable = mean_square, input_grad: bool = True,
+          backward: Callable = torch.Tensor.backward, outputs: Optional[list] = None) -> list:
     """One SGD step per batch: ``loss_fn(run(x))`` with the forward inside fp8_autocast under
-    ``recipe``, backward outside it. Returns a StepRecord per step, taken after backward and
-    before the optimizer step. ``run`` is the model itself, its compiled form, a wrapper that
-    checkpoints it, ...; ``input_grad``: whether x (a float batch) requires grad."""
+    ``recipe``, ``backward(loss)`` outside it. Returns a StepRecord per step, taken after
+    backward and before the optimizer step. ``run`` is the model itself, its compiled form, a
+    wrapper that checkpoints it, ...; ``input_grad``: whether x (a float batch) requires grad;
+    ``outputs``: a list that keeps every step's output (and so its graph) alive."""
     import transformer_fp8 as tfp8
 
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -95,7 +97,9 @@ def train(model: torch.nn.Module, run: Callable, batches: list, recipe, *, lr: f
         with tfp8.fp8_autocast(fp8_recipe=recipe):
             out = run(x)
         loss = loss_fn(out)
-        loss.backward()
+        backward(loss)
+        if outputs is not None:
+            outputs.append(out)
         records.append(record_step(loss, model, {"input": x} if x.requires_grad else None))
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -398,18 +398,11 @@ def test_a_retained_graph_backpropagated_twice_replays_the_same_casts(recipe):
     checkpointed = copy.deepcopy(plain)
     checkpointed.checkpoint = "reentrant"
     batches = step_batches(torch.Generator().manual_seed(2), 3, 24, 32)
-    records = {}
-    for name, model in (("plain", plain), ("checkpointed", checkpointed)):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        records[name] = []
-        for x in batches:
-            x = x.clone().requires_grad_(True)
-            with fp8_autocast(fp8_recipe=recipe):
-                out = model(x)
-            loss = out.square().mean()
-            loss.backward(retain_graph=True)
-            (loss * 3).backward()
-            records[name].append(record_step(loss, model, {"input": x}))
-            opt.step()
-            opt.zero_grad()
-    assert_bit_identical(records["checkpointed"], records["plain"])
+
+    def backward_twice(loss):
+        loss.backward(retain_graph=True)
+        (loss * 3).backward()
+
+    assert_bit_identical(train(checkpointed, checkpointed, batches, recipe,
+                               backward=backward_twice),
+                         train(plain, plain, batches, recipe, backward=backward_twice))

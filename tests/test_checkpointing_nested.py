@@ -115,6 +115,11 @@ def test_three_levels_of_nesting_are_bit_identical(modes):
     assert not _pending(nested)
 
 
+def backward_twice(loss) -> None:
+    loss.backward(retain_graph=True)
+    (loss * 3).backward()
+
+
 @pytest.mark.parametrize("inner", MODES)
 @pytest.mark.parametrize("outer", MODES)
 def test_nested_retained_graph_backpropagated_twice(outer, inner):
@@ -127,22 +132,8 @@ def test_nested_retained_graph_backpropagated_twice(outer, inner):
     nested.modes = (outer, inner)
     recipe = DelayedScaling(amax_history_len=2)
     batches = step_batches(torch.Generator().manual_seed(2), 3, 16, 32)
-    records = []
-    for model in (plain, nested):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        runs = []
-        for x in batches:
-            x = x.clone().requires_grad_(True)
-            with fp8_autocast(fp8_recipe=recipe):
-                out = model(x)
-            loss = out.square().mean()
-            loss.backward(retain_graph=True)
-            (loss * 3).backward()
-            runs.append(record_step(loss, model, {"input": x}))
-            opt.step()
-            opt.zero_grad()
-        records.append(runs)
-    assert_bit_identical(records[1], records[0])
+    assert_bit_identical(train(nested, nested, batches, recipe, backward=backward_twice),
+                         train(plain, plain, batches, recipe, backward=backward_twice))
 
 
 class SharedAcrossRegions(torch.nn.Module):
@@ -171,22 +162,9 @@ def test_a_layer_in_a_nested_region_and_in_a_region_of_its_own(mode):
     nested.mode = mode
     recipe = DelayedScaling(amax_history_len=1)  # (each call's scales its own step's amax)
     batches = step_batches(torch.Generator().manual_seed(3), 4, 8, 32)
-    records, kept = [], []
-    for model in (plain, nested):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        runs = []
-        for x in batches:
-            x = x.clone().requires_grad_(True)
-            with fp8_autocast(fp8_recipe=recipe):
-                out = model(x)
-            loss = out.square().mean()
-            loss.backward()
-            kept.append(out)  # (the graph stays referenced)
-            runs.append(record_step(loss, model, {"input": x}))
-            opt.step()
-            opt.zero_grad()
-        records.append(runs)
-    assert_bit_identical(records[1], records[0])
+    kept = []  # (the graphs stay referenced, and with them the regions' records)
+    assert_bit_identical(train(nested, nested, batches, recipe, outputs=kept),
+                         train(plain, plain, batches, recipe, outputs=kept))
 
 
 class NestedFusedModel(torch.nn.Module):
