@@ -332,3 +332,50 @@ def test_a_module_whose_load_fails_keeps_its_whole_fp8_state():
             assert v.shape == before[k].shape and torch.equal(v, before[k]), k
     with fp8_autocast(fp8_recipe=RECIPE):  # and it trains
         layer(torch.randn(4, 32)).sum().backward()
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "nonstrict"])
+def test_an_amax_history_without_rows_is_refused_naming_the_key(strict):
+    """A history of 0 rows loaded, then every later fp8_autocast raised IndexError."""
+    state = _trained_layer_state()
+    state["fp8_fwd_amax_history"] = torch.zeros(0, state["fp8_fwd_amax_history"].shape[1])
+    layer = tfp8.Linear(32, 32)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(RuntimeError, match="fp8_fwd_amax_history: an amax history needs at "
+                                           "least one row"):
+        layer.load_state_dict(state, strict=strict)
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with fp8_autocast(fp8_recipe=RECIPE):
+        layer(torch.randn(4, 32)).sum().backward()
+
+
+def test_a_failed_load_of_a_plain_checkpoint_names_no_fp8_key_missing():
+    """A plain nn.Linear checkpoint (complete without FP8 keys) with a weight of the wrong
+    shape: the error names the weight, and no FP8 key as missing."""
+    state = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16)).state_dict()
+    state["1.weight"] = torch.zeros(16, 31)
+    model = torch.nn.Sequential(tfp8.Linear(32, 32), tfp8.Linear(32, 16))
+    with pytest.raises(RuntimeError, match="size mismatch for 1.weight") as raised:
+        model.load_state_dict(state)
+    assert "fp8_" not in str(raised.value)
+
+
+def test_load_fp8_state_takes_a_layer_held_under_two_names():
+    """A model holding one Linear at two places (its state_dict has both names): its own
+    state_dict loads (it was refused: 'FP8 state for layers the model does not have')."""
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = tfp8.Linear(32, 32)
+            self.b = self.a
+
+    source = Shared()
+    source.a.load_state_dict(_trained_layer_state())
+    target = Shared()
+    loaded = tfp8.load_fp8_state(target, source.state_dict())
+    assert sorted(loaded) == ["a", "b"]
+    for key, value in source.state_dict().items():
+        if "fp8_" in key:
+            assert torch.equal(target.state_dict()[key], value), key

@@ -292,3 +292,22 @@ def test_a_corrupt_transformer_engine_state_is_refused_naming_it(bad):
         layer.load_state_dict(checkpoint, strict=True)
     for key, value in before.items():
         assert torch.equal(layer.state_dict()[key], value), key
+
+
+def test_a_failed_load_leaves_the_fp8_state_of_transformer_engine_extra_state_unapplied():
+    """A checkpoint whose weight has the wrong shape: load_state_dict raises, and the module's
+    FP8 state is as before (the extra state was applied even though the load failed)."""
+    length = 4
+    te_state = {"recipe": DelayedScalingTE(margin=0, amax_history_len=length),
+                "scale_fwd": torch.full((3,), 2.0), "amax_history_fwd": torch.rand(length, 3),
+                "scale_bwd": torch.full((2,), 3.0), "amax_history_bwd": torch.rand(length, 2),
+                "extra_fp8_variables": {"num_gemms": 1, "fp8_checkpoint": True}}
+    checkpoint = te.strip_fp8_state(te.Linear(32, 16).state_dict())
+    checkpoint["weight"] = torch.zeros(16, 31)
+    checkpoint["_extra_state"] = te_extra_state(te_state)
+    module = te.Linear(32, 16)
+    before = {k: v.clone() for k, v in module.state_dict().items() if "fp8_" in k}
+    with pytest.raises(RuntimeError, match="size mismatch for weight"):
+        module.load_state_dict(checkpoint)
+    for key, value in before.items():
+        assert torch.equal(module.state_dict()[key], value), key

@@ -69,7 +69,9 @@ def load_fp8_state(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, d
     else:
         raise TypeError("load_fp8_state: 'checkpoint' must be a directory path or a state_dict, "
                         f"got {type(checkpoint).__name__}")
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8State)}
+    # (Every name of a layer the model holds at several places: its state_dict has each.)
+    layers = {name: m for name, m in model.named_modules(remove_duplicate=False)
+              if isinstance(m, Fp8State)}
     if not layers:
         raise ValueError("load_fp8_state: the model has no FP8 layers; convert it first "
                          "(transformer_fp8.convert_to_fp8(model, recipe=...))")

@@ -135,8 +135,11 @@ class TeModuleMixin:
             if error is not None:
                 error_msgs.append(error)  # load_state_dict raises
                 return
+        errors_before = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if len(error_msgs) > errors_before:
+            te_state = None  # the module's load failed: its FP8 state stays as it was
         for name in self._parameters:  # a checkpoint of FP8 weights: its dequantised values load
             if prefix + name + SCALE_INV_SUFFIX in unexpected_keys:
                 unexpected_keys.remove(prefix + name + SCALE_INV_SUFFIX)

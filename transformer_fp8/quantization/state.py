@@ -362,6 +362,10 @@ class Fp8State:
                     if buffer.shape != data.shape:
                         buffer.data = data
                     buffer.copy_(values)
+            if not present:  # (a checkpoint without FP8 state is complete: not "missing")
+                for key in FP8_STATE_KEYS:
+                    if prefix + key in missing_keys:
+                        missing_keys.remove(prefix + key)
             return  # load_state_dict raises
         self._assigned_state_made_usable()
         if not present:

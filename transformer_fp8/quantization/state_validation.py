@@ -76,7 +76,11 @@ def fp8_state_error(module: torch.nn.Module, state_dict: dict, prefix: str) -> O
                     f"whose product is not 1{note}; refusing to load an FP8 state whose scale "
                     "and scale_inv disagree")
     for key in ("fp8_fwd_amax_history", "fp8_bwd_amax_history"):
-        values = _values(state_dict.get(prefix + key))
+        incoming = state_dict.get(prefix + key)
+        if isinstance(incoming, torch.Tensor) and incoming.dim() == 2 and incoming.shape[0] < 1:
+            return (f"{prefix}{key}: an amax history needs at least one row (amax_history_len "
+                    f">= 1), got shape {tuple(incoming.shape)}; refusing to load it")
+        values = _values(incoming)
         if values is not None and (values < 0).any():
             return (f"{prefix}{key}: amaxes are never negative, {_first_bad(values < 0, values)}; "
                     "refusing to load a corrupt FP8 state")
