@@ -379,3 +379,22 @@ def test_load_fp8_state_takes_a_layer_held_under_two_names():
     for key, value in source.state_dict().items():
         if "fp8_" in key:
             assert torch.equal(target.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("fields", [[0, 9, 4, 0], [-5, 2, 4, 0], [0, 2, 0, 0], [0, 2, 4, 7],
+                                    [0.0, 2.0, 4.0, 0.0], [0, 2, 4]],
+                         ids=["format", "margin", "length", "algo", "float", "short"])
+def test_a_corrupt_recipe_record_is_refused_naming_the_key(fields):
+    """fp8_recipe_fields is a record of the recipe (margin, format, amax_history_len, algo): a
+    value no recipe has (or a float / wrong-length tensor, which copy_ would take) is refused,
+    the layer's FP8 state unchanged (it loaded silently)."""
+    state = _trained_layer_state()
+    state["fp8_recipe_fields"] = torch.tensor(fields)
+    layer = tfp8.Linear(32, 32)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(RuntimeError, match="fp8_recipe_fields"):
+        layer.load_state_dict(state)
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    state["fp8_recipe_fields"] = torch.tensor([-1, -1, -1, -1])  # (a state never used)
+    layer.load_state_dict(state)

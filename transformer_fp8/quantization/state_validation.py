@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from .recipe import MAX_MARGIN
+
 # scale_inv is 1/scale rounded to float32 (subnormal when scale is near FLT_MAX): their product
 # is 1 to within a few float32 ulps, far tighter than any scale that was paired by mistake.
 _PAIR_TOLERANCE = 1e-5
@@ -84,4 +86,25 @@ def fp8_state_error(module: torch.nn.Module, state_dict: dict, prefix: str) -> O
         if values is not None and (values < 0).any():
             return (f"{prefix}{key}: amaxes are never negative, {_first_bad(values < 0, values)}; "
                     "refusing to load a corrupt FP8 state")
+    return _recipe_record_error(state_dict.get(prefix + "fp8_recipe_fields"), prefix)
+
+
+def _recipe_record_error(fields, prefix: str) -> Optional[str]:
+    """Why a loaded fp8_recipe_fields (margin, format, amax_history_len, algo; all -1 for a
+    state never used) is not a recipe record, or None."""
+    if fields is None or not isinstance(fields, torch.Tensor) or fields.is_meta:
+        return None  # (absent: the module's own is kept; meta: nothing to check)
+    key = prefix + "fp8_recipe_fields"
+    if fields.is_floating_point() or fields.is_complex() or fields.dtype == torch.bool \
+            or fields.shape != (4,):
+        return (f"{key}: the recipe record must be 4 integers (margin, format, "
+                f"amax_history_len, algo), got {fields.dtype} of shape {tuple(fields.shape)}; "
+                "refusing to load it")
+    margin, fmt, length, algo = fields.tolist()
+    if [margin, fmt, length, algo] == [-1] * 4:
+        return None
+    if not (0 <= margin <= MAX_MARGIN and fmt in (0, 1, 2) and length >= 1 and algo in (0, 1, 2)):
+        return (f"{key}: {[margin, fmt, length, algo]} is not a recipe record (margin in [0, "
+                f"{MAX_MARGIN}], format 0-2, amax_history_len >= 1, algo 0-2, or all -1); "
+                "refusing to load a corrupt FP8 state")
     return None
