@@ -57,7 +57,7 @@ def ordinal(c: torch.Tensor) -> torch.Tensor:
 
 def assert_fp8_close(out: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """NaN where expected has NaN (any sign); elsewhere at most one code apart, on at most
-    MAX_ONE_CODE_FRACTION of the elements."""
+    MAX_ONE_CODE_FRACTION of the elements (or one)."""
     assert out.dtype == expected.dtype and out.shape == expected.shape, what
     o, e = out.detach().cpu(), expected.detach().cpu()
     o_nan, e_nan = torch.isnan(o.float()), torch.isnan(e.float())
@@ -65,8 +65,11 @@ def assert_fp8_close(out: torch.Tensor, expected: torch.Tensor, what: str) -> No
     diff = (ordinal(codes(o)) - ordinal(codes(e))).abs()[~e_nan]
     assert diff.numel() == 0 or diff.max().item() <= 1, \
         f"{what}: codes differ by up to {diff.max().item()}"
-    fraction = (diff > 0).float().mean().item() if diff.numel() else 0.0
-    assert fraction <= MAX_ONE_CODE_FRACTION, f"{what}: {fraction:.2e} of the codes differ"
+    # (at least one code may differ: on 8 elements one is already 12%)
+    allowed = max(1, int(MAX_ONE_CODE_FRACTION * diff.numel()))
+    differing = int((diff > 0).sum())
+    assert differing <= allowed, \
+        f"{what}: {differing} of {diff.numel()} codes differ (at most {allowed})"
 
 
 def scaled_tol(dtype, reference: torch.Tensor) -> dict:
@@ -761,3 +764,22 @@ def test_torch_compile(device, gen, dynamic):
         for i, (g, e) in enumerate(zip(got, expected)):
             assert_bitwise_equal(g, e, f"output {i}")
         assert_bitwise_equal(compiled_amax, eager_amax, "amax updated in the compiled graph")
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_norm_with_negative_zero_weight_keeps_the_sign(device, gen, norm):
+    """A weight of -0.0 (not zero-centred): y = xhat * -0.0 is a zero whose sign is xhat's
+    opposite, on every device as on the CPU (the CUDA kernel added gamma_shift 0.0 to the
+    weight, which turned -0.0 into +0.0: FP8 byte 0x00 where the CPU writes 0x80)."""
+    rows, cols = 5, 64
+    x = make_x(gen, rows, cols, torch.float32, device)
+    w = torch.full((cols,), -0.0, device=device)
+    s = scalar(4.0, device)
+    got = norm_fwd_fp8(norm, x, w, None, 1e-5, False, s, E4M3, None, True, True, 16)
+    cpu = norm_fwd_fp8(norm, x.cpu(), w.cpu(), None, 1e-5, False, s.cpu(), E4M3, None, True,
+                       True, 16)
+    assert torch.equal(torch.signbit(got[2]).cpu(), torch.signbit(cpu[2]))
+    assert torch.signbit(cpu[2]).any() and (~torch.signbit(cpu[2])).any()
+    assert_bitwise_equal(got[0], cpu[0], "y_fp8 bytes")
+    assert_bitwise_equal(got[1], cpu[1], "y_t_fp8 bytes")

@@ -27,6 +27,12 @@ int row_threads(int64_t cols, int max_threads) {
   return static_cast<int>(rounded < 32 ? 32 : (rounded > max_threads ? max_threads : rounded));
 }
 
+// gamma: the weight, plus 1 for a zero-centred one (gamma_shift 1): a weight of -0.0 keeps its
+// sign otherwise (-0.0 + 0.0 is +0.0), as the CPU kernel's.
+__device__ __forceinline__ float gamma_of(float weight, float gamma_shift) {
+  return gamma_shift != 0.0f ? weight + gamma_shift : weight;
+}
+
 // The row is read as vectors of kVec elements (kVec = 4 where cols % 4 == 0 and the pointers
 // allow); thread t keeps vectors t + k * blockDim.x, k < kSlots, in registers.
 template <typename InT, Fp8Out kOut, int kVec>
@@ -96,14 +102,15 @@ norm_fwd_kernel(const InT* __restrict__ x, int64_t cols, const float* __restrict
 
   const float scale = kOut != Fp8Out::None ? *scale_ptr : 1.0f;
   float local_amax = 0.0f;
-  // y = ((x - mean) * rstd) * gamma (+ bias), in float32; the FP8 byte is cast from it.
+  // y = ((x - mean) * rstd) * gamma (+ bias), in float32; the FP8 byte is cast from it. Each
+  // step rounded as the CPU kernel rounds it: no fused multiply-add of the bias.
   auto emit = [&](int64_t q, const float (&v)[kVec]) {
     const int64_t j0 = q * kVec;
     float y[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
-      y[e] = (v[e] - mean) * rstd * (weight[j0 + e] + gamma_shift);
-      if (bias != nullptr) y[e] += bias[j0 + e];
+      y[e] = __fmul_rn(__fmul_rn(v[e] - mean, rstd), gamma_of(weight[j0 + e], gamma_shift));
+      if (bias != nullptr) y[e] = __fadd_rn(y[e], bias[j0 + e]);
     }
     if (y_hp != nullptr) {
       Vec pack;
@@ -153,7 +160,7 @@ norm_bwd_dx_kernel(const InT* __restrict__ dy, const InT* __restrict__ x, int64_
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       xhat[e] = (to_float(xp.v[e]) - mean) * rstd;
-      g[e] = to_float(dp.v[e]) * (weight[q * kVec + e] + gamma_shift);
+      g[e] = to_float(dp.v[e]) * gamma_of(weight[q * kVec + e], gamma_shift);
     }
   };
   float xhat_cache[kSlots][kVec], g_cache[kSlots][kVec];
@@ -185,7 +192,8 @@ norm_bwd_dx_kernel(const InT* __restrict__ dy, const InT* __restrict__ x, int64_
   auto store = [&](int64_t q, const float (&xhat)[kVec], const float (&g)[kVec]) {
     Vec pack;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) pack.v[e] = round_to<InT>((g[e] - (xhat[e] * c1 + c2)) * rstd);
+    for (int e = 0; e < kVec; ++e)  // (xhat * c1, then + c2: rounded twice, as on the CPU)
+      pack.v[e] = round_to<InT>((g[e] - __fadd_rn(__fmul_rn(xhat[e], c1), c2)) * rstd);
     store_vec(dx + (row * cols + q * kVec), pack);
   };
 #pragma unroll
