@@ -233,3 +233,47 @@ def test_backward_for_one_parameter_is_bit_identical_to_python_path(recipe, para
                                                                    monkeypatch):
     check_partial_backward(tfp8.LayerNormLinear(IN, OUT), IN, OUT, param, recipe, FUSED_NODE,
                            "NORM_ENABLED", gen, monkeypatch)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4),
+                                    tfp8.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("cls", ["LayerNormLinear", "LayerNormMLP"])
+def test_normalization_switched_on_a_built_module(monkeypatch, cls, recipe):
+    """RMSNorm-built, then normalization='LayerNorm' (no bias): both paths train alike (the
+    Python path's backward returned a bias gradient for the absent bias and raised).
+    LayerNorm-built, then 'RMSNorm' with its bias still there: refused naming it (the C++ step
+    raised, the Python path ignored the bias); with the bias removed first, both paths agree."""
+    make = getattr(tfp8, cls)
+    gen = torch.Generator().manual_seed(3)
+    inputs = [randn(gen, 16, 32, scale=s) for s in (1.0, 6.0, 0.3)]
+    grads = [randn(gen, 16, 48 if cls == "LayerNormLinear" else 32) for _ in inputs]
+
+    def train(layer):
+        results = []
+        for x, g in zip(inputs, grads):
+            x = x.clone().requires_grad_(True)
+            with fp8_autocast(fp8_recipe=recipe):
+                out = layer(x)
+            out.backward(g)
+            results.append([out.detach(), x.grad] + [
+                p.grad.clone() for p in layer.parameters() if p.grad is not None])
+        return results
+
+    for built, switched in (("RMSNorm", "LayerNorm"), ("LayerNorm", "RMSNorm")):
+        torch.manual_seed(0)
+        layer = make(32, 48, normalization=built)
+        if switched == "RMSNorm":
+            with pytest.raises(ValueError, match="layer_norm_bias would be left unused"):
+                layer.normalization = "RMSNorm"
+            layer.layer_norm_bias = None
+        layer.normalization = switched
+        python = copy.deepcopy(layer)
+        fused = train(layer)
+        with monkeypatch.context() as patch:
+            for switch in ("NORM_ENABLED", "NORM_MLP_ENABLED"):
+                patch.setattr(linear_fused_step, switch, False)
+            expected = train(python)
+        for step, (a, b) in enumerate(zip(fused, expected)):
+            assert len(a) == len(b)
+            for u, v in zip(a, b):
+                assert_bitwise_equal(u, v, f"{built}->{switched} step {step}")

@@ -96,6 +96,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                                     ctx.weight_dtype)
         if needs_bias_grad:
             grad_bias = grad_bias.to(ctx.bias_dtype)
+        if not ctx.needs_input_grad[2]:
+            grad_ln_bias = None  # (a LayerNorm without bias, or a frozen one)
         return (grad_inp, grad_ln_weight, grad_ln_bias, grad_weight, grad_bias,
                 None, None, None)
 

@@ -145,6 +145,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             grad_fc1_bias = grad_fc1_bias.to(b1_dtype)
         if grad_fc2_bias is not None:
             grad_fc2_bias = grad_fc2_bias.to(b2_dtype)
+        if not ctx.needs_input_grad[2]:
+            grad_ln_bias = None  # (a LayerNorm without bias, or a frozen one)
         return (grad_inp, grad_ln_weight, grad_ln_bias, grad_fc1_weight, grad_fc1_bias,
                 grad_fc2_weight, grad_fc2_bias, None, None, None, None)
 

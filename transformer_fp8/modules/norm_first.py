@@ -37,6 +37,13 @@ class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
     def __setattr__(self, name, value):
         check = _NORM_OPTIONS.get(name)
         if check is not None and "_norm_step" in self.__dict__:
+            if (name == "normalization" and check(value) == "RMSNorm"
+                    and self.layer_norm_bias is not None):
+                raise ValueError(
+                    f"{type(self).__name__}: normalization='RMSNorm' has no bias, and this "
+                    "module's layer_norm_bias would be left unused (its gradient None); remove "
+                    "it first (module.layer_norm_bias = None) or build the module with "
+                    "normalization='RMSNorm'")
             # The Python path's norm runs from _norm_step, the C++ steps and the
             # high-precision form from the attributes: a change after construction (layer.eps
             # = ...) reaches all of them (the Python path kept the constructor's values).
