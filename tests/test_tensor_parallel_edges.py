@@ -273,3 +273,48 @@ def test_high_precision_checkpointing_microbatches_calibration_dcp(tmp_path):
         for key, value in expected.items():
             assert torch.equal(rank["calibrated"][key], value), key
     assert expected["fc1.fp8_fwd_scale"].ne(1.0).all()  # calibration changed the scales
+
+
+# ---- data-parallel replicas beside the tensor-parallel ranks --------------------------------
+
+def _replica_steps(model, recipe, replica: int) -> list:
+    """3 SGD steps on the replica's own batches (replica 1's 16 times larger), fp8_group left
+    at None: (output, input gradient, every full parameter gradient) per step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = []
+    for step in range(3):
+        x = (batch(step) * (1 + 15 * replica)).requires_grad_(True)
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            out = model(x)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        out.float().square().mean().backward()
+        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for p in model.parameters()]
+        records.append([out.detach().clone(), x.grad.clone()] + [g.clone() for g in grads])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return records
+
+
+def _replicas_worker(rank, out_dir):
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    recipe = tfp8.Float8CurrentScaling()
+    model = parallelize(build(recipe), mesh["tp"])
+    replica = mesh.get_local_rank("dp")
+    torch.save({"replica": replica, "steps": _replica_steps(model, recipe, replica)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_current_scaling_reduces_over_the_weight_mesh_not_the_replicas(tmp_path):
+    """Two data-parallel replicas, each a tensor-parallel mesh of its own, fp8_group=None:
+    each replica trains bit for bit as one process on its own batches (every cast's amax was
+    all-reduced over the whole world: the other replica's batch moved this one's scales, by
+    18-33 dB, and a cast one replica ran alone waited for the other)."""
+    run_ranks(_replicas_worker, (str(tmp_path),), tmp_path)
+    recipe = tfp8.Float8CurrentScaling()
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        expected = _replica_steps(build(recipe), recipe, result["replica"])
+        for step, (got, want) in enumerate(zip(result["steps"], expected)):
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert torch.equal(a, b), (rank, step, i)

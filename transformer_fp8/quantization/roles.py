@@ -84,10 +84,14 @@ def _current(recipe: Float8CurrentScaling, fp8_state, autocast_state):
     """Each tensor's own amax, as Transformer Engine's: each rank casts with the amax of what
     it holds (data parallelism, experts that run on some ranks only). A tensor-parallel
     module's shards are parts of one tensor: their amaxes are all-reduced (MAX) across the
-    context's group, so every shard is cast as the whole tensor would be."""
+    context's fp8_group, by default the weight's device mesh (the tensor-parallel ranks: not
+    the whole world, whose data-parallel replicas hold other tensors: their amaxes changed
+    each replica's scales, and a cast one replica ran alone waited for the others), so every
+    shard is cast as the whole tensor would be."""
     fmt, group = recipe.fp8_format, None
-    if is_dtensor(fp8_state.fp8_weights()[0]):
-        group = autocast_state.group or torch.distributed.group.WORLD
+    weight = fp8_state.fp8_weights()[0]
+    if is_dtensor(weight):
+        group = autocast_state.group or weight.device_mesh.get_group()
     return [tuple(TensorQuantizer.current(dtype, group)
                   for dtype in (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype))
             for _ in range(fp8_state._num_gemms)], None
