@@ -318,3 +318,33 @@ def test_current_scaling_reduces_over_the_weight_mesh_not_the_replicas(tmp_path)
         for step, (got, want) in enumerate(zip(result["steps"], expected)):
             for i, (a, b) in enumerate(zip(got, want)):
                 assert torch.equal(a, b), (rank, step, i)
+
+
+# ---- a full state_dict loaded with torch.distributed.checkpoint.state_dict -------------------
+
+def _full_state_worker(rank, out_dir):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    recipe = _delayed()
+    single = build(recipe)
+    train(single, recipe, 2)
+    state = {k: v.clone() for k, v in single.state_dict().items()}
+    model = parallelize(build(recipe, seed=1), init_device_mesh("cpu", (2,)))
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    torch.save({"parallel": train(model, recipe, 2, first=2),
+                "single": train(single, recipe, 2, first=2)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_set_model_state_dict_of_a_full_state_dict(tmp_path):
+    """A one-process state_dict loaded into a freshly parallelized model with
+    set_model_state_dict(full_state_dict=True), which distributes the FP8 entries as
+    replicated DTensors (the load raised: .tolist() and copy_ of a DTensor): the next steps
+    are those of the one process going on, within float32 rounding."""
+    from test_tensor_parallel import MIN_SQNR_DB, _tensors
+
+    run_ranks(_full_state_worker, (str(tmp_path),), tmp_path)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for step, (got, expected) in enumerate(zip(result["parallel"], result["single"])):
+            for (what, g), (_, e) in zip(_tensors(got), _tensors(expected)):
+                assert sqnr_db(e, g) >= MIN_SQNR_DB, (rank, step, what, sqnr_db(e, g))

@@ -336,6 +336,14 @@ class Fp8State:
         # plain high-precision one) loads with strict=True and leaves a fresh FP8 state; one
         # with only some FP8 keys is reported as incomplete.
         self._fp8_state_to_local()
+        distributed = [prefix + k for k in FP8_STATE_KEYS
+                       if is_dtensor(state_dict.get(prefix + k))]
+        if distributed:
+            # Replicated DTensors (set_model_state_dict distributes the entries as the model's
+            # buffers were after parallelize_module): their local values, as the buffers now.
+            state_dict = dict(state_dict)
+            for key in distributed:
+                state_dict[key] = state_dict[key].to_local()
         present = [k for k in FP8_STATE_KEYS if prefix + k in state_dict]
         error = fp8_state_error(self, state_dict, prefix)
         if error is not None:

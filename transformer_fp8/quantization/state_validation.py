@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .._dtensor import local_tensor
 from .recipe import MAX_MARGIN
 
 # scale_inv is 1/scale rounded to float32 (subnormal when scale is near FLT_MAX): their product
@@ -94,6 +95,7 @@ def _recipe_record_error(fields, prefix: str) -> Optional[str]:
     state never used) is not a recipe record, or None."""
     if fields is None or not isinstance(fields, torch.Tensor) or fields.is_meta:
         return None  # (absent: the module's own is kept; meta: nothing to check)
+    fields = local_tensor(fields)  # (a replicated DTensor: set_model_state_dict makes one)
     key = prefix + "fp8_recipe_fields"
     if fields.is_floating_point() or fields.is_complex() or fields.dtype == torch.bool \
             or fields.shape != (4,):
