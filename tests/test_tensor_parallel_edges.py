@@ -114,6 +114,14 @@ def _config_worker(rank, out_dir):
             tfp8.fp8_autocast(fp8_recipe=recipe):
         replicated(x)
     _assert_same_state(before, _fp8_state(replicated), "after a replicated weight")
+    # A layer left plain, given a DTensor (the output of a style with use_local_output=False):
+    # named, as torch.nn.Linear refuses it (the FP8 operators named no sharding rule).
+    unparallelized = tfp8.Linear(IN, 64, recipe=recipe)
+    before = _fp8_state(unparallelized)
+    with pytest.raises(TypeError, match="the input is a DTensor and the weight a plain"), \
+            tfp8.fp8_autocast(fp8_recipe=recipe):
+        unparallelized(x)
+    _assert_same_state(before, _fp8_state(unparallelized), "after a DTensor input")
     del layer, norm_linear, replicated
 
     # Local shards whose GEMM sizes are not multiples of 16 (48 output features, 24 per

@@ -83,6 +83,12 @@ class Fp8StateMixin(Fp8State):
         sharded = type(weight) not in _PLAIN_TENSORS and is_dtensor(weight)
         if sharded:
             tensor_parallel.prepare(self, state, inp)
+        elif type(inp) not in _PLAIN_TENSORS and is_dtensor(inp):
+            # (torch.nn.Linear refuses it too; the FP8 operators would name no sharding rule)
+            raise TypeError(f"{type(self).__name__}: the input is a DTensor and the weight a "
+                            "plain tensor (a layer not parallelized, after one whose output "
+                            "stays a DTensor: use_local_output=False); give it the local "
+                            "tensor (input.to_local() or full_tensor()), or parallelize it too")
         if state is None or not state.enabled:
             if state is not None and state.calibrating:
                 return self._high_precision(inp, recording_linear(self, state))
