@@ -56,3 +56,41 @@ def test_tensorboard_without_the_package_is_an_import_error(monkeypatch, tmp_pat
         debug.collect_stats(model, path=str(tmp_path / "s.jsonl"),
                             tensorboard_dir=str(tmp_path / "tb"))
     assert not (tmp_path / "s.jsonl").exists()  # refused before any file was opened
+
+
+def test_a_writer_that_fails_warns_once_and_training_goes_on(tmp_path):
+    """A JSON lines file that cannot be written (a full disk: /dev/full): each step warns once
+    per writer at most, counts, and keeps its records; disable() ends cleanly (step() raised
+    OSError, the step was not counted, and every later step was logged as step 0)."""
+    import os
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    torch.manual_seed(0)
+    layer = tfp8.Linear(32, 32)
+    stats = debug.collect_stats(torch.nn.Sequential(layer), path="/dev/full").enable()
+    with pytest.warns(UserWarning, match="JsonLinesWriter failed") as caught:
+        for _ in range(3):
+            with tfp8.fp8_autocast(fp8_recipe=tfp8.Float8CurrentScaling()):
+                layer(torch.randn(16, 32)).sum().backward()
+            stats.step()
+        stats.disable()
+    assert sum("failed" in str(w.message) for w in caught) == 1
+    assert stats.step_index == 3
+    assert sorted({r["step"] for r in stats.records}) == [0, 1, 2]
+
+
+def test_an_empty_expert_under_row_wise_scaling_is_observed(gen):
+    """GroupedLinear with an expert that got no rows, Float8RowwiseScaling, statistics on: it
+    trains as with them off (the transposed operand's blocks of 0 rows raised)."""
+    torch.manual_seed(0)
+    layer = tfp8.GroupedLinear(3, 256, 64)
+    x = randn(gen, 40, 256)
+    stats = debug.collect_stats(torch.nn.Sequential(layer)).enable()
+    try:
+        with tfp8.fp8_autocast(fp8_recipe=tfp8.Float8RowwiseScaling()):
+            out = layer(x, [17, 0, 23])
+        out.sum().backward()
+        records = stats.step()
+    finally:
+        stats.disable()
+    assert records and all(r["layer"] for r in records)

@@ -84,6 +84,7 @@ class Fp8Stats:
         self._previous = None
         self._warned_nothing = False
         self._all_keys = None  # distributed: every rank's operands, gathered once
+        self._failed_writers: set = set()  # (ids of writers already reported failing)
 
     # ---- switching on and off ------------------------------------------------------------
 
@@ -98,7 +99,7 @@ class Fp8Stats:
             _fp8_hooks.observer, self._previous = self._previous, None
             self._enabled = False
             for writer in self.writers:
-                writer.close()
+                self._run_writer(writer.close)
 
     def __enter__(self) -> "Fp8Stats":
         return self.enable()
@@ -137,12 +138,25 @@ class Fp8Stats:
                               "selected layers (no FP8 forward ran, or the model is compiled: "
                               "statistics are collected in eager mode only)", stacklevel=2)
                 self._warned_nothing = True
-            for writer in self.writers:
-                writer.write(records)
             if self.keep_records:
                 self.records.extend(records)
+            for writer in self.writers:
+                self._run_writer(writer.write, records)
         self.step_index += 1
         return records
+
+    def _run_writer(self, call, *args) -> None:
+        """A writer's write or close: one that fails (a full disk, a closed file) is reported
+        once, with a warning, and training goes on (the step counted, the records kept)."""
+        try:
+            call(*args)
+        except Exception as error:  # noqa: BLE001
+            writer = getattr(call, "__self__", call)
+            if id(writer) not in self._failed_writers:
+                self._failed_writers.add(id(writer))
+                warnings.warn(f"transformer_fp8.debug: {type(writer).__name__} failed "
+                              f"({type(error).__name__}: {error}); its output is incomplete, "
+                              "training goes on", stacklevel=3)
 
     def _gather(self) -> list:
         pending, self._pending = self._pending, {}

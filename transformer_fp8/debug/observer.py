@@ -47,7 +47,8 @@ class ObservedQuantizer(Quantizer):
         with torch.no_grad():
             self.collector.record(self.key, operand_stats(
                 x_hp, q.data, self.inner.dequant_scale(q), fp8_max, block_rows, block_cols))
-            if q.data_t is not None and q.scale is None and q.scale_inv_t is not q.scale_inv:
+            if (rows and q.data_t is not None and q.scale is None
+                    and q.scale_inv_t is not q.scale_inv):  # (an empty operand: no blocks)
                 # Block scaling: the transpose's own blocks and scales (its columns are x's
                 # rows, the padding last), the operand of wgrad or dgrad.
                 t_rows, t_cols = self.inner.block_dims(rows)
