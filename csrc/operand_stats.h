@@ -84,7 +84,8 @@ TFP8_HOST_DEVICE StatsTotal total_empty() {
   return StatsTotal{stats_empty(), INFINITY, INFINITY, -INFINITY, -INFINITY, 0};
 }
 
-// One whole block with its scale s. Its noise / signal ratio counts 0 when it has no signal.
+// One whole block with its scale s. Its noise / signal ratio counts 0 when it has no signal,
+// NaN when its signal is NaN (a NaN element: the worst block, as in the reference).
 TFP8_HOST_DEVICE void total_add_block(StatsTotal& t, const StatsPartial& block, float s) {
   stats_merge(t.sum, block);
   // A block's amax covers its zeros too (the reference pads blocks with zeros): never below 0.
@@ -92,7 +93,8 @@ TFP8_HOST_DEVICE void total_add_block(StatsTotal& t, const StatsPartial& block, 
   t.block_amax_min = nan_min(t.block_amax_min, amax);
   t.scale_min = nan_min(t.scale_min, s);
   t.scale_max = nan_max(t.scale_max, s);
-  const double ratio = block.signal > 0.0 ? block.noise / block.signal : 0.0;
+  const bool nan_signal = block.signal != block.signal;
+  const double ratio = block.signal > 0.0 || nan_signal ? block.noise / block.signal : 0.0;
   t.worst_noise_ratio = nan_max_f64(t.worst_noise_ratio, ratio);
   t.blocks += 1;
 }

@@ -1,6 +1,8 @@
 """fp8_autocast: when amaxes are reduced and scales updated, and that state stays consistent."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import randn
@@ -459,3 +461,19 @@ def test_a_recipe_made_anew_at_every_step_keeps_no_state_per_step():
     assert torch.equal(fresh.weight.grad, single.weight.grad)
     for name, buf in fresh.named_buffers():
         assert torch.equal(buf, dict(single.named_buffers())[name]), name
+
+
+def test_rank_local_fp8_state_with_several_ranks_warns_about_ddp_broadcast(monkeypatch):
+    """reduce_amax=False with several ranks: one warning that DistributedDataParallel needs
+    broadcast_buffers=False (its default overwrote every rank's FP8 state with rank 0's at
+    each forward: 4-8 dB wrong gradients, silently)."""
+    from transformer_fp8.quantization import amax_step
+
+    monkeypatch.setattr(amax_step, "world_size", lambda group: 2)
+    monkeypatch.setattr(amax_step, "_WARNED_RANK_LOCAL", [False])
+    with pytest.warns(UserWarning, match="broadcast_buffers=False"):
+        amax_step.AmaxStep(DelayedScaling(reduce_amax=False), None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amax_step.AmaxStep(DelayedScaling(reduce_amax=False), None)  # (once)
+        amax_step.AmaxStep(DelayedScaling(), None)

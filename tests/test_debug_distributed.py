@@ -82,3 +82,24 @@ def test_statistics_are_reduced_across_ranks(tmp_path):
     for key in FIGURES:
         assert math.isclose(got[("expert", "input")][key], only_rank1[("expert", "input")][key],
                             rel_tol=1e-9), key
+
+
+def _nan_worker(rank: int, out_dir: str) -> None:
+    model = TwoExperts()
+    x = _batch(rank)
+    if rank == 1:
+        x[3, 5] = float("nan")  # (on the second rank: gloo's MAX dropped it)
+    records = _records(model, x, use_expert=False)
+    with open(f"{out_dir}/records{rank}.json", "w") as f:
+        json.dump(records, f)
+
+
+def test_a_nan_on_one_rank_reaches_every_rank(tmp_path):
+    """An operand holding a NaN on one rank: every rank's reduced amax is NaN, as one process's
+    over the whole batch (it was the other rank's finite amax)."""
+    run_ranks(_nan_worker, (str(tmp_path),), tmp_path)
+    for rank in range(WORLD):
+        text = (tmp_path / f"records{rank}.json").read_text()
+        got = _by_key(json.loads(text))[("shared", "input")]
+        assert math.isnan(got["amax"]), (rank, got["amax"])
+        assert math.isnan(got["dynamic_range_log2"]), rank

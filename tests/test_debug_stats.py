@@ -365,3 +365,25 @@ def test_block_recipes_record_the_transposed_operands(recipe):
             assert got[key] == expected[key], (role, key)
         assert got["sqnr_db"] == pytest.approx(expected["sqnr_db"], rel=1e-9), role
     assert records["input_t"]["underflow_frac"] > 0.15 > records["input"]["underflow_frac"]
+
+
+@pytest.mark.parametrize("recipe", [tfp8.Float8CurrentScaling(), tfp8.Float8BlockScaling()],
+                         ids=["current", "block"])
+def test_a_non_finite_operand_does_not_read_as_healthy(gen, recipe):
+    """One NaN in the input: its SQNR, worst block SQNR and dynamic range are NaN (the worst
+    block read inf, "exact", or a finite figure, and the dynamic range 0.0, so worst_report
+    ranked the broken layer best); one inf: an infinite dynamic range."""
+    for bad, check in ((float("nan"), math.isnan), (float("inf"), None)):
+        layer = tfp8.Linear(128, 128)
+        x = randn(gen, 16, 128)
+        x[2, 7] = bad
+        with debug.collect_stats(torch.nn.Sequential(layer)) as stats:
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                layer(x)
+            record = {r["tensor"]: r for r in stats.step()}["input"]
+        if check is not None:
+            for key in ("sqnr_db", "block_min_sqnr_db", "dynamic_range_log2"):
+                assert math.isnan(record[key]), (key, record[key])
+        else:
+            assert record["dynamic_range_log2"] == math.inf
+            assert not record["block_min_sqnr_db"] == math.inf

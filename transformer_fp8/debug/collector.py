@@ -18,6 +18,7 @@ modules pay one ``is None`` test per forward. Under torch.compile no statistics 
 from __future__ import annotations
 
 import fnmatch
+import math
 import warnings
 from typing import Callable, Optional, Sequence, Union
 
@@ -207,8 +208,14 @@ class Fp8Stats:
         dist = torch.distributed
         sums = table[:, SUM_FIELDS].contiguous()
         maxes = torch.cat([table[:, MAX_FIELDS], -table[:, MIN_FIELDS]], dim=1)
+        # A NaN (an operand holding one) must win the MAX on every backend, as in one process
+        # (gloo's MAX drops it): reduced as a flag beside the values, in the same collective.
+        nan = maxes.isnan()
+        both = torch.cat([torch.where(nan, -math.inf, maxes), nan.to(maxes.dtype)], dim=1)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        width = maxes.shape[1]
+        maxes = torch.where(both[:, width:] > 0, math.nan, both[:, :width])
         n_max = MAX_FIELDS.stop - MAX_FIELDS.start
         table[:, SUM_FIELDS] = sums
         table[:, MAX_FIELDS] = maxes[:, :n_max]

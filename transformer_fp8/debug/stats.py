@@ -138,7 +138,9 @@ def operand_stats_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
         block_squares = squares.view(2, nr, br, nc, bc).sum((2, 4))
         torch.sum(block_squares.view(2, -1), 1, out=out_squares)
     signal, noise = block_squares.unbind()
-    torch.amax(torch.where(signal > 0, noise / signal, 0), out=out_worst.view(()))
+    # (a block whose signal is NaN, an operand holding a NaN, gives NaN: the worst block)
+    torch.amax(torch.where((signal > 0) | signal.isnan(), noise / signal, 0),
+               out=out_worst.view(()))
     out_blocks.fill_(nr * nc)
     return out
 
@@ -167,8 +169,8 @@ def derive(values) -> dict:
         "nonzero": int(nonzero),
         "underflow_frac": v["underflow"] / nonzero if nonzero else 0.0,
         "saturation_frac": v["saturated"] / nonzero if nonzero else 0.0,
-        "dynamic_range_log2": (math.log2(v["amax"] / v["min_nonzero"])
-                               if nonzero and math.isfinite(v["amax"]) else 0.0),
+        # (inf for an infinite amax, NaN for a NaN one: not 0.0, which reads as healthy)
+        "dynamic_range_log2": math.log2(v["amax"] / v["min_nonzero"]) if nonzero else 0.0,
         "sqnr_db": _db(v["signal"], v["noise"]),
         "blocks": int(v["blocks"]), "block_amax_min": v["block_amax_min"],
         "block_min_sqnr_db": math.inf if worst == 0 else -10 * math.log10(worst),

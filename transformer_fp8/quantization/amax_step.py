@@ -8,6 +8,7 @@ the cross-rank reduction is scaling_state.py's; the prepared updates, update_pla
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from typing import Optional
 
@@ -108,6 +109,9 @@ def _can_synchronize() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+_WARNED_RANK_LOCAL = [False]  # (the reduce_amax=False warning, once per process)
+
+
 class AmaxStep:
     """The scaling states recorded under one (recipe, group), reduced and updated together; role
     is "fwd" or "bwd". Keys (creation indices) order the states identically on every rank.
@@ -134,6 +138,14 @@ class AmaxStep:
         self._refs: dict[int, weakref.ref] = {}
         self._plan = None  # the plan of the states covered, once made
         self._others = None  # (plan, _OWNERSHIP, positions): see _others_states
+        if not recipe.reduce_amax and not _WARNED_RANK_LOCAL[0] and world_size(group) > 1:
+            _WARNED_RANK_LOCAL[0] = True
+            warnings.warn(
+                "transformer_fp8: DelayedScaling(reduce_amax=False) with several ranks: each "
+                "rank's FP8 state (amax histories, scales) is its own. Under "
+                "DistributedDataParallel pass broadcast_buffers=False: its default broadcasts "
+                "rank 0's buffers, FP8 state included, at every forward, and the other ranks "
+                "cast with rank 0's scales (saturated inputs, wrong gradients).", stacklevel=4)
 
     @property
     def states(self) -> dict[int, ScalingState]:
