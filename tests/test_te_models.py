@@ -260,6 +260,16 @@ def test_grouped_linear_errors_name_the_argument():
         g(torch.randn(8, 32), [8])
     with pytest.raises(ValueError, match=r"m_splits must add up to the input's 8 rows"):
         g(torch.randn(8, 32), [3, 4])
+    with pytest.raises(ValueError, match="m_splits must hold 2 non-negative integers"):
+        g(torch.randn(8, 32), [True, 7])
+    with pytest.raises(ValueError, match="m_splits must hold 2 non-negative integers"):
+        g(torch.randn(8, 32), [4.0, 4.0])
+    # numpy integers are integers (as Transformer Engine takes them): the same output
+    np = pytest.importorskip("numpy")
+    x = torch.randn(8, 32)
+    expected = g(x, [3, 5])
+    assert torch.equal(g(x, np.array([3, 5])), expected)
+    assert torch.equal(g(x, [np.int64(3), np.int32(5)]), expected)
     with pytest.raises(ValueError, match=r"input must have shape \[\.\.\., 32\]"):
         g(torch.randn(8, 16), [4, 4])
     with pytest.raises(ValueError, match="num_gemms must be a positive integer"):

@@ -10,6 +10,7 @@ Outside fp8_autocast it computes exactly torch.cat([F.linear(x_i, weight{i}, bia
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -24,6 +25,19 @@ from ..quantization.recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
                       te_only_arguments)
 from .te_module import TeModuleMixin
+
+
+def _as_int(value) -> Optional[int]:
+    """An integer m_splits entry as a Python int (a numpy integer too); None for anything else
+    (a bool, a float)."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class GroupedLinear(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
@@ -104,9 +118,8 @@ class GroupedLinear(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
                                  f"ints, got a tensor of shape {tuple(m_splits.shape)} and "
                                  f"dtype {m_splits.dtype}")
             m_splits = m_splits.tolist()  # the block sizes are needed on the host
-        splits = list(m_splits)
-        if len(splits) != self.num_gemms or any(
-                isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in splits):
+        splits = [_as_int(m) for m in m_splits]  # (numpy integers too, as Transformer Engine)
+        if len(splits) != self.num_gemms or any(m is None or m < 0 for m in splits):
             raise ValueError(f"{owner}: m_splits must hold {self.num_gemms} non-negative "
                              f"integers (one per GEMM), got {m_splits!r}")
         if sum(splits) != rows:
