@@ -113,3 +113,36 @@ def test_an_evaluation_amax_is_not_folded_into_the_next_training_step():
     batches = step_batches(torch.Generator().manual_seed(3), 3, 16, 32)
     assert_bit_identical(train(evaluated, evaluated, batches, recipe),
                          train(plain, plain, batches, recipe))
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_a_context_inside_a_checkpointed_function_is_a_training_forward(mode):
+    """fp8_autocast entered inside the checkpointed function (its outermost context): a
+    reentrant checkpoint runs that forward under no_grad, yet it trains: the scales update as
+    without checkpointing (they stayed 1.0: the exit took it for an evaluation)."""
+    import torch.utils.checkpoint as torch_checkpoint
+    from integration_compare import assert_bit_identical, record_step
+
+    recipe = DelayedScaling(amax_history_len=1)
+    runs = []
+    for checkpointed in (False, True):
+        model = make_model("cpu")
+
+        def inner(x):
+            with fp8_autocast(fp8_recipe=recipe):
+                return model(x)
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps = []
+        for x in step_batches(torch.Generator().manual_seed(7), 3, 16, 32):
+            x = x.clone().requires_grad_(True)
+            out = (torch_checkpoint.checkpoint(inner, x, use_reentrant=mode == "reentrant")
+                   if checkpointed else inner(x))
+            loss = out.square().mean()
+            loss.backward()
+            steps.append(record_step(loss, model, {"input": x}))
+            opt.step()
+            opt.zero_grad()
+        runs.append(steps)
+    assert runs[1][-1].fp8_state["0.fp8_fwd_scale"][0].item() != 1.0
+    assert_bit_identical(runs[1], runs[0])

@@ -151,8 +151,11 @@ class GatheredFp8Weight(torch.Tensor):
         another FP8 dtype than the GEMM asks for."""
         if fp8_dtype != self._fp8.dtype:
             return None
-        if self._delayed_pass is not None and self._delayed_pass != forward_pass_id():
+        if (self._delayed_pass is not None and self._delayed_pass != forward_pass_id()
+                and torch._C._current_graph_task_id() == -1):
             # Cast with an earlier pass's delayed scale, its amax not recorded in this pass.
+            # (Not in backward, a checkpoint's recomputation: FSDP2 gathered it in the
+            # forward's form for it, and autograd's threads see no forward pass id.)
             from .fsdp_all_gather import gather_again
             gather_again(self)
         data_t = self._fp8.t().contiguous() if with_transpose else None

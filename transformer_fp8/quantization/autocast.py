@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from . import replay as checkpointing
 from .amax_step import (_AWAITING_RECIPE, AmaxStep, adopt_recipe_for_waiting_modules,
                         update_all)
 from .backward_step import (_HELD_BACKWARD_STEPS, _PENDING_BACKWARD_STEPS,
@@ -132,11 +133,13 @@ def _exit_outermost(failed: bool) -> None:
     calibrating, local.calibrating = local.calibrating, False
     if steps:
         local.forward_steps, local.backward_steps = {}, {}
-        if failed or not (torch.is_grad_enabled() or calibrating):
+        if failed or not (torch.is_grad_enabled() or calibrating
+                          or checkpointing.checkpoint_context().regions):
             # A failed step, or an evaluation (no_grad, inference_mode; as in Transformer
             # Engine, the grad mode at the exit): its amaxes are forgotten, no scale changes,
             # so evaluating between training steps leaves their numbers as they were.
-            # Calibration, which runs under no_grad, updates.
+            # Calibration, which runs under no_grad, updates; so does a context inside a
+            # reentrant checkpoint's first forward (no_grad too, but a training forward).
             for step in steps.values():
                 step.discard()
         else:
@@ -178,7 +181,9 @@ MAX_KEPT_RECIPES = 64
 
 
 def _forget_least_recent_state() -> None:
-    oldest = _STATES.pop(next(iter(_STATES)))
+    oldest = _STATES.pop(list(_STATES)[0], None)  # (a copy of the keys: another thread may
+    if oldest is None:                             # add one meanwhile)
+        return
     if all(state.step_key is not oldest.step_key for state in _STATES.values()):
         _STEP_KEYS.pop((oldest.recipe, oldest.group), None)
 
