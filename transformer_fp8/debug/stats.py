@@ -138,9 +138,9 @@ def operand_stats_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
         block_squares = squares.view(2, nr, br, nc, bc).sum((2, 4))
         torch.sum(block_squares.view(2, -1), 1, out=out_squares)
     signal, noise = block_squares.unbind()
-    # (a block whose signal is NaN, an operand holding a NaN, gives NaN: the worst block)
-    torch.amax(torch.where((signal > 0) | signal.isnan(), noise / signal, 0),
-               out=out_worst.view(()))
+    # (signal >= 0: != 0 also lets a block whose signal is NaN, an operand holding a NaN,
+    # give NaN: the worst block)
+    torch.amax(torch.where(signal != 0, noise / signal, 0), out=out_worst.view(()))
     out_blocks.fill_(nr * nc)
     return out
 
