@@ -174,8 +174,7 @@ class Fp8StateMixin(Fp8State):
         changed), unless it was quantised another way (another recipe). An FP8 weight
         (quantized_model_init, or one FSDP2 all-gathered in FP8) is its own operand: nothing
         to keep."""
-        if (is_first_microbatch is None or isinstance(weight, Fp8Weight)
-                or isinstance(weight, GatheredFp8Weight)):  # (FSDP2's FP8 all-gather's)
+        if is_first_microbatch is None or isinstance(weight, (Fp8Weight, GatheredFp8Weight)):
             if self._weight_cache[gemm] is not None:  # (no write when there is nothing to drop:
                 self._weight_cache[gemm] = None       # torch.compile traces no side effect)
             return None
