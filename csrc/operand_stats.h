@@ -49,11 +49,11 @@ TFP8_HOST_DEVICE StatsPartial stats_empty() {
 
 // One element: x and q as float32, s its block's scale.
 TFP8_HOST_DEVICE void stats_add_element(StatsPartial& p, float x, float q, float s,
-                                        float fp8_max) {
+                                        float saturation_bound) {
   const bool nonzero = x != 0.0f;  // (NaN counts as non-zero)
   p.nonzero += nonzero;
   p.underflow += nonzero && q == 0.0f;  // flushed to zero by the cast
-  p.saturated += fabsf(x * s) > fp8_max;  // clamped to +-fp8_max
+  p.saturated += fabsf(x * s) > saturation_bound;  // clamped to +-fp8_max by the cast
   const float a = fabsf(x);
   if (nonzero) p.min_nonzero = nan_min(p.min_nonzero, a);
   p.amax = nan_max(p.amax, a);

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import transformer_fp8 as tfp8
 from transformer_fp8 import _fp8_hooks, debug, ops
 from transformer_fp8.ops.blockwise import quantize_blockwise
-from transformer_fp8.debug.stats import combine, derive, operand_stats
+from transformer_fp8.debug.stats import combine, derive, operand_stats, operand_stats_reference
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DELAYED = tfp8.DelayedScaling(amax_history_len=4)
@@ -61,6 +61,40 @@ def test_per_tensor_figures_with_a_scale_against_pure_torch(gen, device):
     assert f["sqnr_db"] == pytest.approx(expected_db, rel=1e-9)
     assert f["dynamic_range_log2"] == pytest.approx(
         math.log2(80.0 / xc.abs()[nonzero].min().item()), rel=1e-6)
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_saturation_counts_exactly_the_values_the_clamp_changes(device, fp8):
+    # Scale 1, values around the FP8 max: up to fp8_max + half a step, rounding gives fp8_max
+    # with or without the clamp; past it (and, for E5M2, at the tie, which rounds to the odd
+    # max's even neighbour) torch's unclamped conversion overflows to NaN or inf.
+    fp8_max = torch.finfo(fp8).max
+    tie = fp8_max * (1 + 1 / 28 if fp8 == E4M3 else 1 + 1 / 14)  # 464, 61440
+    near = torch.tensor([tie, fp8_max], dtype=torch.float32)
+    edges = torch.cat([near, torch.nextafter(near, near * 2), torch.nextafter(near, near * 0)])
+    x = torch.cat([torch.linspace(0.9 * fp8_max, 1.2 * fp8_max, 2001), edges])
+    x = torch.stack([x, -x]).to(device)
+    unclamped = x.cpu().to(fp8).float()
+    changed = ~torch.isfinite(unclamped) | (unclamped.abs() > fp8_max)
+    tie_at, past_tie, before_tie = 2001, 2003, 2005  # where the edges are in x
+    assert changed[:, past_tie].all() and not changed[:, before_tie].any()
+    assert changed[:, tie_at].all() == (fp8 == E5M2)
+    scale = torch.ones(1, device=device)
+    q = ops.cast_to_fp8(x, scale, fp8)
+    for stats in (operand_stats, operand_stats_reference):
+        f = derive(stats(x, q, scale, fp8_max).cpu())
+        assert f["saturation_frac"] == changed.sum().item() / x.numel(), stats
+
+
+def test_current_scaling_never_counts_as_saturated(gen, device):
+    # scale = fp8_max / amax in float32 can put amax * scale an ulp over fp8_max: no clamp.
+    for fp8 in (E4M3, E5M2):
+        fp8_max = torch.finfo(fp8).max
+        for _ in range(50):
+            x = randn(gen, 4, 64, device=device) * torch.rand((), generator=gen).item() * 1e3
+            scale = (torch.tensor(fp8_max) / x.abs().max().cpu().float()).reshape(1).to(device)
+            q = ops.cast_to_fp8(x, scale, fp8)
+            assert figures(x, q, scale, fp8_max)["saturation_frac"] == 0.0
 
 
 def test_exact_zero_and_all_zero_tensors(device):

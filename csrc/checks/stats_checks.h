@@ -18,8 +18,21 @@ struct StatsInputs {
   at::Tensor x, q, scale;
   StatsGeometry geometry;
   int64_t scale_stride_down, scale_stride_across;
-  float fp8_max;
+  float saturation_bound;  // |x * s| above it: clamped by the cast (saturation_bound below)
 };
+
+// The cast clamps x * s to +-fp8_max, then rounds to nearest even. The clamp changes the result
+// only where |x * s| would round past fp8_max: beyond fp8_max plus half the format's step there
+// (E4M3: 448 + 16; E5M2: 57344 + 4096). A tie at that point rounds to the even neighbour:
+// E4M3's max (mantissa 110) keeps it, E5M2's (mantissa 11) does not, so for E5M2 the tie itself
+// saturates. The bound returned is the largest |x * s| the clamp leaves unchanged.
+inline float saturation_bound(double fp8_max, at::ScalarType fp8_dtype) {
+  const bool e4m3 = fp8_dtype == at::kFloat8_e4m3fn;
+  int exponent;
+  std::frexp(fp8_max, &exponent);  // fp8_max = m * 2^exponent, m in [0.5, 1)
+  const float tie = static_cast<float>(fp8_max + std::ldexp(1.0, exponent - 2 - (e4m3 ? 3 : 2)));
+  return e4m3 ? tie : std::nextafter(tie, 0.0f);
+}
 
 inline StatsInputs prepare_operand_stats(const at::Tensor& x, const at::Tensor& q,
                                          const at::Tensor& scale, double fp8_max,
@@ -64,7 +77,7 @@ inline StatsInputs prepare_operand_stats(const at::Tensor& x, const at::Tensor& 
   in.scale = scale.to(at::kFloat);
   in.scale_stride_down = per_tensor ? 0 : in.scale.stride(0);
   in.scale_stride_across = per_tensor ? 0 : in.scale.stride(1);
-  in.fp8_max = static_cast<float>(fp8_max);
+  in.saturation_bound = saturation_bound(fp8_max, q.scalar_type());
   return in;
 }
 

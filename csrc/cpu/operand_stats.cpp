@@ -16,14 +16,14 @@ constexpr int64_t kChunk = 16384;  // elements per unit
 
 template <typename XT, typename QT>
 StatsPartial unit_partial(const StatsGeometry& g, int64_t unit, const XT* x, const QT* q,
-                          float s, float fp8_max) {
+                          float s, float saturation_bound) {
   const int64_t block = unit / g.chunks_per_block, k = unit % g.chunks_per_block;
   const int64_t begin = k * g.chunk, end = std::min(begin + g.chunk, g.block_elements());
   StatsPartial p = stats_empty();
   for (int64_t e = begin; e < end; ++e) {
     const int64_t i = g.element(block, e);
     if (i >= 0) stats_add_element(p, static_cast<float>(x[i]), static_cast<float>(q[i]), s,
-                                  fp8_max);
+                                  saturation_bound);
   }
   return p;
 }
@@ -41,7 +41,8 @@ StatsTotal operand_stats_typed(const StatsInputs& in) {
   std::vector<StatsPartial> partials(g.units());
   at::parallel_for(0, g.units(), 1, [&](int64_t first, int64_t last) {
     for (int64_t u = first; u < last; ++u)
-      partials[u] = unit_partial(g, u, x, q, block_scale(u / g.chunks_per_block), in.fp8_max);
+      partials[u] = unit_partial(g, u, x, q, block_scale(u / g.chunks_per_block),
+                                 in.saturation_bound);
   });
   StatsTotal total = total_empty();
   for (int64_t b = 0; b < g.blocks(); ++b) {

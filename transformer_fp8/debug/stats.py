@@ -8,7 +8,8 @@ and exact zeros change no fraction):
   amax               max |x|
   scale_min/max      the smallest and largest scale used (equal for per-tensor scaling)
   underflow_frac     non-zero x with q == 0 (flushed to zero), over the non-zero x
-  saturation_frac    x with |x * s| > fp8_max (clamped to +-max), over the non-zero x
+  saturation_frac    x the cast's clamp to +-fp8_max changed, over the non-zero x: |x * s|
+                     rounds past fp8_max (saturation_bound; sub-step overshoots round to max)
   dynamic_range_log2 log2(amax / min |x| over the non-zero x)
   sqnr_db            10 log10(sum x^2 / sum (x - q / s)^2)   (inf when exact)
   per block (block recipes; one block for per-tensor scaling): the number of blocks, the
@@ -17,6 +18,7 @@ and exact zeros change no fraction):
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -63,6 +65,19 @@ def _has_operator() -> bool:
 _HAS_OPERATOR = _has_operator()  # (False with a library built before it existed)
 _OPERATOR_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OPERATOR_Q_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def saturation_bound(fp8_max: float, fp8_dtype: torch.dtype) -> float:
+    """The largest |x * s| the cast's clamp leaves unchanged. The cast clamps to +-fp8_max,
+    then rounds to nearest even, so the clamp matters only past fp8_max plus half the format's
+    step there (E4M3: 448 + 16; E5M2: 57344 + 4096). The tie itself rounds to the even
+    neighbour: E4M3's max (mantissa 110) keeps it, E5M2's (mantissa 11) does not. (As
+    csrc/checks/stats_checks.h computes it for the operator.)"""
+    e4m3 = fp8_dtype == torch.float8_e4m3fn
+    _, exponent = math.frexp(fp8_max)  # fp8_max = m * 2^exponent, m in [0.5, 1)
+    tie = fp8_max + math.ldexp(1.0, exponent - 2 - (3 if e4m3 else 2))
+    tie_bits = struct.unpack("<I", struct.pack("<f", tie))[0]  # (as a float32)
+    return struct.unpack("<f", struct.pack("<I", tie_bits - (0 if e4m3 else 1)))[0]
 
 
 def operand_stats(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_max: float,
@@ -119,7 +134,7 @@ def operand_stats_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
     underflow, nonzero, saturated = flags.unbind()
     torch.gt(nonzero, underflow, out=underflow)  # x != 0 and q == 0: flushed to zero
     abs_x, abs_xs = v[1:].abs().unbind()
-    torch.gt(abs_xs, fp8_max, out=saturated)    # clamped to +-fp8_max
+    torch.gt(abs_xs, saturation_bound(fp8_max, q.dtype), out=saturated)  # clamped by the cast
     torch.sum(flags.view(3, -1), 1, dtype=torch.float64, out=out_counts)
 
     f32 = torch.empty(5, dtype=torch.float32, device=device)  # out_f32, in FIELDS order

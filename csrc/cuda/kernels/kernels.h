@@ -111,7 +111,7 @@ cudaError_t launch_transpose_bytes(const uint8_t* in, int64_t rows, int64_t cols
 cudaError_t launch_operand_stats(const void* x, HpType x_type, const uint8_t* q, Fp8Format fmt,
                                  const float* scale, int64_t scale_stride_down,
                                  int64_t scale_stride_across, const StatsGeometry& g,
-                                 float fp8_max, StatsPartial* partials, double* out,
+                                 float saturation_bound, StatsPartial* partials, double* out,
                                  cudaStream_t stream);
 
 }  // namespace cuda

@@ -43,7 +43,7 @@ template <typename XT, Fp8Format F>
 __global__ void __launch_bounds__(kStatsThreads)
 operand_stats_units(const XT* __restrict__ x, const uint8_t* __restrict__ q,
                     const float* __restrict__ scale, int64_t stride_down, int64_t stride_across,
-                    StatsGeometry g, float fp8_max, StatsPartial* __restrict__ partials) {
+                    StatsGeometry g, float saturation_bound, StatsPartial* __restrict__ partials) {
   __shared__ StatsPartial shared[kStatsThreads];
   const int64_t unit = blockIdx.x;
   const int64_t block = unit / g.chunks_per_block, k = unit % g.chunks_per_block;
@@ -53,7 +53,9 @@ operand_stats_units(const XT* __restrict__ x, const uint8_t* __restrict__ q,
   StatsPartial p = stats_empty();
   for (int64_t e = begin + threadIdx.x; e < end; e += blockDim.x) {
     const int64_t i = g.element(block, e);
-    if (i >= 0) stats_add_element(p, to_float(x[i]), fp8_byte_to_float<F>(q[i]), s, fp8_max);
+    if (i >= 0) {
+      stats_add_element(p, to_float(x[i]), fp8_byte_to_float<F>(q[i]), s, saturation_bound);
+    }
   }
   shared[threadIdx.x] = p;
   tree_reduce(shared, [](StatsPartial& a, const StatsPartial& b) { stats_merge(a, b); });
@@ -90,14 +92,14 @@ operand_stats_finish(const StatsPartial* __restrict__ partials, const float* __r
 template <typename XT>
 void launch_units(const XT* x, const uint8_t* q, Fp8Format fmt, const float* scale,
                   int64_t stride_down, int64_t stride_across, const StatsGeometry& g,
-                  float fp8_max, StatsPartial* partials, cudaStream_t stream) {
+                  float saturation_bound, StatsPartial* partials, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(g.units()));
   if (fmt == Fp8Format::E4M3)
     operand_stats_units<XT, Fp8Format::E4M3><<<grid, kStatsThreads, 0, stream>>>(
-        x, q, scale, stride_down, stride_across, g, fp8_max, partials);
+        x, q, scale, stride_down, stride_across, g, saturation_bound, partials);
   else
     operand_stats_units<XT, Fp8Format::E5M2><<<grid, kStatsThreads, 0, stream>>>(
-        x, q, scale, stride_down, stride_across, g, fp8_max, partials);
+        x, q, scale, stride_down, stride_across, g, saturation_bound, partials);
 }
 
 }  // namespace
@@ -105,22 +107,22 @@ void launch_units(const XT* x, const uint8_t* q, Fp8Format fmt, const float* sca
 cudaError_t launch_operand_stats(const void* x, HpType x_type, const uint8_t* q, Fp8Format fmt,
                                  const float* scale, int64_t scale_stride_down,
                                  int64_t scale_stride_across, const StatsGeometry& g,
-                                 float fp8_max, StatsPartial* partials, double* out,
+                                 float saturation_bound, StatsPartial* partials, double* out,
                                  cudaStream_t stream) {
   if (g.units() > INT_MAX) return cudaErrorInvalidConfiguration;
   if (g.units() > 0) {
     switch (x_type) {
       case HpType::Float32:
         launch_units(static_cast<const float*>(x), q, fmt, scale, scale_stride_down,
-                     scale_stride_across, g, fp8_max, partials, stream);
+                     scale_stride_across, g, saturation_bound, partials, stream);
         break;
       case HpType::BFloat16:
         launch_units(static_cast<const __nv_bfloat16*>(x), q, fmt, scale, scale_stride_down,
-                     scale_stride_across, g, fp8_max, partials, stream);
+                     scale_stride_across, g, saturation_bound, partials, stream);
         break;
       default:
         launch_units(static_cast<const __half*>(x), q, fmt, scale, scale_stride_down,
-                     scale_stride_across, g, fp8_max, partials, stream);
+                     scale_stride_across, g, saturation_bound, partials, stream);
     }
     const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;

@@ -33,7 +33,8 @@ at::Tensor fp8_operand_stats_cuda(const at::Tensor& x, const at::Tensor& q,
   const auto status = cuda::launch_operand_stats(
       in.x.data_ptr(), hp_type_of(in.x.scalar_type()),
       static_cast<const uint8_t*>(in.q.data_ptr()), check_fp8_dtype(in.q.scalar_type(), "q"),
-      in.scale.data_ptr<float>(), in.scale_stride_down, in.scale_stride_across, g, in.fp8_max,
+      in.scale.data_ptr<float>(), in.scale_stride_down, in.scale_stride_across, g,
+      in.saturation_bound,
       reinterpret_cast<StatsPartial*>(partials.data_ptr()), out.data_ptr<double>(),
       c10::cuda::getCurrentCUDAStream());
   TFP8_CHECK_LAUNCH(status, "fp8_operand_stats");
