@@ -110,3 +110,26 @@ def test_fullgraph_compile_of_checkpointed_layers_is_bit_identical_to_eager(reci
     got = train(compiled, compiled_fn, batches, recipe)
     assert len(graphs) == 1, f"compiled {len(graphs)} times"
     assert_bit_identical(got, expected)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_calibration_under_compile_records_as_eager(backend):
+    """fp8_autocast(enabled=False, calibrating=True) around a compiled model records the amaxes
+    eagerly (a graph break) and gives the histories and scales eager calibration gives; the
+    compiled module recorded nothing before (unit scales, silently)."""
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(tfp8.Linear(32, 48), torch.nn.GELU(),
+                                tfp8.LayerNormMLP(48, 64, activation="relu"))
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(compiled, backend=backend)
+    xs = [torch.randn(12, 32) * s for s in (1.0, 3.0)]
+    for model, fn in ((eager, eager), (compiled, compiled_fn)):
+        with torch.no_grad(), fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe):
+            outs = [fn(x) for x in xs]
+        for out, x in zip(outs, xs):
+            assert torch.allclose(out, eager(x), rtol=1e-5, atol=1e-6)
+    for name, buffer in eager.named_buffers():
+        assert torch.equal(buffer, compiled.get_buffer(name)), name
+    assert (compiled[0].fp8_fwd_scale != 1).all() and (compiled[2].fp8_fwd_scale != 1).all()

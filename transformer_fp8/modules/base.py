@@ -91,6 +91,8 @@ class Fp8StateMixin(Fp8State):
                             "tensor (input.to_local() or full_tensor()), or parallelize it too")
         if state is None or not state.enabled:
             if state is not None and state.calibrating:
+                if torch.compiler.is_compiling():
+                    return self._calibrate_eagerly(inp, state)
                 return self._high_precision(inp, recording_linear(self, state))
             return self._high_precision(inp)
         inp_dtype, weight_dtype = inp.dtype, weight.dtype
@@ -158,6 +160,12 @@ class Fp8StateMixin(Fp8State):
     @torch.compiler.disable
     def _fp8_run_eagerly(self, inp, state, is_first_microbatch, *args):
         return self._fp8_run(inp, state, is_first_microbatch, *args)
+
+    @torch.compiler.disable
+    def _calibrate_eagerly(self, inp, state):
+        # Calibration records amaxes into state the trace cannot hold (the recipe adopted, the
+        # module joining the step's update): under torch.compile it runs eagerly (a graph break).
+        return self._high_precision(inp, recording_linear(self, state))
 
     @torch.compiler.disable
     def _fp8_replay(self, inp, plans, regions):

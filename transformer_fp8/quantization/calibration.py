@@ -24,7 +24,7 @@ from .recipe import DelayedScaling
 def recording_linear(module, state):
     """A stand-in for F.linear with which ``module._high_precision`` records each GEMM's input
     and weight amax (GEMMs numbered in call order, as fp8_weights() lists them)."""
-    if not isinstance(state.recipe, DelayedScaling) or torch.compiler.is_compiling():
+    if not isinstance(state.recipe, DelayedScaling):
         return F.linear
     module._adopt_recipe(state.recipe)
     _autocast.record_forward(state, *module._scaling_states)
