@@ -274,17 +274,25 @@ def test_init_method_initialises_each_split_part_as_its_own_weight(module):
         assert weight.abs().max() <= bound and weight.abs().max() > 0.95 * bound
 
 
-@pytest.mark.parametrize("kind", ["linear", "layernorm_linear", "mlp", "grouped"])
-def test_return_bias_without_bias_is_an_empty_tensor(kind):
+@pytest.mark.parametrize("kind", ["linear", "layernorm_linear", "mlp", "grouped", "mha"])
+def test_return_bias_without_bias_returns_what_transformer_engine_returns(kind):
+    # Transformer Engine 2.x: Linear and LayerNormMLP return None (their bias tensor is None
+    # without a bias), LayerNormLinear and GroupedLinear their empty placeholder bias tensors.
     module = {"linear": lambda: te.Linear(32, 16, bias=False, return_bias=True),
               "layernorm_linear": lambda: te.LayerNormLinear(32, 16, bias=False,
                                                              return_bias=True),
               "mlp": lambda: te.LayerNormMLP(32, 16, bias=False, return_bias=True),
-              "grouped": lambda: te.GroupedLinear(2, 32, 16, bias=False, return_bias=True)}[kind]()
-    x = torch.randn(6, 32)
-    out, bias = module(x, [2, 4]) if kind == "grouped" else module(x)
-    for b in (bias if kind == "grouped" else [bias]):
-        assert isinstance(b, torch.Tensor) and b.numel() == 0 and b.dtype == out.dtype
+              "grouped": lambda: te.GroupedLinear(2, 32, 16, bias=False, return_bias=True),
+              "mha": lambda: te.MultiheadAttention(32, 2, bias=False, return_bias=True)}[kind]()
+    x = torch.randn(6, 1, 32) if kind == "mha" else torch.randn(6, 32)
+    for recipe in (None, te.DelayedScaling()):
+        with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            out, bias = module(x, [2, 4]) if kind == "grouped" else module(x)
+        if kind in ("linear", "mlp", "mha"):
+            assert bias is None
+        else:
+            for b in (bias if kind == "grouped" else [bias]):
+                assert isinstance(b, torch.Tensor) and b.numel() == 0 and b.dtype == out.dtype
 
 
 def test_layernorm_takes_normalized_shape():

@@ -166,6 +166,8 @@ class LayerNormMLP(NormFirstModule):
     takes are accepted at their defaults (te_args.py).
     """
 
+    _NO_BIAS_RETURNS_NONE = True  # return_bias without a bias: None, as Transformer Engine 2.x
+
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
                  sequence_parallel: bool = False, return_bias: bool = False,
                  get_rng_state_tracker=None, tp_group=None, tp_size: int = 1,

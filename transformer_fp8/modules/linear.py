@@ -109,6 +109,8 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
     ColwiseParallel and RowwiseParallel (tensor_parallel.py).
     """
 
+    _NO_BIAS_RETURNS_NONE = True  # return_bias without a bias: None, as Transformer Engine 2.x
+
     _supports_tensor_parallel = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,

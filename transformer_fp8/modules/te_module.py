@@ -5,7 +5,8 @@ Transformer Engine's do, besides their FP8 state:
   ``<name>_weight`` / ``<name>_bias``, joined along the output features in forward
   (MultiheadAttention's query_weight, key_weight, value_weight);
 * fuse_wgrad_accumulation and delay_wgrad_compute (wgrad.py), backward_dw();
-* return_bias: an empty tensor for a module built with bias=False, as Transformer Engine;
+* return_bias for a module built with bias=False: what Transformer Engine 2.x returns, None
+  (Linear, LayerNormMLP) or an empty tensor (LayerNormLinear, GroupedLinear);
 * loading Transformer Engine's checkpoints: its ``_extra_state`` entry (te_checkpoint.py).
 
 The module names its GEMM parameters logically ("weight", "bias", "fc1_weight", "weight3");
@@ -52,6 +53,9 @@ def split_sizes(owner: str, parameters_split, out_features: int) -> Optional[lis
 class TeModuleMixin:
     """See the module docstring. Call ``_init_te_module`` before registering the GEMM
     parameters with ``_register_gemm_parameter``."""
+
+    # return_bias without a bias: None, or an empty tensor (Transformer Engine differs by module)
+    _NO_BIAS_RETURNS_NONE = False
 
     def _init_te_module(self, fuse_wgrad_accumulation: bool = False,
                         delay_wgrad_compute: bool = False) -> None:
@@ -104,11 +108,13 @@ class TeModuleMixin:
             params = [wgrad.route(p, self._wgrad, is_weight, self._wgrad_first) for p in params]
         return params[0] if len(params) == 1 else torch.cat(params, dim=0)
 
-    def _returned_bias(self, logical: str, like: torch.Tensor) -> torch.Tensor:
+    def _returned_bias(self, logical: str, like: torch.Tensor) -> Optional[torch.Tensor]:
         """The bias that return_bias returns (not added to the output): in the output's
-        dtype, or an empty tensor when the module has none."""
+        dtype; when the module has none, None or an empty tensor (_NO_BIAS_RETURNS_NONE)."""
         bias = self._param(logical)
         if bias is None:
+            if self._NO_BIAS_RETURNS_NONE:
+                return None
             weight = self._parameters_of(logical.replace("bias", "weight"))[0]
             return torch.empty(0, dtype=like.dtype, device=weight.device)
         return bias.to(like.dtype)
