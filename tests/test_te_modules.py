@@ -163,6 +163,33 @@ def test_norm_modules_return_transformer_engines_dtype(gen, normalization):
         assert_bitwise_equal(out, expected(torch.bfloat16))
 
 
+@pytest.mark.parametrize("cls", [tfp8.LayerNormLinear, tfp8.LayerNormMLP])
+def test_returned_norm_output_under_torch_autocast_is_in_the_autocast_dtype(gen, cls):
+    """return_layernorm_output under torch.autocast (float32 parameters and input): the norm's
+    output in bfloat16 on every path (the FP8 paths returned it in float32 before), the FP8
+    paths' within one bfloat16 rounding of the high-precision path's (the fused norm and torch's
+    layer_norm round float32 apart), and the input's gradient through it the same."""
+    torch.manual_seed(0)
+    module = cls(64, 96, return_layernorm_output=True)
+    randomize(module, gen)
+    x, g = randn(gen, 24, 64), randn(gen, 24, 64).bfloat16()
+
+    def ln_out_and_input_grad(recipe):
+        xg = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_autocast(
+                enabled=recipe is not None, fp8_recipe=recipe):
+            out, ln_out = module(xg)
+        assert out.dtype == ln_out.dtype == torch.bfloat16, recipe
+        ln_out.backward(g)
+        return ln_out, xg.grad
+
+    expected, expected_grad = ln_out_and_input_grad(None)
+    for recipe in RECIPES:
+        ln_out, grad = ln_out_and_input_grad(recipe)
+        torch.testing.assert_close(ln_out, expected, rtol=2 ** -7, atol=1e-5)  # 1 ulp
+        assert torch.allclose(grad, expected_grad, rtol=1e-5, atol=1e-6), recipe
+
+
 # ---- FP8 numerics -------------------------------------------------------------------------------
 
 def _fp8_step(module, x, g, recipe):

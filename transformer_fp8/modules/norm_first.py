@@ -104,6 +104,10 @@ class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
             self._wgrad_first = is_first_microbatch
         result = self._dispatch(inp, is_first_microbatch, in_features)
         out, ln_out = result if self.return_layernorm_output else (result, None)
+        if ln_out is not None and ln_out.dtype != out.dtype:
+            # Under torch.autocast the FP8 path's norm output is in the input's dtype: returned
+            # in the autocast dtype, as the high-precision path (and Transformer Engine) return it.
+            ln_out = ln_out.to(out.dtype)
         outputs = [out]
         if self.return_bias:
             outputs.append(self._returned_bias(returned_bias, out))
