@@ -277,22 +277,83 @@ def test_graphing_keeps_the_modes_of_submodules():
     assert wrapper.training and block.training and not block[1].training
 
 
-def test_a_graphed_module_refuses_a_replaced_fp8_state(gen):
-    """The graphs hold the state's addresses: a replaced state must not replay (the check runs
-    before torch's replay, so it is tested here with the eager wrapper)."""
-    from transformer_fp8.integrations.cuda_graphs import (_Fp8Callable, _graphed_forward,
-                                                          _state_pointers)
+def _graphed_on_cpu(block, recipe):
+    """make_graphed_callables' forward around torch's replay, the replay recorded and run as
+    the eager wrapper (the checks before a replay, tested on the CPU)."""
+    from transformer_fp8.integrations.cuda_graphs import _Fp8Callable, _graphed_forward
 
+    wrapper = _Fp8Callable(block, True, recipe, None)
+    replays = []
+
+    def replay(*args):
+        replays.append(args)
+        return _Fp8Callable.forward(wrapper, *args)
+
+    wrapper.forward = replay  # (torch's graphed forward in its place)
+    block.forward = _graphed_forward(block, wrapper)
+    return replays
+
+
+@pytest.mark.parametrize("replace", ["history_length", "half", "bfloat16", "assign", "buffer"])
+def test_a_graphed_module_refuses_replaced_tensors(gen, replace):
+    """The graphs hold the addresses of the parameters, buffers and FP8 state: a module whose
+    tensors were replaced must not replay. .half() and load_state_dict(assign=True) replace the
+    parameters' storage and keep the FP8 state's (float32): they replayed before, on freed
+    memory."""
     recipe = DelayedScaling(amax_history_len=4)
     block = make_model("cpu", recipe)
-    wrapper = _Fp8Callable(block, True, recipe, None)
-    pointers = _state_pointers([block[0], block[2]])
-    forward = _graphed_forward(block, wrapper, pointers)
-    forward(torch.randn(8, 64, generator=gen))  # unchanged state: runs
-    longer = make_model("cpu", DelayedScaling(amax_history_len=8)).state_dict()
-    block.load_state_dict(longer)  # another history length: new tensors
-    with pytest.raises(RuntimeError, match="FP8 state tensors were replaced"):
-        forward(torch.randn(8, 64, generator=gen))
+    replays = _graphed_on_cpu(block, recipe)
+    block(torch.randn(8, 64, generator=gen))  # unchanged tensors: replays
+    assert len(replays) == 1
+    if replace == "history_length":
+        block.load_state_dict(make_model("cpu", DelayedScaling(amax_history_len=8)).state_dict())
+    elif replace in ("half", "bfloat16"):
+        getattr(block, replace)()
+    elif replace == "assign":
+        state = {k: v.clone() for k, v in block.state_dict().items() if "fp8" not in k}
+        block.load_state_dict(state, strict=False, assign=True)
+    else:
+        block[0].fp8_fwd_scale = block[0].fp8_fwd_scale.clone()
+    with pytest.raises(RuntimeError, match="were replaced after make_graphed_callables"):
+        block(torch.randn(8, 64, generator=gen).to(block[0].weight.dtype))
+    assert len(replays) == 1
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_a_graphed_module_runs_eagerly_without_gradients(gen, recipe):
+    """An evaluation forward in training mode under no_grad / inference_mode runs eagerly and
+    leaves the FP8 state alone, as eager fp8_autocast does (the captured forward graph, which
+    ends with the scale update, replayed it before)."""
+    block, reference = make_model("cpu", recipe), make_model("cpu", recipe)
+    replays = _graphed_on_cpu(block, recipe)
+    x = torch.randn(8, 64, generator=gen) * 3
+    for context in (torch.no_grad, torch.inference_mode):
+        before = [t.clone() for t in block.state_dict().values()]
+        with context():
+            got = block(x)
+        with context(), fp8_autocast(fp8_recipe=recipe):
+            expected = reference(x)
+        assert not replays
+        assert_bitwise_equal(got, expected)
+        for t, u in zip(block.state_dict().values(), before):
+            assert_bitwise_equal(t, u, "the FP8 state after an evaluation forward")
+    block(x)
+    assert len(replays) == 1  # with gradients: the graphs
+
+
+def test_make_graphed_callables_refuses_hooks_and_delayed_wgrad():
+    recipe = DelayedScaling()
+    sample = (torch.randn(32, 64),)
+    block = make_model("cpu", recipe)
+    handle = block.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(ValueError, match=r"modules\[0\] \(Sequential\) has hooks registered "
+                                         r"\(_forward_pre_hooks\)"):
+        tfp8.make_graphed_callables(block, sample, fp8_enabled=True)
+    handle.remove()
+    delayed = torch.nn.Sequential(tfp8.Linear(64, 64, delay_wgrad_compute=True))
+    with pytest.raises(ValueError, match="delay_wgrad_compute=True"):
+        tfp8.make_graphed_callables((block, delayed), (sample, sample), fp8_enabled=True)
+    assert block.forward.__func__ is torch.nn.Sequential.forward  # nothing changed
 
 
 @CUDA_SKIP
@@ -444,8 +505,7 @@ def test_graphing_again_wraps_the_modules_own_forward():
     def graph(module):  # make_graphed_callables, its capture left out
         wrapper = cuda_graphs._Fp8Callable(module, True, recipe, None)
         wrapper(x)
-        module.forward = cuda_graphs._graphed_forward(
-            module, wrapper, cuda_graphs._state_pointers(cuda_graphs._fp8_layers(module)))
+        module.forward = cuda_graphs._graphed_forward(module, wrapper)
         return wrapper
 
     graph(block)

@@ -85,9 +85,16 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     DelayedScaling the amax reduction across the group covers the graphed module's own layers,
     in its graph; every rank must replay the same graphs (as collectives in graphs require).
 
-    The graphs hold the addresses of the FP8 state: after graphing, a module moved with .to()
-    or loaded with another amax history length raises at its next call (graph it again).
-    Not supported (refused): fp8_calibrating, fp8_weight_caching, sample_kwargs.
+    A call without gradients (torch.no_grad, inference_mode) runs eagerly too: an evaluation
+    forward leaves the FP8 state alone, as eager fp8_autocast does, where the captured forward
+    graph would update it.
+
+    The graphs hold the addresses of the parameters, buffers and FP8 state: after graphing, a
+    module whose tensors were replaced (moved or cast with .to() / .half(), loaded with
+    load_state_dict(assign=True) or with another amax history length) raises at its next call
+    (graph it again). Not supported (refused): fp8_calibrating, fp8_weight_caching,
+    sample_kwargs, modules with hooks (as torch refuses them), delay_wgrad_compute (its weight
+    gradients are handed over in Python, which a replay skips).
     """
     fp8_enabled = _merge("fp8_enabled", fp8_enabled, False, "enabled", enabled)
     fp8_recipe = _merge("fp8_recipe", fp8_recipe, None, "recipe", recipe)
@@ -114,6 +121,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
         raise TypeError("modules must be an nn.Module or a tuple of nn.Modules, got "
                         f"{type(modules).__name__}")
     module_list = tuple(module_list)
+    for i, module in enumerate(module_list):
+        _check_graphable(module, i)
     per_module_args = _check_sample_args(sample_args, len(module_list), single)
 
     layers = [layer for m in module_list for layer in _fp8_layers(m)]
@@ -135,30 +144,55 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
             for layer, tensors in zip(layers, saved):
                 for current, before in zip(layer.fp8_state_tensors(), tensors):
                     current.copy_(before)
-    captured = [_state_pointers(_fp8_layers(m)) for m in module_list]
-    for module, wrapper, pointers in zip(module_list, graphed, captured):
-        module.forward = _graphed_forward(module, wrapper, pointers)
+    for module, wrapper in zip(module_list, graphed):
+        module.forward = _graphed_forward(module, wrapper)
     return module_list[0] if single else module_list
 
 
-def _state_pointers(layers) -> list[int]:
-    return [t.data_ptr() for layer in layers for t in layer.fp8_state_tensors()]
+def _check_graphable(module: torch.nn.Module, index: int) -> None:
+    hooks = [name for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+                               "_backward_pre_hooks") if getattr(module, name, None)]
+    if hooks:
+        # (torch refuses hooks on the modules it is given; it is given our wrapper instead)
+        raise ValueError(f"modules[{index}] ({type(module).__name__}) has hooks registered "
+                         f"({', '.join(hooks)}); a graph would skip them. Register them after "
+                         "make_graphed_callables, as torch.cuda.make_graphed_callables requires")
+    for layer in _fp8_layers(module):
+        if getattr(layer, "need_backward_dw", lambda: False)():
+            raise ValueError(f"modules[{index}]: {type(layer).__name__} was built with "
+                             "delay_wgrad_compute=True, whose weight gradients backward_dw() "
+                             "hands over in Python, which a graph replay skips; build it "
+                             "without delay_wgrad_compute to graph it")
 
 
-def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable, pointers: list[int]):
+def _captured_tensors(submodules: list) -> list[tuple]:
+    """The address and dtype of every tensor the graphs hold: the parameters and buffers (the
+    FP8 state among them) of the graphed module's submodules, read from their dicts directly
+    (every replay checks them: a few tens of microseconds for hundreds of tensors)."""
+    return [(t.data_ptr(), t.dtype) for m in submodules for tensors in (m._parameters, m._buffers)
+            for t in tensors.values() if t is not None]
+
+
+def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable):
     replay_or_eager = wrapper.forward  # torch's: replays in the captured training mode
-    layers = _fp8_layers(module)
+    submodules = list(module.modules())
+    captured = _captured_tensors(submodules)
 
     def forward(*args):
-        # The graphs hold the addresses of the FP8 state: a module moved (.to()) or given a
-        # state of another shape (load_state_dict, another history length) must not replay
-        # (graphed again, it replays new graphs: _Fp8Callable takes the ungraphed forward).
-        if _state_pointers(layers) != pointers:
+        # The graphs hold the addresses of the module's tensors: a module whose parameters or
+        # FP8 state were replaced (.to(), .half(), load_state_dict(assign=True) or another
+        # history length) must not replay (graphed again, it replays new graphs:
+        # _Fp8Callable takes the ungraphed forward).
+        if _captured_tensors(submodules) != captured:
             raise RuntimeError(
-                f"{type(module).__name__}: its FP8 state tensors were replaced after "
-                "make_graphed_callables captured them (moved with .to(), or loaded or resized "
-                "to another amax history length); the graphs would use freed memory. Graph "
-                "the module again.")
+                f"{type(module).__name__}: its parameters, buffers or FP8 state tensors were "
+                "replaced after make_graphed_callables captured them (moved or cast with .to() "
+                "or .half(), loaded with assign=True, or resized to another amax history "
+                "length); the graphs would use freed memory. Graph the module again.")
+        if not torch.is_grad_enabled():
+            # An evaluation forward: eagerly, so that its fp8_autocast exit discards the
+            # amaxes as eager steps do (the captured forward graph updates the scales).
+            return _Fp8Callable.forward(wrapper, *args)
         wrapper.training = module.training  # the mode the caller set on the module
         return replay_or_eager(*args)
 
