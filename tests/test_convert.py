@@ -55,6 +55,20 @@ def test_converting_a_linear_itself_and_twice():
     assert tfp8.convert_to_fp8(converted) is converted
 
 
+def test_converting_again_with_a_recipe_sizes_every_fp8_layer_for_it():
+    """Layers that were FP8 already (converted before, built as FP8 modules) get the recipe's
+    history length too (they kept the default 1024 rows before, so a compiled step refused
+    them and a distributed checkpoint did not fit)."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), tfp8.LayerNormMLP(32, 64),
+                                tfp8.Linear(32, 32))
+    tfp8.convert_to_fp8(model)
+    model.append(torch.nn.Linear(32, 32))
+    tfp8.convert_to_fp8(model, recipe=tfp8.DelayedScaling(amax_history_len=16))
+    for layer in (model[0], model[1], model[2], model[3]):
+        assert layer.fp8_fwd_amax_history.shape[0] == 16, layer
+        assert layer.fp8_bwd_amax_history.shape[0] == 16, layer
+
+
 def test_converted_model_trains_under_fp8_autocast():
     """30 SGD steps of the converted model track the same steps of the original in float32."""
     torch.manual_seed(0)

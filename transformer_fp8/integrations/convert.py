@@ -97,7 +97,8 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     way, as nn.MultiheadAttention's out_proj does). filter_fn(layer, fully_qualified_name) ->
     bool chooses which layers; by default those whose in_features and out_features are
     multiples of 16. recipe: the recipe the layers will train with, so that their FP8 state has
-    its final shapes from the start (see Linear). fp8_all_gather: under FSDP2's fully_shard
+    its final shapes from the start (see Linear); the module's FP8 layers that were FP8 already
+    (converted before, Transformer Engine's modules) are sized for it too. fp8_all_gather: under FSDP2's fully_shard
     the converted Linear layers' weights are all-gathered in FP8 (modules/fsdp_all_gather.py;
     their weight Parameters become ShardedWeight, the same objects); call it before
     fully_shard. Conv1D weights, stored transposed, are gathered in high precision.
@@ -114,8 +115,12 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     history_len = history_len_for(recipe)
     summary = ConversionSummary([], {})
     for name, child in module.named_modules():
-        if isinstance(child, Linear):
-            summary.converted.append(name)  # converted before
+        if hasattr(child, "prepare_fp8_recipe"):
+            # An FP8 layer already (converted before, or built as one): sized for the recipe too
+            if recipe is not None:
+                child.prepare_fp8_recipe(recipe)
+            if isinstance(child, Linear):
+                summary.converted.append(name)  # converted before
             continue
         if _is_transformers_conv1d(child):
             child.in_features, child.out_features = child.nx, child.nf  # as Linear names them
