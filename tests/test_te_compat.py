@@ -395,3 +395,29 @@ def test_te_argument_table_covers_what_the_modules_accept():
                 continue
             assert option in TE_ACCEPTED, option
             assert default in TE_ACCEPTED[option][0] or option.startswith("ub_"), option
+
+
+@pytest.mark.parametrize("kind", ["layernorm_linear", "mlp", "grouped", "linear_split", "mha"])
+def test_parameter_order_is_transformer_engines(kind):
+    """Optimizers and their state_dicts know parameters by position: in Transformer Engine's
+    order (norm first; GroupedLinear's weight and bias per GEMM; split weights, then split
+    biases) an optimizer state saved with Transformer Engine's module fits parameter for
+    parameter (the norm parameters came last before: Adam's state misattached)."""
+    module, expected = {
+        "layernorm_linear": (lambda: te.LayerNormLinear(32, 16),
+                             ["layer_norm_weight", "layer_norm_bias", "weight", "bias"]),
+        "mlp": (lambda: te.LayerNormMLP(32, 64, normalization="RMSNorm"),
+                ["layer_norm_weight", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]),
+        "grouped": (lambda: te.GroupedLinear(2, 32, 16),
+                    ["weight0", "bias0", "weight1", "bias1"]),
+        "linear_split": (lambda: te.Linear(32, 32, parameters_split=("a", "b")),
+                         ["a_weight", "b_weight", "a_bias", "b_bias"]),
+        "mha": (lambda: te.MultiheadAttention(32, 2, input_layernorm=True),
+                ["layernorm_qkv.layer_norm_weight", "layernorm_qkv.layer_norm_bias",
+                 "layernorm_qkv.query_weight", "layernorm_qkv.key_weight",
+                 "layernorm_qkv.value_weight", "layernorm_qkv.query_bias",
+                 "layernorm_qkv.key_bias", "layernorm_qkv.value_bias", "proj.weight",
+                 "proj.bias"]),
+    }[kind]
+    module = module()
+    assert [name for name, _ in module.named_parameters()] == expected

@@ -72,10 +72,9 @@ class GroupedLinear(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         self.return_bias = bool(return_bias)
         self.init_method = init_method or te_default_init
         factory = dict(device=device, dtype=one_dtype(owner, dtype, params_dtype))
-        for i in range(num_gemms):
+        for i in range(num_gemms):  # weight0, bias0, weight1, ...: Transformer Engine's order
             self._register_gemm_parameter(f"weight{i}", torch.empty(out_features, in_features,
                                                                     **factory))
-        for i in range(num_gemms):
             self._register_gemm_parameter(f"bias{i}",
                                           torch.zeros(out_features, **factory) if bias else None)
         if recipe is None:

@@ -138,12 +138,12 @@ class LayerNormLinear(NormFirstModule):
         self.out_features = check_positive("LayerNormLinear", "out_features", out_features)
         parts = split_sizes("LayerNormLinear", parameters_split, out_features)
         factory = dict(device=device, dtype=dtype)
+        self._init_norm(in_features, eps, normalization, zero_centered_gamma, device, dtype)
         self._register_gemm_parameter("weight", torch.empty(out_features, in_features,
                                                             **factory), parts)
         self._register_gemm_parameter(
             "bias", torch.zeros(out_features, **factory) if bias else None, parts)
-        self._init_norm_and_state(in_features, eps, normalization, zero_centered_gamma,
-                                  device, dtype, recipe, num_gemms=1)
+        self._init_state(recipe, num_gemms=1)
         self._initialise()
 
     def _init_parameters(self) -> None:

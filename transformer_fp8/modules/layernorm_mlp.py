@@ -198,6 +198,7 @@ class LayerNormMLP(NormFirstModule):
         self.output_layer_init_method = output_layer_init_method or te_default_init
         fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
         factory = dict(device=device, dtype=dtype)
+        self._init_norm(hidden_size, eps, normalization, zero_centered_gamma, device, dtype)
         self._register_gemm_parameter("fc1_weight", torch.empty(fc1_out, hidden_size,
                                                                 **factory))
         self._register_gemm_parameter("fc1_bias",
@@ -206,8 +207,7 @@ class LayerNormMLP(NormFirstModule):
                                                                 **factory))
         self._register_gemm_parameter("fc2_bias",
                                       torch.zeros(hidden_size, **factory) if bias else None)
-        self._init_norm_and_state(hidden_size, eps, normalization, zero_centered_gamma,
-                                  device, dtype, recipe, num_gemms=2)
+        self._init_state(recipe, num_gemms=2)
         self._initialise()
 
     def _init_parameters(self) -> None:

@@ -68,8 +68,11 @@ class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         self.init_method = init_method or te_default_init
         return dtype or params_dtype
 
-    def _init_norm_and_state(self, hidden_size: int, eps, normalization, zero_centered_gamma,
-                             device, dtype, recipe, num_gemms: int) -> None:
+    def _init_norm(self, hidden_size: int, eps, normalization, zero_centered_gamma, device,
+                   dtype) -> None:
+        """The norm's options and Parameters, registered first (Transformer Engine's parameter
+        order: layer_norm_weight, layer_norm_bias, then the GEMMs' weights and biases, so that
+        an optimizer state_dict of Transformer Engine's module fits, parameter for parameter)."""
         self.eps = check_eps(eps)
         self.normalization = check_normalization(normalization)
         self.zero_centered_gamma = bool(zero_centered_gamma)
@@ -78,12 +81,15 @@ class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         self.layer_norm_weight = torch.nn.Parameter(fill(hidden_size, **factory))
         self.layer_norm_bias = torch.nn.Parameter(torch.zeros(hidden_size, **factory)) \
             if self.normalization == "LayerNorm" else None
+        self._norm_step = NormStep(self.normalization, self.eps, self.zero_centered_gamma)
+
+    def _init_state(self, recipe, num_gemms: int) -> None:
+        """The FP8 state, after the Parameters."""
         if recipe is None:
             recipe = _autocast.init_recipe()  # from quantized_model_init, if any
         self._register_fp8_state(self.layer_norm_weight.device, history_len_for(recipe),
                                  num_gemms)
         self.prepare_fp8_recipe(recipe)
-        self._norm_step = NormStep(self.normalization, self.eps, self.zero_centered_gamma)
 
     def _initialise(self) -> None:
         """The last step of __init__: initial values, unless built on "meta" (then the caller
