@@ -130,6 +130,19 @@ MUTANTS = [
     Mutant("Conv1D keeps its [in, out] storage as the GEMM weight", "integrations/convert.py",
            "        return [self.weight.t()]", "        return [self.weight]",
            ("tests/test_convert.py",), "first_microbatch"),
+    Mutant("block recipe's input and grad_output block shapes ignored", "quantization/roles.py",
+           "        dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,\n"
+           "                recipe.grad_block_scaling_dim)\n",
+           "        dims = (1, recipe.w_block_scaling_dim, 1)\n",
+           ("tests/test_blockwise_linear.py",), "bit_for_bit"),
+    Mutant("block recipe's power_2_scale=False ignored", "quantization/roles.py",
+           "    fmt, pow2 = recipe.fp8_format, recipe.power_2_scale\n",
+           "    fmt, pow2 = recipe.fp8_format, True\n",
+           ("tests/test_blockwise_linear.py",), "bit_for_bit"),
+    Mutant("HYBRID block grad_output cast to E4M3", "quantization/roles.py",
+           "    dtypes = (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype)\n",
+           "    dtypes = (fmt.fwd_dtype, fmt.fwd_dtype, fmt.fwd_dtype)\n",
+           ("tests/test_blockwise_linear.py",), "bit_for_bit"),
 ]
 
 
