@@ -42,6 +42,17 @@ def step_inputs(seed, steps, device="cpu"):
              torch.randn(32, 64, generator=gen).to(device)) for i in range(steps)]
 
 
+def sgd_in_place(*models, lr=0.05):
+    """A plain SGD step written into the parameters (the addresses the graphs hold): between
+    replays the weights, their amaxes and their FP8 casts change as in training (a graph that
+    replayed a weight cast at capture would pass a test that never changes them)."""
+    with torch.no_grad():
+        for model in models:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.sub_(p.grad, alpha=lr)
+
+
 class _HostReads(TorchDispatchMode):
     """Records the operators that copy a tensor's value to the host (.item(), bool(t), ...)."""
 
@@ -113,6 +124,7 @@ def capture_and_replay_a_whole_step(eager, graphed, inputs, recipe, after_captur
         graph.replay()
         torch.cuda.synchronize()
         got.append(record_step(static_out, graphed, {"input": static_x}))
+        sgd_in_place(eager, graphed)
     return got, expected
 
 
@@ -227,6 +239,7 @@ def test_make_graphed_callables_replays_like_eager_steps(recipe):
         torch.cuda.synchronize()
         got.append(record_step(out, torch.nn.ModuleList([first, block])))
         expected.append(record_step(ref_out, torch.nn.ModuleList([ref_first, ref_block])))
+        sgd_in_place(first, block, ref_first, ref_block)
     assert_bit_identical(got, expected)
     # In eval mode (not the captured mode) the module runs eagerly, still under the recipe.
     block.eval()
@@ -265,6 +278,7 @@ def test_make_graphed_callables_takes_several_modules_in_order():
         torch.cuda.synchronize()
         got.append(record_step(out, torch.nn.ModuleList(stages), {"input": x}))
         expected.append(record_step(ref_out, torch.nn.ModuleList(refs), {"input": x_ref}))
+        sgd_in_place(*stages, *refs)
     assert_bit_identical(got, expected)
 
 
@@ -372,8 +386,8 @@ def test_make_graphed_callables_of_fused_modules_replays_like_eager_steps(recipe
 
 
 def assert_graphed_steps_like_eager(graphed, reference, recipe, seed):
-    """Steps of a graphed module (its replays) and of its eager reference under fp8_autocast:
-    outputs, gradients and FP8 state bit for bit."""
+    """Steps of a graphed module (its replays) and of its eager reference under fp8_autocast,
+    an SGD step on both after each: outputs, gradients and FP8 state bit for bit."""
     got, expected = [], []
     for x, g in step_inputs(seed, 4, "cuda"):
         for model in (graphed, reference):
@@ -385,6 +399,7 @@ def assert_graphed_steps_like_eager(graphed, reference, recipe, seed):
         torch.cuda.synchronize()
         got.append(record_step(out, graphed, {"input": x_g}))
         expected.append(record_step(ref_out, reference, {"input": x_r}))
+        sgd_in_place(graphed, reference)
     assert_bit_identical(got, expected)
 
 
