@@ -6,6 +6,7 @@ delay_wgrad_compute's numbers against torch."""
 from __future__ import annotations
 
 import contextlib
+import pickle
 
 import pytest
 import torch
@@ -355,3 +356,44 @@ def test_delay_wgrad_compute_hands_gradients_over_in_backward_dw(kind, fp8, reci
         assert torch.equal(p.grad, ref_params[n].grad), n
     module.backward_dw()  # nothing left: no change
     assert all(torch.equal(p.grad, ref_params[n].grad) for n, p in params.items())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_backward_dw_hands_nothing_over_and_can_be_retried(kind):
+    """fuse + delay with a weight lacking main_grad: backward_dw() raises before handing
+    anything over and keeps the entry, so the call after main_grad is set hands everything
+    (the entry was popped and half applied before: main_grad stayed 0, biases lost)."""
+    module, ref, call, weights = _modules(kind, fuse_wgrad_accumulation=True,
+                                         delay_wgrad_compute=True)
+    x = torch.randn(16, 32)
+    call(module, x).square().sum().backward()
+    call(ref, x).square().sum().backward()
+    params, ref_params = dict(module.named_parameters()), dict(ref.named_parameters())
+    with pytest.raises(RuntimeError, match="needs every weight to have a 'main_grad'"):
+        module.backward_dw()
+    assert all(p.grad is None for n, p in params.items() if "layer_norm" not in n)
+    for n in weights:
+        params[n].main_grad = torch.zeros_like(params[n])
+    module.backward_dw()
+    for n, p in params.items():
+        if n in weights:
+            assert torch.equal(p.main_grad, ref_params[n].grad), n
+        else:
+            assert torch.equal(p.grad, ref_params[n].grad), n
+    assert not module._wgrad.pending  # the entry handed over once
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_wgrad_options_are_fixed_at_construction(kind):
+    """Assigning fuse_wgrad_accumulation / delay_wgrad_compute after construction changed
+    nothing (main_grad never written, silently); now a change is refused by name, the same
+    value accepted, and a module pickled whole keeps its options."""
+    module, _, _, _ = _modules(kind)
+    with pytest.raises(AttributeError, match="fuse_wgrad_accumulation is fixed at construction"):
+        module.fuse_wgrad_accumulation = True
+    with pytest.raises(AttributeError, match="delay_wgrad_compute is fixed at construction"):
+        module.delay_wgrad_compute = True
+    module.fuse_wgrad_accumulation = False
+    fused, _, _, _ = _modules(kind, fuse_wgrad_accumulation=True)
+    copy = pickle.loads(pickle.dumps(fused))
+    assert copy.fuse_wgrad_accumulation and not copy.delay_wgrad_compute

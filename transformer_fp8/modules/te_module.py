@@ -64,12 +64,42 @@ class TeModuleMixin:
             if not isinstance(value, bool):
                 raise TypeError(f"{type(self).__name__}: {name} must be True or False, got "
                                 f"{value!r}")
-        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.delay_wgrad_compute = delay_wgrad_compute
+        self._wgrad_options = (fuse_wgrad_accumulation, delay_wgrad_compute)
         self._wgrad = (wgrad.WgradRouting(fuse_wgrad_accumulation, delay_wgrad_compute)
                        if fuse_wgrad_accumulation or delay_wgrad_compute else None)
         self._parts: dict[str, list[str]] = {}  # logical name -> Parameter names
         self._wgrad_first: Optional[bool] = None  # is_first_microbatch of the running forward
+
+    # Set at construction: the gradient routing is built from them then (a later assignment
+    # would change nothing, silently: main_grad never written), so changing them is refused.
+    @property
+    def fuse_wgrad_accumulation(self) -> bool:
+        return self._wgrad_options[0]
+
+    @fuse_wgrad_accumulation.setter
+    def fuse_wgrad_accumulation(self, value) -> None:
+        self._refuse_wgrad_change("fuse_wgrad_accumulation", self._wgrad_options[0], value)
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        return self._wgrad_options[1]
+
+    @delay_wgrad_compute.setter
+    def delay_wgrad_compute(self, value) -> None:
+        self._refuse_wgrad_change("delay_wgrad_compute", self._wgrad_options[1], value)
+
+    def __setstate__(self, state: dict) -> None:
+        if "_wgrad_options" not in state and "fuse_wgrad_accumulation" in state:
+            # (a module pickled whole before the options became properties)
+            state["_wgrad_options"] = (state.pop("fuse_wgrad_accumulation"),
+                                       state.pop("delay_wgrad_compute"))
+        super().__setstate__(state)
+
+    def _refuse_wgrad_change(self, name: str, current: bool, value) -> None:
+        if value != current:
+            raise AttributeError(f"{type(self).__name__}.{name} is fixed at construction (the "
+                                 f"module routes its gradients by it); it is {current}, got "
+                                 f"{value!r}: build the module with {name}={value!r}")
 
     def _register_gemm_parameter(self, logical: str, tensor: Optional[torch.Tensor],
                                  parts: Optional[list] = None) -> None:

@@ -92,7 +92,12 @@ class WgradRouting:
         """Hand over the gradients of the oldest delayed backward pass."""
         if not self.pending:
             return
-        entry = self.pending.popleft()
+        entry = self.pending[0]
+        if self.fuse:  # every main_grad checked before anything is handed over (a retry works)
+            for param, is_weight, *_ in entry:
+                if is_weight:
+                    _main_grad(param)
+        self.pending.popleft()
         if entry is self._open:
             self._open = None
         for param, is_weight, first, grad in entry:
