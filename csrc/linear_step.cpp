@@ -274,6 +274,7 @@ Tensor fp8_linear_delayed(const Tensor& input, const Tensor& weight,
                           at::ScalarType bwd_dtype, at::ScalarType out_dtype) {
   constexpr const char* op = "fp8_linear_delayed";
   check_shapes(op, input, weight, bias);
+  check_step_dtypes(op, fwd_dtype, bwd_dtype, out_dtype);
   const auto state = delayed_state(op, weight, input_amax, weight_amax, input_scale,
                                    weight_scale, fwd_scale_inv, grad_amax, grad_scale,
                                    grad_scale_inv);
@@ -287,6 +288,7 @@ Tensor fp8_linear_current(const Tensor& input, const Tensor& weight,
                           const std::optional<Tensor>& bias, at::ScalarType fwd_dtype,
                           at::ScalarType bwd_dtype, at::ScalarType out_dtype) {
   check_shapes("fp8_linear_current", input, weight, bias);
+  check_step_dtypes("fp8_linear_current", fwd_dtype, bwd_dtype, out_dtype);
   const auto [needs_input_grad, needs_weight_grad] = needs_grads(input, weight);
   return Fp8LinearStep::apply(input, weight, bias, std::nullopt, std::nullopt,
                               nullptr, fwd_dtype, bwd_dtype, out_dtype,
@@ -315,6 +317,7 @@ Tensor fp8_norm_linear_delayed(const Tensor& input, const Tensor& norm_weight,
                                at::ScalarType bwd_dtype, at::ScalarType out_dtype) {
   constexpr const char* op = "fp8_norm_linear_delayed";
   check_shapes(op, input, weight, bias);
+  check_step_dtypes(op, fwd_dtype, bwd_dtype, out_dtype);
   const NormSpec norm = norm_spec(op, input, norm_weight, norm_bias, normalization, eps,
                                   zero_centered_gamma);
   const auto state = delayed_state(op, weight, input_amax, weight_amax, input_scale,
@@ -335,6 +338,7 @@ Tensor fp8_norm_linear_current(const Tensor& input, const Tensor& norm_weight,
                                at::ScalarType bwd_dtype, at::ScalarType out_dtype) {
   constexpr const char* op = "fp8_norm_linear_current";
   check_shapes(op, input, weight, bias);
+  check_step_dtypes(op, fwd_dtype, bwd_dtype, out_dtype);
   const NormSpec norm = norm_spec(op, input, norm_weight, norm_bias, normalization, eps,
                                   zero_centered_gamma);
   const auto [needs_input_grad, needs_weight_grad] =

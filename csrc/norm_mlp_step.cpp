@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "checks/fused_checks.h"
 #include "python_module.h"
 #include "step_ops.h"
 
@@ -254,9 +255,21 @@ MlpSpec mlp_spec(const char* op, const Tensor& input, const Tensor& norm_weight,
                  const std::optional<Tensor>& fc2_bias, const std::string& activation,
                  at::ScalarType fwd_dtype, at::ScalarType bwd_dtype, at::ScalarType out_dtype) {
   check_shapes(op, input, fc1_weight, fc1_bias);
-  TORCH_CHECK(fc2_weight.dim() == 2 && fc2_weight.size(0) == input.size(-1),
+  check_step_dtypes(op, fwd_dtype, bwd_dtype, out_dtype);
+  check_step_tensor(op, fc2_weight, "fc2_weight", fc1_weight);
+  if (fc2_bias.has_value()) check_step_tensor(op, *fc2_bias, "fc2_bias", fc1_weight);
+  // fc2 takes the activation's output: fc1's output features, or half of them when gated.
+  const Activation act = parse_activation(activation);
+  const int64_t fc1_out = fc1_weight.size(0);
+  TORCH_CHECK(!is_gated(act) || fc1_out % 2 == 0, "transformer_fp8: argument 'fc1_weight' of ",
+              op, " must have an even number of rows for the gated activation '", activation,
+              "', got shape ", fc1_weight.sizes());
+  const int64_t ffn = is_gated(act) ? fc1_out / 2 : fc1_out;
+  TORCH_CHECK(fc2_weight.dim() == 2 && fc2_weight.size(0) == input.size(-1) &&
+              fc2_weight.size(1) == ffn,
               "transformer_fp8: argument 'fc2_weight' of ", op, " must be 2-D [", input.size(-1),
-              ", ffn_hidden_size], got shape ", fc2_weight.sizes());
+              ", ", ffn, "] (the input's features, the activation's output features), got shape ",
+              fc2_weight.sizes());
   TORCH_CHECK(!fc2_bias.has_value() || (fc2_bias->dim() == 1 &&
                                         fc2_bias->size(0) == fc2_weight.size(0)),
               "transformer_fp8: argument 'fc2_bias' of ", op, " must have shape [",
@@ -267,7 +280,6 @@ MlpSpec mlp_spec(const char* op, const Tensor& input, const Tensor& norm_weight,
   const auto wants = [&](const std::optional<Tensor>& t) {
     return grad_mode && t.has_value() && t->requires_grad();
   };
-  // (The activation's name and fc1/fc2's sizes for it are checked by the activation kernel.)
   return MlpSpec{fwd_dtype, bwd_dtype, out_dtype, norm, activation,
                  {wants(input), wants(norm_weight), wants(norm_bias), wants(fc1_weight),
                   wants(fc1_bias), wants(fc2_weight), wants(fc2_bias)}};

@@ -195,8 +195,37 @@ inline void check_state(const char* op, const Tensor& t, const char* name, int64
               ", got ", t.device());
 }
 
+inline bool is_step_high_precision(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// What the step's kernels would refuse only after the first cast had written its amax slot:
+// checked first, so that a refused call leaves the FP8 state as it was.
+inline void check_step_tensor(const char* op, const Tensor& t, const char* name,
+                              const Tensor& weight) {
+  TORCH_CHECK(is_step_high_precision(t.scalar_type()), "transformer_fp8: argument '", name,
+              "' of ", op, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  TORCH_CHECK(t.device() == weight.device(), "transformer_fp8: argument '", name, "' of ", op,
+              " must be on the weight's device ", weight.device(), ", got ", t.device());
+}
+
+inline void check_step_dtypes(const char* op, at::ScalarType fwd_dtype, at::ScalarType bwd_dtype,
+                              at::ScalarType out_dtype) {
+  TORCH_CHECK(fwd_dtype == at::kFloat8_e4m3fn, "transformer_fp8: argument 'fwd_dtype' of ", op,
+              " must be float8_e4m3fn (the forward GEMM multiplies two fwd_dtype operands, and "
+              "E5M2 x E5M2 is no FP8 GEMM), got ", fwd_dtype);
+  TORCH_CHECK(bwd_dtype == at::kFloat8_e4m3fn || bwd_dtype == at::kFloat8_e5m2,
+              "transformer_fp8: argument 'bwd_dtype' of ", op, " must be float8_e4m3fn or "
+              "float8_e5m2, got ", bwd_dtype);
+  TORCH_CHECK(is_step_high_precision(out_dtype), "transformer_fp8: argument 'out_dtype' of ", op,
+              " must be float32, bfloat16 or float16, got ", out_dtype);
+}
+
 inline void check_shapes(const char* op, const Tensor& input, const Tensor& weight,
                   const std::optional<Tensor>& bias) {
+  check_step_tensor(op, weight, "weight", weight);
+  check_step_tensor(op, input, "input", weight);
+  if (bias.has_value()) check_step_tensor(op, *bias, "bias", weight);
   TORCH_CHECK(weight.dim() == 2, "transformer_fp8: argument 'weight' of ", op, " must be 2-D "
               "[out_features, in_features], got shape ", weight.sizes());
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), "transformer_fp8: argument "

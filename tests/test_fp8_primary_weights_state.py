@@ -293,3 +293,41 @@ def test_refusals():
     with tfp8.quantized_model_init(recipe=DELAYED):  # converted layers keep their weights
         converted = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(64, 32)))
     assert type(converted[0].weight) is torch.nn.Parameter
+
+
+def test_a_weight_deep_copied_on_its_own_writes_into_no_module_state(gen):
+    """copy.deepcopy of the parameters alone (a common way to make master copies) gives FP8
+    weights that cast new values with their own scale: a write into such a copy used to record
+    its amax into the ORIGINAL layer's history (x100 there moved the layer's weight scale 100x
+    at the next update) and was clipped to the layer's range."""
+    layer = fp8_linear()
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    copies = copy.deepcopy(list(layer.parameters()))
+    weight = copies[0]
+    assert isinstance(weight, Fp8Weight)
+    value = layer.weight.dequantize() * 100
+    with torch.no_grad():
+        weight.mul_(100.0)
+    for key, t in layer.state_dict().items():
+        assert_bitwise_equal(t, state[key], key)
+    own = ops.compute_scale_from_amax(ops.amax(value).reshape(1), 448.0, DELAYED.margin)
+    expected = ops.cast_from_fp8(ops.cast_to_fp8(value, own, torch.float8_e4m3fn),
+                                 own.reciprocal(), torch.float32)
+    assert_bitwise_equal(weight.dequantize(), expected, "the copy, cast with its own scale")
+    # A model deep-copied whole keeps its weights cast with the copy's own layer state.
+    model = copy.deepcopy(torch.nn.Sequential(layer))
+    assert model[0].weight._fp8.cast._module() is model[0]
+
+
+def test_copy_from_a_weight_of_another_fp8_dtype_shares_nothing(gen):
+    """copy_ of an FP8 weight of another FP8 format took the source's tensors: a later write
+    into the source changed the destination too."""
+    source = fp8_linear(tfp8.DelayedScaling(fp8_format=tfp8.Format.E5M2), seed=1)
+    target = fp8_linear(seed=0)
+    with torch.no_grad():
+        target.weight.copy_(source.weight)
+    before = target.weight.dequantize().clone()
+    with torch.no_grad():
+        source.weight.mul_(0.5)
+    assert_bitwise_equal(target.weight.dequantize(), before, "the destination after a write "
+                         "into the source")

@@ -331,6 +331,42 @@ def test_operator_errors_name_the_argument(gen):
         current(randn(gen, 4, 8), w, None, e4, e5, torch.float32)
 
 
+@pytest.mark.parametrize("change,message", [
+    ("fwd_e5m2", "argument 'fwd_dtype'.*float8_e4m3fn"),
+    ("out_int32", "argument 'out_dtype'"),
+    ("weight_float64", "argument 'weight' of fp8_linear_delayed.*Double"),
+    ("input_int", "argument 'input' of fp8_linear_delayed.*Int"),
+    ("bias_bool", "argument 'bias' of fp8_linear_delayed.*Bool"),
+    ("input_meta", "argument 'input'.*weight's device"),
+])
+def test_a_refused_call_leaves_the_amaxes_alone(gen, change, message):
+    """Dtypes and devices are checked before the first cast: the input and weight casts used
+    to record their amaxes, then the GEMM refused E5M2 x E5M2, an int out_dtype or a float64
+    weight (and a float64 weight was reported as argument 'x')."""
+    op = torch.ops.transformer_fp8.fp8_linear_delayed
+    state = _state()
+    for slot in (state[0], state[1], state[5]):
+        slot.fill_(-1.0)
+    x, w, bias = randn(gen, 16, 16), randn(gen, 32, 16), None
+    fwd, bwd, out = torch.float8_e4m3fn, torch.float8_e5m2, torch.float32
+    if change == "fwd_e5m2":
+        fwd = bwd = torch.float8_e5m2
+    elif change == "out_int32":
+        out = torch.int32
+    elif change == "weight_float64":
+        w = w.double()
+    elif change == "input_int":
+        x = x.int()
+    elif change == "bias_bool":
+        bias = torch.ones(32, dtype=torch.bool)
+    else:
+        x = x.to("meta")
+    with pytest.raises(RuntimeError, match=message):
+        op(x, w, bias, *state, fwd, bwd, out)
+    assert all(torch.equal(slot, torch.full((1,), -1.0)) for slot in (state[0], state[1],
+                                                                       state[5]))
+
+
 def test_python_entry_checks_arguments_as_the_operator(gen):
     """transformer_fp8._C.linear_delayed / linear_current (what the module calls, without the
     dispatcher) run the operators' own functions: the same checks."""

@@ -212,7 +212,7 @@ def test_operator_errors_name_the_argument(gen):
         return op(*_operator_args(gen, **changes).values())
 
     with pytest.raises(RuntimeError, match="argument 'fc2_weight' of fp8_norm_mlp_delayed.*"
-                                           "\\[16, ffn_hidden_size\\]"):
+                                           "\\[16, 32\\]"):
         call(fc2_weight=randn(gen, 8, 32))
     with pytest.raises(RuntimeError, match="argument 'fc2_bias'.*\\[16\\]"):
         call(fc2_bias=torch.zeros(32))
@@ -238,6 +238,39 @@ def test_operator_errors_name_the_argument(gen):
            if k not in state}
     with pytest.raises(RuntimeError, match="argument 'norm_bias' of fp8_norm_mlp_current"):
         current(*rms.values())
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(activation="tanh"), "argument 'activation' must be one of"),
+    (dict(fc2_weight="bf16_wrong_width"), "argument 'fc2_weight' of fp8_norm_mlp_delayed"),
+    (dict(activation="swiglu"), "argument 'fc2_weight' of fp8_norm_mlp_delayed.*\\[16, 16\\]"),
+    (dict(fwd_dtype=torch.float8_e5m2), "argument 'fwd_dtype'.*float8_e4m3fn"),
+    (dict(out_dtype=torch.int32), "argument 'out_dtype'"),
+    (dict(fc1_weight="float64"), "argument 'weight' of fp8_norm_mlp_delayed.*Double"),
+    (dict(fc2_weight="float64"), "argument 'fc2_weight'.*Double"),
+    (dict(input="meta"), "argument 'input'.*weight's device"),
+])
+def test_a_refused_call_leaves_the_state_alone(gen, change, message):
+    """Every argument is checked before the first cast writes its amax slot: a call the
+    operator refuses leaves the amaxes as they were (an unknown activation, a wrong fc2 width,
+    E5M2 forward, an int out_dtype or a float64 weight used to be refused only after the casts
+    before them had recorded their amaxes)."""
+    op = torch.ops.transformer_fp8.fp8_norm_mlp_delayed
+    args = _operator_args(gen)
+    key, value = next(iter(change.items()))
+    if value == "float64":
+        value = args[key].double()
+    elif value == "bf16_wrong_width":
+        value = randn(gen, 16, 24)
+    elif value == "meta":
+        value = args[key].to("meta")
+    args[key] = value
+    args["fwd_amax"].fill_(-1.0)
+    args["bwd_amax"].fill_(-1.0)
+    with pytest.raises(RuntimeError, match=message):
+        op(*args.values())
+    assert torch.equal(args["fwd_amax"], torch.full((4,), -1.0))
+    assert torch.equal(args["bwd_amax"], torch.full((2,), -1.0))
 
 
 def test_python_entry_checks_its_slots(gen):

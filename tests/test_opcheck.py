@@ -121,3 +121,28 @@ def test_torch_compile_cast_and_gemm(device, gen):
     assert_bitwise_equal(out, expected, "compiled output")
     assert_bitwise_equal(compiled_amax, eager_amax, "amax updated in the compiled graph")
     assert compiled_amax.item() == x.float().abs().max().item()
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("shape", [(5, 1), (1, 5), (1, 1), (0, 3)])
+def test_cast_transposes_of_one_row_or_column_are_their_own_tensors(device, gen, shape):
+    """The transposed output of a cast, a fused norm or activation cast, and the grad_output
+    cast with dbias is a tensor of its own (the schema says the outputs do not alias), also
+    when a row or a column is all there is: contiguous() of such a transpose returned the
+    output itself on the CPU (opcheck: "Outputs 0 and 1 alias"; writing one changed the other)."""
+    from transformer_fp8.ops import fused
+
+    x = randn(gen, *shape, scale=3.0, device=device)
+    s, one = scalar(2.0, device), torch.ones(shape[1], device=device)
+    cases = [(OPS.cast_transpose_to_fp8.default, (x, s, E4M3, None)),
+             (OPS.cast_transpose_dbias.default, (x, s, E5M2, None, 1)),
+             (OPS.layernorm_fwd_fp8.default, (x, one, one * 0, 1e-5, False, s, E4M3, None, True,
+                                              False, 1)),
+             (OPS.rmsnorm_fwd_fp8.default, (x, one, 1e-5, False, s, E4M3, None, True, False, 1)),
+             (OPS.activation_fwd_fp8.default, (x, "relu", s, E4M3, None, True, 1))]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+        out, out_t = op(*args)[:2]
+        if out.numel():
+            assert out.untyped_storage().data_ptr() != out_t.untyped_storage().data_ptr(), op
+    assert fused  # (the operators above are registered by importing transformer_fp8.ops.fused)

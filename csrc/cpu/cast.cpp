@@ -63,7 +63,9 @@ std::tuple<at::Tensor, at::Tensor> cast_transpose_to_fp8_cpu(
               "2-D, got ", describe(x));
   at::Tensor out = cast_to_fp8_cpu(x, scale, fp8_dtype, amax);
   // The transpose of the FP8 bytes is the FP8 cast of the transpose: no rounding is involved.
-  at::Tensor out_t = out.t().contiguous();
+  // (A copy always: for one row or column, contiguous() would return out itself, and the
+  // schema promises two tensors that do not alias.)
+  at::Tensor out_t = out.t().clone(at::MemoryFormat::Contiguous);
   return {out, out_t};
 }
 

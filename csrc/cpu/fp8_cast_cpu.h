@@ -72,7 +72,8 @@ inline std::tuple<at::Tensor, at::Tensor> emit_fp8_rows(
     *slot = nan_max(*slot, value_amax);
   }
   // The transpose of the FP8 bytes is the cast of the transpose: no rounding is involved.
-  at::Tensor out_t = with_transpose ? out.t().contiguous()
+  // (A copy always: for one row or column contiguous() would return a view of out.)
+  at::Tensor out_t = with_transpose ? out.t().clone(at::MemoryFormat::Contiguous)
                                     : at::empty({0}, vc.options().dtype(fp8_dtype));
   return {out, out_t};
 }

@@ -110,6 +110,8 @@ def cast_from_fp8(x_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
 def compute_scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
     """Current scaling: ``fp8_max / amax / 2**margin`` elementwise (fp64 then rounded to fp32,
     clamped to [FLT_MIN, FLT_MAX]); 1.0 where amax is 0, negative or not finite."""
+    if not isinstance(amax, torch.Tensor):
+        check_wrapper_arguments("compute_scale_from_amax", tensors={"amax": amax})
     return _ops.compute_scale_from_amax(amax, float(fp8_max), _check_margin(margin))
 
 
@@ -125,9 +127,11 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
     """
     if not (isinstance(a, torch.Tensor) and isinstance(a_scale_inv, torch.Tensor)
             and isinstance(b, torch.Tensor) and isinstance(b_scale_inv, torch.Tensor)
-            and isinstance(out_dtype, torch.dtype)):
+            and isinstance(out_dtype, torch.dtype)
+            and (bias is None or isinstance(bias, torch.Tensor))):
         check_wrapper_arguments("fp8_gemm", tensors={"a": a, "a_scale_inv": a_scale_inv,
-                                                     "b": b, "b_scale_inv": b_scale_inv},
+                                                     "b": b, "b_scale_inv": b_scale_inv,
+                                                     **({} if bias is None else {"bias": bias})},
                                 dtypes={"out_dtype": out_dtype})
     return _ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_fast_accum)
 

@@ -72,6 +72,9 @@ def fp8_gemm_blockwise(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tens
     not a GEMM cuBLASLt runs). CUDA: cuBLASLt with split accumulation (never fast accumulation),
     M, N and K multiples of 16. CPU: dequantise to float32 and multiply.
     """
+    if not (type(out_dtype) is torch.dtype and (bias is None or isinstance(bias, torch.Tensor))):
+        check_wrapper_arguments("fp8_gemm_blockwise", tensors={} if bias is None else
+                                {"bias": bias}, dtypes={"out_dtype": out_dtype})
     return _ops.fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
 
 

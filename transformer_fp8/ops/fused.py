@@ -51,6 +51,20 @@ def layernorm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float,
     return _ops.layernorm_fwd(x, weight, bias, float(eps), zero_centered_gamma)
 
 
+def _check_scalars(op: str, fp8_dtype=torch.float8_e4m3fn, activation: str = "gelu",
+                   row_multiple: int = 1) -> None:
+    """The dispatcher would read an int fp8_dtype as some dtype (24: e4m3) and answer a wrong
+    activation or row_multiple type with a pybind error naming no argument: checked here (one
+    cheap test on the common path)."""
+    if type(fp8_dtype) is torch.dtype and type(activation) is str and \
+            type(row_multiple) is int and -2**63 <= row_multiple < 2**63:
+        return
+    if not isinstance(activation, str):
+        raise TypeError(f"{op}: argument 'activation' must be a string, got {activation!r}")
+    check_wrapper_arguments(op, dtypes={"fp8_dtype": fp8_dtype},
+                            ints={"row_multiple": row_multiple})
+
+
 def _amax_slot(op: str, amax: Optional[Tensor]) -> Optional[Tensor]:
     """amax as the kernels take it, checked by check_wrapper_arguments where a cheap test fails
     (as the cast wrappers do): a lazily negated view must be refused here, since the
@@ -69,6 +83,7 @@ def layernorm_fwd_fp8(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: fl
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """LayerNorm emitting FP8: (y_fp8 [M_pad, N], y_t_fp8 [N, M_pad] or [0], y_hp [M, N] or [0],
     mean [M], rstd [M]). y_fp8 is the cast of the float32 y (see the module docstring)."""
+    _check_scalars("layernorm_fwd_fp8", fp8_dtype, row_multiple=row_multiple)
     return _ops.layernorm_fwd_fp8(x, weight, bias, float(eps), zero_centered_gamma, scale,
                                   fp8_dtype, _amax_slot("layernorm_fwd_fp8", amax),
                                   with_transpose, return_hp, row_multiple)
@@ -93,6 +108,7 @@ def rmsnorm_fwd_fp8(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: 
                     with_transpose: bool = False, return_hp: bool = False,
                     row_multiple: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """RMSNorm emitting FP8: (y_fp8, y_t_fp8, y_hp, rstd), as layernorm_fwd_fp8."""
+    _check_scalars("rmsnorm_fwd_fp8", fp8_dtype, row_multiple=row_multiple)
     return _ops.rmsnorm_fwd_fp8(x, weight, float(eps), zero_centered_gamma, scale, fp8_dtype,
                                 _amax_slot("rmsnorm_fwd_fp8", amax), with_transpose, return_hp,
                                 row_multiple)
@@ -106,6 +122,7 @@ def rmsnorm_bwd(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor,
 
 def activation_fwd(x: Tensor, activation: str) -> Tensor:
     """The activation in float32, returned in x's dtype ([M, N] for a gated x [M, 2N])."""
+    _check_scalars("activation_fwd", activation=activation)
     return _ops.activation_fwd(x, activation)
 
 
@@ -113,6 +130,7 @@ def activation_fwd_fp8(x: Tensor, activation: str, scale: Tensor, fp8_dtype: tor
                        amax: Optional[Tensor] = None, with_transpose: bool = False,
                        row_multiple: int = 1) -> tuple[Tensor, Tensor]:
     """The activation emitting FP8: (y_fp8 [M_pad, N], y_t_fp8 [N, M_pad] or [0])."""
+    _check_scalars("activation_fwd_fp8", fp8_dtype, activation, row_multiple)
     return _ops.activation_fwd_fp8(x, activation, scale, fp8_dtype,
                                    _amax_slot("activation_fwd_fp8", amax), with_transpose,
                                    row_multiple)
@@ -121,6 +139,7 @@ def activation_fwd_fp8(x: Tensor, activation: str, scale: Tensor, fp8_dtype: tor
 def activation_bwd(dy: Tensor, x: Tensor, activation: str) -> Tensor:
     """d(loss)/dx of the activation (x's shape and dtype); dy has the output's shape and x's
     dtype."""
+    _check_scalars("activation_bwd", activation=activation)
     return _ops.activation_bwd(dy, x, activation)
 
 
@@ -132,6 +151,7 @@ def activation_bwd_fp8(dy: Tensor, x: Tensor, activation: str, scale: Tensor,
     [0], dbias [N_in] or [0]). dbias = column sums of the float32 dx over the M real rows,
     accumulated in float32, returned in x's dtype (the bias gradient of the Linear before the
     activation)."""
+    _check_scalars("activation_bwd_fp8", fp8_dtype, activation, row_multiple)
     return _ops.activation_bwd_fp8(dy, x, activation, scale, fp8_dtype,
                                    _amax_slot("activation_bwd_fp8", amax), with_transpose,
                                    with_dbias, row_multiple)
@@ -142,6 +162,7 @@ def cast_transpose_dbias(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype,
                          row_multiple: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """cast_transpose_to_fp8 with row padding plus dbias = x.sum(0) (float32 accumulation, in
     x's dtype), from one read of x: for the grad_output of a Linear with a bias."""
+    _check_scalars("cast_transpose_dbias", fp8_dtype, row_multiple=row_multiple)
     return _ops.cast_transpose_dbias(x, scale, fp8_dtype, _amax_slot("cast_transpose_dbias", amax),
                                      row_multiple)
 

@@ -37,8 +37,10 @@ class WeightCast:
     Float8CurrentScaling: the value's own scale (its amax), no state.
     """
 
-    def __init__(self, module: torch.nn.Module, gemm: int, recipe):
-        self._module = weakref.ref(module)
+    def __init__(self, module: Optional[torch.nn.Module], gemm: int, recipe):
+        # None: a weight copied on its own (deepcopy of the tensor, not of its module), which
+        # casts new values with their own scale and touches no module's state.
+        self._module = weakref.ref(module) if module is not None else None
         self.gemm = gemm
         self.recipe = recipe
         self.fp8_dtype = recipe.fp8_format.fwd_dtype
@@ -47,13 +49,13 @@ class WeightCast:
     def __deepcopy__(self, memo):
         # A module being copied is in memo before its parameters: the copy's weight quantises
         # into the copy's state.
-        module = self._module()
-        return WeightCast(memo.get(id(module), module), self.gemm, self.recipe)
+        module = self._module() if self._module is not None else None
+        return WeightCast(memo.get(id(module)), self.gemm, self.recipe)
 
     def has_state(self) -> bool:
         """Whether the rule can be applied now: its module's FP8 state is in place (not while
         the module's _apply sets it aside)."""
-        if isinstance(self.recipe, Float8CurrentScaling):
+        if isinstance(self.recipe, Float8CurrentScaling) or self._module is None:
             return True
         module = self._module()
         return module is not None and "fp8_fwd_amax_history" in module._buffers
@@ -68,7 +70,7 @@ class WeightCast:
         """(scale, scale_inv) to cast ``hp`` with, as new tensors (the layer's buffers change
         in place at every update)."""
         amax, own = self.own_scale(hp)
-        if isinstance(self.recipe, Float8CurrentScaling):
+        if isinstance(self.recipe, Float8CurrentScaling) or self._module is None:
             return own, own.reciprocal()
         module = self._module()
         if module is None:
@@ -123,7 +125,8 @@ class Fp8Data:
                     if a is not b:
                         a.copy_(b)
             return
-        self.data, self.scale, self.scale_inv = theirs
+        # (copies: the source, another weight's, must not share them with this one)
+        self.data, self.scale, self.scale_inv = (t.clone() for t in theirs)
 
     def moved(self, device, copy: bool = False) -> "Fp8Data":
         """Its tensors on ``device`` (the same ones where they are there already, unless

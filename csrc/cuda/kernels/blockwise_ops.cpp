@@ -49,7 +49,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_cu
     // Same blocks: the transpose's bytes and scales are the transposed bytes and scales.
     at::Tensor scale_inv_t = new_scale_tensor(gt, x.options());
     scale_inv_t.copy_(scale_inv.t());
-    return {x_fp8, scale_inv, x_fp8.t().contiguous(), scale_inv_t};
+    // (A copy always: for one row or column contiguous() would return a view of x_fp8.)
+    return {x_fp8, scale_inv, x_fp8.t().clone(at::MemoryFormat::Contiguous), scale_inv_t};
   }
   // 1-D blocks of x^T are other blocks: quantise x^T from the high-precision values.
   // TODO(perf): a fused cast-transpose kernel would save this extra read and write of x.
