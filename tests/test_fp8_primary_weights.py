@@ -216,8 +216,11 @@ def test_plain_sgd_on_fp8_weights_quantises_every_update(gen):
 
     def step():
         before = w.dequantize()
-        expected = before - 0.3 * w.grad  # what SGD writes, then quantised:
-        scale = model[0].fp8_fwd_scale[1:2].clone()
+        expected = before - 0.3 * w.grad  # what SGD writes, then quantised with the layer's
+        scale = model[0].fp8_fwd_scale[1:2].clone()  # scale, or its own where that would clip
+        amax = ops.amax(expected).reshape(1)
+        if (amax * scale > 448).item():
+            scale = ops.compute_scale_from_amax(amax, 448.0, DELAYED.margin)
         codes = w.fp8_data.view(torch.uint8).clone()
         opt.step()
         opt.zero_grad()
@@ -352,3 +355,24 @@ def test_compiled_fp8_weights_train_as_eager(module, recipe):
     assert all(g is not None for step in got for name, g in step.grads.items()
                if "weight" in name), "every weight got a gradient"
     assert_bit_identical(got, expected)
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_a_written_value_past_the_layers_range_is_not_clipped(gen, recipe):
+    """An initialisation written after construction (Hugging Face's weight.data.normal_) or a
+    weight that grows goes past the range of the delayed weight scale, which the construction
+    made from the initial values alone: such a value is cast with its own scale (38% of a
+    normal_(0, 0.02) init were clipped to the initial max before, std 0.012 for 0.02)."""
+    with tfp8.quantized_model_init(recipe=recipe):
+        layer = tfp8.Linear(1024, 256)
+    value = randn(gen, 256, 1024) * 0.02
+    with torch.no_grad():
+        layer.weight.data.copy_(value)
+    own = ops.compute_scale_from_amax(ops.amax(value).reshape(1), 448.0,
+                                      getattr(recipe, "margin", 0))
+    expected = ops.cast_from_fp8(ops.cast_to_fp8(value, own, torch.float8_e4m3fn),
+                                 own.reciprocal(), torch.float32)
+    assert_bitwise_equal(layer.weight.dequantize(), expected)
+    if isinstance(recipe, tfp8.DelayedScaling):  # the layer's weight scale follows
+        assert_bitwise_equal(layer.fp8_fwd_scale[1:2], own)

@@ -34,7 +34,10 @@ class WeightCast:
     amax at all and the scale of 1 (a fresh or reset state) the value's own scale is used,
     ``fp8_max / amax / 2**margin`` (what an update of that amax gives), and becomes the layer's
     weight scale, so that the first forward casts nothing with the fresh state's scale of 1.
-    Float8CurrentScaling: the value's own scale (its amax), no state.
+    So is it for a value that the layer's scale would clip (amax * scale > fp8_max: an
+    initialisation written after construction, weights that grew): no written value saturates.
+    Float8CurrentScaling: the value's own scale (its amax), no state. A weight copied on its
+    own (deepcopy of the tensor alone): its own scale, no module's state.
     """
 
     def __init__(self, module: Optional[torch.nn.Module], gemm: int, recipe):
@@ -83,8 +86,11 @@ class WeightCast:
         # Fresh: no amax in the history and the scale of a fresh state (with a history of
         # length 1 every update leaves the history empty: the scale tells). On the device.
         fresh = ~(history[:, col] > 0).any() & (layer_scale == 1).all()
-        scale = torch.where(fresh, own, layer_scale)
-        scale_inv = torch.where(fresh, own.reciprocal(), layer_scale_inv)
+        # (a value past the layer scale's range: its own scale, smaller, so that none clips)
+        clipped = amax * layer_scale > torch.finfo(self.fp8_dtype).max
+        use_own = fresh | clipped
+        scale = torch.where(use_own, own, layer_scale)
+        scale_inv = torch.where(use_own, own.reciprocal(), layer_scale_inv)
         layer_scale.copy_(scale)
         layer_scale_inv.copy_(scale_inv)
         slot = history[0, col:col + 1]
