@@ -87,7 +87,8 @@ class WeightCast:
         # length 1 every update leaves the history empty: the scale tells). On the device.
         fresh = ~(history[:, col] > 0).any() & (layer_scale == 1).all()
         # (a value past the layer scale's range: its own scale, smaller, so that none clips)
-        clipped = amax * layer_scale > torch.finfo(self.fp8_dtype).max
+        # (not an infinite or NaN value, whose own scale is the fallback 1: the layer's kept)
+        clipped = (amax * layer_scale > torch.finfo(self.fp8_dtype).max) & amax.isfinite()
         use_own = fresh | clipped
         scale = torch.where(use_own, own, layer_scale)
         scale_inv = torch.where(use_own, own.reciprocal(), layer_scale_inv)
