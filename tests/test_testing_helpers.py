@@ -183,7 +183,8 @@ def test_planted_transposed_input_fails(gen, device):
 
         def forward(self, x):
             from transformer_fp8.quantization.autocast import current_state
-            return self.inner(x.flip(-1) if current_state() is not None else x)
+            state = current_state()
+            return self.inner(x.flip(-1) if state is not None and state.enabled else x)
 
     wrapped, wrapped_ref = Wrong(model), Wrong(reference)
     with pytest.raises(AssertionError) as failure:
@@ -202,6 +203,69 @@ def test_nan_fails_parity(gen):
         model.weight[0, 0] = math.nan
     with pytest.raises(AssertionError, match="output: nan dB"):
         assert_fp8_parity(model, reference, randn(gen, 16, 64), recipe=RECIPE)
+
+
+def test_sqnr_with_infinities():
+    """Equal infinities add no noise; an inf against a finite value is infinite noise (the
+    check fails, with a report, rather than raising 'math domain error')."""
+    expected = torch.tensor([3.0, 4.0, -math.inf])
+    assert sqnr(expected.clone(), expected) == math.inf
+    assert sqnr(torch.tensor([3.0, 4.0625, -math.inf]), expected) == pytest.approx(
+        20 * math.log10(80), abs=1e-12)
+    assert sqnr(torch.tensor([3.0, math.inf, -math.inf]), expected) == -math.inf
+    assert rel_error(torch.tensor([3.0, math.inf, -math.inf]), expected) == math.inf
+    assert sqnr(torch.tensor([3.0, 4.0, 0.0]), expected) == -math.inf
+
+
+class _CutInFp8(torch.nn.Module):
+    """Two layers; under an enabled fp8_autocast the first one's output is detached (a planted
+    graph cut: its gradients, and the input's, vanish)."""
+
+    def __init__(self, first, second):
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        from transformer_fp8.quantization.autocast import current_state
+        state = current_state()
+        h = self.first(x)
+        return self.second(h.detach() if state is not None and state.enabled else h)
+
+
+def test_a_gradient_missing_from_the_fp8_run_fails(gen):
+    model = _CutInFp8(tfp8.Linear(64, 64), tfp8.Linear(64, 32))
+    reference = copy.deepcopy(model)
+    with pytest.raises(AssertionError) as failure:
+        assert_fp8_parity(model, reference, randn(gen, 16, 64), recipe=RECIPE)
+    listed = str(failure.value).split("\n")[0]
+    for name in ("input_grad[0]: -inf dB", "grad:first.weight: -inf dB",
+                 "grad:first.bias: -inf dB"):
+        assert name in listed, listed
+
+
+def test_the_reference_runs_in_high_precision_inside_a_callers_fp8_autocast(gen):
+    """Inside an outer fp8_autocast the reference ran in FP8 too: a planted x2 in the FP8 path
+    then compared FP8 with FP8 and passed (inf dB)."""
+    class Doubled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            from transformer_fp8.quantization.autocast import current_state
+            state = current_state()
+            return self.inner(x) * (2 if state is not None and state.enabled else 1)
+
+    model = Doubled(tfp8.Linear(64, 32))
+    with tfp8.fp8_autocast(fp8_recipe=RECIPE), pytest.raises(AssertionError, match="output: "):
+        assert_fp8_parity(model, model, randn(gen, 16, 64), recipe=RECIPE)
+
+
+@pytest.mark.parametrize("option", ["fuse_wgrad_accumulation", "delay_wgrad_compute"])
+def test_routed_weight_gradients_are_refused(gen, option):
+    model = tfp8.Linear(64, 32, **{option: True})
+    with pytest.raises(ValueError, match="bypass autograd"):
+        compare_to_reference(model, model, randn(gen, 16, 64), recipe=RECIPE)
 
 
 # ---- the pytest plugin -------------------------------------------------------------------------
