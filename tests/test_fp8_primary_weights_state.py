@@ -331,3 +331,20 @@ def test_copy_from_a_weight_of_another_fp8_dtype_shares_nothing(gen):
         source.weight.mul_(0.5)
     assert_bitwise_equal(target.weight.dequantize(), before, "the destination after a write "
                          "into the source")
+
+
+def test_a_dtype_copy_of_a_weight_writes_into_no_module_state(gen):
+    """p.float() of a bfloat16 FP8 weight (a master made the plain-tensor way) is an FP8 copy;
+    a write into it recorded its amax into the layer's history (x100 moved the layer's weight
+    scale 100x at the next update). Now it casts with its own scale, touching no state; the
+    module's own .float() keeps the weight bound to the module."""
+    with tfp8.quantized_model_init(recipe=DELAYED):
+        layer = tfp8.Linear(64, 32, params_dtype=torch.bfloat16)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    copy_ = layer.weight.detach().float()
+    with torch.no_grad():
+        copy_.mul_(100.0)
+    for key, t in layer.state_dict().items():
+        assert_bitwise_equal(t, state[key], key)
+    layer.float()
+    assert layer.weight._fp8.cast._module() is layer

@@ -135,6 +135,11 @@ class Fp8Data:
         # (copies: the source, another weight's, must not share them with this one)
         self.data, self.scale, self.scale_inv = (t.clone() for t in theirs)
 
+    def on_its_own(self) -> "Fp8Data":
+        """This data with a rule bound to no module (a copy made outside the module)."""
+        self.cast = WeightCast(None, self.cast.gemm, self.cast.recipe)
+        return self
+
     def moved(self, device, copy: bool = False) -> "Fp8Data":
         """Its tensors on ``device`` (the same ones where they are there already, unless
         ``copy``)."""
@@ -284,8 +289,12 @@ class Fp8Weight(torch.Tensor):
                 # .to(device) / .half(): the same FP8 values, on that device, of that dtype,
                 # in tensors of its own (writes go into a weight's tensors in place: a shared
                 # one would change the original too).
+                # The copy casts new values with its own scale and writes into no module's
+                # state (p.float() of a bfloat16 weight wrote the layer's amax history); the
+                # module's own _apply keeps its weight object and its rule (_set_data).
                 device = kwargs.get("device") or this.device
-                return this._alias(kwargs.get("dtype"), this._fp8.moved(device, copy=True))
+                return this._alias(kwargs.get("dtype"),
+                                   this._fp8.moved(device, copy=True).on_its_own())
         if func._schema.is_mutable:
             return _mutate(func, args, kwargs)
         # Any other use (a high-precision computation, clone, a view): the dequantised value.
