@@ -15,11 +15,18 @@ import torch
 from conftest import randn
 
 import transformer_fp8 as tfp8
+from transformer_fp8.quantization.autocast import current_state
 from transformer_fp8.testing import (DEFAULT_GRAD_MIN_SQNR_DB, DEFAULT_MIN_SQNR_DB,
                                      assert_fp8_parity, compare_to_reference, rel_error, sqnr)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = tfp8.DelayedScaling(amax_history_len=16)
+
+
+def in_fp8() -> bool:
+    """Whether an enabled fp8_autocast is active (planted bugs below act only there)."""
+    state = current_state()
+    return state is not None and state.enabled
 
 
 # ---- sqnr / rel_error --------------------------------------------------------------------------
@@ -182,9 +189,7 @@ def test_planted_transposed_input_fails(gen, device):
             self.inner = inner
 
         def forward(self, x):
-            from transformer_fp8.quantization.autocast import current_state
-            state = current_state()
-            return self.inner(x.flip(-1) if state is not None and state.enabled else x)
+            return self.inner(x.flip(-1) if in_fp8() else x)
 
     wrapped, wrapped_ref = Wrong(model), Wrong(reference)
     with pytest.raises(AssertionError) as failure:
@@ -226,10 +231,8 @@ class _CutInFp8(torch.nn.Module):
         self.first, self.second = first, second
 
     def forward(self, x):
-        from transformer_fp8.quantization.autocast import current_state
-        state = current_state()
         h = self.first(x)
-        return self.second(h.detach() if state is not None and state.enabled else h)
+        return self.second(h.detach() if in_fp8() else h)
 
 
 def test_a_gradient_missing_from_the_fp8_run_fails(gen):
@@ -252,9 +255,7 @@ def test_the_reference_runs_in_high_precision_inside_a_callers_fp8_autocast(gen)
             self.inner = inner
 
         def forward(self, x):
-            from transformer_fp8.quantization.autocast import current_state
-            state = current_state()
-            return self.inner(x) * (2 if state is not None and state.enabled else 1)
+            return self.inner(x) * (2 if in_fp8() else 1)
 
     model = Doubled(tfp8.Linear(64, 32))
     with tfp8.fp8_autocast(fp8_recipe=RECIPE), pytest.raises(AssertionError, match="output: "):

@@ -98,10 +98,11 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     bool chooses which layers; by default those whose in_features and out_features are
     multiples of 16. recipe: the recipe the layers will train with, so that their FP8 state has
     its final shapes from the start (see Linear); the module's FP8 layers that were FP8 already
-    (converted before, Transformer Engine's modules) are sized for it too. fp8_all_gather: under FSDP2's fully_shard
-    the converted Linear layers' weights are all-gathered in FP8 (modules/fsdp_all_gather.py;
-    their weight Parameters become ShardedWeight, the same objects); call it before
-    fully_shard. Conv1D weights, stored transposed, are gathered in high precision.
+    (converted before, Transformer Engine's modules) are sized for it too. fp8_all_gather:
+    under FSDP2's fully_shard the converted Linear layers' weights are all-gathered in FP8
+    (modules/fsdp_all_gather.py; their weight Parameters become ShardedWeight, the same
+    objects); call it before fully_shard. Conv1D weights, stored transposed, are gathered in
+    high precision.
 
     Returns ``module``, or with return_summary=True a ConversionSummary. Layers left in high
     precision are reported in one warning, with the reason for each.

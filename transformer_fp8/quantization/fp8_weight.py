@@ -132,8 +132,7 @@ class Fp8Data:
                     if a is not b:
                         a.copy_(b)
             return
-        # (copies: the source, another weight's, must not share them with this one)
-        self.data, self.scale, self.scale_inv = (t.clone() for t in theirs)
+        self.data, self.scale, self.scale_inv = theirs
 
     def on_its_own(self) -> "Fp8Data":
         """This data with a rule bound to no module (a copy made outside the module)."""
@@ -239,8 +238,8 @@ class Fp8Weight(torch.Tensor):
     def _write(self, value: torch.Tensor) -> None:
         """Hold ``value`` from now on: an Fp8Weight's FP8 data and scales as they are (exact),
         any other value quantised with this weight's rule."""
-        if isinstance(value, Fp8Weight):
-            self._fp8.take(value._fp8.moved(self.device))
+        if isinstance(value, Fp8Weight):  # (copies: another live weight's tensors are not shared)
+            self._fp8.take(value._fp8.moved(self.device, copy=True))
             return
         if value.shape != self.shape:
             value = value.expand(self.shape)  # copy_ broadcasts its source
