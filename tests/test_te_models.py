@@ -354,8 +354,52 @@ def test_delay_wgrad_compute_hands_gradients_over_in_backward_dw(kind, fp8, reci
     module.backward_dw()
     for n, p in params.items():
         assert torch.equal(p.grad, ref_params[n].grad), n
-    module.backward_dw()  # nothing left: no change
+    with pytest.raises(RuntimeError, match="called more often than backward"):
+        module.backward_dw()  # nothing left (Transformer Engine raises too): no change
     assert all(torch.equal(p.grad, ref_params[n].grad) for n, p in params.items())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backward_dw_calls_the_wgrad_reduce_hooks_after_handing_over(kind):
+    """register_wgrad_accumulation_and_reduce_hooks (Megatron-LM's reduction after the
+    delayed wgrad): each hook runs once per backward_dw(), in order, once the gradients are in
+    place; not in backward, not for a module without delay_wgrad_compute."""
+    module, ref, call, weights = _modules(kind, delay_wgrad_compute=True)
+    seen = []
+    params = dict(module.named_parameters())
+    module.register_wgrad_accumulation_and_reduce_hooks(
+        lambda: seen.append(("a", params[weights[0]].grad is not None)))
+    module.register_wgrad_accumulation_and_reduce_hooks(lambda: seen.append(("b", None)))
+    for _ in range(2):
+        call(module, torch.randn(16, 32)).square().sum().backward()
+    assert seen == []
+    module.backward_dw()
+    assert seen == [("a", True), ("b", None)]
+    module.backward_dw()
+    assert seen == [("a", True), ("b", None)] * 2
+    with pytest.raises(TypeError, match="hook must be callable, got int"):
+        module.register_wgrad_accumulation_and_reduce_hooks(3)
+    plain, _, call_plain, _ = _modules(kind)
+    plain.register_wgrad_accumulation_and_reduce_hooks(lambda: seen.append("plain"))
+    call_plain(plain, torch.randn(16, 32)).sum().backward()
+    plain.backward_dw()  # no delay_wgrad_compute: nothing to do, no hook
+    assert "plain" not in seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backward_dw_of_a_frozen_module_is_a_no_op(kind):
+    """No parameter requires a gradient: backward leaves nothing, backward_dw() does
+    nothing (the input still gets its gradient in backward)."""
+    module, ref, call, _ = _modules(kind, delay_wgrad_compute=True)
+    module.requires_grad_(False)
+    ref.requires_grad_(False)
+    x = torch.randn(16, 32)
+    xm, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    call(module, xm).square().sum().backward()
+    call(ref, xr).square().sum().backward()
+    module.backward_dw()
+    assert torch.equal(xm.grad, xr.grad)
+    assert all(p.grad is None for p in module.parameters())
 
 
 @pytest.mark.parametrize("kind", KINDS)

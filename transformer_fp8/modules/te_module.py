@@ -69,6 +69,9 @@ class TeModuleMixin:
                        if fuse_wgrad_accumulation or delay_wgrad_compute else None)
         self._parts: dict[str, list[str]] = {}  # logical name -> Parameter names
         self._wgrad_first: Optional[bool] = None  # is_first_microbatch of the running forward
+        # Megatron-LM's gradient reduction, called after each backward_dw() (Transformer
+        # Engine's attribute name)
+        self.wgrad_accumulation_and_reduce_hooks: list = []
 
     # Set at construction: the gradient routing is built from them then (a later assignment
     # would change nothing, silently: main_grad never written), so changing them is refused.
@@ -93,6 +96,7 @@ class TeModuleMixin:
             # (a module pickled whole before the options became properties)
             state["_wgrad_options"] = (state.pop("fuse_wgrad_accumulation"),
                                        state.pop("delay_wgrad_compute"))
+        state.setdefault("wgrad_accumulation_and_reduce_hooks", [])
         super().__setstate__(state)
 
     def _refuse_wgrad_change(self, name: str, current: bool, value) -> None:
@@ -151,10 +155,30 @@ class TeModuleMixin:
 
     def backward_dw(self) -> None:
         """With delay_wgrad_compute: hand the gradients left aside by the oldest backward pass
-        to the parameters (main_grad with fuse_wgrad_accumulation, else .grad). A no-op
-        otherwise, or when none are left."""
-        if self._wgrad is not None and self._wgrad.delay:
-            self._wgrad.backward_dw()
+        to the parameters (main_grad with fuse_wgrad_accumulation, else .grad), then call the
+        hooks of register_wgrad_accumulation_and_reduce_hooks. A no-op without
+        delay_wgrad_compute, or when no parameter requires a gradient. Raises, as Transformer
+        Engine does, when no backward pass has left gradients (called more often than backward:
+        a schedule that would otherwise step without these gradients)."""
+        if not self.need_backward_dw():
+            return
+        if not self._wgrad.pending:
+            if not any(p.requires_grad for p in self.parameters()):
+                return  # frozen: backward leaves nothing
+            raise RuntimeError(f"{type(self).__name__}.backward_dw(): no backward pass has left "
+                               "weight gradients to hand over (each backward pass leaves one "
+                               "set; backward_dw() was called more often than backward)")
+        self._wgrad.backward_dw()
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        """Call ``hook()`` after each backward_dw() has handed the gradients over (Megatron-LM
+        reduces them there). Register before backward."""
+        if not callable(hook):
+            raise TypeError(f"{type(self).__name__}.register_wgrad_accumulation_and_reduce_hooks: "
+                            f"hook must be callable, got {type(hook).__name__}")
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
 
     def need_backward_dw(self) -> bool:
         return self._wgrad is not None and self._wgrad.delay

@@ -89,9 +89,7 @@ class WgradRouting:
         return _autograd_result(param)
 
     def backward_dw(self) -> None:
-        """Hand over the gradients of the oldest delayed backward pass."""
-        if not self.pending:
-            return
+        """Hand over the gradients of the oldest delayed backward pass (one must be pending)."""
         entry = self.pending[0]
         if self.fuse:  # every main_grad checked before anything is handed over (a retry works)
             for param, is_weight, *_ in entry:
