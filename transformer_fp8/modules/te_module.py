@@ -50,6 +50,9 @@ def split_sizes(owner: str, parameters_split, out_features: int) -> Optional[lis
     return parts
 
 
+_NOT_A_PARAMETER = object()
+
+
 class TeModuleMixin:
     """See the module docstring. Call ``_init_te_module`` before registering the GEMM
     parameters with ``_register_gemm_parameter``."""
@@ -133,7 +136,11 @@ class TeModuleMixin:
         """The tensor the computation uses for ``logical`` (None for an absent bias)."""
         names = self._parts.get(logical)
         if names is not None and len(names) == 1 and (not routed or self._wgrad is None):
-            return self._parameters[names[0]]  # one Parameter, nothing routed: the common case
+            param = self._parameters.get(names[0], _NOT_A_PARAMETER)
+            if param is not _NOT_A_PARAMETER:
+                return param  # one Parameter, nothing routed: the common case
+            # (else a tensor computed from parameters: torch.nn.utils.parametrize, weight_norm,
+            # prune; getattr below computes it)
         params = [p for p in self._parameters_of(logical) if p is not None]
         if not params:
             return None

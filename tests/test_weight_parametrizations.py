@@ -1,0 +1,83 @@
+"""Weights computed from other parameters (torch.nn.utils.parametrize and its weight_norm /
+spectral_norm, the older weight_norm hook, prune): a module whose weight is such a tensor
+computes what the same module with that tensor as its plain weight computes, bit for bit, and
+the gradient reaches the underlying parameters through the parametrization (nn.Linear takes
+them all; the modules read the weight from ``_parameters`` and raised KeyError)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_bitwise_equal, randn
+from torch.nn.utils import parametrizations, prune
+
+import transformer_fp8 as te
+
+MODULES = {  # kind -> (build, name of the weight to parametrize, extra forward arguments)
+    "linear": (lambda: te.Linear(32, 48), "weight", ()),
+    "layernorm_linear": (lambda: te.LayerNormLinear(32, 48), "weight", ()),
+    "mlp_fc1": (lambda: te.LayerNormMLP(32, 48), "fc1_weight", ()),
+    "mlp_fc2": (lambda: te.LayerNormMLP(32, 48), "fc2_weight", ()),
+    "grouped": (lambda: te.GroupedLinear(2, 32, 48), "weight1", ([6, 10],)),
+}
+PARAMETRIZE = {
+    "weight_norm": lambda m, name: parametrizations.weight_norm(m, name=name),
+    "weight_norm_hook": lambda m, name: torch.nn.utils.weight_norm(m, name=name),
+    "prune": lambda m, name: prune.l1_unstructured(m, name, 0.3),
+}
+RECIPES = [pytest.param(lambda: te.DelayedScaling(amax_history_len=2), id="delayed"),
+           pytest.param(te.Float8CurrentScaling, id="current"),
+           pytest.param(te.Float8BlockScaling, id="block")]
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("how", PARAMETRIZE)
+@pytest.mark.parametrize("kind", MODULES)
+def test_a_parametrized_weight_trains_as_the_plain_weight_it_computes(gen, kind, how, recipe):
+    build, name, extra = MODULES[kind]
+    torch.manual_seed(0)
+    module = build()
+    plain = copy.deepcopy(module)  # the same module, its weight a Parameter
+    PARAMETRIZE[how](module, name)
+    plain_params = dict(plain.named_parameters())
+    underlying = [(n, p) for n, p in module.named_parameters() if n not in plain_params]
+    assert underlying, "the parametrization keeps the weight's parameters elsewhere"
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    fp8_recipe = recipe()
+
+    def weight():  # the parametrized weight, computed from the parameters as they are now
+        if how == "weight_norm_hook":  # (these two set the attribute in a pre-forward hook)
+            return torch._weight_norm(module.get_parameter(name + "_v"),
+                                      module.get_parameter(name + "_g"), 0)
+        if how == "prune":
+            return module.get_parameter(name + "_orig") * module.get_buffer(name + "_mask")
+        return getattr(module, name)
+
+    for step in range(3):  # the delayed scales change from step to step
+        with torch.no_grad():  # the plain module's weight: what the parametrization computes
+            for n, p in plain.named_parameters():
+                p.copy_(weight() if n == name else module.get_parameter(n))
+        x = randn(gen, 16, 32, scale=1.0 + step)
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        with te.fp8_autocast(fp8_recipe=fp8_recipe):
+            ys = [m(xi, *extra) for m, xi in zip((module, plain), xs)]
+        assert_bitwise_equal(ys[0], ys[1], f"output, step {step}")
+        for y in ys:
+            y.square().sum().backward()
+        assert_bitwise_equal(xs[0].grad, xs[1].grad, f"input gradient, step {step}")
+        for n, p in plain.named_parameters():
+            if n != name:
+                assert_bitwise_equal(module.get_parameter(n).grad, p.grad, f"{n}, step {step}")
+        # the weight's gradient, carried back through the parametrization
+        expected = torch.autograd.grad(weight(), [p for _, p in underlying],
+                                       plain_params[name].grad, allow_unused=True)
+        for (n, p), e in zip(underlying, expected):
+            if e is None:
+                assert p.grad is None, n
+            else:
+                assert_bitwise_equal(p.grad, e, f"{n}, step {step}")
+        opt.step()
+        opt.zero_grad()
+        plain.zero_grad()
