@@ -146,3 +146,65 @@ def test_a_context_inside_a_checkpointed_function_is_a_training_forward(mode):
         runs.append(steps)
     assert runs[1][-1].fp8_state["0.fp8_fwd_scale"][0].item() != 1.0
     assert_bit_identical(runs[1], runs[0])
+
+
+RECIPES = {"delayed": lambda: DelayedScaling(amax_history_len=4),
+           "current": tfp8.Float8CurrentScaling, "block": tfp8.Float8BlockScaling}
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("first", ["context_only", "forward", "first_microbatch"])
+def test_inference_mode_before_training_leaves_the_model_trainable(device, recipe, first):
+    """An fp8_autocast entered under torch.inference_mode before any training step (a
+    validation sanity check, generation): the history it resized, the FP8 weight it kept for
+    is_first_microbatch, were inference tensors, which training can never write or save again
+    ('Inplace update to inference tensor outside InferenceMode'). Training afterwards is bit
+    for bit the training without it."""
+    fp8_recipe = RECIPES[recipe]()
+    # (built without recipe=: the first fp8_autocast resizes the histories to 4)
+    plain, evaluated = make_model(device), make_model(device)
+    x_eval = torch.randn(16, 32, device=device)
+    with torch.inference_mode(), fp8_autocast(fp8_recipe=fp8_recipe):
+        if first == "forward":
+            evaluated(x_eval)
+        elif first == "first_microbatch":
+            for layer in evaluated:
+                if isinstance(layer, tfp8.Linear):
+                    x_eval = layer(x_eval, is_first_microbatch=True)
+    assert not any(t.is_inference() for t in evaluated.state_dict().values())
+    batches = step_batches(torch.Generator().manual_seed(3), 4, 16, 32, device=device)
+    if first == "first_microbatch":  # the training step reuses the FP8 weight kept under it
+        def run_reusing(model):
+            def run(x):
+                x = model[0](x, is_first_microbatch=False)
+                return model[3](model[2](model[1](x)))
+            return run
+        with torch.no_grad(), fp8_autocast(fp8_recipe=fp8_recipe):
+            plain[0](torch.randn(16, 32, device=device), is_first_microbatch=True)
+        # (the kept weight is reused as it is at every step, by both models alike)
+        expected = train(plain, run_reusing(plain), batches[:3], fp8_recipe)
+        got = train(evaluated, run_reusing(evaluated), batches[:3], fp8_recipe)
+        assert_bit_identical(got, expected)
+        return
+    expected = train(plain, plain, batches, fp8_recipe)
+    got = train(evaluated, evaluated, batches, fp8_recipe)
+    assert_bit_identical(got, expected)
+    with torch.no_grad(), fp8_autocast(fp8_recipe=fp8_recipe):  # (an evaluation wrote them too)
+        evaluated(x_eval)
+
+
+def test_a_state_dict_loaded_under_inference_mode_trains():
+    """load_state_dict under torch.inference_mode of a checkpoint with another history length:
+    the resized history was an inference tensor, so the first training step failed."""
+    recipe = DelayedScaling(amax_history_len=8)
+    source = make_model("cpu")
+    train(source, source, step_batches(torch.Generator().manual_seed(4), 2, 16, 32), recipe)
+    loaded, expected = make_model("cpu"), make_model("cpu")
+    with torch.inference_mode():
+        loaded.load_state_dict(source.state_dict())
+    expected.load_state_dict(source.state_dict())
+    assert not loaded[0].fp8_fwd_amax_history.is_inference()
+    batches = step_batches(torch.Generator().manual_seed(5), 3, 16, 32)
+    assert_bit_identical(train(loaded, loaded, batches, recipe),
+                         train(expected, expected, batches, recipe))

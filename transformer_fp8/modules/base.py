@@ -19,6 +19,7 @@ from ..quantization.quantizer import ALIGN, Fp8Plan
 from ..quantization.roles import quantizers_for_step
 from ..quantization.state import Fp8State
 from ..quantization.torch_autocast import autocast_dtype
+from ..quantization.transforms import outside_inference_mode
 from .fsdp_weight import GatheredFp8Weight
 from . import tensor_parallel
 
@@ -188,7 +189,8 @@ class Fp8StateMixin(Fp8State):
             return None
         cached = self._weight_cache[gemm]
         if is_first_microbatch or cached is None or cached[0] != weight_quantizer.cache_key:
-            with torch.no_grad():
+            # (kept for training steps: made outside inference mode, also under it)
+            with torch.no_grad(), outside_inference_mode():
                 self._weight_cache[gemm] = (weight_quantizer.cache_key, weight_quantizer.cast(
                     local_tensor(weight), with_transpose=True))  # (a tensor-parallel shard)
         return self._weight_cache[gemm][1]

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ..quantization.state_validation import fp8_state_error
+from ..quantization.transforms import outside_inference_mode
 
 EXTRA_STATE = "_extra_state"
 _STATE_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
@@ -186,7 +187,7 @@ def _delayed_state_of(module, state: dict) -> tuple:
 def apply_extra_state(module, tensors: dict) -> None:
     """Load what prepare_extra_state gave into the module's FP8 state."""
     device = module.fp8_fwd_scale.device
-    with torch.no_grad():
+    with torch.no_grad(), outside_inference_mode():
         for name in ("fp8_fwd_amax_history", "fp8_bwd_amax_history"):
             getattr(module, name).data = tensors[name].to(device)
         for name in ("fp8_fwd_scale", "fp8_fwd_scale_inv", "fp8_bwd_scale", "fp8_bwd_scale_inv"):

@@ -25,7 +25,7 @@ from . import amax_step, backward_step
 from . import replay as checkpointing
 from . import scaling_state
 from .scaling_state import ScalingState
-from .transforms import refuse_functorch_transform
+from .transforms import outside_inference_mode, refuse_functorch_transform
 from .recipe import (BLOCK_RECIPES, RECIPE_TYPES, DelayedScaling, Float8CurrentScaling, Format,
                      Recipe)
 from .state_validation import fp8_state_error
@@ -242,6 +242,10 @@ class Fp8State:
         adopted = self.__dict__.get("_adopted_recipe")
         if adopted is not None and adopted[0] is recipe and adopted[1] is self._recipe_code:
             return  # the same recipe object as last time, and nothing reset the record since
+        with outside_inference_mode():  # (a resized history must stay writable by training)
+            self._adopt_new_recipe(recipe, running)
+
+    def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
         code = recipe_code(recipe)
         compiling = torch.compiler.is_compiling()
         if not compiling:  # (before anything is written)
@@ -332,6 +336,12 @@ class Fp8State:
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        with outside_inference_mode():  # (a resized history must stay writable by training)
+            self._load_fp8_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def _load_fp8_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                             unexpected_keys, error_msgs):
         # A history of another length loads as it is. A checkpoint with no FP8 key at all (a
         # plain high-precision one) loads with strict=True and leaves a fresh FP8 state; one
         # with only some FP8 keys is reported as incomplete.

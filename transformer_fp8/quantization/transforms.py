@@ -1,8 +1,15 @@
-"""torch.func transforms (grad, vmap, jacrev, ...) and FP8 training: not supported. The FP8 state
-(amax histories, scales) is written in place and outlives the transform; a tensor made inside
-one must not reach it (a history resized inside torch.func.grad stayed behind as a dead
-wrapper, and the next training step crashed), and an update must not half-run there."""
+"""Contexts whose tensors must not become FP8 state, which is written in place and outlives them.
+
+torch.func transforms (grad, vmap, jacrev, ...) and FP8 training: not supported. A tensor made
+inside one must not reach the state (a history resized inside torch.func.grad stayed behind as a
+dead wrapper, and the next training step crashed), and an update must not half-run there.
+
+torch.inference_mode: supported. A tensor made under it is an inference tensor, which no later
+training step may write or save for backward (a history resized under it broke the module for
+good): the state and the kept FP8 weights are made outside it (``outside_inference_mode``)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -17,3 +24,11 @@ def refuse_functorch_transform(what: str) -> None:
             "which FP8 training does not support: the FP8 state (amax histories, scales) is "
             "updated in place and outlives the transform. Compute gradients with "
             "loss.backward() or torch.autograd.grad instead.")
+
+
+def outside_inference_mode():
+    """A context that makes normal tensors also under torch.inference_mode (a no-op outside
+    it)."""
+    if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
