@@ -133,3 +133,20 @@ def test_block_scaling_gathers_the_block_cast_of_the_full_weight(tmp_path):
         assert len(dim1["warnings"]) == 1 and "w_block_scaling_dim=1" in dim1["warnings"][0]
         assert_bit_identical([StepRecord(**r) for r in dim1["steps"]],
                              [StepRecord(**r) for r in dim1_high["steps"]])
+
+
+def _one_rank_worker(rank, out_dir):
+    torch.save({str(flag): _run(rank, flag) for flag in (False, True)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_one_rank_fsdp_group_runs_block_scaling_as_high_precision_gathers(tmp_path):
+    """A one-rank FSDP group: FSDP2 copies the first all-gather input only, which would lose
+    the block scales (IndexError), and a copy saves no bytes: the weights go to the module in
+    high precision, which quantises them. Bit-identical to high-precision all-gathers."""
+    run_ranks(_one_rank_worker, (str(tmp_path),), tmp_path, world=1)
+    result = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    high, fp8 = result["False"], result["True"]
+    assert_bit_identical([StepRecord(**r) for r in fp8["steps"]],
+                         [StepRecord(**r) for r in high["steps"]])
+    assert fp8["warnings"] == [] and fp8["operands"] == high["operands"] == []

@@ -177,7 +177,11 @@ def all_gather_inputs(shard: ShardedWeight, mesh, outer_size, module, mp_policy)
                        "cover the FSDP group (reduce_amax=False or another fp8_group): the "
                        "weights are all-gathered in high precision")
             form = HIGH_PRECISION
-        if form.block is not None and not shards_hold_whole_blocks(outer_size[0], mesh.size()):
+        if form.block is not None and mesh.size() == 1:
+            # FSDP2's one-rank "all-gather" copies the first input only (the block scales would
+            # be lost), and saves no bytes: the module quantises the weight it gets
+            form = HIGH_PRECISION
+        elif form.block is not None and not shards_hold_whole_blocks(outer_size[0], mesh.size()):
             _warn_once("block rows", "fp8_all_gather: under Float8BlockScaling a weight whose "
                        "FSDP shards are not whole 128-row blocks (ceil(rows / ranks) not a "
                        "multiple of 128) is all-gathered in high precision")
