@@ -120,6 +120,9 @@ def _forward_form(module) -> GatherForm:
     state = _module_state(module)
     if state is None or not state.enabled:
         return HIGH_PRECISION
+    if module._fp8_override is not None and module._fp8_override.gemms:
+        return HIGH_PRECISION  # (a debug override of some GEMMs: the layer casts the weight
+        # itself, for the GEMMs that stay FP8; the others take it in high precision)
     recipe = state.recipe
     if not isinstance(recipe, FP8_ALL_GATHER_RECIPES):
         _warn_once(type(recipe), f"fp8_all_gather: under {type(recipe).__name__} the weights are "
