@@ -263,8 +263,40 @@ def test_device_and_dtype_moves_and_copies_keep_fp8_weights(gen):
     layer.to(torch.bfloat16)
     assert type(layer.weight) is Fp8Weight and layer.weight.dtype == torch.bfloat16
     assert_bitwise_equal(layer.weight.fp8_data, data, "the same FP8 data")
-    with pytest.raises(TypeError, match="cannot be pickled; save the module's state_dict"):
-        torch.save(layer, io.BytesIO())
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_a_pickled_model_trains_on_as_the_original(recipe, gen):
+    """torch.save(model) / torch.load(weights_only=False) of a model of FP8 weights (it was
+    refused; Transformer Engine's FP8 tensors pickle): the loaded weights hold the same FP8
+    data and scales, cast into the loaded model's state, and training goes on bit for bit as
+    the original's (the original untouched by the copy's steps)."""
+    from integration_compare import assert_bit_identical, train
+
+    with tfp8.quantized_model_init(recipe=recipe):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(tfp8.Linear(64, 96), torch.nn.GELU(),
+                                    tfp8.LayerNormMLP(96, 128), tfp8.Linear(96, 32))
+    batches = [randn(gen, 16, 64, scale=s) for s in (1.0, 4.0, 0.5, 2.0, 8.0, 1.0)]
+    train(model, model, batches[:2], recipe)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    weights = [(n, p) for n, p in loaded.named_parameters() if isinstance(p, Fp8Weight)]
+    assert len(weights) == 4 and all(isinstance(p, torch.nn.Parameter) for _, p in weights)
+    originals = dict(model.named_parameters())
+    for name, weight in weights:
+        assert_bitwise_equal(weight.fp8_data, originals[name].fp8_data, name)
+        assert weight.fp8_data.data_ptr() != originals[name].fp8_data.data_ptr()
+    twin = copy.deepcopy(model)
+    got = train(loaded, loaded, batches[2:], recipe)
+    expected = train(twin, twin, batches[2:], recipe)
+    assert_bit_identical(got, expected)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train(loaded, loaded, batches[:3], recipe)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def test_refusals():

@@ -55,6 +55,12 @@ class WeightCast:
         module = self._module() if self._module is not None else None
         return WeightCast(memo.get(id(module)), self.gemm, self.recipe)
 
+    def __reduce__(self):
+        # A pickle of the module (torch.save(model)) holds the module itself, which pickle
+        # makes before its parameters: the loaded weight quantises into the loaded state.
+        module = self._module() if self._module is not None else None
+        return WeightCast, (module, self.gemm, self.recipe)
+
     def has_state(self) -> bool:
         """Whether the rule can be applied now: its module's FP8 state is in place (not while
         the module's _apply sets it aside)."""
@@ -181,8 +187,13 @@ class Fp8Weight(torch.Tensor):
         return new
 
     def __reduce_ex__(self, protocol):
-        raise TypeError("an Fp8Weight cannot be pickled; save the module's state_dict, which "
-                        "holds its dequantised value and scale_inv as plain tensors")
+        """A whole-module pickle (torch.save(model), torch.load(weights_only=False)): the FP8
+        data and scales as they are, the rule, the nominal dtype. (A state_dict holds the
+        dequantised value and scale_inv as plain tensors, for weights_only loads.)"""
+        fp8 = self._fp8
+        return _unpickled_fp8_weight, (fp8.data, fp8.scale, fp8.scale_inv, fp8.cast,
+                                       fp8.hp_init, self.dtype, self.requires_grad,
+                                       getattr(self, "_is_param", False))
 
     # ---- what the FP8 GEMMs and the rest of the package read ---------------------------------
 
@@ -300,6 +311,13 @@ class Fp8Weight(torch.Tensor):
         plain_args, plain_kwargs = pytree.tree_map_only(
             cls, lambda t: t.dequantize(), (args, kwargs))
         return func(*plain_args, **plain_kwargs)
+
+
+def _unpickled_fp8_weight(data, scale, scale_inv, cast, hp_init, dtype, requires_grad, is_param):
+    weight = Fp8Weight(Fp8Data(data, scale, scale_inv, cast, hp_init), dtype)
+    if is_param:
+        return torch.nn.Parameter(weight, requires_grad=requires_grad)
+    return weight.requires_grad_(requires_grad)
 
 
 def _moves_only(weight: Fp8Weight, kwargs: dict) -> bool:
