@@ -441,3 +441,25 @@ def test_wgrad_options_are_fixed_at_construction(kind):
     fused, _, _, _ = _modules(kind, fuse_wgrad_accumulation=True)
     copy = pickle.loads(pickle.dumps(fused))
     assert copy.fuse_wgrad_accumulation and not copy.delay_wgrad_compute
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_module_called_twice_hands_one_backward_pass_over_at_once(kind):
+    """delay_wgrad_compute on a module run twice in one forward (weights shared by two calls):
+    one backward pass leaves one set of gradients, their sum, and one backward_dw() hands it
+    over (it left two sets, half the gradient at a time); a second backward pass leaves a set
+    of its own."""
+    module, ref, call, _ = _modules(kind, delay_wgrad_compute=True)
+    x = torch.randn(16, 32)
+
+    def twice(m):
+        return (call(m, x) + call(m, x * 0.5)).square().sum()
+
+    for _ in range(2):
+        twice(module).backward()
+        twice(ref).backward()
+    assert len(module._wgrad.pending) == 2
+    module.backward_dw()
+    module.backward_dw()
+    for (n, p), q in zip(module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=n)

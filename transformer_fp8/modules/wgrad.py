@@ -71,6 +71,7 @@ class WgradRouting:
         self.fuse, self.delay = bool(fuse), bool(delay)
         self.pending: deque = deque()  # per backward pass: [(param, is_weight, first, grad)]
         self._open: Optional[list] = None
+        self._open_task = -1  # the autograd graph task that last added to the open entry
 
     def routes(self, is_weight: bool) -> bool:
         return self.delay or (self.fuse and is_weight)
@@ -79,10 +80,14 @@ class WgradRouting:
         """Backward of WgradRoute: the gradient for autograd (None: handled here)."""
         if self.delay:
             # The parameters of one forward reach their backward in one backward pass; a new
-            # entry starts when a parameter already in the open one comes again.
-            if self._open is None or any(p is param for p, *_ in self._open):
+            # entry starts when a parameter already in the open one comes again from another
+            # pass (from the same one: the module ran twice in the forward, its gradients add).
+            task = torch._C._current_graph_task_id()
+            if self._open is None or ((task == -1 or task != self._open_task)
+                                      and any(p is param for p, *_ in self._open)):
                 self._open = []
                 self.pending.append(self._open)
+            self._open_task = task
             self._open.append((param, is_weight, first, grad))
             return None
         add_to_main_grad(param, grad, overwrite=bool(first))
