@@ -29,6 +29,7 @@ def refuse_functorch_transform(what: str) -> None:
 def outside_inference_mode():
     """A context that makes normal tensors also under torch.inference_mode (a no-op outside
     it)."""
-    if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():  # (order:
+        # Dynamo cannot trace is_inference_mode_enabled)
         return torch.inference_mode(False)
     return contextlib.nullcontext()
