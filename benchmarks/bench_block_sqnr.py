@@ -5,7 +5,11 @@ blocks, one scale per row; block scales are powers of two, as the recipes defaul
 dequantised; reported: the SQNR (dB) over the whole tensor, over its ordinary values only (the
 outliers excluded), the fraction of ordinary non-zero values flushed to zero, and the SQNR of a
 GEMM output x @ w^T (w an ordinary weight, zero on the outliers' channels so that the output is
-the ordinary values' product, quantised the recipe's way). Tensors: gaussian (no
+the ordinary values' product) with x and w quantised as a recipe pairs them, named in the
+table: per-tensor x per-tensor; 1x128 x 1x128 (Float8BlockScaling's backward GEMMs); on the
+128x128 row, Float8BlockScaling's forward, x (the activation) in 1x128 tiles and w (the weight)
+in 128x128 blocks, so that row's GEMM does not quantise x in 128x128 blocks as its other columns
+do; row-wise x row-wise (Float8RowwiseScaling). Tensors: gaussian (no
 outliers), outlier columns (4 channels 10**3 or 10**5 larger, as large-model activations have),
 an outlier 128x128 block (10**5 larger). Numerics are device-independent; this runs on the CPU
 kernels unless --device says otherwise.
@@ -37,8 +41,14 @@ COLUMNS = [
     ["sqnr_all", "SQNR all (dB)", "{:.1f}"],
     ["sqnr_ordinary", "SQNR ordinary values (dB)", "{:.1f}"],
     ["flushed", "ordinary values flushed to 0", "{:.1%}"],
+    ["gemm_pairing", "GEMM: x scaling x w scaling", "{}"],
     ["sqnr_gemm", "SQNR of x @ w.T, w 0 on outlier channels (dB)", "{:.1f}"],
 ]
+# How each row's GEMM quantises (x, w): as the recipes pair them. Float8BlockScaling quantises
+# activations in 1x128 tiles and weights in 128x128 blocks (forward), and both operands of its
+# backward GEMMs in 1x128 tiles.
+GEMM_PAIRING = {"per-tensor": ("per-tensor", "per-tensor"), "1x128": ("1x128", "1x128"),
+                "128x128": ("1x128", "128x128"), "rowwise": ("rowwise", "rowwise")}
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -72,18 +82,21 @@ def quantise_dequantise(x: torch.Tensor, recipe: str) -> torch.Tensor:
 
 
 def measure(x: torch.Tensor, outliers: torch.Tensor, w: torch.Tensor, recipe: str) -> dict:
+    x_device = x
     back = quantise_dequantise(x, recipe).cpu()
     x, outliers = x.cpu(), outliers.cpu()
     ordinary = ~outliers & (x != 0)
     # The GEMM's weight is zero on the outliers' channels: its output is the ordinary values'
     # product, which is what per-tensor scaling loses.
     w = torch.where(outliers.any(dim=0), torch.zeros_like(w.cpu()), w.cpu()).to(w.device)
-    w_recipe = "1x128" if recipe == "128x128" else recipe  # 128x128 pairs with 1x128
+    x_recipe, w_recipe = GEMM_PAIRING[recipe]
+    x_gemm = back if x_recipe == recipe else quantise_dequantise(x_device, x_recipe).cpu()
     w_back = quantise_dequantise(w, w_recipe).cpu()
     exact = x.double() @ w.double().cpu().T
     return {"sqnr_all": sqnr(x, back), "sqnr_ordinary": sqnr(x[ordinary], back[ordinary]),
             "flushed": (back[ordinary] == 0).double().mean().item(),
-            "sqnr_gemm": sqnr(exact, back @ w_back.T)}
+            "gemm_pairing": f"{x_recipe} x {w_recipe}",
+            "sqnr_gemm": sqnr(exact, x_gemm @ w_back.T)}
 
 
 def plot(ax, payload):

@@ -112,6 +112,9 @@ def _block_bytes(hidden: int, kv: int, mlp: int, run: str) -> int:
 
 def main(argv=None) -> dict:
     args = common.parse_args(TITLE, argv)
+    # The ranks are gloo processes on the CPU whatever --device says (the byte counts do not
+    # depend on the device): the results name the CPU, not a GPU the machine may have.
+    args.device = torch.device("cpu")
     rows = []
     for model, hidden, kv, mlp, layers in (SMOKE_MODELS if args.smoke else MODELS):
         step = {run: _block_bytes(hidden, kv, mlp, run) * layers for run in RUNS}

@@ -3,17 +3,19 @@
 Measures y = layer(x); y.backward(g) with bf16 x [16384, 8192], weight [8192, 8192] and bias
 (and the small and medium layers M = 2048, K = N = 1024 and 4096):
 torch.nn.Linear in bf16; transformer_fp8.Linear under fp8_autocast with DelayedScaling (the
-scale update at the context's exit included), the same under torch.compile(fullgraph=True)
-(on CUDA), and with Float8CurrentScaling; torchao's float8 training
-(convert_to_float8_training + torch.compile) where torchao imports ('n/a' otherwise).
+scale update at the context's exit included), the same under torch.compile(fullgraph=True),
+and with Float8CurrentScaling; torchao's float8 training (convert_to_float8_training +
+torch.compile) where torchao imports ('n/a' otherwise). The compiled rows run on CUDA by default
+(--compile on|off|auto); each shape is compiled afresh and statically (torch._dynamo.reset(),
+then dynamic=False), so no shape gets a dynamic-shape graph from the shapes compiled before it.
 The floor is the three FP8 GEMMs of the step alone (forward, dgrad, wgrad through fp8_gemm on
 ready FP8 operands), timed in the same run: '% of GEMM floor' = floor time / step time, the
 share of the step spent in the GEMMs rather than in casts, scaling and bookkeeping. Reported:
-time per step (CUDA events, median; the implementations timed in turns over 4 rounds), host time
-per step (the CPU's time to issue the step; when it reaches the step time, the step is
-host-bound), TFLOP/s = 6 M K N / time, speedup over bf16 nn.Linear.
+time per step (CUDA events around 10 back-to-back steps, median; the implementations timed in
+turns over 4 rounds), host time per step (the CPU's time to issue the step; when it reaches the
+step time, the step is host-bound), TFLOP/s = 6 M K N / time, speedup over bf16 nn.Linear.
 
-    python benchmarks/bench_linear.py [--smoke] [--out DIR]
+    python benchmarks/bench_linear.py [--smoke] [--out DIR] [--compile auto|on|off]
 """
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ NAME = "bench_linear"
 TITLE, WHAT = common.doc_summary(__doc__)
 # (M, K, N): a large layer, and small and medium ones where host overhead and launches show.
 SHAPES = [(16384, 8192, 8192), (2048, 1024, 1024), (2048, 4096, 4096)]
-SMOKE_SHAPES = [(64, 128, 96)]
+# Two shapes: the second is where a compiled row would get a dynamic-shape graph.
+SMOKE_SHAPES = [(64, 128, 96), (32, 64, 48)]
+INNER = 10  # back-to-back steps per timed repetition
 TORCHAO = "torchao float8 + torch.compile"
 COMPILED = "transformer_fp8.Linear, DelayedScaling + torch.compile"
 FLOOR = "3 x fp8_gemm only (floor)"
@@ -63,7 +67,7 @@ def make_layers(k: int, n: int, device: torch.device) -> dict:
     return layers
 
 
-def torchao_layer(base: torch.nn.Linear):
+def torchao_layer(base: torch.nn.Linear, backend: str = "inductor"):
     """torchao's float8 training of a copy of ``base``, compiled; None with the reason printed
     when torchao is missing or refuses."""
     try:
@@ -71,13 +75,13 @@ def torchao_layer(base: torch.nn.Linear):
 
         from torchao.float8 import convert_to_float8_training
         model = convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(base)))
-        return torch.compile(model)
+        return torch.compile(model, dynamic=False, backend=backend)
     except Exception as exc:
         print(f"({TORCHAO}: n/a, {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
         return None
 
 
-def compiled_step(layers: dict, x, g):
+def compiled_step(layers: dict, x, g, backend: str = "inductor"):
     """A training step of a copy of the DelayedScaling layer under torch.compile(fullgraph=True),
     tried once here; None with the reason printed when it fails."""
     import copy
@@ -87,7 +91,8 @@ def compiled_step(layers: dict, x, g):
     layer, recipe = layers[name]
     layer = copy.deepcopy(layer)
     training_step(layer, recipe, x, g)()  # one eager step: the state takes the recipe's shapes
-    step = training_step(torch.compile(layer, fullgraph=True), recipe, x, g)
+    step = training_step(torch.compile(layer, fullgraph=True, dynamic=False, backend=backend),
+                         recipe, x, g)
     try:
         step()
     except Exception as exc:
@@ -144,18 +149,26 @@ def host_seconds(step, device: torch.device, reps: int) -> float:
     return seconds
 
 
-def measure_shape(m: int, k: int, n: int, args, warmup: int, reps: int) -> list[dict]:
+def measure_shape(m: int, k: int, n: int, args, warmup: int, reps: int,
+                  inner: int = 1) -> list[dict]:
     x = torch.randn(m, k, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(m, n, device=args.device, dtype=torch.bfloat16)
     layers = make_layers(k, n, args.device)
     steps = {name: training_step(layer, recipe, x, g) for name, (layer, recipe) in layers.items()}
-    compiled = torchao_layer(layers[BF16][0]) if args.device.type == "cuda" else None
+    compile_rows = args.compile == "on" or (args.compile == "auto"
+                                            and args.device.type == "cuda")
+    if compile_rows:
+        # This shape's graphs compiled afresh and static (with dynamic=False below): without
+        # both, a second shape recompiles the same code objects with symbolic sizes (dynamo's
+        # automatic dynamic shapes), and a row would depend on the shapes measured before it.
+        torch._dynamo.reset()
+    compiled = torchao_layer(layers[BF16][0], args.compile_backend) if compile_rows else None
     steps[TORCHAO] = training_step(compiled, None, x, g) if compiled is not None else None
-    steps[COMPILED] = compiled_step(layers, x, g) if args.device.type == "cuda" else None
+    steps[COMPILED] = compiled_step(layers, x, g, args.compile_backend) if compile_rows else None
     steps[FLOOR] = gemm_floor(m, k, n, args.device)
 
     timings = common.time_interleaved(steps, args.device, warmup=warmup, reps=reps,
-                                      rounds=1 if args.smoke else 4)
+                                      rounds=1 if args.smoke else 4, inner=inner)
     seconds = {name: t.median_s if t else None for name, t in timings.items()}
     host = {name: host_seconds(step, args.device, reps) if step else None
             for name, step in steps.items()}
@@ -167,15 +180,26 @@ def measure_shape(m: int, k: int, n: int, args, warmup: int, reps: int) -> list[
              "speedup": common.ratio(seconds[BF16], s)} for name, s in seconds.items()]
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="the torch.compile rows: auto = on CUDA only (default)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the compiled rows (default inductor)")
+
+
 def main(argv=None) -> dict:
-    args = common.parse_args(TITLE, argv)
-    warmup, reps = (1, 2) if args.smoke else (5, 20)
+    args = common.parse_args(TITLE, argv, add_arguments)
+    warmup, reps, inner = (1, 2, 2) if args.smoke else (5, 20, INNER)
     rows = []
     for m, k, n in SMOKE_SHAPES if args.smoke else SHAPES:
-        rows += measure_shape(m, k, n, args, warmup, reps)
+        rows += measure_shape(m, k, n, args, warmup, reps, inner)
     notes = ["bf16 = torch.nn.Linear with bf16 parameters; FP8 recipes use Format.HYBRID "
              "(E4M3 input and weight, E5M2 gradients); weights and bias are the same in every "
-             "layer", f"{TORCHAO}: only on CUDA and where torchao imports"]
+             "layer", f"{TORCHAO}: where torchao imports; compiled rows (--compile "
+             f"{args.compile}, backend {args.compile_backend}): compiled per shape after "
+             "torch._dynamo.reset(), dynamic=False",
+             f"time per step: CUDA events around {inner} back-to-back steps, median over "
+             f"{reps} repetitions"]
     return common.report(args, NAME, TITLE, WHAT, COLUMNS, rows, plot=plot, notes=notes)
 
 

@@ -1,5 +1,4 @@
-"""SQNR of FP8 models against float32 copies: the measurements behind assert_fp8_parity's
-default thresholds (transformer_fp8.testing).
+"""SQNR of FP8 models against float32 copies, behind assert_fp8_parity's default thresholds.
 
 For each reference model, over several seeds: transformer_fp8.testing.compare_to_reference
 (HYBRID delayed scaling, 2 steps, the default random grad_output) against a float32 deepcopy;
@@ -7,8 +6,10 @@ reported: the minimum over seeds of the output SQNR, of the input gradient's and
 parameter gradient's (dB), and the FP8 GEMMs chained between input and output. Models: one
 Linear (one GEMM), LayerNormLinear (one), LayerNormMLP gelu (two chained), two Linear layers
 with a GELU between them (two), a TransformerLayer (four, two of them chained on the attention
-path). Numerics are device-independent; this runs on the CPU kernels unless --device says
-otherwise.
+path). The TransformerLayer's output and input gradient include its residual (identity) path,
+which carries x through unquantised, so their SQNR is not comparable with the single-GEMM rows';
+its weight gradients are. Numerics are device-independent; this runs on the CPU kernels unless
+--device says otherwise. (assert_fp8_parity: transformer_fp8.testing.)
 
     python benchmarks/bench_parity.py [--smoke] [--out DIR]
 """

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -78,9 +79,11 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
             inner: int = 1) -> Timing:
     """Time ``fn()``: ``warmup`` untimed calls, then ``reps`` repetitions of ``inner`` calls.
 
-    On CUDA each repetition is bracketed by CUDA events recorded on the current stream, so the
-    time is the device's time from the first launch to the end of the last kernel (host launch
-    overhead counts only where it starves the device). On the CPU, time.perf_counter.
+    On CUDA each repetition is bracketed by CUDA events recorded on the current stream. The
+    stream is idle when the start event is recorded, so the host's time to issue the first call
+    counts as device time; after that, host launch time counts only where it starves the
+    device. Hence ``inner`` > 1 for short calls: the first call's launch is spread over
+    ``inner`` calls. On the CPU, time.perf_counter.
     Returns the median (and min) over repetitions of the time per call.
     """
     for _ in range(warmup):
@@ -106,11 +109,17 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
 
 
 def time_interleaved(fns: dict, device: torch.device, *, warmup: int = 3, reps: int = 20,
-                     rounds: int = 4) -> dict:
+                     rounds: int = 4, inner: int = 1) -> dict:
     """{name: Timing} for several functions timed in turns: ``rounds`` rounds, each timing every
     function for reps / rounds repetitions, so that clock and temperature drift during the run
     (a GPU slows down as it heats up under a long GEMM) weighs on every function alike instead
-    of on whichever runs last. A function that is None stays None."""
+    of on whichever runs last. A function that is None stays None.
+
+    Each repetition times ``inner`` back-to-back calls between one pair of CUDA events (time per
+    call = elapsed / inner): the stream is idle when a repetition starts, so the host's time to
+    issue the first call (Python, dispatcher, library setup) lands between the events; with
+    several calls the later ones are issued while the earlier run, and that launch time is
+    counted once per ``inner`` calls instead of once per call."""
     per_call = {name: [] for name in fns}
     for name, fn in fns.items():
         if fn is not None:
@@ -121,9 +130,9 @@ def time_interleaved(fns: dict, device: torch.device, *, warmup: int = 3, reps: 
     for _ in range(rounds):
         for name, fn in fns.items():
             if fn is not None:
-                timing = time_fn(fn, device, warmup=0, reps=per_round)
+                timing = time_fn(fn, device, warmup=0, reps=per_round, inner=inner)
                 per_call[name] += timing.samples
-    return {name: Timing(statistics.median(t), min(t), len(t)) if t else None
+    return {name: Timing(statistics.median(t), min(t), len(t), t) if t else None
             for name, t in per_call.items()}
 
 
@@ -162,18 +171,61 @@ def fp8_context(recipe):
 
 # ----------------------------------------------------------------------------- description
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where the tree has no .git (a copy sent to a GPU machine), the caller names the commit.
+COMMIT_ENV = "TRANSFORMER_FP8_COMMIT"
+
+
+def git_commit(root: str = REPO_ROOT) -> dict:
+    """{"commit": full hash or None, "dirty": True/False/None, "commit_source": how it was
+    found}: ``git rev-parse HEAD`` and ``git status --porcelain --untracked-files=no`` (dirty:
+    tracked files differ from the commit) in the repository holding the benchmarks; where git
+    or .git is missing, $TRANSFORMER_FP8_COMMIT (dirty then unknown: None)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        return {"commit": commit, "dirty": dirty, "commit_source": "git"}
+    except Exception:
+        pass
+    named = os.environ.get(COMMIT_ENV, "").strip()
+    if named:
+        return {"commit": named, "dirty": None, "commit_source": f"${COMMIT_ENV}"}
+    return {"commit": None, "dirty": None,
+            "commit_source": f"unknown (no git repository, ${COMMIT_ENV} unset)"}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), its cores and torch's thread count."""
+    name = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
 def device_info(device: torch.device) -> dict:
-    """What the numbers were measured on: device name, torch / CUDA versions, extension build,
-    host, date (UTC)."""
+    """What the numbers were measured on: device name (the CPU's model for a CPU run), the
+    CPU's model in every case, torch / CUDA versions, extension build, git commit of the
+    benchmarks' tree and whether it had uncommitted changes, host, date (UTC)."""
     info = {
         "device": str(device),
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                        else f"CPU ({platform.processor() or platform.machine()}, "
-                             f"{os.cpu_count()} cores, {torch.get_num_threads()} threads)"),
+                        else f"CPU ({cpu_model()})"),
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": platform.node(),
+        **git_commit(),
     }
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -185,6 +237,17 @@ def device_info(device: torch.device) -> dict:
     except Exception as exc:  # the description must never stop a benchmark
         info["transformer_fp8"] = f"unavailable: {exc}"
     return info
+
+
+def describe_commit(info: dict) -> str:
+    """'commit abc1234' (+ ', uncommitted changes' / ', dirty flag unknown'), or 'commit
+    unknown'."""
+    commit = info.get("commit")
+    if not commit:
+        return "commit unknown"
+    dirty = info.get("dirty")
+    return f"commit {commit[:12]}" + (" + uncommitted changes" if dirty
+                                      else "" if dirty is False else " (dirty flag unknown)")
 
 
 def _driver_cuda_version() -> Optional[str]:
@@ -200,7 +263,7 @@ def _driver_cuda_version() -> Optional[str]:
 def describe(info: dict) -> str:
     """One line naming device, torch, CUDA and date."""
     return (f"{info['device_name']} | torch {info['torch']} | CUDA {info['cuda'] or 'none'}"
-            f" | {info['date']}")
+            f" | {describe_commit(info)} | {info['date']}")
 
 
 # ----------------------------------------------------------------------------- tables
@@ -232,9 +295,10 @@ def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[
 
 
 def doc_summary(doc: str) -> tuple[str, str]:
-    """(first line, second paragraph joined into one line) of a benchmark's docstring."""
+    """(first paragraph, second paragraph), each joined into one line, of a benchmark's
+    docstring: the first is the title (a markdown heading: one line)."""
     paragraphs = doc.strip().split("\n\n")
-    return paragraphs[0].strip().rstrip("."), " ".join(paragraphs[1].split())
+    return " ".join(paragraphs[0].split()).rstrip("."), " ".join(paragraphs[1].split())
 
 
 def payload_markdown(payload: dict, heading: str = "##") -> str:

@@ -272,7 +272,10 @@ def train_one(precision: str, base: GPT, train_tokens, val_batches, args,
             "fp8_layers": converted, "model": model}
 
 
-def plot(results: dict, path: Path, model_name: str = "char-level GPT") -> None:
+def plot(results: dict, path: Path, model_name: str = "char-level GPT",
+         baseline: str = "BF16") -> None:
+    """Loss curves; a result's val_loss is named in its legend where it has one (not None).
+    ``baseline`` names the high-precision run in the title."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
     fig = Figure(figsize=(7, 4.2), dpi=120)
@@ -286,11 +289,13 @@ def plot(results: dict, path: Path, model_name: str = "char-level GPT") -> None:
         for i in range(len(losses)):
             window = losses[max(0, i - half):i + half + 1]
             smooth.append(sum(window) / len(window))
+        val = r.get("val_loss")
         ax.plot(smooth, color=colors[name], linewidth=1.8,
-                label=f"{name}: final {r['final_train_loss']:.3f}, val {r['val_loss']:.3f}")
+                label=f"{name}: final {r['final_train_loss']:.3f}"
+                      + (f", val {val:.3f}" if val is not None else ""))
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (cross-entropy, nats/char)")
-    ax.set_title(f"{model_name}: FP8 vs BF16" if len(results) > 1 else
+    ax.set_title(f"{model_name}: FP8 vs {baseline}" if len(results) > 1 else
                  f"{model_name}: {next(iter(results))}")
     ax.grid(alpha=0.3)
     ax.legend()

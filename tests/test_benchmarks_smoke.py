@@ -45,6 +45,7 @@ NUMERIC_BENCHMARKS = {"bench_block_sqnr", "bench_parity", "bench_fsdp_comm"}
 
 def check_payload(payload: dict, name: str) -> None:
     assert payload["name"] == name and payload["smoke"] is True
+    assert "\n" not in payload["title"], f"{name}: a title on several lines: {payload['title']!r}"
     assert payload["rows"], f"{name}: no rows"
     keys = [column[0] for column in payload["columns"]]
     for row in payload["rows"]:
@@ -62,6 +63,36 @@ def check_payload(payload: dict, name: str) -> None:
                    if k.startswith("time_"))
 
 
+def _check_block_sqnr(payload):
+    """Each row's GEMM pairs x and w as a recipe does: on the 128x128 row, Float8BlockScaling's
+    forward (activation x in 1x128 tiles, weight w in 128x128 blocks)."""
+    pairing = {row["recipe"]: row["gemm_pairing"] for row in payload["rows"]}
+    assert pairing == {"per-tensor": "per-tensor x per-tensor", "1x128": "1x128 x 1x128",
+                       "128x128": "1x128 x 128x128", "rowwise": "rowwise x rowwise"}
+
+
+def _check_te_modules(payload):
+    """Speedups are over the fused bf16 baselines, and the unfused eager module is its own row
+    and column; every row of LayerNormMLP has both."""
+    mlp = [row for row in payload["rows"] if row["module"] == "LayerNormMLP"]
+    names = [row["precision"] for row in mlp]
+    te = importlib.import_module("bench_te_modules")
+    assert {te.UNFUSED, te.COMPILED, te.FUSED_KERNELS} <= set(names)
+    assert all(row["speedup"] and row["speedup_unfused"] for row in mlp), mlp
+
+
+def _check_gpt(payload):
+    header = {key: title for key, title, _ in payload["columns"]}
+    assert "not a convergence check" in header["final_loss"]
+    for row in payload["rows"]:
+        curve = payload["extra"]["losses"][row["precision"]]
+        assert row["loss_change"] == pytest.approx(row["final_loss"] - curve[0])
+
+
+EXTRA_CHECKS = {"bench_block_sqnr": _check_block_sqnr, "bench_te_modules": _check_te_modules,
+                "bench_gpt": _check_gpt}
+
+
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_benchmark_smoke(name, tmp_path):
     payload = importlib.import_module(name).main(["--smoke", "--out", str(tmp_path)])
@@ -71,15 +102,99 @@ def test_benchmark_smoke(name, tmp_path):
     assert written["rows"] == json.loads(json.dumps(payload["rows"], default=str))
     if HAS_MATPLOTLIB:
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+    if name in EXTRA_CHECKS:
+        EXTRA_CHECKS[name](written)
 
 
 def test_fsdp_comm_smoke_counts_fp8_all_gathers(tmp_path):
     """The FP8 all-gathers of bias-free Linear layers move exactly a quarter of float32's bytes
-    and half of bfloat16's (counted at the collective, not computed from shapes)."""
+    and half of bfloat16's (counted at the collective, not computed from shapes). The ranks
+    run on the CPU whatever --device says, and the results name the CPU."""
     payload = importlib.import_module("bench_fsdp_comm").main(
-        ["--smoke", "--out", str(tmp_path), "--no-plot"])
+        ["--smoke", "--out", str(tmp_path), "--no-plot", "--device", "cuda"])
     fp8 = [row for row in payload["rows"] if row["gather"] == "fp8"]
     assert fp8 and all(row["ratio_fp32"] == 0.25 and row["ratio_bf16"] == 0.5 for row in fp8)
+    assert payload["info"]["device"] == "cpu"
+    assert payload["info"]["device_name"].startswith("CPU (")
+
+
+def test_te_modules_fused_kernel_baseline_computes_the_module():
+    """bench_te_modules' bf16 baseline on transformer_fp8's non-FP8 fused kernels computes what
+    the module computes outside fp8_autocast: output, input gradient and every parameter
+    gradient (float32, so that the comparison is tight)."""
+    pytest.importorskip("transformer_fp8.ops.fused")
+    te = importlib.import_module("bench_te_modules")
+    module = te.make_module("LayerNormMLP", te.SMOKE_SHAPE, torch.device("cpu"), None).float()
+    with torch.no_grad():  # gamma and biases away from their 1 / 0 initialisation
+        module.layer_norm_weight.uniform_(0.5, 1.5)
+        module.fc1_bias.normal_()
+        module.fc2_bias.normal_()
+    x = torch.randn(*te.SMOKE_SHAPE[:3], requires_grad=True)
+    g = torch.randn_like(x)
+    results = []
+    for run in (module, te.FusedKernelsLayerNormMLP(module)):
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        y = run(x)
+        y.backward(g)
+        results.append([y.detach(), x.grad] + [p.grad for p in module.parameters()])
+    assert len(results[0]) == 7
+    for expected, got in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_compiles_each_shape_statically(tmp_path):
+    """bench_linear's compiled rows: every shape gets a fresh, static graph. Without
+    torch._dynamo.reset() and dynamic=False, the second shape recompiles the same code with a
+    symbolic size (dynamo's automatic dynamic shapes). A recording backend sees every graph."""
+    graphs = []
+
+    def recording(gm, example_inputs):
+        symbolic = []
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if node.op == "placeholder" and (
+                    isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and any(
+                        isinstance(size, torch.SymInt) for size in value.shape))):
+                symbolic.append(node.name)
+        graphs.append(symbolic)
+        return gm.forward
+
+    import torch._dynamo
+    torch._dynamo.register_backend(name="bench_smoke_recording", compiler_fn=recording)
+    bench_linear = importlib.import_module("bench_linear")
+    assert len(bench_linear.SMOKE_SHAPES) >= 2
+    payload = bench_linear.main(["--smoke", "--out", str(tmp_path), "--no-plot", "--compile",
+                                 "on", "--compile-backend", "bench_smoke_recording"])
+    compiled = [row for row in payload["rows"] if row["impl"] == bench_linear.COMPILED]
+    assert len(compiled) == len(bench_linear.SMOKE_SHAPES)
+    assert all(row["time_ms"] for row in compiled), compiled
+    assert len(graphs) >= len(bench_linear.SMOKE_SHAPES)
+    assert graphs == [[]] * len(graphs), f"graphs with symbolic inputs: {graphs}"
+
+
+def test_device_info_names_the_commit(tmp_path, monkeypatch):
+    """device_info records the git commit of the benchmarks' tree and whether tracked files
+    differ from it; where there is no git repository, the commit named by
+    $TRANSFORMER_FP8_COMMIT (dirty unknown), else that it is unknown."""
+    import subprocess
+
+    common = importlib.import_module("common")
+    info = common.device_info(torch.device("cpu"))
+    assert {"commit", "dirty", "commit_source", "cpu"} <= set(info)
+    try:
+        head = subprocess.run(["git", "-C", common.REPO_ROOT, "rev-parse", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        head = None
+    if head:
+        assert info["commit"] == head and info["dirty"] in (True, False)
+        assert info["commit"][:12] in common.describe(info)
+    monkeypatch.setenv(common.COMMIT_ENV, "0123456789abcdef")
+    named = common.git_commit(str(tmp_path))  # not a repository
+    assert named["commit"] == "0123456789abcdef" and named["dirty"] is None
+    monkeypatch.delenv(common.COMMIT_ENV)
+    assert common.git_commit(str(tmp_path))["commit"] is None
 
 
 def test_gpt_smoke_trains_every_precision(tmp_path):
@@ -106,9 +221,47 @@ def test_run_all_collects_one_results_file(tmp_path):
     assert results["failures"] == {}
     for name, payload in results["benchmarks"].items():
         check_payload(payload, name)
-    # Only the three collected files: the per-benchmark parts went to a temporary folder.
+    assert results["info"]["commit"] and "- commit " in text
+    # Only the three collected files: each part, once collected, was deleted with its folder.
     expected = {"results.md", "results.json"} | ({"results.png"} if HAS_MATPLOTLIB else set())
     assert set(os.listdir(tmp_path)) == expected
+
+
+def test_run_all_keeps_finished_results_when_stopped(tmp_path, monkeypatch):
+    """results.md/json are rewritten after every benchmark, so they hold the first benchmark's
+    results while the second runs (what a SIGKILL would leave), and a SIGTERM (what timeout(1)
+    sends) during the second writes them with the run marked as stopped: status 1, the parts
+    folder under --out gone, the benchmark cut short and the ones after it named."""
+    import signal
+
+    run_all = importlib.import_module("run_all")
+    bench_gemm = importlib.import_module("bench_gemm")
+    seen = {}
+
+    def killed(argv):
+        seen["md"] = (tmp_path / "results.md").read_text()
+        seen["json"] = json.loads((tmp_path / "results.json").read_text())
+        seen["parts"] = os.listdir(tmp_path / "parts")
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(bench_gemm, "main", killed)
+    status = run_all.main(["--smoke", "--out", str(tmp_path), "--only",
+                           "bench_cast,bench_gemm,bench_scaling"])
+    assert status == 1
+    # while the second benchmark ran: the first one's results were on disk already
+    assert "Memory-bound FP8 kernels" in seen["md"]
+    assert sorted(seen["json"]["benchmarks"]) == ["bench_cast"] and seen["parts"] == []
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(results["benchmarks"]) == ["bench_cast"]
+    assert results["stopped"] == "SIGTERM"
+    assert results["not_finished"] == ["bench_gemm", "bench_scaling"]
+    check_payload(results["benchmarks"]["bench_cast"], "bench_cast")
+    text = (tmp_path / "results.md").read_text()
+    assert "Run stopped (SIGTERM)" in text and "Memory-bound FP8 kernels" in text
+    assert "Not finished: bench_gemm, bench_scaling" in text
+    assert not (tmp_path / "parts").exists()
+    assert signal.getsignal(signal.SIGTERM) is not run_all._raise_stopped
 
 
 def test_run_all_reports_a_failing_benchmark(tmp_path, monkeypatch):

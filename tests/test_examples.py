@@ -88,6 +88,14 @@ def test_train_llama_tiny_resume_is_exact(tmp_path):
     assert f == pytest.approx(b, rel=0.1)
     png = tmp_path / "a" / "llama_loss_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # standard JSON (no bare NaN), and no validation loss claimed where none was measured
+
+    def no_constant(name):
+        raise AssertionError(f"llama_losses.json holds {name}, which is not standard JSON")
+
+    written = json.loads((tmp_path / "a" / "llama_losses.json").read_text(),
+                         parse_constant=no_constant)
+    assert all("val_loss" not in written[name] for name in ("bf16", "fp8"))
 
 
 def test_train_gpt_tiny_te_layers(tmp_path):
