@@ -141,3 +141,17 @@ def test_bad_gemm_names_are_refused_and_nothing_changes():
     with pytest.raises(TypeError, match="gemms must hold strings"):
         debug.override(model, "*", fp8=False, gemms=[3])
     assert debug.overrides(model) == {}
+
+
+def test_an_empty_gemms_list_is_refused():
+    """gemms=[] (a list built by a filter that kept nothing) ran the whole layer in high
+    precision, as fp8=False without gemms does."""
+    model = make_model()
+    for empty in ([], (), iter([])):
+        with pytest.raises(ValueError, match="gemms must name at least one GEMM"):
+            debug.override(model, "0", fp8=False, gemms=empty)
+    assert debug.overrides(model) == {}
+    # An iterator is read once, for every matching module (the second module saw it empty).
+    debug.override(model, "*", fp8=False, gemms=iter(["wgrad"]))
+    assert {name: bool(o.gemms) for name, o in debug.overrides(model).items()} == \
+        {"0": True, "2": True}

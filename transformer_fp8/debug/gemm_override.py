@@ -81,11 +81,18 @@ class HighPrecisionOrientations(Quantizer):
         return self.inner.block_dims(cols)
 
 
-def parse_gemms(gemms, gemm_names: tuple, owner: str) -> dict:
+def gemm_list(gemms) -> tuple:
+    """override()'s gemms= as a tuple of names, read once (an iterator serves every module)."""
+    gemms = (gemms,) if isinstance(gemms, str) else tuple(gemms)
+    if not gemms:  # (not "the whole layer": that is override(..., fp8=False) without gemms)
+        raise ValueError("gemms must name at least one GEMM (e.g. ['wgrad']), got none; to "
+                         "run the whole layer in high precision, leave gemms out")
+    return gemms
+
+
+def parse_gemms(gemms: tuple, gemm_names: tuple, owner: str) -> dict:
     """{gemm index: set of GEMM kinds} from names "fprop" / "dgrad" / "wgrad" (every GEMM of
     the module) or "<gemm>.<kind>" (one GEMM, e.g. "fc2.wgrad" of a LayerNormMLP)."""
-    if isinstance(gemms, str):
-        gemms = [gemms]
     chosen: dict = {}
     for item in gemms:
         if not isinstance(item, str):

@@ -20,7 +20,7 @@ from typing import Optional
 from ..quantization import autocast as _autocast
 from ..quantization.recipe import STATELESS_RECIPES
 from .collector import LayerFilter, select_layers
-from .gemm_override import parse_gemms, with_high_precision_gemms
+from .gemm_override import gemm_list, parse_gemms, with_high_precision_gemms
 from .observer import gemm_names
 
 
@@ -70,6 +70,8 @@ def override(model, layers: LayerFilter, *, fp8: bool = True, recipe=None, gemms
         raise TypeError("recipe must be a Float8CurrentScaling, Float8BlockScaling or "
                         "Float8RowwiseScaling (a recipe with no amax history), got "
                         f"{type(recipe).__name__}")
+    if gemms is not None:
+        gemms = gemm_list(gemms)
     selected = select_layers(model, layers)
     if not selected:
         raise ValueError(f"layers={layers!r} matches no FP8 module of the model")
