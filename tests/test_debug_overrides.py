@@ -100,3 +100,23 @@ def test_override_refuses_bad_arguments():
         debug.override(model, "9", fp8=False)
     with pytest.raises(TypeError, match="fp8 must be a bool, got 0"):
         debug.override(model, "0", fp8=0)
+
+
+def test_an_override_is_immutable_and_hashable():
+    """PrecisionOverride is a value: hashable (a per-GEMM one raised "unhashable type: 'dict'")
+    and unchangeable, so what overrides() returns cannot change a module's override (its gemms
+    dict of sets could be changed in place, past override()'s checks)."""
+    model = make_model("cpu")
+    debug.override(model, "0", fp8=False, gemms=["wgrad"])
+    debug.override(model, "2", fp8=False, gemms="fc1.dgrad")
+    got = debug.overrides(model)
+    assert len({got["0"], got["2"], copy.deepcopy(got["0"])}) == 2
+    with pytest.raises(AttributeError):
+        got["2"].gemms.add((1, "fprop"))
+    assert got["0"] == debug.PrecisionOverride(None, {(0, "wgrad")})
+    assert got["2"] == debug.PrecisionOverride(None, [(0, "dgrad")])  # (fc1: GEMM 0)
+    with pytest.raises(AttributeError):
+        got["2"].gemms = frozenset()
+    got.clear()
+    assert debug.overrides(model)["2"] == debug.PrecisionOverride(None, {(0, "dgrad")})
+    assert hash(debug.PrecisionOverride(tfp8.Float8CurrentScaling()))

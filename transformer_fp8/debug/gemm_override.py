@@ -90,10 +90,10 @@ def gemm_list(gemms) -> tuple:
     return gemms
 
 
-def parse_gemms(gemms: tuple, gemm_names: tuple, owner: str) -> dict:
-    """{gemm index: set of GEMM kinds} from names "fprop" / "dgrad" / "wgrad" (every GEMM of
-    the module) or "<gemm>.<kind>" (one GEMM, e.g. "fc2.wgrad" of a LayerNormMLP)."""
-    chosen: dict = {}
+def parse_gemms(gemms: tuple, gemm_names: tuple, owner: str) -> frozenset:
+    """{(gemm index, GEMM kind)} from names "fprop" / "dgrad" / "wgrad" (every GEMM of the
+    module) or "<gemm>.<kind>" (one GEMM, e.g. "fc2.wgrad" of a LayerNormMLP)."""
+    chosen = set()
     for item in gemms:
         if not isinstance(item, str):
             raise TypeError(f"gemms must hold strings, got {item!r}")
@@ -105,17 +105,16 @@ def parse_gemms(gemms: tuple, gemm_names: tuple, owner: str) -> dict:
             raise ValueError(f"gemms: {owner} has no GEMM {gemm!r} (its GEMMs: "
                              f"{[n for n in gemm_names if n] or 'one, unnamed'})")
         indices = [gemm_names.index(gemm)] if gemm else range(len(gemm_names))
-        for index in indices:
-            chosen.setdefault(index, set()).add(kind)
-    return chosen
+        chosen.update((index, kind) for index in indices)
+    return frozenset(chosen)
 
 
-def with_high_precision_gemms(quantizers: list, chosen: dict) -> list:
-    """Per GEMM (input, weight, grad_output) quantizers with the GEMM kinds in chosen[gemm] run
-    in high precision."""
+def with_high_precision_gemms(quantizers: list, chosen: frozenset) -> list:
+    """Per GEMM (input, weight, grad_output) quantizers with the (gemm index, kind) pairs in
+    ``chosen`` run in high precision."""
     result = []
     for index, per_gemm in enumerate(quantizers):
-        kinds = chosen.get(index)
+        kinds = {kind for gemm, kind in chosen if gemm == index}
         if not kinds:
             result.append(per_gemm)
             continue

@@ -14,7 +14,7 @@ module's forward dispatch: no name is matched per forward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from ..quantization import autocast as _autocast
@@ -27,11 +27,18 @@ from .observer import gemm_names
 @dataclass(frozen=True)
 class PrecisionOverride:
     """What a module runs with inside an enabled fp8_autocast: high precision (recipe None,
-    no gemms), some GEMMs in high precision (gemms: {GEMM index: kinds}), or ``recipe``
-    instead of the context's."""
+    no gemms), some GEMMs in high precision (gemms: (GEMM index, kind) pairs, e.g.
+    {(1, "wgrad")}), or ``recipe`` instead of the context's. Immutable and hashable (the
+    stateless recipes are frozen too): a module's override changes only through override()."""
 
     recipe: Optional[object]
-    gemms: dict = field(default_factory=dict)
+    gemms: frozenset = frozenset()
+
+    def __post_init__(self):
+        gemms = frozenset(self.gemms)
+        if not all(isinstance(p, tuple) and len(p) == 2 for p in gemms):
+            raise TypeError(f"gemms must be (GEMM index, kind) pairs, got {self.gemms!r}")
+        object.__setattr__(self, "gemms", gemms)  # (a frozen dataclass sets it so)
 
     def state_for(self, state):
         """The autocast state the module dispatches on, given the context's (None: high
@@ -77,7 +84,7 @@ def override(model, layers: LayerFilter, *, fp8: bool = True, recipe=None, gemms
         raise ValueError(f"layers={layers!r} matches no FP8 module of the model")
     values = {module: PrecisionOverride(
         None if not fp8 else recipe,
-        {} if gemms is None else parse_gemms(gemms, gemm_names(module), name))
+        () if gemms is None else parse_gemms(gemms, gemm_names(module), name))
         for module, name in selected.items()}  # (all checked before any module changes)
     for module, value in values.items():
         module._fp8_override = value
@@ -93,6 +100,7 @@ def clear_overrides(model, layers: LayerFilter = "*") -> list:
 
 
 def overrides(model) -> dict:
-    """{name: PrecisionOverride} of the modules of ``model`` that have one."""
+    """{name: PrecisionOverride} of the modules of ``model`` that have one (immutable values:
+    nothing done to them or to the dict changes a module)."""
     return {name: m._fp8_override for m, name in select_layers(model, "*").items()
             if m.__dict__.get("_fp8_override") is not None}
