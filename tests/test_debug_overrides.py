@@ -56,7 +56,7 @@ def test_high_precision_override_is_bit_identical_to_the_layer_outside_fp8(gen, 
     assert_same(got, [out.detach(), x_in.grad] + [p.grad for p in reference.parameters()])
     assert not model[2].fp8_fwd_amax_history.any() and not model[2].fp8_bwd_amax_history.any()
     assert debug.overrides(model) == {"2": debug.PrecisionOverride(None)}
-    assert debug.clear_overrides(model) == ["0", "2"] and debug.overrides(model) == {}
+    assert debug.clear_overrides(model) == ["2"] and debug.overrides(model) == {}
     step(model, x, grad, DELAYED)
     assert model[2].fp8_fwd_amax_history.any()  # FP8 again
 
@@ -120,3 +120,46 @@ def test_an_override_is_immutable_and_hashable():
     got.clear()
     assert debug.overrides(model)["2"] == debug.PrecisionOverride(None, {(0, "dgrad")})
     assert hash(debug.PrecisionOverride(tfp8.Float8CurrentScaling()))
+
+
+def test_bad_arguments_are_named_with_what_was_expected():
+    """Each refused argument is named, with what was expected and what was given (gemms=3
+    raised "'int' object is not iterable", a recipe class "got type", override(None, ...) an
+    AttributeError; an E5M2 recipe was accepted and failed at the first forward; a pattern
+    naming a TransformerLayer did not say how to reach its FP8 modules)."""
+    model = torch.nn.Sequential(tfp8.TransformerLayer(64, 128, 4), tfp8.GroupedLinear(2, 64, 64))
+    with pytest.raises(TypeError, match=r"gemms must be a GEMM name or an iterable.*got int 3"):
+        debug.override(model, "1", fp8=False, gemms=3)
+    with pytest.raises(TypeError, match=r"gemms must be .*got bytes b'wgrad'"):
+        debug.override(model, "1", fp8=False, gemms=b"wgrad")
+    with pytest.raises(TypeError, match=r"gemms must hold strings .*got int 3"):
+        debug.override(model, "1", fp8=False, gemms=["wgrad", 3])
+    with pytest.raises(ValueError, match=r"'.wgrad' has no GEMM name before the dot"):
+        debug.override(model, "1", fp8=False, gemms=[".wgrad"])
+    with pytest.raises(TypeError, match=r"got the class Float8CurrentScaling: pass an "
+                                        r"instance, e.g. Float8CurrentScaling\(\)"):
+        debug.override(model, "1", recipe=tfp8.Float8CurrentScaling)
+    e5m2 = tfp8.Float8CurrentScaling(fp8_format=tfp8.recipe.Format.E5M2)
+    with pytest.raises(ValueError, match=r"recipe: Format.E5M2 cannot train"):
+        debug.override(model, "1", recipe=e5m2)
+    for call in (lambda: debug.override(None, "*", fp8=False),
+                 lambda: debug.clear_overrides(None), lambda: debug.overrides(None)):
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module, got NoneType"):
+            call()
+    with pytest.raises(ValueError, match=r"layers='0' matches no FP8 module of the model; its "
+                                         r"FP8 modules are: 0.self_attention.layernorm_qkv, "
+                                         r"0.self_attention.proj, 0.layernorm_mlp, 1 \('0' is a "
+                                         r"TransformerLayer.*match them with '0.\*'\)"):
+        debug.override(model, "0", fp8=False)
+    assert debug.overrides(model) == {}
+    debug.override(model, "0.*", fp8=False)
+    with pytest.raises(ValueError, match=r"layers='0.self_attn\*' matches no module with an "
+                                         r"override; the modules with one: 0.layernorm_mlp, "):
+        debug.clear_overrides(model, "0.self_attn*")  # a typo: the overrides stay
+    with pytest.raises(ValueError, match=r"layers='1' matches no module with an override"):
+        debug.clear_overrides(model, "1")  # an FP8 module, but not overridden
+    assert len(debug.overrides(model)) == 3
+    assert debug.clear_overrides(model, "0.self_attention.*") == [
+        "0.self_attention.layernorm_qkv", "0.self_attention.proj"]
+    assert debug.clear_overrides(model) == ["0.layernorm_mlp"]
+    assert debug.clear_overrides(model) == []  # every override (none left): no error

@@ -46,9 +46,28 @@ def _matcher(layers: LayerFilter) -> Callable[[str], bool]:
 
 def select_layers(model: torch.nn.Module, layers: LayerFilter) -> dict:
     """{module: name} of the FP8 modules of ``model`` whose qualified name matches."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     match = _matcher(layers)
     return {m: name for name, m in model.named_modules()
             if isinstance(m, Fp8StateMixin) and match(name)}
+
+
+def no_fp8_module_error(model: torch.nn.Module, layers: LayerFilter) -> ValueError:
+    """The error for ``layers`` matching no FP8 module: the model's FP8 modules, and a hint
+    where it matches a module that holds some (a TransformerLayer: "0.*" matches them)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, Fp8StateMixin)]
+    shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+    message = (f"layers={layers!r} matches no FP8 module of the model; its FP8 modules are: "
+               f"{shown or 'none'}")
+    match = _matcher(layers)
+    holders = [(n, type(m).__name__) for n, m in model.named_modules()
+               if n and match(n) and any(x.startswith(n + ".") for x in names)]
+    if holders:
+        name, kind = holders[0]
+        message += (f" ({name!r} is a {kind}, which holds FP8 modules: match them with "
+                     f"{name + '.*'!r})")
+    return ValueError(message)
 
 
 class Fp8Stats:
@@ -66,14 +85,9 @@ class Fp8Stats:
                  group=None, keep_records: bool = True):
         if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
             raise ValueError(f"frequency must be a positive integer, got {frequency!r}")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.selected = select_layers(model, layers)
         if not self.selected:
-            raise ValueError(f"layers={layers!r} matches no FP8 module of the model; its FP8 "
-                             "modules are: " + ", ".join(
-                                 n for n, m in model.named_modules()
-                                 if isinstance(m, Fp8StateMixin)))
+            raise no_fp8_module_error(model, layers)
         self.frequency, self.group = frequency, group
         tensorboard = TensorBoardWriter.create(tensorboard_dir)  # before a file is opened
         self.writers = [w for w in (JsonLinesWriter(path) if path else None, tensorboard) if w]

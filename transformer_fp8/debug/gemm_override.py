@@ -14,6 +14,8 @@ dtype; the other GEMMs are the recipe's, unchanged.
 """
 from __future__ import annotations
 
+import collections.abc
+
 import torch
 
 from ..quantization.quantizer import Quantized, Quantizer
@@ -83,7 +85,14 @@ class HighPrecisionOrientations(Quantizer):
 
 def gemm_list(gemms) -> tuple:
     """override()'s gemms= as a tuple of names, read once (an iterator serves every module)."""
+    if isinstance(gemms, (bytes, bytearray)) or not isinstance(gemms, collections.abc.Iterable):
+        raise TypeError("gemms must be a GEMM name or an iterable of them (strings such as "
+                        f"'wgrad' or 'fc2.wgrad'), got {type(gemms).__name__} {gemms!r}")
     gemms = (gemms,) if isinstance(gemms, str) else tuple(gemms)
+    for item in gemms:
+        if not isinstance(item, str):
+            raise TypeError(f"gemms must hold strings (GEMM names such as 'wgrad'), got "
+                            f"{type(item).__name__} {item!r}")
     if not gemms:  # (not "the whole layer": that is override(..., fp8=False) without gemms)
         raise ValueError("gemms must name at least one GEMM (e.g. ['wgrad']), got none; to "
                          "run the whole layer in high precision, leave gemms out")
@@ -95,12 +104,13 @@ def parse_gemms(gemms: tuple, gemm_names: tuple, owner: str) -> frozenset:
     module) or "<gemm>.<kind>" (one GEMM, e.g. "fc2.wgrad" of a LayerNormMLP)."""
     chosen = set()
     for item in gemms:
-        if not isinstance(item, str):
-            raise TypeError(f"gemms must hold strings, got {item!r}")
-        gemm, _, kind = item.rpartition(".")
+        gemm, dot, kind = item.rpartition(".")
         if kind not in GEMM_KINDS:
             raise ValueError(f"gemms: {item!r} names no GEMM kind; expected one of {GEMM_KINDS}"
                              ", optionally after a GEMM name and a dot (e.g. 'fc2.wgrad')")
+        if dot and not gemm:
+            raise ValueError(f"gemms: {item!r} has no GEMM name before the dot; write "
+                             f"{kind!r} for every GEMM of the module")
         if gemm and gemm not in gemm_names:
             raise ValueError(f"gemms: {owner} has no GEMM {gemm!r} (its GEMMs: "
                              f"{[n for n in gemm_names if n] or 'one, unnamed'})")

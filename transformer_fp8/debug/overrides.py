@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..quantization import autocast as _autocast
-from ..quantization.recipe import STATELESS_RECIPES
-from .collector import LayerFilter, select_layers
+from ..quantization.recipe import STATELESS_RECIPES, Format
+from .collector import LayerFilter, no_fp8_module_error, select_layers
 from .gemm_override import gemm_list, parse_gemms, with_high_precision_gemms
 from .observer import gemm_names
 
@@ -73,15 +73,23 @@ def override(model, layers: LayerFilter, *, fp8: bool = True, recipe=None, gemms
         raise ValueError("override needs fp8=False (high precision) or a recipe")
     if not fp8 and recipe is not None:
         raise ValueError("pass either fp8=False or a recipe, not both")
+    if isinstance(recipe, type):
+        example = recipe.__name__ if issubclass(recipe, STATELESS_RECIPES) else \
+            "Float8CurrentScaling"
+        raise TypeError(f"recipe must be a recipe instance, got the class {recipe.__name__}: "
+                        f"pass an instance, e.g. {example}()")
     if recipe is not None and not isinstance(recipe, STATELESS_RECIPES):
         raise TypeError("recipe must be a Float8CurrentScaling, Float8BlockScaling or "
                         "Float8RowwiseScaling (a recipe with no amax history), got "
                         f"{type(recipe).__name__}")
+    if recipe is not None and recipe.fp8_format is Format.E5M2:  # (else: at the first forward)
+        raise ValueError("recipe: Format.E5M2 cannot train (FP8 GEMMs take no E5M2 x E5M2 "
+                         f"product); use Format.HYBRID or Format.E4M3, got {recipe!r}")
     if gemms is not None:
         gemms = gemm_list(gemms)
     selected = select_layers(model, layers)
     if not selected:
-        raise ValueError(f"layers={layers!r} matches no FP8 module of the model")
+        raise no_fp8_module_error(model, layers)
     values = {module: PrecisionOverride(
         None if not fp8 else recipe,
         () if gemms is None else parse_gemms(gemms, gemm_names(module), name))
@@ -91,12 +99,20 @@ def override(model, layers: LayerFilter, *, fp8: bool = True, recipe=None, gemms
     return sorted(selected.values())
 
 
-def clear_overrides(model, layers: LayerFilter = "*") -> list:
-    """Remove the overrides of the matching modules; returns their names."""
-    selected = select_layers(model, layers)
-    for module in selected:
-        module.__dict__.pop("_fp8_override", None)
-    return sorted(selected.values())
+def clear_overrides(model, layers: Optional[LayerFilter] = None) -> list:
+    """Remove the overrides of the modules matching ``layers`` (None: of every module);
+    returns the names of the modules whose override was removed. A ``layers`` that matches no
+    module with an override is refused, as override() refuses one that matches no FP8 module
+    (a typo would leave a layer overridden)."""
+    selected = select_layers(model, "*" if layers is None else layers)
+    cleared = {m: name for m, name in selected.items()
+               if m.__dict__.get("_fp8_override") is not None}
+    if layers is not None and not cleared:
+        raise ValueError(f"layers={layers!r} matches no module with an override; the modules "
+                         f"with one: {', '.join(sorted(overrides(model))) or 'none'}")
+    for module in cleared:
+        del module.__dict__["_fp8_override"]
+    return sorted(cleared.values())
 
 
 def overrides(model) -> dict:
