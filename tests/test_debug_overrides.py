@@ -163,3 +163,21 @@ def test_bad_arguments_are_named_with_what_was_expected():
         "0.self_attention.layernorm_qkv", "0.self_attention.proj"]
     assert debug.clear_overrides(model) == ["0.layernorm_mlp"]
     assert debug.clear_overrides(model) == []  # every override (none left): no error
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8CurrentScaling()], ids=["delayed",
+                                                                               "current"])
+def test_an_override_is_honoured_by_the_linear_ticket_however_it_is_set(recipe):
+    """The Linear ticket (the C++ step of the last forward, called again) checks the override
+    itself: one set past Fp8State.__setattr__ (which drops the ticket) ran in FP8."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tfp8.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    expected = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
+    with tfp8.fp8_autocast(fp8_recipe=recipe):
+        model(x)
+        model(x)
+        assert model[0]._fused_ticket is not None
+        model[0].__dict__["_fp8_override"] = debug.PrecisionOverride(None)
+        out = model(x)
+    assert_bitwise_equal(out, expected, "output")
