@@ -155,3 +155,24 @@ def test_an_empty_gemms_list_is_refused():
     debug.override(model, "*", fp8=False, gemms=iter(["wgrad"]))
     assert {name: bool(o.gemms) for name, o in debug.overrides(model).items()} == \
         {"0": True, "2": True}
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+def test_an_input_without_gradient_leaves_the_state_of_the_plain_run(gen, kind):
+    """An input that needs no gradient (a first layer): no dgrad reads the weight's transpose.
+    Under an fprop override that was the weight's only FP8 orientation, so nothing was cast:
+    no amax recorded, no scale kept for a recomputation (the first forward of a reentrant
+    checkpoint, whose replay then recorded the amax after the update and cast with the new
+    scale). The plain run casts the weight for fprop: the override casts it as well."""
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    model = torch.nn.Sequential(tfp8.Linear(64, 64))
+    plain = copy.deepcopy(model)
+    debug.override(model, "0", fp8=False, gemms=[kind])
+    for scale in (1.0, 8.0, 0.5):
+        x, grad = randn(gen, 24, 64) * scale, randn(gen, 24, 64)
+        for m in (model, plain):
+            with tfp8.fp8_autocast(fp8_recipe=DELAYED):
+                out = m(x)
+            out.backward(grad)
+    for name in ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv"):
+        assert_bitwise_equal(getattr(model[0], name), getattr(plain[0], name), name)

@@ -65,7 +65,11 @@ class HighPrecisionOrientations(Quantizer):
     def cast(self, x: torch.Tensor, with_transpose: bool = True) -> Quantized:
         fp8_data = 0 not in self.high_precision
         fp8_data_t = with_transpose and 1 not in self.high_precision
-        q = self.inner.cast(x, with_transpose=fp8_data_t) if fp8_data or fp8_data_t else None
+        # A role with an FP8 orientation is cast even when no gradient asks for its transpose
+        # now (an input that needs none; a reentrant checkpoint's first forward), as the plain
+        # run casts it: its amax recorded, and the scale a replay makes the transpose with.
+        has_fp8 = self.high_precision != {0, 1}
+        q = self.inner.cast(x, with_transpose=fp8_data_t) if has_fp8 else None
         if q is None:  # nothing quantised (no scale_inv: the GEMMs of x are torch's)
             return Quantized(x, x.t() if with_transpose else None, None, None, None)
         # The scale_invs are kept even beside a high-precision orientation (its GEMM ignores
