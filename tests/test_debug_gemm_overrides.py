@@ -176,3 +176,24 @@ def test_an_input_without_gradient_leaves_the_state_of_the_plain_run(gen, kind):
             out.backward(grad)
     for name in ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv"):
         assert_bitwise_equal(getattr(model[0], name), getattr(plain[0], name), name)
+
+
+@pytest.mark.parametrize("gemms", [["fprop"], ["fprop", "dgrad"]])
+def test_a_compiled_fprop_override_is_bit_identical_to_eager(gemms):
+    """torch.compile (aot_eager) of a layer whose fprop runs in high precision, under delayed
+    scaling: the FP8 GEMMs' scale_invs (copies kept for backward) were used by no forward
+    GEMM, so the compiler moved the copies into the backward, which read the scales the
+    update had rewritten (RuntimeError: modified by an inplace operation)."""
+    from integration_compare import assert_bit_identical, step_batches, train
+    torch.manual_seed(0)
+    eager = make_model()
+    debug.override(eager, "*", fp8=False, gemms=gemms)
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(compiled, backend="aot_eager")
+    batches = step_batches(torch.Generator().manual_seed(0), 3, 24, 64)
+    assert_bit_identical(train(compiled, compiled_fn, batches, DELAYED),
+                         train(eager, eager, batches, DELAYED))
+    a, b = torch.randn(16, 32), torch.randn(8, 32)
+    torch.library.opcheck(torch.ops.transformer_fp8_debug.linear_keeping,
+                          (a, b, torch.randn(8), [torch.ones(1)]))

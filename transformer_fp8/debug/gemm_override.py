@@ -15,6 +15,7 @@ dtype; the other GEMMs are the recipe's, unchanged.
 from __future__ import annotations
 
 import collections.abc
+from typing import List, Optional
 
 import torch
 
@@ -49,7 +50,14 @@ class HighPrecisionOrientations(Quantizer):
             if _is_fp8(a) or _is_fp8(b):
                 raise RuntimeError("a GEMM of an FP8 and a high-precision operand: the "
                                    "per-GEMM override covers both operands of a GEMM")
-            return torch.nn.functional.linear(a.to(out_dtype), b.to(out_dtype), bias)
+            a, b = a.to(out_dtype), b.to(out_dtype)
+            if torch.compiler.is_compiling():
+                # The scale_invs of the operands' FP8 orientations (copies, ops.snapshot) go
+                # through this GEMM, making them forward values: a copy no forward value used
+                # was moved into the traced backward, which read the scale rewritten since.
+                kept = [s for s in (a_scale_inv, b_scale_inv) if s is not None]
+                return _linear_keeping(a, b, bias, kept)
+            return torch.nn.functional.linear(a, b, bias)
 
         self.gemm = gemm
 
@@ -85,6 +93,18 @@ class HighPrecisionOrientations(Quantizer):
 
     def block_dims(self, cols: int) -> tuple:
         return self.inner.block_dims(cols)
+
+
+@torch.library.custom_op("transformer_fp8_debug::linear_keeping", mutates_args=())
+def _linear_keeping(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
+                    kept: List[torch.Tensor]) -> torch.Tensor:
+    """F.linear(a, b, bias); ``kept`` is unused: under torch.compile, values the forward keeps."""
+    return torch.nn.functional.linear(a, b, bias)
+
+
+@_linear_keeping.register_fake
+def _linear_keeping_fake(a, b, bias, kept):
+    return a.new_empty((a.shape[0], b.shape[0]))
 
 
 def gemm_list(gemms) -> tuple:
