@@ -39,7 +39,9 @@ def assert_same(got, expected):
         assert_bitwise_equal(g, e, f"tensor {i}")
 
 
-@pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8BlockScaling()], ids=["delayed", "block"])
+@pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8CurrentScaling(),
+                                    tfp8.Float8BlockScaling(), tfp8.Float8RowwiseScaling()],
+                         ids=["delayed", "current", "block", "rowwise"])
 def test_high_precision_override_is_bit_identical_to_the_layer_outside_fp8(gen, device, recipe):
     torch.manual_seed(gen.initial_seed() % 2**31)
     model = make_model(device)
@@ -66,14 +68,25 @@ def test_high_precision_override_is_bit_identical_to_the_layer_outside_fp8(gen, 
                                              tfp8.Float8RowwiseScaling()],
                          ids=["current", "block", "rowwise"])
 def test_recipe_override_is_bit_identical_to_that_recipe(gen, device, override_recipe):
+    """Over steps whose inputs change scale: bit for bit that recipe's run, and the delayed
+    state of the overridden layers (histories, scales, scale_invs, forward and backward) left
+    as it was."""
     torch.manual_seed(gen.initial_seed() % 2**31)
     model = make_model(device)
     debug.override(model, ["0", "2"], recipe=override_recipe)
     reference = copy.deepcopy(model)
     debug.clear_overrides(reference)
-    x, grad = randn(gen, 16, 64, device=device), randn(gen, 16, 64, device=device)
-    assert_same(step(model, x, grad, DELAYED), step(reference, x, grad, override_recipe))
-    assert not model[0].fp8_fwd_amax_history.any()  # the delayed state is left alone
+    state = {n: b.clone() for n, b in model.named_buffers() if "scale" in n}
+    assert len(state) == 8  # forward and backward scale and scale_inv of both layers
+    for scale in (1.0, 8.0, 0.25):
+        x = randn(gen, 16, 64, device=device) * scale
+        grad = randn(gen, 16, 64, device=device) / scale
+        assert_same(step(model, x, grad, DELAYED), step(reference, x, grad, override_recipe))
+    for name, buffer in model.named_buffers():
+        if "amax_history" in name:  # (resized to DELAYED's length: nothing recorded)
+            assert not buffer.any(), name
+        elif name in state:  # (not fp8_recipe_fields: DELAYED adopted)
+            assert_bitwise_equal(buffer, state[name], name)
 
 
 def test_only_the_matching_layers_change(gen):
