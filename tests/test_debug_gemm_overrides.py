@@ -104,6 +104,58 @@ def test_high_precision_fprop_and_dgrad(gen, recipe):
     assert not torch.equal(got[0], expected[0])
 
 
+MODULES = {"Linear": (lambda: tfp8.Linear(64, 64), [48]),
+           "GroupedLinear": (lambda: tfp8.GroupedLinear(3, 64, 64), [16, 0, 32])}
+
+
+def gemm_results(layer, splits, x, grad, recipe) -> dict:
+    """One step's output (fprop), input gradient (dgrad), weight gradients (wgrad) and bias
+    gradients (no GEMM)."""
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad()
+    with tfp8.fp8_autocast(fp8_recipe=recipe):
+        out = layer(x) if len(splits) == 1 else layer(x, splits)
+    out.backward(grad)
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    return {"fprop": out.detach(), "dgrad": x.grad,
+            "wgrad": torch.cat([g for n, g in grads.items() if "weight" in n]),
+            "bias": torch.cat([g for n, g in grads.items() if "bias" in n])}
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("recipe", RECIPES + [pytest.param(tfp8.Float8RowwiseScaling(),
+                                                           id="rowwise")])
+@pytest.mark.parametrize("module", list(MODULES))
+def test_one_gemm_kind_in_high_precision_leaves_the_two_others_bit_identical(
+        gen, module, recipe, kind):
+    """gemms=[kind]: that GEMM's result is torch's float32 product of the unquantised
+    operands (which the FP8 one is not), the two other GEMMs' results (and the bias
+    gradients) bit for bit the plain FP8 run's, over steps whose delayed scales change. (A
+    mapping of "fprop" that also ran dgrad in high precision passed every test.)"""
+    make, splits = MODULES[module]
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    layer = make()
+    plain = copy.deepcopy(layer)
+    debug.override(torch.nn.Sequential(layer), "0", fp8=False, gemms=[kind])
+    weights = [p.detach() for n, p in layer.named_parameters() if "weight" in n]
+    biases = [p.detach() for n, p in layer.named_parameters() if "bias" in n]
+    for scale in (1.0, 8.0, 0.25):
+        x, grad = randn(gen, 48, 64) * scale, randn(gen, 48, 64) / scale
+        got = gemm_results(layer, splits, x, grad, recipe)
+        expected = gemm_results(plain, splits, x, grad, recipe)
+        xs, gs = x.split(splits), grad.split(splits)
+        exact = {"fprop": torch.cat([torch.nn.functional.linear(a, w, b)
+                                     for a, w, b in zip(xs, weights, biases)]),
+                 "dgrad": torch.cat([g @ w for g, w in zip(gs, weights)]),
+                 "wgrad": torch.cat([g.t() @ a for a, g in zip(xs, gs)])}
+        for name in ("fprop", "dgrad", "wgrad", "bias"):
+            if name != kind:
+                assert_bitwise_equal(got[name], expected[name], f"{name} (scale {scale})")
+        assert got[kind].dtype == torch.float32
+        torch.testing.assert_close(got[kind], exact[kind], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(expected[kind], exact[kind], rtol=1e-5, atol=1e-5)
+
+
 def test_every_gemm_in_high_precision_is_the_high_precision_layer(gen):
     model, plain, x, grads = setup(gen)
     debug.override(model, "0", fp8=False, gemms=["fprop", "dgrad", "wgrad"])
@@ -141,3 +193,59 @@ def test_bad_gemm_names_are_refused_and_nothing_changes():
     with pytest.raises(TypeError, match="gemms must hold strings"):
         debug.override(model, "*", fp8=False, gemms=[3])
     assert debug.overrides(model) == {}
+
+
+def test_an_empty_gemms_list_is_refused():
+    """gemms=[] (a list built by a filter that kept nothing) ran the whole layer in high
+    precision, as fp8=False without gemms does."""
+    model = make_model()
+    for empty in ([], (), iter([])):
+        with pytest.raises(ValueError, match="gemms must name at least one GEMM"):
+            debug.override(model, "0", fp8=False, gemms=empty)
+    assert debug.overrides(model) == {}
+    # An iterator is read once, for every matching module (the second module saw it empty).
+    debug.override(model, "*", fp8=False, gemms=iter(["wgrad"]))
+    assert {name: bool(o.gemms) for name, o in debug.overrides(model).items()} == \
+        {"0": True, "2": True}
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+def test_an_input_without_gradient_leaves_the_state_of_the_plain_run(gen, kind):
+    """An input that needs no gradient (a first layer): no dgrad reads the weight's transpose.
+    Under an fprop override that was the weight's only FP8 orientation, so nothing was cast:
+    no amax recorded, no scale kept for a recomputation (the first forward of a reentrant
+    checkpoint, whose replay then recorded the amax after the update and cast with the new
+    scale). The plain run casts the weight for fprop: the override casts it as well."""
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    model = torch.nn.Sequential(tfp8.Linear(64, 64))
+    plain = copy.deepcopy(model)
+    debug.override(model, "0", fp8=False, gemms=[kind])
+    for scale in (1.0, 8.0, 0.5):
+        x, grad = randn(gen, 24, 64) * scale, randn(gen, 24, 64)
+        for m in (model, plain):
+            with tfp8.fp8_autocast(fp8_recipe=DELAYED):
+                out = m(x)
+            out.backward(grad)
+    for name in ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv"):
+        assert_bitwise_equal(getattr(model[0], name), getattr(plain[0], name), name)
+
+
+@pytest.mark.parametrize("gemms", [["fprop"], ["fprop", "dgrad"]])
+def test_a_compiled_fprop_override_is_bit_identical_to_eager(gemms):
+    """torch.compile (aot_eager) of a layer whose fprop runs in high precision, under delayed
+    scaling: the FP8 GEMMs' scale_invs (copies kept for backward) were used by no forward
+    GEMM, so the compiler moved the copies into the backward, which read the scales the
+    update had rewritten (RuntimeError: modified by an inplace operation)."""
+    from integration_compare import assert_bit_identical, step_batches, train
+    torch.manual_seed(0)
+    eager = make_model()
+    debug.override(eager, "*", fp8=False, gemms=gemms)
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(compiled, backend="aot_eager")
+    batches = step_batches(torch.Generator().manual_seed(0), 3, 24, 64)
+    assert_bit_identical(train(compiled, compiled_fn, batches, DELAYED),
+                         train(eager, eager, batches, DELAYED))
+    a, b = torch.randn(16, 32), torch.randn(8, 32)
+    torch.library.opcheck(torch.ops.transformer_fp8_debug.linear_keeping,
+                          (a, b, torch.randn(8), [torch.ones(1)]))

@@ -39,7 +39,9 @@ def assert_same(got, expected):
         assert_bitwise_equal(g, e, f"tensor {i}")
 
 
-@pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8BlockScaling()], ids=["delayed", "block"])
+@pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8CurrentScaling(),
+                                    tfp8.Float8BlockScaling(), tfp8.Float8RowwiseScaling()],
+                         ids=["delayed", "current", "block", "rowwise"])
 def test_high_precision_override_is_bit_identical_to_the_layer_outside_fp8(gen, device, recipe):
     torch.manual_seed(gen.initial_seed() % 2**31)
     model = make_model(device)
@@ -56,7 +58,7 @@ def test_high_precision_override_is_bit_identical_to_the_layer_outside_fp8(gen, 
     assert_same(got, [out.detach(), x_in.grad] + [p.grad for p in reference.parameters()])
     assert not model[2].fp8_fwd_amax_history.any() and not model[2].fp8_bwd_amax_history.any()
     assert debug.overrides(model) == {"2": debug.PrecisionOverride(None)}
-    assert debug.clear_overrides(model) == ["0", "2"] and debug.overrides(model) == {}
+    assert debug.clear_overrides(model) == ["2"] and debug.overrides(model) == {}
     step(model, x, grad, DELAYED)
     assert model[2].fp8_fwd_amax_history.any()  # FP8 again
 
@@ -66,14 +68,25 @@ def test_high_precision_override_is_bit_identical_to_the_layer_outside_fp8(gen, 
                                              tfp8.Float8RowwiseScaling()],
                          ids=["current", "block", "rowwise"])
 def test_recipe_override_is_bit_identical_to_that_recipe(gen, device, override_recipe):
+    """Over steps whose inputs change scale: bit for bit that recipe's run, and the delayed
+    state of the overridden layers (histories, scales, scale_invs, forward and backward) left
+    as it was."""
     torch.manual_seed(gen.initial_seed() % 2**31)
     model = make_model(device)
     debug.override(model, ["0", "2"], recipe=override_recipe)
     reference = copy.deepcopy(model)
     debug.clear_overrides(reference)
-    x, grad = randn(gen, 16, 64, device=device), randn(gen, 16, 64, device=device)
-    assert_same(step(model, x, grad, DELAYED), step(reference, x, grad, override_recipe))
-    assert not model[0].fp8_fwd_amax_history.any()  # the delayed state is left alone
+    state = {n: b.clone() for n, b in model.named_buffers() if "scale" in n}
+    assert len(state) == 8  # forward and backward scale and scale_inv of both layers
+    for scale in (1.0, 8.0, 0.25):
+        x = randn(gen, 16, 64, device=device) * scale
+        grad = randn(gen, 16, 64, device=device) / scale
+        assert_same(step(model, x, grad, DELAYED), step(reference, x, grad, override_recipe))
+    for name, buffer in model.named_buffers():
+        if "amax_history" in name:  # (resized to DELAYED's length: nothing recorded)
+            assert not buffer.any(), name
+        elif name in state:  # (not fp8_recipe_fields: DELAYED adopted)
+            assert_bitwise_equal(buffer, state[name], name)
 
 
 def test_only_the_matching_layers_change(gen):
@@ -100,3 +113,84 @@ def test_override_refuses_bad_arguments():
         debug.override(model, "9", fp8=False)
     with pytest.raises(TypeError, match="fp8 must be a bool, got 0"):
         debug.override(model, "0", fp8=0)
+
+
+def test_an_override_is_immutable_and_hashable():
+    """PrecisionOverride is a value: hashable (a per-GEMM one raised "unhashable type: 'dict'")
+    and unchangeable, so what overrides() returns cannot change a module's override (its gemms
+    dict of sets could be changed in place, past override()'s checks)."""
+    model = make_model("cpu")
+    debug.override(model, "0", fp8=False, gemms=["wgrad"])
+    debug.override(model, "2", fp8=False, gemms="fc1.dgrad")
+    got = debug.overrides(model)
+    assert len({got["0"], got["2"], copy.deepcopy(got["0"])}) == 2
+    with pytest.raises(AttributeError):
+        got["2"].gemms.add((1, "fprop"))
+    assert got["0"] == debug.PrecisionOverride(None, {(0, "wgrad")})
+    assert got["2"] == debug.PrecisionOverride(None, [(0, "dgrad")])  # (fc1: GEMM 0)
+    with pytest.raises(AttributeError):
+        got["2"].gemms = frozenset()
+    got.clear()
+    assert debug.overrides(model)["2"] == debug.PrecisionOverride(None, {(0, "dgrad")})
+    assert hash(debug.PrecisionOverride(tfp8.Float8CurrentScaling()))
+
+
+def test_bad_arguments_are_named_with_what_was_expected():
+    """Each refused argument is named, with what was expected and what was given (gemms=3
+    raised "'int' object is not iterable", a recipe class "got type", override(None, ...) an
+    AttributeError; an E5M2 recipe was accepted and failed at the first forward; a pattern
+    naming a TransformerLayer did not say how to reach its FP8 modules)."""
+    model = torch.nn.Sequential(tfp8.TransformerLayer(64, 128, 4), tfp8.GroupedLinear(2, 64, 64))
+    with pytest.raises(TypeError, match=r"gemms must be a GEMM name or an iterable.*got int 3"):
+        debug.override(model, "1", fp8=False, gemms=3)
+    with pytest.raises(TypeError, match=r"gemms must be .*got bytes b'wgrad'"):
+        debug.override(model, "1", fp8=False, gemms=b"wgrad")
+    with pytest.raises(TypeError, match=r"gemms must hold strings .*got int 3"):
+        debug.override(model, "1", fp8=False, gemms=["wgrad", 3])
+    with pytest.raises(ValueError, match=r"'.wgrad' has no GEMM name before the dot"):
+        debug.override(model, "1", fp8=False, gemms=[".wgrad"])
+    with pytest.raises(TypeError, match=r"got the class Float8CurrentScaling: pass an "
+                                        r"instance, e.g. Float8CurrentScaling\(\)"):
+        debug.override(model, "1", recipe=tfp8.Float8CurrentScaling)
+    e5m2 = tfp8.Float8CurrentScaling(fp8_format=tfp8.recipe.Format.E5M2)
+    with pytest.raises(ValueError, match=r"recipe: Format.E5M2 cannot train"):
+        debug.override(model, "1", recipe=e5m2)
+    for call in (lambda: debug.override(None, "*", fp8=False),
+                 lambda: debug.clear_overrides(None), lambda: debug.overrides(None)):
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module, got NoneType"):
+            call()
+    with pytest.raises(ValueError, match=r"layers='0' matches no FP8 module of the model; its "
+                                         r"FP8 modules are: 0.self_attention.layernorm_qkv, "
+                                         r"0.self_attention.proj, 0.layernorm_mlp, 1 \('0' is a "
+                                         r"TransformerLayer.*match them with '0.\*'\)"):
+        debug.override(model, "0", fp8=False)
+    assert debug.overrides(model) == {}
+    debug.override(model, "0.*", fp8=False)
+    with pytest.raises(ValueError, match=r"layers='0.self_attn\*' matches no module with an "
+                                         r"override; the modules with one: 0.layernorm_mlp, "):
+        debug.clear_overrides(model, "0.self_attn*")  # a typo: the overrides stay
+    with pytest.raises(ValueError, match=r"layers='1' matches no module with an override"):
+        debug.clear_overrides(model, "1")  # an FP8 module, but not overridden
+    assert len(debug.overrides(model)) == 3
+    assert debug.clear_overrides(model, "0.self_attention.*") == [
+        "0.self_attention.layernorm_qkv", "0.self_attention.proj"]
+    assert debug.clear_overrides(model) == ["0.layernorm_mlp"]
+    assert debug.clear_overrides(model) == []  # every override (none left): no error
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8CurrentScaling()], ids=["delayed",
+                                                                               "current"])
+def test_an_override_is_honoured_by_the_linear_ticket_however_it_is_set(recipe):
+    """The Linear ticket (the C++ step of the last forward, called again) checks the override
+    itself: one set past Fp8State.__setattr__ (which drops the ticket) ran in FP8."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tfp8.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    expected = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
+    with tfp8.fp8_autocast(fp8_recipe=recipe):
+        model(x)
+        model(x)
+        assert model[0]._fused_ticket is not None
+        model[0].__dict__["_fp8_override"] = debug.PrecisionOverride(None)
+        out = model(x)
+    assert_bitwise_equal(out, expected, "output")

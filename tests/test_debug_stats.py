@@ -421,3 +421,114 @@ def test_a_non_finite_operand_does_not_read_as_healthy(gen, recipe):
         else:
             assert record["dynamic_range_log2"] == math.inf
             assert not record["block_min_sqnr_db"] == math.inf
+
+
+# ---- several collectors ------------------------------------------------------------------------
+
+def _three_layers():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(tfp8.Linear(32, 32), tfp8.Linear(32, 32), tfp8.Linear(32, 32))
+
+
+def _layers_logged(model, gen, *collectors) -> list:
+    """One step: {layer: record count} of each collector's step()."""
+    linear_step(model, randn(gen, 16, 32), randn(gen, 16, 32))
+    counts = []
+    for stats in collectors:
+        records = stats.step()
+        counts.append({layer: sum(r["layer"] == layer for r in records)
+                       for layer in sorted({r["layer"] for r in records})})
+    return counts
+
+
+def test_nested_collectors_each_record_their_layers(gen):
+    """Two collectors at once (``with a, b``): each records exactly its own layers, layer 1 in
+    both (the outer one recorded nothing: the inner one had replaced it)."""
+    model = _three_layers()
+    with debug.collect_stats(model, layers=["0", "1"]) as a, \
+            debug.collect_stats(model, layers=["1", "2"], frequency=2) as b:
+        assert _layers_logged(model, gen, a, b) == [{"0": 3, "1": 3}, {"1": 3, "2": 3}]
+        assert _layers_logged(model, gen, a, b) == [{"0": 3, "1": 3}, {}]  # b: step 1 unlogged
+        assert a.enable() is a  # enabling an enabled collector: nothing more (not twice)
+        assert _layers_logged(model, gen, a, b) == [{"0": 3, "1": 3}, {"1": 3, "2": 3}]
+    assert _fp8_hooks.observer is None
+    records = [r for r in a.records if r["layer"] == "1" and r["step"] == 2]
+    assert records == [r for r in b.records if r["layer"] == "1" and r["step"] == 2]
+
+
+def test_collectors_disabled_in_any_order_never_record_again(gen):
+    """Disabled first-in-first-out: the other collector goes on alone, and once both are off
+    nothing records (a.disable() switched b off too, then b.disable() put the disabled a back,
+    which kept every cast in memory from then on)."""
+    model = _three_layers()
+    a = debug.collect_stats(model, layers="0")
+    b = debug.collect_stats(model, layers="1")
+    a.enable()
+    b.enable()
+    a.disable()
+    assert _layers_logged(model, gen, a, b) == [{}, {"1": 3}]
+    b.disable()
+    assert _fp8_hooks.observer is None
+    linear_step(model, randn(gen, 16, 32), randn(gen, 16, 32))
+    assert not a._pending and not b._pending
+    a.enable()
+    b.enable()
+    a.enable()
+    a.disable()
+    assert _layers_logged(model, gen, a, b) == [{}, {"1": 3}]
+    b.disable()
+    a.disable()  # (disabling a disabled collector: nothing to do)
+    assert _fp8_hooks.observer is None
+
+
+def test_a_collector_disabled_before_the_backward_records_no_gradient(gen):
+    """The backward of a forward observed while enabled: grad_output's cast is not recorded
+    into a collector disabled since (it is never stepped again)."""
+    model = _three_layers()
+    stats = debug.collect_stats(model, layers="0").enable()
+    with tfp8.fp8_autocast(fp8_recipe=DELAYED):
+        out = model(randn(gen, 16, 32).requires_grad_(True))
+    stats.disable()
+    out.backward(randn(gen, 16, 32))
+    assert {key[2] for key in stats._pending} == {"input", "weight"}
+
+
+@pytest.mark.parametrize("schedule", ["one", "nested", "fifo"])
+def test_training_after_every_collector_is_disabled_is_bit_identical(gen, schedule):
+    """Collectors on for some steps (one, two nested, two disabled first-in-first-out), then
+    off: every output, gradient, parameter and FP8 state buffer is bit for bit the run's that
+    never enabled one."""
+    def train(use):
+        model = torch.nn.Sequential(tfp8.Linear(32, 32), torch.nn.GELU(),
+                                    tfp8.LayerNormMLP(32, 64))
+        torch.manual_seed(0)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        a = debug.collect_stats(model, layers="0", frequency=2)
+        b = debug.collect_stats(model, layers="*")
+        plan = {"one": {0: [a.enable], 3: [a.disable]},
+                "nested": {0: [a.enable], 1: [b.enable], 3: [b.disable, a.disable]},
+                "fifo": {0: [a.enable, b.enable], 2: [a.disable], 3: [b.disable]}}[schedule]
+        data = torch.Generator().manual_seed(gen.initial_seed())
+        outs = []
+        for step in range(6):
+            for call in plan.get(step, []) if use else []:
+                call()
+            x = (torch.randn(16, 32, generator=data) * (1 + step)).requires_grad_(True)
+            with tfp8.fp8_autocast(fp8_recipe=DELAYED):
+                out = model(x)
+            out.square().mean().backward()
+            outs += [out.detach(), x.grad]
+            opt.step()
+            opt.zero_grad()
+            for stats in (a, b):
+                stats.step()
+        assert _fp8_hooks.observer is None
+        return outs + list(model.parameters()) + list(model.buffers()), a, b
+
+    never, _, _ = train(False)
+    used, a, b = train(True)
+    assert len(a.records) > 0 and (schedule == "one" or len(b.records) > 0)
+    for i, (x, y) in enumerate(zip(used, never)):
+        assert torch.equal(x, y), i

@@ -16,7 +16,17 @@ _WORSE_IS_LOWER = {"sqnr_db": True, "block_min_sqnr_db": True, "underflow_frac":
 
 
 def _records(source: Union[str, list]) -> list:
-    return read_records(source) if isinstance(source, str) else list(source)
+    """The records of a file or list, each (operand, step) at most once: a repeat means runs
+    or collectors mixed, which a heat map or a worst step would silently pick one of."""
+    records = read_records(source) if isinstance(source, str) else list(source)
+    seen = set()
+    for r in records:
+        key = (row_label(r), r["step"])
+        if key in seen:
+            raise ValueError(f"two records of {key[0]} at step {key[1]}: records of several "
+                             "runs or collectors mixed; pass one run's records")
+        seen.add(key)
+    return records
 
 
 def row_label(record: dict) -> str:

@@ -10,10 +10,12 @@ During a logged step the casts of the selected layers compute their statistics o
 (stats.py) and keep them there; ``step()`` combines them (microbatches: per operand), reduces
 them across ranks (two all_reduce calls; the ranks' operands are agreed once, at the first
 logged step), copies them to the host once (the step's only device-to-host transfer; nothing
-goes from the host to the device either) and writes them. Other
-steps and other layers run exactly as without a collector. Off (outside the context), the FP8
-modules pay one ``is None`` test per forward. Under torch.compile no statistics are collected
-(the casts are traced without them); a logged step that saw no cast says so in a warning.
+goes from the host to the device either) and writes them. Other steps and other layers run
+exactly as without a collector. Several collectors may be enabled at once, and disabled in any
+order: each records its own layers. Off (no collector enabled), the FP8 modules pay one
+``is None`` test per forward. Under torch.compile no statistics are collected (the casts are
+traced without them); a logged step of an enabled collector that saw no cast says so in a
+warning.
 """
 from __future__ import annotations
 
@@ -46,9 +48,49 @@ def _matcher(layers: LayerFilter) -> Callable[[str], bool]:
 
 def select_layers(model: torch.nn.Module, layers: LayerFilter) -> dict:
     """{module: name} of the FP8 modules of ``model`` whose qualified name matches."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     match = _matcher(layers)
     return {m: name for name, m in model.named_modules()
             if isinstance(m, Fp8StateMixin) and match(name)}
+
+
+def no_fp8_module_error(model: torch.nn.Module, layers: LayerFilter) -> ValueError:
+    """The error for ``layers`` matching no FP8 module: the model's FP8 modules, and a hint
+    where it matches a module that holds some (a TransformerLayer: "0.*" matches them)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, Fp8StateMixin)]
+    shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+    message = (f"layers={layers!r} matches no FP8 module of the model; its FP8 modules are: "
+               f"{shown or 'none'}")
+    match = _matcher(layers)
+    holders = [(n, type(m).__name__) for n, m in model.named_modules()
+               if n and match(n) and any(x.startswith(n + ".") for x in names)]
+    if holders:
+        name, kind = holders[0]
+        message += (f" ({name!r} is a {kind}, which holds FP8 modules: match them with "
+                     f"{name + '.*'!r})")
+    return ValueError(message)
+
+
+# The enabled collectors, in the order enabled. While there is one, _fp8_hooks.observer is
+# _DISPATCH: each module's casts reach every enabled collector that observes the module.
+_ENABLED: list = []
+
+
+class _Dispatch:
+    @staticmethod
+    def observes(module) -> bool:
+        return any(c.observes(module) for c in _ENABLED)
+
+    @staticmethod
+    def wrap_quantizers(module, quantizers: list) -> list:
+        watchers = [(c, c.selected[module]) for c in _ENABLED if c.observes(module)]
+        if not watchers:
+            return quantizers
+        return _observer.observed_quantizers(module, watchers, quantizers)
+
+
+_DISPATCH = _Dispatch()
 
 
 class Fp8Stats:
@@ -66,14 +108,9 @@ class Fp8Stats:
                  group=None, keep_records: bool = True):
         if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
             raise ValueError(f"frequency must be a positive integer, got {frequency!r}")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.selected = select_layers(model, layers)
         if not self.selected:
-            raise ValueError(f"layers={layers!r} matches no FP8 module of the model; its FP8 "
-                             "modules are: " + ", ".join(
-                                 n for n, m in model.named_modules()
-                                 if isinstance(m, Fp8StateMixin)))
+            raise no_fp8_module_error(model, layers)
         self.frequency, self.group = frequency, group
         tensorboard = TensorBoardWriter.create(tensorboard_dir)  # before a file is opened
         self.writers = [w for w in (JsonLinesWriter(path) if path else None, tensorboard) if w]
@@ -82,7 +119,6 @@ class Fp8Stats:
         self.step_index = 0
         self._pending: dict = {}  # key -> list of FIELDS vectors on the device
         self._enabled = False
-        self._previous = None
         self._warned_nothing = False
         self._all_keys = None  # distributed: every rank's operands, gathered once
         self._failed_writers: set = set()  # (ids of writers already reported failing)
@@ -90,14 +126,19 @@ class Fp8Stats:
     # ---- switching on and off ------------------------------------------------------------
 
     def enable(self) -> "Fp8Stats":
+        """Start collecting, beside any other enabled collector (enabled already: nothing)."""
         if not self._enabled:
-            self._previous, _fp8_hooks.observer = _fp8_hooks.observer, self
+            _ENABLED.append(self)
+            _fp8_hooks.observer = _DISPATCH
             self._enabled = True
         return self
 
     def disable(self) -> None:
+        """Stop collecting, in any order among enabled collectors; the writers are closed."""
         if self._enabled:
-            _fp8_hooks.observer, self._previous = self._previous, None
+            _ENABLED.remove(self)
+            if not _ENABLED:
+                _fp8_hooks.observer = None
             self._enabled = False
             for writer in self.writers:
                 self._run_writer(writer.close)
@@ -118,11 +159,6 @@ class Fp8Stats:
         """Whether this step's casts of ``module`` are observed (selected and logged)."""
         return self.logging_this_step and module in self.selected
 
-    def wrap_quantizers(self, module, quantizers: list) -> list:
-        if not self.observes(module):
-            return quantizers
-        return _observer.observed_quantizers(module, self.selected[module], quantizers, self)
-
     def record(self, key: tuple, values: torch.Tensor) -> None:
         self._pending.setdefault(key, []).append(values)
 
@@ -134,7 +170,7 @@ class Fp8Stats:
         records = []
         if self.logging_this_step:
             records = self._gather()
-            if not records and not self._warned_nothing:
+            if not records and self._enabled and not self._warned_nothing:
                 warnings.warn("transformer_fp8.debug: a logged step saw no FP8 cast of the "
                               "selected layers (no FP8 forward ran, or the model is compiled: "
                               "statistics are collected in eager mode only)", stacklevel=2)

@@ -14,6 +14,9 @@ dtype; the other GEMMs are the recipe's, unchanged.
 """
 from __future__ import annotations
 
+import collections.abc
+from typing import List, Optional
+
 import torch
 
 from ..quantization.quantizer import Quantized, Quantizer
@@ -47,7 +50,14 @@ class HighPrecisionOrientations(Quantizer):
             if _is_fp8(a) or _is_fp8(b):
                 raise RuntimeError("a GEMM of an FP8 and a high-precision operand: the "
                                    "per-GEMM override covers both operands of a GEMM")
-            return torch.nn.functional.linear(a.to(out_dtype), b.to(out_dtype), bias)
+            a, b = a.to(out_dtype), b.to(out_dtype)
+            if torch.compiler.is_compiling():
+                # The scale_invs of the operands' FP8 orientations (copies, ops.snapshot) go
+                # through this GEMM, making them forward values: a copy no forward value used
+                # was moved into the traced backward, which read the scale rewritten since.
+                kept = [s for s in (a_scale_inv, b_scale_inv) if s is not None]
+                return _linear_keeping(a, b, bias, kept)
+            return torch.nn.functional.linear(a, b, bias)
 
         self.gemm = gemm
 
@@ -63,7 +73,11 @@ class HighPrecisionOrientations(Quantizer):
     def cast(self, x: torch.Tensor, with_transpose: bool = True) -> Quantized:
         fp8_data = 0 not in self.high_precision
         fp8_data_t = with_transpose and 1 not in self.high_precision
-        q = self.inner.cast(x, with_transpose=fp8_data_t) if fp8_data or fp8_data_t else None
+        # A role with an FP8 orientation is cast even when no gradient asks for its transpose
+        # now (an input that needs none; a reentrant checkpoint's first forward), as the plain
+        # run casts it: its amax recorded, and the scale a replay makes the transpose with.
+        has_fp8 = self.high_precision != {0, 1}
+        q = self.inner.cast(x, with_transpose=fp8_data_t) if has_fp8 else None
         if q is None:  # nothing quantised (no scale_inv: the GEMMs of x are torch's)
             return Quantized(x, x.t() if with_transpose else None, None, None, None)
         # The scale_invs are kept even beside a high-precision orientation (its GEMM ignores
@@ -81,34 +95,60 @@ class HighPrecisionOrientations(Quantizer):
         return self.inner.block_dims(cols)
 
 
-def parse_gemms(gemms, gemm_names: tuple, owner: str) -> dict:
-    """{gemm index: set of GEMM kinds} from names "fprop" / "dgrad" / "wgrad" (every GEMM of
-    the module) or "<gemm>.<kind>" (one GEMM, e.g. "fc2.wgrad" of a LayerNormMLP)."""
-    if isinstance(gemms, str):
-        gemms = [gemms]
-    chosen: dict = {}
+@torch.library.custom_op("transformer_fp8_debug::linear_keeping", mutates_args=())
+def _linear_keeping(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
+                    kept: List[torch.Tensor]) -> torch.Tensor:
+    """F.linear(a, b, bias); ``kept`` is unused: under torch.compile, values the forward keeps."""
+    return torch.nn.functional.linear(a, b, bias)
+
+
+@_linear_keeping.register_fake
+def _linear_keeping_fake(a, b, bias, kept):
+    return a.new_empty((a.shape[0], b.shape[0]))
+
+
+def gemm_list(gemms) -> tuple:
+    """override()'s gemms= as a tuple of names, read once (an iterator serves every module)."""
+    if isinstance(gemms, (bytes, bytearray)) or not isinstance(gemms, collections.abc.Iterable):
+        raise TypeError("gemms must be a GEMM name or an iterable of them (strings such as "
+                        f"'wgrad' or 'fc2.wgrad'), got {type(gemms).__name__} {gemms!r}")
+    gemms = (gemms,) if isinstance(gemms, str) else tuple(gemms)
     for item in gemms:
         if not isinstance(item, str):
-            raise TypeError(f"gemms must hold strings, got {item!r}")
-        gemm, _, kind = item.rpartition(".")
+            raise TypeError(f"gemms must hold strings (GEMM names such as 'wgrad'), got "
+                            f"{type(item).__name__} {item!r}")
+    if not gemms:  # (not "the whole layer": that is override(..., fp8=False) without gemms)
+        raise ValueError("gemms must name at least one GEMM (e.g. ['wgrad']), got none; to "
+                         "run the whole layer in high precision, leave gemms out")
+    return gemms
+
+
+def parse_gemms(gemms: tuple, gemm_names: tuple, owner: str) -> frozenset:
+    """{(gemm index, GEMM kind)} from names "fprop" / "dgrad" / "wgrad" (every GEMM of the
+    module) or "<gemm>.<kind>" (one GEMM, e.g. "fc2.wgrad" of a LayerNormMLP)."""
+    chosen = set()
+    for item in gemms:
+        gemm, dot, kind = item.rpartition(".")
         if kind not in GEMM_KINDS:
             raise ValueError(f"gemms: {item!r} names no GEMM kind; expected one of {GEMM_KINDS}"
                              ", optionally after a GEMM name and a dot (e.g. 'fc2.wgrad')")
+        if dot and not gemm:
+            raise ValueError(f"gemms: {item!r} has no GEMM name before the dot; write "
+                             f"{kind!r} for every GEMM of the module")
         if gemm and gemm not in gemm_names:
             raise ValueError(f"gemms: {owner} has no GEMM {gemm!r} (its GEMMs: "
                              f"{[n for n in gemm_names if n] or 'one, unnamed'})")
         indices = [gemm_names.index(gemm)] if gemm else range(len(gemm_names))
-        for index in indices:
-            chosen.setdefault(index, set()).add(kind)
-    return chosen
+        chosen.update((index, kind) for index in indices)
+    return frozenset(chosen)
 
 
-def with_high_precision_gemms(quantizers: list, chosen: dict) -> list:
-    """Per GEMM (input, weight, grad_output) quantizers with the GEMM kinds in chosen[gemm] run
-    in high precision."""
+def with_high_precision_gemms(quantizers: list, chosen: frozenset) -> list:
+    """Per GEMM (input, weight, grad_output) quantizers with the (gemm index, kind) pairs in
+    ``chosen`` run in high precision."""
     result = []
     for index, per_gemm in enumerate(quantizers):
-        kinds = chosen.get(index)
+        kinds = {kind for gemm, kind in chosen if gemm == index}
         if not kinds:
             result.append(per_gemm)
             continue

@@ -1,8 +1,9 @@
 """How statistics reach the collector: the quantizers of selected layers wrapped, for the logged
 steps only, by ObservedQuantizer (the same cast, then its statistics, per tensor or per block).
 
-modules/base.py asks the collector (transformer_fp8._fp8_hooks.observer, None when off) for these
-once per module forward; nothing here runs when statistics are off.
+modules/base.py asks transformer_fp8._fp8_hooks.observer (None when off; else collector._DISPATCH,
+for every enabled collector) for these once per module forward; nothing here runs when statistics
+are off.
 """
 from __future__ import annotations
 
@@ -29,15 +30,22 @@ def gemm_names(module) -> tuple:
 
 
 class ObservedQuantizer(Quantizer):
-    """A quantizer that casts as ``inner`` does and hands the collector the statistics of every
-    tensor it casts."""
+    """A quantizer that casts as ``inner`` does and hands the statistics of every tensor it
+    casts to its watchers, ((collector, key), ...): computed once, recorded by each."""
 
-    def __init__(self, inner: Quantizer, collector, key: tuple):
-        self.inner, self.collector, self.key = inner, collector, key
+    def __init__(self, inner: Quantizer, watchers: tuple):
+        self.inner, self.watchers = inner, watchers
         self.dtype, self.fuses_cast = inner.dtype, inner.fuses_cast
         self.cache_key, self.gemm = inner.cache_key, inner.gemm
 
+    def _active(self) -> list:
+        # A collector disabled since this forward (its backward runs later) records nothing.
+        return [(c, key) for c, key in self.watchers if c._enabled]
+
     def _record(self, x_hp: torch.Tensor, q: Quantized) -> None:
+        watchers = self._active()
+        if not watchers:
+            return
         block_rows, block_cols = self.inner.block_dims(x_hp.shape[1])
         # The operand's own rows: not the zero rows pad_rows added for the GEMM (operand_stats
         # takes as many of q's rows and of the block scales' as x_hp has).
@@ -45,17 +53,19 @@ class ObservedQuantizer(Quantizer):
         x_hp = x_hp[:rows]
         fp8_max = torch.finfo(self.dtype).max
         with torch.no_grad():
-            self.collector.record(self.key, operand_stats(
-                x_hp, q.data, self.inner.dequant_scale(q), fp8_max, block_rows, block_cols))
+            stats = operand_stats(x_hp, q.data, self.inner.dequant_scale(q), fp8_max,
+                                  block_rows, block_cols)
+            for collector, key in watchers:
+                collector.record(key, stats)
             if (rows and q.data_t is not None and q.scale is None
                     and q.scale_inv_t is not q.scale_inv):  # (an empty operand: no blocks)
                 # Block scaling: the transpose's own blocks and scales (its columns are x's
                 # rows, the padding last), the operand of wgrad or dgrad.
                 t_rows, t_cols = self.inner.block_dims(rows)
-                name, gemm, role = self.key
-                self.collector.record((name, gemm, role + "_t"), operand_stats(
-                    x_hp.t().contiguous(), q.data_t[:, :rows].contiguous(),
-                    q.scale_inv_t.reciprocal(), fp8_max, t_rows, t_cols))
+                stats = operand_stats(x_hp.t().contiguous(), q.data_t[:, :rows].contiguous(),
+                                      q.scale_inv_t.reciprocal(), fp8_max, t_rows, t_cols)
+                for collector, (name, gemm, role) in watchers:
+                    collector.record((name, gemm, role + "_t"), stats)
 
     def cast(self, x, with_transpose=True):
         q = self.inner.cast(x, with_transpose)
@@ -69,6 +79,8 @@ class ObservedQuantizer(Quantizer):
         if not self.fuses_cast:  # made in high precision, then self.cast: recorded there
             return super().cast_fused(fused, unfused, with_transpose)
         q, extra = self.inner.cast_fused(fused, unfused, with_transpose)
+        if not self._active():
+            return q, extra
         with torch.no_grad():
             x_hp, _ = unfused()  # the fused kernel never writes it: computed again
         self._record(x_hp, q)
@@ -81,10 +93,11 @@ class ObservedQuantizer(Quantizer):
         return self.inner.block_dims(cols)
 
 
-def observed_quantizers(module, name: str, quantizers: list, collector) -> list:
-    """quantizers (per GEMM: input, weight, grad_output) as ObservedQuantizers keyed by
-    (layer, gemm, tensor)."""
+def observed_quantizers(module, watchers: list, quantizers: list) -> list:
+    """quantizers (per GEMM: input, weight, grad_output) as ObservedQuantizers recording into
+    each (collector, the module's name there) of ``watchers``, keyed by (layer, gemm, tensor)."""
     gemms = gemm_names(module)
-    return [tuple(ObservedQuantizer(quantizer, collector, (name, gemms[g], role))
+    return [tuple(ObservedQuantizer(quantizer, tuple((collector, (name, gemms[g], role))
+                                                     for collector, name in watchers))
                   for quantizer, role in zip(per_gemm, ROLES))
             for g, per_gemm in enumerate(quantizers)]

@@ -15,10 +15,14 @@ def _json_value(v):
 
 
 class JsonLinesWriter:
-    """One JSON object per line: step, layer, gemm, tensor and the figures of stats.derive."""
+    """One JSON object per line: step, layer, gemm, tensor and the figures of stats.derive.
+    The file is emptied when the writer is made (a new collector: a new run; runs appended to
+    one file could not be told apart), then appended to (the same collector enabled again
+    goes on in it)."""
 
     def __init__(self, path: str):
         self.path = path
+        open(path, "w", encoding="utf-8").close()  # emptied once, by this writer
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, records: list) -> None:
@@ -49,7 +53,8 @@ SCALARS = ("amax", "scale_min", "underflow_frac", "saturation_frac", "dynamic_ra
 
 
 class TensorBoardWriter:
-    """Scalars fp8/<layer>[.<gemm>]/<tensor>/<figure> per logged step."""
+    """Scalars fp8/<layer>[.<gemm>]/<tensor>/<figure> per logged step, non-finite ones too (a
+    NaN amax, an infinite dynamic range: TensorBoard takes NaN and inf scalars)."""
 
     def __init__(self, summary_writer):
         self._writer = summary_writer
@@ -69,9 +74,8 @@ class TensorBoardWriter:
         for r in records:
             label = r["layer"] + (f".{r['gemm']}" if r["gemm"] else "")
             for figure in SCALARS:
-                if math.isfinite(r[figure]):
-                    self._writer.add_scalar(f"fp8/{label}/{r['tensor']}/{figure}", r[figure],
-                                            r["step"])
+                self._writer.add_scalar(f"fp8/{label}/{r['tensor']}/{figure}", r[figure],
+                                        r["step"])
         self._writer.flush()
 
     def close(self) -> None:
