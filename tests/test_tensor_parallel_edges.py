@@ -285,14 +285,14 @@ def test_high_precision_checkpointing_microbatches_calibration_dcp(tmp_path):
 
 # ---- data-parallel replicas beside the tensor-parallel ranks --------------------------------
 
-def _replica_steps(model, recipe, replica: int) -> list:
+def _replica_steps(model, recipe, replica: int, fp8_group=None) -> list:
     """3 SGD steps on the replica's own batches (replica 1's 16 times larger), fp8_group left
-    at None: (output, input gradient, every full parameter gradient) per step."""
+    at None unless given: (output, input gradient, every full parameter gradient) per step."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     records = []
     for step in range(3):
         x = (batch(step) * (1 + 15 * replica)).requires_grad_(True)
-        with tfp8.fp8_autocast(fp8_recipe=recipe):
+        with tfp8.fp8_autocast(fp8_recipe=recipe, fp8_group=fp8_group):
             out = model(x)
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
         out.float().square().mean().backward()
@@ -323,6 +323,33 @@ def test_current_scaling_reduces_over_the_weight_mesh_not_the_replicas(tmp_path)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         expected = _replica_steps(build(recipe), recipe, result["replica"])
+        for step, (got, want) in enumerate(zip(result["steps"], expected)):
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert torch.equal(a, b), (rank, step, i)
+
+
+def _override_worker(rank, out_dir):
+    from transformer_fp8 import debug
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    current = tfp8.Float8CurrentScaling()
+    model = parallelize(build(current), mesh["tp"])
+    debug.override(model, "*", recipe=current)
+    replica = mesh.get_local_rank("dp")
+    steps = _replica_steps(model, _delayed(), replica, fp8_group=dist.group.WORLD)
+    torch.save({"replica": replica, "steps": steps}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_a_current_scaling_override_reduces_over_the_weight_mesh_not_the_outer_group(tmp_path):
+    """debug.override(recipe=Float8CurrentScaling()) inside a DelayedScaling context whose
+    fp8_group spans the data-parallel replicas: the override's casts reduce their amaxes over
+    the weight's mesh, as the recipe does on its own (they took the outer fp8_group: every
+    replica's batch moved the others' scales), so each replica trains bit for bit as one
+    process under that recipe on its own batches."""
+    run_ranks(_override_worker, (str(tmp_path),), tmp_path)
+    current = tfp8.Float8CurrentScaling()
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        expected = _replica_steps(build(current), current, result["replica"])
         for step, (got, want) in enumerate(zip(result["steps"], expected)):
             for i, (a, b) in enumerate(zip(got, want)):
                 assert torch.equal(a, b), (rank, step, i)

@@ -10,7 +10,9 @@ so a high-precision GEMM is two high-precision operand orientations: HighPrecisi
 wraps a role's quantizer and leaves those orientations unquantised (the tensor itself, or its
 transposed view); the orientations that other GEMMs read are quantised as before, amaxes
 recorded as before. The GEMM of two high-precision operands is torch's matmul in the output
-dtype; the other GEMMs are the recipe's, unchanged.
+dtype; the other GEMMs are the recipe's, unchanged. (A norm's or activation's output with an
+unquantised orientation is made in high precision first: in a bfloat16 model the other GEMMs'
+FP8 operand is then cast from the rounded output, not inside the fused kernel from float32.)
 """
 from __future__ import annotations
 

@@ -47,7 +47,9 @@ class PrecisionOverride:
             return state
         if self.recipe is None:
             return None
-        return _autocast._state_for(True, self.recipe, state.group)
+        # (no group: the context's fp8_group is its delayed amax reduction's; the override's
+        # current scaling reduces over a tensor-parallel weight's mesh, as the recipe alone)
+        return _autocast._state_for(True, self.recipe, None)
 
     def wrap_quantizers(self, quantizers: list) -> list:
         """The module's quantizers with the chosen GEMMs in high precision."""
