@@ -398,3 +398,35 @@ def test_a_corrupt_recipe_record_is_refused_naming_the_key(fields):
         assert torch.equal(v, before[k]), k
     state["fp8_recipe_fields"] = torch.tensor([-1, -1, -1, -1])  # (a state never used)
     layer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("partial", ["empty", "other_layer", "adapter_keys"])
+def test_a_partial_load_leaves_the_fp8_state_of_layers_it_holds_nothing_of(gen, partial):
+    """load_state_dict(strict=False) of a state_dict that holds nothing of a layer (a LoRA
+    adapter's, another layer's weights: peft's from_pretrained / load_adapter, Trainer's resume
+    of a peft model) leaves that layer's FP8 state as it was: training goes on bit for bit as
+    without the load (every such layer was reset to scale 1). A layer whose own weights load
+    without FP8 state starts afresh, as from a plain checkpoint."""
+    teacher = randn(gen, 32, 16) * 0.2
+    batches = [(x, x @ teacher) for x in (randn(gen, 24, 32) * s for s in (1, 4, 0.5, 2, 8))]
+    model, twin = make_model(), make_model()
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (model, twin)]
+    for m, opt in zip((model, twin), opts):
+        train(m, opt, batches[:2])
+    fp8_before = {k: v.clone() for k, v in model.state_dict().items() if "fp8_" in k}
+    assert any(not torch.all(v == 1) for k, v in fp8_before.items() if k.endswith("fp8_fwd_scale"))
+    state = {"empty": {}, "other_layer": {"2.weight": model[2].weight.detach().clone()},
+             "adapter_keys": {"0.lora_A.default.weight": torch.zeros(4, 32)}}[partial]
+    model.load_state_dict(state, strict=False)
+    for key, value in model.state_dict().items():
+        if "fp8_" not in key:
+            continue
+        if partial == "other_layer" and key.startswith("2."):  # its weights loaded: fresh
+            if "scale" in key:
+                assert torch.all(value == 1), key
+            elif "history" in key:
+                assert not value.any(), key
+        else:
+            assert torch.equal(value, fp8_before[key]), key
+    if partial != "other_layer":
+        assert train(model, opts[0], batches[2:]) == train(twin, opts[1], batches[2:])

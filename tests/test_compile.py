@@ -168,3 +168,17 @@ def test_two_forwards_before_their_backwards(recipe):
         return
     for got, want in zip(run(compiled, compiled_fn), expected):
         assert torch.equal(got, want)
+
+
+def test_compiling_an_fp8_layer_warns_of_nothing():
+    """Dynamo warned that a functools.lru_cache-wrapped function (the GEMM size check) was
+    traced, a "silent incorrectness" warning users would read as the library's."""
+    import warnings
+
+    layer = tfp8.Linear(32, 32)
+    compiled = torch.compile(lambda x: layer(x), backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tfp8.fp8_autocast():
+            compiled(torch.randn(16, 32))
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]

@@ -207,3 +207,72 @@ def test_skipped_layers_are_reported_with_reasons():
     assert type(model[1]) is Conv1D and not hasattr(model[1], "in_features"), "left as it was"
     with pytest.warns(UserWarning, match="converted 0 of 1"):
         tfp8.convert_to_fp8(torch.nn.Linear(8, 8))
+
+
+def test_a_converted_conv1d_is_no_torch_nn_linear():
+    """Its weight is [in, out], as transformers' Conv1D's (which is no nn.Linear either): code
+    written for nn.Linear takes the weight as [out, in] (peft merged LoRA deltas untransposed
+    into it: wrong logits on square layers, a shape error on the others)."""
+    model = torch.nn.Sequential(Conv1D(96, 32))
+    tfp8.convert_to_fp8(model)
+    assert isinstance(model[0], tfp8.modules.linear.LinearLayer)
+    assert not isinstance(model[0], torch.nn.Linear)
+    assert tfp8.convert_to_fp8(model, return_summary=True).converted == ["0"]  # (converted before)
+    with pytest.raises(TypeError, match="made by convert_to_fp8"):
+        tfp8.Conv1D(32, 96)
+
+
+@pytest.mark.parametrize("target", ["attn.c_proj", "attn.c_attn"])
+def test_peft_lora_on_gpt2_merges_when_applied_before_conversion(target):
+    """peft's LoRA on GPT-2 (where peft is installed): applied before convert_to_fp8 (which
+    converts peft's base layers), merge_and_unload computes what the adapted model computes;
+    applied after, peft refuses transformer_fp8.Conv1D by name (it took it for an nn.Linear
+    and merged the delta untransposed: 0.74 off on the square c_proj, a shape error on
+    c_attn)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=1,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    lora = peft.LoraConfig(r=4, target_modules=[target], init_lora_weights=False,
+                           fan_in_fan_out=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    torch.manual_seed(1)
+    adapted = peft.get_peft_model(model, lora)
+    tfp8.convert_to_fp8(adapted)
+    layer = adapted.base_model.model.transformer.h[0].get_submodule(target)
+    assert type(layer.base_layer) is tfp8.Conv1D
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        before = adapted(input_ids=ids).logits
+        merged = adapted.merge_and_unload()
+        after = merged(input_ids=ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    torch.manual_seed(0)
+    converted = tfp8.convert_to_fp8(transformers.GPT2LMHeadModel(config))
+    with pytest.raises(ValueError, match="not supported"):
+        peft.get_peft_model(converted, lora)
+
+
+def test_lora_adapters_stay_in_high_precision():
+    """peft's adapters (lora_A / lora_B, nn.Linear per adapter; here a stand-in of peft's
+    layout) are left in high precision by the default filter, named with the reason: with a
+    rank that is a multiple of 16 they were converted, and the zero-initialised lora_B's FP8
+    output stayed 0, then 7-13 dB, behind its delayed scale."""
+
+    class LoraLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base_layer = torch.nn.Linear(32, 64)
+            self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(32, 16, bias=False)})
+            self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(16, 64, bias=False)})
+
+    model = torch.nn.Sequential(LoraLinear())
+    with pytest.warns(UserWarning, match="LoRA adapter"):
+        summary = tfp8.convert_to_fp8(model, return_summary=True)
+    assert summary.converted == ["0.base_layer"]
+    assert set(summary.skipped) == {"0.lora_A.default", "0.lora_B.default"}
+    assert type(model[0].lora_A["default"]) is torch.nn.Linear
+    everything = tfp8.convert_to_fp8(torch.nn.Sequential(LoraLinear()), return_summary=True,
+                                     filter_fn=lambda layer, name: True)
+    assert len(everything.converted) == 3  # (a filter of one's own decides)

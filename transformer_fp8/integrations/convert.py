@@ -16,17 +16,23 @@ from ..quantization import autocast as fp8_context
 from ..quantization.quantizer import ALIGN
 from ..quantization.state import history_len_for
 from ..modules.fsdp_all_gather import enable_fp8_all_gather
-from ..modules.linear import Linear
+from ..modules.linear import Linear, LinearLayer
 from ..quantization.recipe import Recipe
 
 
-class Conv1D(Linear):
-    """The FP8 form of HuggingFace transformers' Conv1D (GPT-2 and relatives): a Linear whose
-    weight Parameter is stored transposed, [in_features, out_features], so that checkpoints,
-    Parameters and optimizers stay as they were. Made by convert_to_fp8 only. (nf and nx,
-    Conv1D's names for out_features and in_features, are kept.)"""
+class Conv1D(LinearLayer):
+    """The FP8 form of HuggingFace transformers' Conv1D (GPT-2 and relatives): an FP8 linear
+    layer whose weight Parameter is stored transposed, [in_features, out_features], so that
+    checkpoints, Parameters and optimizers stay as they were. Made by convert_to_fp8 only. (nf
+    and nx, Conv1D's names for out_features and in_features, are kept.) Not a torch.nn.Linear,
+    as transformers' Conv1D is not: code that takes an nn.Linear's weight as [out, in] (peft's
+    LoRA merge) must not take it for one."""
 
     _supports_tensor_parallel = False  # (the styles would shard the transposed weight)
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("transformer_fp8.Conv1D is made by convert_to_fp8 from transformers' "
+                        "Conv1D; build that one, or a transformer_fp8.Linear")
 
     def weight_nk(self, routed: bool = False) -> torch.Tensor:
         return self.weight.t()
@@ -65,8 +71,18 @@ def _is_transformers_conv1d(module: torch.nn.Module) -> bool:
                                                               getattr(module, "nf", None)))
 
 
+# peft's LoRA adapters (lora_A / lora_B hold an nn.Linear per adapter): small, trained from
+# zero (lora_B), they stay in high precision over their FP8 base layer.
+_ADAPTER_CONTAINERS = frozenset({"lora_A", "lora_B"})
+
+
+def _is_adapter(name: str) -> bool:
+    return not _ADAPTER_CONTAINERS.isdisjoint(name.split("."))
+
+
 def _default_filter(module: torch.nn.Linear, name: str) -> bool:
-    return module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
+    return (module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
+            and not _is_adapter(name))
 
 
 @dataclass
@@ -96,7 +112,8 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     change. Subclasses of nn.Linear are left alone (they may use their weight in their own
     way, as nn.MultiheadAttention's out_proj does). filter_fn(layer, fully_qualified_name) ->
     bool chooses which layers; by default those whose in_features and out_features are
-    multiples of 16. recipe: the recipe the layers will train with, so that their FP8 state has
+    multiples of 16, except peft's LoRA adapters (lora_A / lora_B: high precision over their
+    converted base layer). recipe: the recipe the layers will train with, so that their FP8 state has
     its final shapes from the start (see Linear); the module's FP8 layers that were FP8 already
     (converted before, Transformer Engine's modules) are sized for it too. fp8_all_gather:
     under FSDP2's fully_shard the converted Linear layers' weights are all-gathered in FP8
@@ -120,7 +137,7 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
             # An FP8 layer already (converted before, or built as one): sized for the recipe too
             if recipe is not None:
                 child.prepare_fp8_recipe(recipe)
-            if isinstance(child, Linear):
+            if isinstance(child, LinearLayer):
                 summary.converted.append(name)  # converted before
             continue
         if _is_transformers_conv1d(child):
@@ -134,7 +151,7 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
                                          "torch.nn.Linear, which may use its weight its own way")
             continue
         if not filter_fn(child, name):
-            summary.skipped[name] = _skip_reason(child, filter_fn)
+            summary.skipped[name] = _skip_reason(child, filter_fn, name)
             if new_class is Conv1D:
                 del child.in_features, child.out_features  # leave it as it was
             continue
@@ -158,7 +175,9 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     return summary if return_summary else module
 
 
-def _skip_reason(layer, filter_fn) -> str:
+def _skip_reason(layer, filter_fn, name: str) -> str:
+    if filter_fn is _default_filter and _is_adapter(name):
+        return "a LoRA adapter (peft's lora_A / lora_B): trained in high precision"
     if filter_fn is _default_filter:
         return (f"in_features {layer.in_features} and out_features {layer.out_features} must be "
                 f"multiples of {ALIGN} for FP8 GEMMs")

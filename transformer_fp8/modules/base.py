@@ -104,7 +104,9 @@ class Fp8StateMixin(Fp8State):
                                f"the weight's {weight_dtype}, which torch.nn.Linear refuses "
                                "too; cast the input or the module, or run under torch.autocast")
         gemm_dims = tensor_parallel.local_gemm_dims(self) if sharded else self._gemm_dims()
-        fit = _gemm_dims_fit(tuple(gemm_dims))
+        gemm_dims = tuple(gemm_dims)  # (Dynamo warns of lru_cache; traced once, no need)
+        fit = (_gemm_dims_fit.__wrapped__(gemm_dims) if torch.compiler.is_compiling()
+               else _gemm_dims_fit(gemm_dims))
         if fit is _EMPTY:
             return self._high_precision(inp)  # no features: nothing to multiply in FP8
         if fit is _UNALIGNED or inp_dtype not in FP8_INPUT_DTYPES:

@@ -87,27 +87,11 @@ def _unpad(out: torch.Tensor, rows: int, lead_shape, features: int) -> torch.Ten
     return function_output(out, rows, (*lead_shape, features))
 
 
-class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
-    """Drop-in for torch.nn.Linear (same parameters, initialisation and state_dict keys, plus the
-    FP8 state). Outside fp8_autocast, or with enabled=False, it computes what nn.Linear does.
-
-    Inside fp8_autocast: input and weight are cast to FP8 (E4M3 with HYBRID) and multiplied by a
-    cuBLASLt FP8 GEMM; backward casts grad_output (E5M2 with HYBRID) and runs dgrad and wgrad in
-    FP8. Any number of rows works. Layers whose in_features or out_features is not a multiple of
-    16, and float64 inputs, run in high precision (with a one-time warning).
-
-    Arguments as torch.nn.Linear's (in_features, out_features, bias, device, dtype), then, by
-    keyword, Transformer Engine's: params_dtype (another name for dtype), init_method (called on
-    the weight, bias zeroed; default: nn.Linear's initialisation), return_bias (forward returns
-    (out, bias) without adding it), parameters_split (the weight and bias as several Parameters,
-    e.g. query_weight / key_weight / value_weight), fuse_wgrad_accumulation and
-    delay_wgrad_compute (wgrad.py); its parallelism options are accepted at their defaults
-    (te_args.py). recipe: the recipe the layer will train with, which sizes its amax histories
-    now rather than at the first FP8 forward. fp8_all_gather: under FSDP2's fully_shard the
-    weight is all-gathered in FP8 (fsdp_all_gather.py; not with parameters_split,
-    fuse_wgrad_accumulation or delay_wgrad_compute). Tensor parallelism: parallelize_module's
-    ColwiseParallel and RowwiseParallel (tensor_parallel.py).
-    """
+class LinearLayer(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
+    """What an FP8 linear layer is, Linear and Conv1D alike: everything of Linear but its
+    torch.nn.Linear base, which Conv1D (its weight stored transposed, [in, out]) must not
+    have: code written for nn.Linear (peft's LoRA merge, DoRA) reads an nn.Linear's weight
+    as [out, in]."""
 
     _NO_BIAS_RETURNS_NONE = True  # return_bias without a bias: None, as Transformer Engine 2.x
 
@@ -245,6 +229,29 @@ class Linear(TeModuleMixin, Fp8StateMixin, torch.nn.Linear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={bool(self._parts.get('bias'))}, fp8=True")
+
+
+class Linear(LinearLayer, torch.nn.Linear):
+    """Drop-in for torch.nn.Linear (same parameters, initialisation and state_dict keys, plus the
+    FP8 state). Outside fp8_autocast, or with enabled=False, it computes what nn.Linear does.
+
+    Inside fp8_autocast: input and weight are cast to FP8 (E4M3 with HYBRID) and multiplied by a
+    cuBLASLt FP8 GEMM; backward casts grad_output (E5M2 with HYBRID) and runs dgrad and wgrad in
+    FP8. Any number of rows works. Layers whose in_features or out_features is not a multiple of
+    16, and float64 inputs, run in high precision (with a one-time warning).
+
+    Arguments as torch.nn.Linear's (in_features, out_features, bias, device, dtype), then, by
+    keyword, Transformer Engine's: params_dtype (another name for dtype), init_method (called on
+    the weight, bias zeroed; default: nn.Linear's initialisation), return_bias (forward returns
+    (out, bias) without adding it), parameters_split (the weight and bias as several Parameters,
+    e.g. query_weight / key_weight / value_weight), fuse_wgrad_accumulation and
+    delay_wgrad_compute (wgrad.py); its parallelism options are accepted at their defaults
+    (te_args.py). recipe: the recipe the layer will train with, which sizes its amax histories
+    now rather than at the first FP8 forward. fp8_all_gather: under FSDP2's fully_shard the
+    weight is all-gathered in FP8 (fsdp_all_gather.py; not with parameters_split,
+    fuse_wgrad_accumulation or delay_wgrad_compute). Tensor parallelism: parallelize_module's
+    ColwiseParallel and RowwiseParallel (tensor_parallel.py).
+    """
 
 
 def strip_fp8_state(state_dict: dict) -> dict:

@@ -342,6 +342,13 @@ class Fp8State:
 
     def _load_fp8_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                              unexpected_keys, error_msgs):
+        if not any(prefix + name in state_dict
+                   for name in itertools.chain(self._parameters, self._buffers)):
+            # Nothing of this module (strict=False: a LoRA adapter, another module's weights):
+            # it stays as it is, FP8 state included (its scales were reset to 1).
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+            return
         # A history of another length loads as it is. A checkpoint with no FP8 key at all (a
         # plain high-precision one) loads with strict=True and leaves a fresh FP8 state; one
         # with only some FP8 keys is reported as incomplete.
