@@ -463,3 +463,14 @@ def test_a_module_called_twice_hands_one_backward_pass_over_at_once(kind):
     module.backward_dw()
     for (n, p), q in zip(module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=n)
+
+
+def test_backward_dw_with_frozen_gemm_weights_and_a_trainable_norm_is_a_no_op():
+    """Only the norm trains (its gradient is never delayed): backward leaves nothing for
+    backward_dw(), which does nothing (it raised 'called more often than backward')."""
+    module = te.LayerNormLinear(32, 48, delay_wgrad_compute=True)
+    module.weight.requires_grad_(False)
+    module.bias.requires_grad_(False)
+    module(torch.randn(16, 32)).square().sum().backward()
+    module.backward_dw()
+    assert module.layer_norm_weight.grad is not None and module.weight.grad is None

@@ -81,3 +81,61 @@ def test_a_parametrized_weight_trains_as_the_plain_weight_it_computes(gen, kind,
         opt.step()
         opt.zero_grad()
         plain.zero_grad()
+
+
+class Counting(torch.nn.Module):
+    """An identity parametrization that counts its computations."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, weight):
+        self.calls += 1
+        return weight
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["hp", "fp8"])
+@pytest.mark.parametrize("kind", MODULES)
+def test_a_parametrized_weight_is_computed_once_per_forward(kind, fp8):
+    """As nn.Linear computes it: spectral_norm advances its power iteration at each
+    computation, so two or three per forward (the FP8 checks, the GEMM) gave other numbers."""
+    build, name, extra = MODULES[kind]
+    module = build()
+    counting = Counting()
+    torch.nn.utils.parametrize.register_parametrization(module, name, counting)
+    counting.calls = 0  # (registering computes it once)
+    with te.fp8_autocast(enabled=fp8, fp8_recipe=te.DelayedScaling()):
+        module(torch.randn(16, 32), *extra).sum().backward()
+    assert counting.calls == 1
+
+
+def test_spectral_norm_computes_what_it_computes_on_nn_linear(gen):
+    """Outside fp8_autocast a spectral-normed Linear is nn.Linear's, bit for bit, over
+    training steps (the power iteration's vectors advance once per forward on both)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(32, 48)
+    layer = te.Linear(32, 48)
+    layer.load_state_dict(plain.state_dict(), strict=False)
+    torch.manual_seed(1)
+    parametrizations.spectral_norm(plain)
+    torch.manual_seed(1)
+    parametrizations.spectral_norm(layer)
+    for step in range(3):
+        x = randn(gen, 16, 32)
+        outs = [m(x) for m in (plain, layer)]
+        assert_bitwise_equal(outs[1], outs[0], f"step {step}")
+        for out in outs:
+            out.square().sum().backward()
+        for (n, p), q in zip(plain.named_parameters(), layer.parameters()):
+            assert_bitwise_equal(q.grad, p.grad, f"{n}, step {step}")
+
+
+@pytest.mark.parametrize("option", ["fuse_wgrad_accumulation", "delay_wgrad_compute"])
+def test_gradient_routing_refuses_a_parametrized_weight(option):
+    """The routing hands a Parameter's gradient over; a computed weight's was lost
+    (backward_dw set .grad on a tensor nobody holds, the parameters got none)."""
+    module = te.Linear(32, 48, **{option: True})
+    parametrizations.weight_norm(module)
+    with pytest.raises(RuntimeError, match="'weight' is computed from others"):
+        module(torch.randn(16, 32))

@@ -8,6 +8,7 @@ import functools
 import warnings
 
 import torch
+from torch.nn.utils import parametrize
 
 from .. import _fp8_hooks
 from .._dtensor import is_dtensor, local_tensor
@@ -65,6 +66,14 @@ class Fp8StateMixin(Fp8State):
     def _dispatch(self, inp: torch.Tensor, is_first_microbatch, in_features: int):
         """The module's output: FP8 inside an enabled fp8_autocast, else its high-precision
         form (``_high_precision(inp)``, exactly the torch composition)."""
+        if "parametrizations" in self._modules:
+            # A weight computed by torch.nn.utils.parametrize: once per forward, as nn.Linear
+            # computes it (spectral_norm's power iteration advances at each computation).
+            with parametrize.cached():
+                return self._dispatch_now(inp, is_first_microbatch, in_features)
+        return self._dispatch_now(inp, is_first_microbatch, in_features)
+
+    def _dispatch_now(self, inp: torch.Tensor, is_first_microbatch, in_features: int):
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"{type(self).__name__}: input must be a tensor, got "
                             f"{type(inp).__name__}")

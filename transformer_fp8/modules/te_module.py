@@ -145,6 +145,12 @@ class TeModuleMixin:
         if not params:
             return None
         if routed and self._wgrad is not None:
+            if any(not isinstance(p, torch.nn.Parameter) for p in params):
+                raise RuntimeError(
+                    f"{type(self).__name__}: fuse_wgrad_accumulation / delay_wgrad_compute "
+                    f"route a Parameter's gradient, and '{logical}' is computed from others "
+                    "(torch.nn.utils.parametrize, weight_norm, prune): build the module "
+                    "without them")
             is_weight = "bias" not in logical
             params = [wgrad.route(p, self._wgrad, is_weight, self._wgrad_first) for p in params]
         return params[0] if len(params) == 1 else torch.cat(params, dim=0)
@@ -170,8 +176,9 @@ class TeModuleMixin:
         if not self.need_backward_dw():
             return
         if not self._wgrad.pending:
-            if not any(p.requires_grad for p in self.parameters()):
-                return  # frozen: backward leaves nothing
+            if not any(p is not None and p.requires_grad
+                       for names in self._parts.values() for p in map(self._parameters.get, names)):
+                return  # its GEMMs' parameters frozen: backward leaves nothing
             raise RuntimeError(f"{type(self).__name__}.backward_dw(): no backward pass has left "
                                "weight gradients to hand over (each backward pass leaves one "
                                "set; backward_dw() was called more often than backward)")
