@@ -107,7 +107,7 @@ def test_convert_gathers_a_transposed_weight_in_high_precision_with_a_warning():
     with pytest.warns(UserWarning, match=r"weight of 1 \(Conv1D\) is all-gathered in high"):
         tfp8.convert_to_fp8(model, recipe=RECIPE, fp8_all_gather=True)
     assert isinstance(model[0].weight, ShardedWeight)
-    assert type(model[1]) is tfp8.Conv1D and type(model[1].weight) is torch.nn.Parameter
+    assert isinstance(model[1], tfp8.Conv1D) and type(model[1].weight) is torch.nn.Parameter
 
 
 def test_block_gathered_operand_is_the_block_cast_of_the_weight_and_its_transpose():

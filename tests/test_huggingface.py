@@ -140,3 +140,38 @@ def test_load_fp8_state_of_a_corrupt_layer_loads_no_layer(tmp_path, bad):
         tfp8.load_fp8_state(target, state)
     for name, value in target.state_dict().items():
         assert torch.equal(value, before[name]), f"{name} changed by a refused load"
+
+
+def test_converted_gpt2_conv1d_is_transformers_conv1d_to_its_init_and_pickles():
+    """A converted Conv1D is an instance of transformers' Conv1D too: init_weights() after
+    meta init, conversion and to_empty() initialises every layer (transformers' _init_weights
+    dispatches on its Conv1D; tfp8.Conv1D, no nn.Linear, was skipped: uninitialised memory),
+    and the whole model pickles and loads as its class."""
+    import io
+
+    from transformers.pytorch_utils import Conv1D as HFConv1D
+
+    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=1,
+                                     n_head=2)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    tfp8.convert_to_fp8(model)
+    model.to_empty(device="cpu")
+    for m in model.modules():
+        if isinstance(m, tfp8.Conv1D):
+            with torch.no_grad():
+                m.weight.fill_(float("nan"))
+    model.init_weights()
+    convs = [m for m in model.modules() if isinstance(m, tfp8.Conv1D)]
+    assert len(convs) == 4 and all(isinstance(m, HFConv1D) for m in convs)
+    for m in convs:
+        assert torch.isfinite(m.weight).all() and 0.01 < m.weight.std() < 0.03
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded.transformer.h[0].attn.c_attn) is type(model.transformer.h[0].attn.c_attn)
+    ids = torch.randint(0, 128, (2, 16))
+    model.eval(), loaded.eval()  # (no dropout)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -6,6 +6,7 @@ reported with its reason.
 """
 from __future__ import annotations
 
+import importlib
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -26,7 +27,8 @@ class Conv1D(LinearLayer):
     checkpoints, Parameters and optimizers stay as they were. Made by convert_to_fp8 only. (nf
     and nx, Conv1D's names for out_features and in_features, are kept.) Not a torch.nn.Linear,
     as transformers' Conv1D is not: code that takes an nn.Linear's weight as [out, in] (peft's
-    LoRA merge) must not take it for one."""
+    LoRA merge) must not take it for one. A converted layer is also an instance of its
+    original class (conv1d_classes), as code dispatching on transformers' Conv1D expects."""
 
     _supports_tensor_parallel = False  # (the styles would shard the transposed weight)
 
@@ -60,6 +62,38 @@ class Conv1D(LinearLayer):
 
     def extra_repr(self) -> str:
         return f"nf={self.out_features}, nx={self.in_features}, fp8=True"
+
+
+class _Conv1DClasses:
+    """Per class of converted layer (transformers' Conv1D), the FP8 Conv1D that is an instance
+    of that class too: code that dispatches on transformers' class (peft's LoRA, transformers'
+    _init_weights) takes it for what it is. Attributes named "<module>:<qualname>" (dots as
+    "/"), made on first use, so that pickle finds them by name as it finds a class."""
+
+    def for_class(self, original: type) -> type:
+        key = f"{original.__module__}:{original.__qualname__}".replace(".", "/")
+        cls = self.__dict__.get(key)
+        if cls is None:
+            cls = type("Conv1D", (Conv1D, original),
+                       {"__module__": __name__, "__qualname__": f"conv1d_classes.{key}",
+                        "__doc__": Conv1D.__doc__})
+            self.__dict__[key] = cls
+        return cls
+
+    def __getattr__(self, key: str) -> type:  # (unpickling: the class of a pickled layer)
+        module_name, _, qualname = key.replace("/", ".").partition(":")
+        if not qualname:
+            raise AttributeError(key)
+        original = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            original = getattr(original, part)
+        return self.for_class(original)
+
+    def __reduce__(self):
+        return "conv1d_classes"  # (pickled by name, as a module-level object)
+
+
+conv1d_classes = _Conv1DClasses()
 
 
 def _is_transformers_conv1d(module: torch.nn.Module) -> bool:
@@ -142,7 +176,7 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
             continue
         if _is_transformers_conv1d(child):
             child.in_features, child.out_features = child.nx, child.nf  # as Linear names them
-            new_class = Conv1D
+            new_class = conv1d_classes.for_class(type(child))
         elif type(child) is torch.nn.Linear:
             new_class = Linear
         else:
@@ -152,7 +186,7 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
             continue
         if not filter_fn(child, name):
             summary.skipped[name] = _skip_reason(child, filter_fn, name)
-            if new_class is Conv1D:
+            if issubclass(new_class, Conv1D):
                 del child.in_features, child.out_features  # leave it as it was
             continue
         child.__class__ = new_class
