@@ -1,6 +1,6 @@
 """transformer_fp8.debug across ranks (2 gloo processes): each rank's statistics are reduced so
-that every rank writes the statistics of the whole batch, as one process running it would, and
-a layer that ran on one rank only is reported too."""
+that every rank holds the statistics of the whole batch, as one process running it would (the
+first rank writes them), and a layer that ran on one rank only is reported too."""
 from __future__ import annotations
 
 import json
@@ -37,8 +37,8 @@ def _batch(rank: int) -> torch.Tensor:
     return torch.randn(ROWS, 32, generator=gen) * (1 + 3 * rank)
 
 
-def _records(model, x, use_expert):
-    with debug.collect_stats(model) as stats:
+def _records(model, x, use_expert, path=None):
+    with debug.collect_stats(model, path=path) as stats:
         with tfp8.fp8_autocast(fp8_recipe=RECIPE):
             out = model(x, use_expert)
         out.square().sum().backward()
@@ -47,7 +47,7 @@ def _records(model, x, use_expert):
 
 def _worker(rank: int, out_dir: str) -> None:
     model = TwoExperts()
-    records = _records(model, _batch(rank), use_expert=rank == 1)
+    records = _records(model, _batch(rank), use_expert=rank == 1, path=f"{out_dir}/shared.jsonl")
     with open(f"{out_dir}/records{rank}.json", "w") as f:
         json.dump(records, f)
 
@@ -60,8 +60,13 @@ def test_statistics_are_reduced_across_ranks(tmp_path):
     run_ranks(_worker, (str(tmp_path),), tmp_path)
     per_rank = [_by_key(json.loads((tmp_path / f"records{r}.json").read_text()))
                 for r in range(WORLD)]
-    assert per_rank[0] == per_rank[1], "every rank writes the same reduced records"
+    assert per_rank[0] == per_rank[1], "every rank keeps the same reduced records"
     got = per_rank[0]
+    # One path given on every rank: the first rank writes the records, once each (each rank
+    # wrote them: every record twice, which the analysis refuses as two runs mixed).
+    written = debug.read_records(str(tmp_path / "shared.jsonl"))
+    assert _by_key(written) == got and len(written) == len(got)
+    assert debug.worst_report(written)
     assert ("expert", "input") in got, "a layer that ran on rank 1 only is reported"
     # One process over the concatenated batch of the shared layer: the same casts of its input
     # (the same scales, elementwise) and of its weight (cast on each rank: counts doubled,

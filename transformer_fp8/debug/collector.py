@@ -93,13 +93,22 @@ class _Dispatch:
 _DISPATCH = _Dispatch()
 
 
+def _first_rank_of(group) -> bool:
+    """Whether this process writes the group's records (one process: it does)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    return dist.get_rank(group) == 0
+
+
 class Fp8Stats:
     """Collects per-layer FP8 statistics (see the module docstring). Arguments:
     model; layers: glob pattern(s) on the qualified module names (fnmatch, e.g. "blocks.1*")
     or a callable name -> bool, default every FP8 module; frequency: log every n-th step
     (steps 0, n, 2n, ...); path: JSON lines file (one record per step, layer, GEMM and
     tensor) or None; tensorboard_dir: also write TensorBoard scalars there (needs the
-    tensorboard package: ImportError without it); group: the process group to reduce over
+    tensorboard package: ImportError without it); both written by the group's first rank
+    only (the reduced records are the same on every rank); group: the process group to reduce over
     (default: the world, when torch.distributed is initialised); keep_records: keep every
     written record in ``self.records`` (default True)."""
 
@@ -112,8 +121,12 @@ class Fp8Stats:
         if not self.selected:
             raise no_fp8_module_error(model, layers)
         self.frequency, self.group = frequency, group
-        tensorboard = TensorBoardWriter.create(tensorboard_dir)  # before a file is opened
-        self.writers = [w for w in (JsonLinesWriter(path) if path else None, tensorboard) if w]
+        # The reduced records are the same on every rank of the group: its first rank writes
+        # them (ranks writing one path wrote each record once per rank); each rank keeps them.
+        writes = _first_rank_of(group)
+        tensorboard = TensorBoardWriter.create(tensorboard_dir if writes else None)
+        self.writers = [w for w in (JsonLinesWriter(path) if path and writes else None,
+                                    tensorboard) if w]
         self.keep_records = keep_records
         self.records: list = []
         self.step_index = 0
