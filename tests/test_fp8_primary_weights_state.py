@@ -290,6 +290,13 @@ def test_a_pickled_model_trains_on_as_the_original(recipe, gen):
     for name, weight in weights:
         assert_bitwise_equal(weight.fp8_data, originals[name].fp8_data, name)
         assert weight.fp8_data.data_ptr() != originals[name].fp8_data.data_ptr()
+    model[0].weight.main_grad = torch.zeros(96, 64)  # (a tensor's own attribute: kept)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=False)[0].weight.main_grad,
+                       torch.zeros(96, 64))
+    del model[0].weight.main_grad
     twin = copy.deepcopy(model)
     got = train(loaded, loaded, batches[2:], recipe)
     expected = train(twin, twin, batches[2:], recipe)

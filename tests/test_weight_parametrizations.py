@@ -139,3 +139,15 @@ def test_gradient_routing_refuses_a_parametrized_weight(option):
     parametrizations.weight_norm(module)
     with pytest.raises(RuntimeError, match="'weight' is computed from others"):
         module(torch.randn(16, 32))
+
+
+def test_a_plain_checkpoint_of_a_parametrized_layer_starts_its_fp8_state_afresh():
+    """Its own weights are under parametrizations.*: a checkpoint holding them without FP8
+    state loads as into a plain layer (fresh scales), not as a checkpoint of other layers."""
+    module = te.Linear(32, 48, bias=False)
+    parametrizations.weight_norm(module)
+    with te.fp8_autocast(fp8_recipe=te.DelayedScaling()):
+        module(torch.randn(16, 32) * 4).sum().backward()
+    assert not torch.all(module.fp8_fwd_scale == 1)
+    module.load_state_dict(te.strip_fp8_state(module.state_dict()), strict=False)
+    assert torch.all(module.fp8_fwd_scale == 1) and not module.fp8_fwd_amax_history.any()

@@ -191,9 +191,11 @@ class Fp8Weight(torch.Tensor):
         data and scales as they are, the rule, the nominal dtype. (A state_dict holds the
         dequantised value and scale_inv as plain tensors, for weights_only loads.)"""
         fp8 = self._fp8
+        # (the tensor's own attributes too, as a Parameter's pickle keeps them: main_grad, ...)
+        attributes = {k: v for k, v in self.__dict__.items() if k not in ("_fp8", "_is_param")}
         return _unpickled_fp8_weight, (fp8.data, fp8.scale, fp8.scale_inv, fp8.cast,
                                        fp8.hp_init, self.dtype, self.requires_grad,
-                                       getattr(self, "_is_param", False))
+                                       getattr(self, "_is_param", False), attributes)
 
     # ---- what the FP8 GEMMs and the rest of the package read ---------------------------------
 
@@ -313,11 +315,13 @@ class Fp8Weight(torch.Tensor):
         return func(*plain_args, **plain_kwargs)
 
 
-def _unpickled_fp8_weight(data, scale, scale_inv, cast, hp_init, dtype, requires_grad, is_param):
+def _unpickled_fp8_weight(data, scale, scale_inv, cast, hp_init, dtype, requires_grad, is_param,
+                          attributes=None):
     weight = Fp8Weight(Fp8Data(data, scale, scale_inv, cast, hp_init), dtype)
-    if is_param:
-        return torch.nn.Parameter(weight, requires_grad=requires_grad)
-    return weight.requires_grad_(requires_grad)
+    weight = (torch.nn.Parameter(weight, requires_grad=requires_grad) if is_param
+              else weight.requires_grad_(requires_grad))
+    weight.__dict__.update(attributes or {})
+    return weight
 
 
 def _moves_only(weight: Fp8Weight, kwargs: dict) -> bool:

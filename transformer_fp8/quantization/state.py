@@ -342,8 +342,10 @@ class Fp8State:
 
     def _load_fp8_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                              unexpected_keys, error_msgs):
-        if not any(prefix + name in state_dict
-                   for name in itertools.chain(self._parameters, self._buffers)):
+        if not (any(prefix + name in state_dict
+                    for name in itertools.chain(self._parameters, self._buffers))
+                or ("parametrizations" in self._modules  # (a parametrized weight's own keys)
+                    and any(k.startswith(prefix + "parametrizations.") for k in state_dict))):
             # Nothing of this module (strict=False: a LoRA adapter, another module's weights):
             # it stays as it is, FP8 state included (its scales were reset to 1).
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
