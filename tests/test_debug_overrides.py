@@ -166,11 +166,10 @@ def test_bad_arguments_are_named_with_what_was_expected():
         debug.override(model, "0", fp8=False)
     assert debug.overrides(model) == {}
     debug.override(model, "0.*", fp8=False)
-    with pytest.raises(ValueError, match=r"layers='0.self_attn\*' matches no module with an "
-                                         r"override; the modules with one: 0.layernorm_mlp, "):
+    with pytest.raises(ValueError, match=r"layers='0.self_attn\*' matches no FP8 module; the "
+                                         r"modules with an override: 0.layernorm_mlp, "):
         debug.clear_overrides(model, "0.self_attn*")  # a typo: the overrides stay
-    with pytest.raises(ValueError, match=r"layers='1' matches no module with an override"):
-        debug.clear_overrides(model, "1")  # an FP8 module, but not overridden
+    assert debug.clear_overrides(model, "1") == []  # an FP8 module, not overridden: nothing
     assert len(debug.overrides(model)) == 3
     assert debug.clear_overrides(model, "0.self_attention.*") == [
         "0.self_attention.layernorm_qkv", "0.self_attention.proj"]

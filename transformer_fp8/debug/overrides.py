@@ -104,14 +104,14 @@ def override(model, layers: LayerFilter, *, fp8: bool = True, recipe=None, gemms
 def clear_overrides(model, layers: Optional[LayerFilter] = None) -> list:
     """Remove the overrides of the modules matching ``layers`` (None: of every module);
     returns the names of the modules whose override was removed. A ``layers`` that matches no
-    module with an override is refused, as override() refuses one that matches no FP8 module
-    (a typo would leave a layer overridden)."""
+    FP8 module is refused, as override() refuses it (a typo would leave a layer overridden);
+    one that matches FP8 modules without overrides clears nothing (a cleanup may run twice)."""
     selected = select_layers(model, "*" if layers is None else layers)
     cleared = {m: name for m, name in selected.items()
                if m.__dict__.get("_fp8_override") is not None}
-    if layers is not None and not cleared:
-        raise ValueError(f"layers={layers!r} matches no module with an override; the modules "
-                         f"with one: {', '.join(sorted(overrides(model))) or 'none'}")
+    if layers is not None and not selected:
+        raise ValueError(f"layers={layers!r} matches no FP8 module; the modules with an "
+                         f"override: {', '.join(sorted(overrides(model))) or 'none'}")
     for module in cleared:
         del module.__dict__["_fp8_override"]
     return sorted(cleared.values())
