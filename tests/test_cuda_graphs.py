@@ -610,3 +610,41 @@ def test_replays_leave_the_memory_of_a_freed_model_alone():
                                                     free_the_bystander)
     assert all(bool((t == -7.0).all()) for t in fillers)
     assert_bit_identical(got, expected)
+
+
+def test_a_graphed_module_refuses_an_override_set_after_capture(gen):
+    """A debug override set (or cleared) after graphing: the graphs would run the computation
+    chosen at capture (the override was ignored, silently)."""
+    from transformer_fp8 import debug
+
+    recipe = DelayedScaling(amax_history_len=4)
+    block = make_model("cpu", recipe)
+    replays = _graphed_on_cpu(block, recipe)
+    debug.override(block, "0", fp8=False)
+    with pytest.raises(RuntimeError, match="debug override of its FP8 layers was set"):
+        block(torch.randn(8, 64, generator=gen))
+    debug.clear_overrides(block)
+    block(torch.randn(8, 64, generator=gen))  # as captured again: replays
+    assert len(replays) == 1
+
+
+def test_a_step_a_collector_logs_runs_eagerly(gen):
+    """A debug collector logging the step: the graphed module runs eagerly (a replay runs no
+    Python and recorded nothing), with the eager step's numbers and FP8 state."""
+    from transformer_fp8 import debug
+
+    recipe = DelayedScaling(amax_history_len=4)
+    block, reference = make_model("cpu", recipe), make_model("cpu", recipe)
+    replays = _graphed_on_cpu(block, recipe)
+    x = torch.randn(8, 64, generator=gen) * 3
+    with debug.collect_stats(block, frequency=2) as stats:
+        got = block(x)  # step 0: logged
+        got.square().sum().backward()
+        records = stats.step()
+        block(x).square().sum().backward()  # step 1: not logged, replayed
+        stats.step()
+    assert records and len(replays) == 1
+    with fp8_autocast(fp8_recipe=recipe):
+        expected = reference(x)
+    expected.square().sum().backward()
+    assert_bitwise_equal(got, expected)

@@ -21,6 +21,7 @@ from typing import Optional, Union
 
 import torch
 
+from .. import _fp8_hooks
 from ..quantization import autocast as fp8_context
 from ..quantization.recipe import GRAPHABLE_RECIPES, DelayedScaling, Recipe
 
@@ -173,10 +174,18 @@ def _captured_tensors(submodules: list) -> list[tuple]:
             for t in tensors.values() if t is not None]
 
 
+def _overrides(layers: list) -> list:
+    """The debug overrides of the FP8 layers (transformer_fp8.debug.override): the graphs run
+    the computation they chose at capture."""
+    return [layer.__dict__.get("_fp8_override") for layer in layers]
+
+
 def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable):
     replay_or_eager = wrapper.forward  # torch's: replays in the captured training mode
     submodules = list(module.modules())
     captured = _captured_tensors(submodules)
+    layers = _fp8_layers(module)
+    captured_overrides = _overrides(layers)
 
     def forward(*args):
         # The graphs hold the addresses of the module's tensors: a module whose parameters or
@@ -189,9 +198,18 @@ def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable):
                 "replaced after make_graphed_callables captured them (moved or cast with .to() "
                 "or .half(), loaded with assign=True, or resized to another amax history "
                 "length); the graphs would use freed memory. Graph the module again.")
-        if not torch.is_grad_enabled():
+        if _overrides(layers) != captured_overrides:
+            raise RuntimeError(
+                f"{type(module).__name__}: a debug override of its FP8 layers was set or "
+                "cleared after make_graphed_callables captured them; the graphs would run the "
+                "computation chosen before. Graph the module again.")
+        observer = _fp8_hooks.observer
+        if not torch.is_grad_enabled() or (
+                observer is not None and any(observer.observes(layer) for layer in layers)):
             # An evaluation forward: eagerly, so that its fp8_autocast exit discards the
-            # amaxes as eager steps do (the captured forward graph updates the scales).
+            # amaxes as eager steps do (the captured forward graph updates the scales). A
+            # step whose statistics a debug collector logs: eagerly too, the same numbers
+            # (a replay runs no Python, so no statistics).
             return _Fp8Callable.forward(wrapper, *args)
         wrapper.training = module.training  # the mode the caller set on the module
         return replay_or_eager(*args)
