@@ -460,3 +460,28 @@ def test_bad_callable_is_named_and_changes_no_state(device, gen, bad):
         run_op(states, [448.0] * 3, amax_compute_algo=algo,
                scaling_factor_compute_algo=scale_algo)
     assert_states_equal(states, before)
+
+
+def test_a_module_built_for_current_scaling_is_left_out_of_delayed_steps():
+    """A module built with recipe=Float8CurrentScaling() beside a model trained under
+    DelayedScaling: it adopted that recipe at the first delayed context (history resized,
+    recipe record written) and joined its steps, also where built on one rank only. Now it
+    keeps its state as built, until it runs under a delayed recipe itself."""
+    import transformer_fp8 as tfp8
+
+    current = tfp8.Linear(32, 32, recipe=tfp8.Float8CurrentScaling())
+    before = {k: v.clone() for k, v in current.state_dict().items() if "fp8_" in k}
+    delayed = tfp8.DelayedScaling(amax_history_len=4)
+    model = tfp8.Linear(32, 32, recipe=delayed)
+    for _ in range(2):
+        with tfp8.fp8_autocast(fp8_recipe=delayed):
+            model(torch.randn(16, 32)).sum().backward()
+    for key, value in current.state_dict().items():
+        if "fp8_" in key:
+            assert torch.equal(value, before[key]), key
+    with tfp8.fp8_autocast(fp8_recipe=tfp8.Float8CurrentScaling()):
+        current(torch.randn(16, 32)).sum().backward()
+    with tfp8.fp8_autocast(fp8_recipe=delayed):  # run under it: it takes it
+        current(torch.randn(16, 32)).sum().backward()
+    assert current.fp8_fwd_amax_history.shape[0] == 4
+    assert current.fp8_fwd_amax_history.any()

@@ -164,6 +164,8 @@ class Fp8State:
                             f"Float8RowwiseScaling, got {type(recipe).__name__}")
         if isinstance(recipe, DelayedScaling):
             self._adopt_recipe(recipe)
+        elif recipe is not None:  # built for a recipe without delayed state: see _takes_recipe
+            self._built_for_stateless = True
 
     def reset_fp8_state(self) -> None:
         """Fresh FP8 state: empty histories, unit scales (keeps the history length)."""
@@ -246,6 +248,8 @@ class Fp8State:
             self._adopt_new_recipe(recipe, running)
 
     def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
+        if running and getattr(self, "_built_for_stateless", False):
+            self._built_for_stateless = False  # (it trains under this one now)
         code = recipe_code(recipe)
         compiling = torch.compiler.is_compiling()
         if not compiling:  # (before anything is written)
@@ -297,8 +301,13 @@ class Fp8State:
         """Whether a step under ``recipe`` that this module did not run in on this rank reduces
         and updates its states (it may have run on another rank), or an fp8_autocast entered
         under it adopts it for the module: False when the module trains with another recipe;
-        else the recipe is adopted (running=False: see _adopt_recipe)."""
+        else the recipe is adopted (running=False: see _adopt_recipe). A module built for a
+        recipe without delayed state (recipe= current, block or row-wise scaling) takes a
+        delayed one only by running under it (its state stayed as built; a copy made on one
+        rank joined the ranks' reductions there)."""
         if self._recipe_code is not None and self._recipe_code != recipe_code(recipe):
+            return False
+        if getattr(self, "_built_for_stateless", False):
             return False
         self._adopt_recipe(recipe, running=False)
         return True
