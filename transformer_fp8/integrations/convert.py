@@ -15,7 +15,7 @@ import torch
 
 from ..quantization import autocast as fp8_context
 from ..quantization.quantizer import ALIGN
-from ..quantization.state import history_len_for
+from ..quantization.history import history_len_for
 from ..modules.fsdp_all_gather import enable_fp8_all_gather
 from ..modules.linear import Linear, LinearLayer
 from ..quantization.recipe import Recipe

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quantization import autocast as _autocast
-from ..quantization.state import history_len_for
+from ..quantization.history import history_len_for
 from .base import Fp8StateMixin
 from .fp8_primary_weights import make_fp8_primary_weights
 from .linear import _Fp8LinearFunction

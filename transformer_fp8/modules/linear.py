@@ -17,7 +17,8 @@ from ..quantization import autocast as _autocast
 from ..ops import function_output
 from ..quantization.quantizer import pad_rows
 from ..quantization.recipe import Recipe
-from ..quantization.state import FP8_STATE_KEYS, history_len_for
+from ..quantization.history import history_len_for
+from ..quantization.state import FP8_STATE_KEYS
 from .base import Fp8StateMixin
 from .fp8_primary_weights import SCALE_INV_SUFFIX, make_fp8_primary_weights
 from .fsdp_all_gather import check_fp8_all_gather, enable_fp8_all_gather

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..quantization import autocast as _autocast
-from ..quantization.state import history_len_for
+from ..quantization.history import history_len_for
 from .base import Fp8StateMixin
 from .fp8_primary_weights import make_fp8_primary_weights
 from .normalization import (NormStep, check_eps, check_normalization, norm_hp,
