@@ -1,7 +1,9 @@
 """torch.compile of models of FP8 layers, with fullgraph=True: no graph break, no recompilation
 from step to step; with the aot_eager backend (the same kernels as eager) losses, gradients and
 FP8 state bit-identical to eager for every recipe; with inductor, which fuses the surrounding
-ops its own way, every one of them within 30 dB of eager, over steps whose scales change."""
+ops its own way, every one of them within float32 rounding of eager (100 dB on the CPU), over
+steps whose scales change: a cast with another step's scale, which FP8 rounding noise alone
+puts near 30 dB, fails."""
 from __future__ import annotations
 
 import copy
@@ -69,12 +71,41 @@ def test_compile_refuses_a_layer_built_for_another_recipe():
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
 def test_inductor_training_steps_match_eager(device, recipe, input_grad):
     """The default backend (inductor) compiles whole training steps: each step's loss, every
-    gradient and the FP8 state within 30 dB of eager's (a wrong scale is far off). (The compiled
-    backward once read the scale_inv that the update had just rewritten: dW 109x and dx 3584x too
-    small at the first step; and Float8CurrentScaling did not compile without an input
-    gradient.)"""
+    gradient and the FP8 state within float32 rounding of eager's. Inductor computes the GELU,
+    the loss and the bias gradients' sums its own way (113-143 dB from eager on the CPU); a
+    tensor cast with another step's scale is FP8 rounding noise apart (about 30 dB), so the
+    bound is 100 dB. On CUDA an FP8 code may flip where inductor's GELU differs from eager's
+    in the last bit (one code of a tensor: about 55 dB), so the bound there is 45 dB, still
+    above a wrong scale. (The compiled backward once read the scale_inv that the update had just
+    rewritten: dW 109x and dx 3584x too small at the first step, which a 30 dB bound caught;
+    and Float8CurrentScaling did not compile without an input gradient.)"""
     _, got, expected = compiled_and_eager_runs(recipe, device, "inductor", input_grad)
-    assert_close(got, expected, min_sqnr_db=30.0)
+    assert_close(got, expected, min_sqnr_db=100.0 if device == "cpu" else 45.0)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_inductor_leaves_fp8_layers_exact(device, recipe):
+    """FP8 layers with nothing between them, compiled by inductor: the FP8 state bit for bit
+    eager's at every step (amaxes and scales: nothing inductor fuses touches them), and the
+    losses and gradients apart only by the order of inductor's sums (the loss, the bias
+    gradients): 120 dB on the CPU (139 dB measured), 45 dB on CUDA (see above)."""
+    def model():
+        torch.manual_seed(0)
+        return tfp8.convert_to_fp8(torch.nn.Sequential(
+            torch.nn.Linear(128, 64), torch.nn.Linear(64, 32)), recipe=recipe).to(device)
+
+    eager, compiled = model(), model()
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(compiled, fullgraph=True)
+    batches = step_batches(torch.Generator().manual_seed(1), STEPS, 24, 128, device=device)
+    expected = train(eager, eager, batches, recipe)
+    got = train(compiled, compiled_fn, batches, recipe)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        assert g.fp8_state.keys() == e.fp8_state.keys() and e.fp8_state
+        for name, value in e.fp8_state.items():
+            assert torch.equal(g.fp8_state[name], value), f"step {step}: FP8 state {name}"
+    assert_close(got, expected, min_sqnr_db=120.0 if device == "cpu" else 45.0)
 
 
 class _CheckpointedBlocks(torch.nn.Module):
