@@ -12,6 +12,7 @@ from .integrations.cuda_graphs import make_graphed_callables
 from .integrations.pretrained import load_fp8_state
 from .modules.attention import DotProductAttention, RotaryPositionEmbedding
 from .modules.fsdp_all_gather import enable_fp8_all_gather
+from .modules.fp8_padding import Fp8Padding, Fp8Unpadding
 from .modules.grouped_linear import GroupedLinear
 from .modules.layernorm_linear import LayerNormLinear
 from .modules.layernorm_mlp import LayerNormMLP
@@ -33,7 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention",
            "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format",
-           "GroupedLinear",
+           "Fp8Padding", "Fp8Unpadding", "GroupedLinear",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
            "build_info", "checkpoint", "convert_to_fp8", "debug", "enable_fp8_all_gather",
