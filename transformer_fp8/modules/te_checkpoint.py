@@ -12,8 +12,10 @@ recipe (and scale_inv, which 2.x dropped); among the 2.x layouts the one whose s
 recorded columns is taken (a slot no GEMM used keeps scale 1 and an empty history).
 
 The pickle is read with an unpickler that builds tensors (through torch.load with
-weights_only=True) and dicts only: Transformer Engine's own classes (the recipe) become inert
-records of their fields, and nothing else is called. Transformer Engine need not be installed.
+weights_only=True) and dicts only: any class or function it names (Transformer Engine's recipe,
+a user's amax_compute_algo) becomes an inert record of its name and fields; nothing is imported
+or called. Transformer Engine up to 1.5 saved its state with the last step's update still owed
+(_pending_update): the module runs it at its next FP8 forward, before the first cast. Transformer Engine need not be installed.
 Whatever does not map (another recipe's state, a layout with another number of GEMMs, a payload
 this reader does not understand) is ignored with a warning, and the module keeps a fresh FP8
 state, as after loading a high-precision checkpoint.
@@ -28,10 +30,12 @@ from typing import Optional
 
 import torch
 
+from ..quantization.recipe import MAX_MARGIN
 from ..quantization.state_validation import fp8_state_error
 from ..quantization.transforms import outside_inference_mode
 
 EXTRA_STATE = "_extra_state"
+PENDING_UPDATE = "pending_update"  # (not a tensor: see _pending_update)
 _STATE_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 
 
@@ -80,10 +84,10 @@ class _ExtraStateUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) in self._ALLOWED:
             return self._ALLOWED[(module, name)]
-        if module == "transformer_engine" or module.startswith("transformer_engine."):
-            return _record_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in Transformer Engine's "
-                                     "extra state")
+        # Anything else (Transformer Engine's classes, a user's amax_compute_algo function in
+        # the recipe) is an inert record of its name and arguments: nothing is imported or
+        # called. Only the tensors above are taken from a payload.
+        return _record_class(module, name)
 
 
 def read_extra_state(value) -> Optional[dict]:
@@ -96,11 +100,15 @@ def read_extra_state(value) -> Optional[dict]:
         data = value.detach().cpu().contiguous().numpy().tobytes()
     elif isinstance(value, io.BytesIO):  # Transformer Engine's early format: torch.save bytes
         value.seek(0)
-        return torch.load(value, weights_only=True, map_location="cpu")
+        state = torch.load(value, weights_only=True, map_location="cpu")
     else:
         raise TypeError(f"an _extra_state entry must be a uint8 tensor, got "
                         f"{type(value).__name__}")
-    state = _ExtraStateUnpickler(io.BytesIO(data)).load()
+    if not isinstance(value, io.BytesIO):
+        state = _ExtraStateUnpickler(io.BytesIO(data)).load()
+    if state is None or (isinstance(state, dict) and not state):
+        # (Transformer Engine 2.0-2.3 pickle None for a module that never ran in FP8)
+        return None
     if not isinstance(state, dict):
         raise TypeError(f"the _extra_state holds a {type(state).__name__}, not a dict")
     return state
@@ -124,6 +132,8 @@ def _recipe_fields(recipe) -> Optional[list]:
     margin, length = recipe.field("margin", 0), recipe.field("amax_history_len", 1024)
     if fmt is None or not isinstance(margin, int) or not isinstance(length, int):
         return None
+    if not 0 <= margin <= MAX_MARGIN or length < 1:
+        return None  # (a recipe ours cannot be: its scales load without the record)
     return [margin, fmt, length, algo]
 
 
@@ -147,7 +157,8 @@ def prepare_extra_state(module, value, where: str) -> tuple:
         warnings.warn(f"{where}: Transformer Engine's FP8 state ignored ({reason}); the "
                       "module starts with a fresh FP8 state", stacklevel=4)
         return None, None
-    error = fp8_state_error(module, tensors, "")
+    error = fp8_state_error(module, {k: v for k, v in tensors.items() if k != PENDING_UPDATE},
+                            "")
     if error is not None:
         return None, f"{where}: Transformer Engine's FP8 state ({EXTRA_STATE}) read as {error}"
     return tensors, None
@@ -181,7 +192,20 @@ def _delayed_state_of(module, state: dict) -> tuple:
     fields = _recipe_fields(state.get("recipe"))
     if fields is not None:
         tensors["fp8_recipe_fields"] = torch.tensor(fields, dtype=torch.int64)
+    tensors[PENDING_UPDATE] = _pending_update(state)
     return tensors, None
+
+
+def _pending_update(state: dict) -> tuple:
+    """The roles whose delayed-scaling update the checkpoint still owes. Transformer Engine up
+    to 1.5 updated lazily: the forward state at the next forward (when the last one trained,
+    its fp8_meta flag update_amax_and_scale_fwd), the backward state at the start of every
+    backward. So its checkpoints hold the last step's amaxes in row 0 and scales not yet made
+    from them; from 1.6 on (which has no such flag) the update runs at the end of the step."""
+    extra = state.get("extra_fp8_variables")
+    if not isinstance(extra, dict) or "update_amax_and_scale_fwd" not in extra:
+        return ()
+    return ("fwd", "bwd") if extra["update_amax_and_scale_fwd"] is True else ("bwd",)
 
 
 def apply_extra_state(module, tensors: dict) -> None:
@@ -195,6 +219,9 @@ def apply_extra_state(module, tensors: dict) -> None:
         if "fp8_recipe_fields" in tensors:
             module.fp8_recipe_fields.copy_(tensors["fp8_recipe_fields"])
     module.note_saved_recipe()
+    # The update the checkpoint owes runs at the next FP8 forward, under its recipe, before
+    # anything is cast (state.py, run_pending_te_update), as Transformer Engine <= 1.5 did.
+    module._te_pending_update = tensors.get(PENDING_UPDATE, ())
     module._recipe_code = None  # adopted again from the recipe of the next FP8 forward
     module._weight_cache = [None] * module._num_gemms
     module._delayed_cast_cache = None
@@ -267,8 +294,17 @@ def drop_extra_state(state_dict, prefix: str, unexpected_keys: list, where: str,
             continue
         if key in unexpected_keys:
             unexpected_keys.remove(key)
-        value = state_dict[key]
-        if isinstance(value, torch.Tensor) and value.numel() == 0 or value is None:
+        try:
+            state = read_extra_state(state_dict[key])
+        except Exception as error:  # noqa: BLE001 (ignored either way; said why)
+            warnings.warn(f"{where}: Transformer Engine's extra state '{key}' could not be read "
+                          f"({error}); ignored", stacklevel=4)
             continue
-        warnings.warn(f"{where}: Transformer Engine's extra state '{key}' ignored (this module "
-                      "runs in high precision and keeps no FP8 state)", stacklevel=4)
+        recipe = state.get("recipe") if state is not None else None
+        if isinstance(recipe, TeRecord) and recipe.field("fp8_dpa") is True:
+            # Attention ran in FP8 in Transformer Engine; here it runs in high precision. (A
+            # state written without fp8_dpa is the FP8 metadata of a module that ran in high
+            # precision there too: nothing to say.)
+            warnings.warn(f"{where}: Transformer Engine's extra state '{key}' ignored: it was "
+                          "saved with fp8_dpa=True (FP8 attention); attention runs in high "
+                          "precision here and keeps no FP8 state", stacklevel=4)

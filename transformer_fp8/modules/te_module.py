@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from . import te_checkpoint
+from ..quantization.state import FP8_STATE_KEYS
 from .fp8_primary_weights import SCALE_INV_SUFFIX
 
 from . import wgrad
@@ -221,3 +222,6 @@ class TeModuleMixin:
             unexpected_keys.remove(key)
         if te_state is not None:
             te_checkpoint.apply_extra_state(self, te_state)
+            for name in FP8_STATE_KEYS:  # (given by Transformer Engine's state: not missing)
+                if prefix + name in missing_keys:
+                    missing_keys.remove(prefix + name)

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from .. import ops
 from .._dtensor import is_dtensor
 from . import amax_step, backward_step
 from . import replay as checkpointing
@@ -141,6 +142,7 @@ class Fp8State:
                     getattr(self, name).fill_(1.0)
             self.fp8_recipe_fields.fill_(-1)
         self._recipe_code = self._saved_recipe_code = self._saved_histories = None
+        self._te_pending_update = ()
         self._bind_scaling_states()  # (which steps cover it may change with the recipe)
         amax_step.await_recipe(self._scaling_states[0])
         self._weight_cache = [None] * self._num_gemms
@@ -210,6 +212,31 @@ class Fp8State:
             return  # the same recipe object as last time, and nothing reset the record since
         with outside_inference_mode():  # (a resized history must stay writable by training)
             self._adopt_new_recipe(recipe, running)
+            if running and self.__dict__.get("_te_pending_update"):
+                self._run_pending_te_update(recipe)
+
+    def _run_pending_te_update(self, recipe: DelayedScaling) -> None:
+        """The delayed-scaling update that a Transformer Engine <= 1.5 checkpoint still owed
+        (te_checkpoint._pending_update), under the recipe this module first runs with, before
+        its first cast: the last saved step's amaxes (row 0) make its scales, as Transformer
+        Engine resuming from it did."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"{type(self).__name__}: the FP8 state loaded from a Transformer Engine <= 1.5 "
+                "checkpoint still owes its delayed-scaling update, which cannot run under "
+                "torch.compile; run one step eagerly first")
+        roles = self._te_pending_update
+        self._fp8_state_to_local()
+        fmt = recipe.fp8_format
+        with torch.no_grad():
+            ops.update_delayed_scaling(
+                [getattr(self, f"fp8_{role}_amax_history") for role in roles],
+                [getattr(self, f"fp8_{role}_scale") for role in roles],
+                [getattr(self, f"fp8_{role}_scale_inv") for role in roles],
+                [fmt.max_fwd if role == "fwd" else fmt.max_bwd for role in roles],
+                recipe.margin, recipe.amax_compute_algo, recipe.scaling_factor_compute_algo,
+                recipe)
+        self._te_pending_update = ()
 
     def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
         if running and getattr(self, "_built_for_stateless", False):
@@ -297,6 +324,7 @@ class Fp8State:
         saved = None if fields.is_meta else fields.tolist()
         self._saved_recipe_code = saved if saved is not None and saved[0] >= 0 else None
         self._saved_histories = None
+        self._te_pending_update = ()  # (te_checkpoint.apply_extra_state sets it after)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A backward update held back by reentrant checkpointing (see autocast.BackwardStep)
