@@ -115,9 +115,13 @@ def test_a_transformer_engine_checkpoint_loads_with_its_fp8_state():
 def test_transformer_engine_extra_state_that_does_not_map_is_ignored_with_a_warning():
     layer = te.Linear(32, 16)
     checkpoint = te.strip_fp8_state(layer.state_dict())
-    cases = {"recipe Float8CurrentScaling": te_extra_state(
-                 {"recipe": Float8CurrentScalingTE(), "extra_fp8_variables": {}}),
-             "not that of 1 GEMM": te_extra_state(
+    # A stateless recipe's payload (Float8CurrentScaling's) has nothing to load: no warning.
+    fresh = te.Linear(32, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.load_state_dict({**checkpoint, "_extra_state": te_extra_state(
+            {"recipe": Float8CurrentScalingTE(), "extra_fp8_variables": {}})}, strict=True)
+    cases = {"not that of 1 GEMM": te_extra_state(
                  {"recipe": DelayedScalingTE(), "scale_fwd": torch.ones(6),
                   "amax_history_fwd": torch.ones(4, 6), "scale_bwd": torch.ones(4),
                   "amax_history_bwd": torch.ones(4, 4)}),

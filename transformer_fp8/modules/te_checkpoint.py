@@ -153,6 +153,8 @@ def prepare_extra_state(module, value, where: str) -> tuple:
     if state is None:
         return None, None
     tensors, reason = _delayed_state_of(module, state)
+    if tensors is None and _stateless_recipe(state):
+        return None, None  # (nothing to load: that recipe keeps no state between steps)
     if tensors is None:
         warnings.warn(f"{where}: Transformer Engine's FP8 state ignored ({reason}); the "
                       "module starts with a fresh FP8 state", stacklevel=4)
@@ -162,6 +164,18 @@ def prepare_extra_state(module, value, where: str) -> tuple:
     if error is not None:
         return None, f"{where}: Transformer Engine's FP8 state ({EXTRA_STATE}) read as {error}"
     return tensors, None
+
+
+# Transformer Engine's recipes that keep no scaling state between steps: their modules save the
+# recipe and nothing to load.
+_STATELESS_RECIPES = ("Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
+                      "NVFP4BlockScaling")
+
+
+def _stateless_recipe(state: dict) -> bool:
+    recipe = state.get("recipe")
+    return (isinstance(recipe, TeRecord) and recipe.te_class.rsplit(".", 1)[-1] in
+            _STATELESS_RECIPES and not any(k in state for k in _STATE_KEYS))
 
 
 def _delayed_state_of(module, state: dict) -> tuple:
