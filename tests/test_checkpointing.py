@@ -208,6 +208,31 @@ def test_te_checkpoint_refuses_tensor_parallel_options():
     assert torch.equal(out, block(x))
 
 
+def test_te_checkpoint_recognises_the_old_positional_form():
+    """checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group,
+    *args), Transformer Engine's deprecated form (Megatron-LM's): the three options are read
+    as options, as Transformer Engine reads them, not passed to the function (a module
+    failed with 'Boolean value of Tensor is ambiguous'; a function taking *args got them)."""
+    x = torch.randn(4, 32, requires_grad=True)
+    received = []
+
+    def function(*args):
+        received.append(args)
+        return args[-1] * 2
+
+    with pytest.warns(DeprecationWarning, match="positional"):
+        with pytest.raises(ValueError, match="get_rng_state_tracker"):
+            tfp8.checkpoint(Block(32), False, lambda: None, None, x)
+    with pytest.warns(DeprecationWarning, match="positional"):
+        with pytest.raises(ValueError, match="distribute_saved_activations"):
+            tfp8.checkpoint(function, True, lambda: None, None, x)
+    assert not received
+    # A function whose own first argument is a bool is called as it is (the second is a
+    # tensor, not a callable: not the old form).
+    flag_first = tfp8.checkpoint(lambda flag, a, b, c: a * 2 if flag else c, True, x, x, x)
+    assert torch.equal(flag_first, x * 2)
+
+
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("dtype", ["bf16_params", "autocast_bf16"])
 @pytest.mark.parametrize("module", ["LayerNormMLP", "LayerNormLinear"])

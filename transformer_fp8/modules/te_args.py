@@ -40,7 +40,10 @@ TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
     "activation_params": ((None,), "no parametrised activation (clamped_swiglu)"),
     # attention
     "window_size": ((None, (-1, -1), (-1, 0)), "no sliding-window attention"),
-    "bottom_right_diagonal": ((None,), "causal masks are aligned top-left"),
+    "bottom_right_diagonal": ((None,), "causal masks are aligned top-left. Given "
+                              "positionally? The argument order is Transformer Engine 2.12's; "
+                              "before 2.12 is_first_microbatch, encoder_output or "
+                              "sequence_parallel stood here: pass such arguments by keyword"),
     "qk_norm_type": ((None,), "no query/key normalisation"),
     "qk_norm_before_rope": ((False,), "no query/key normalisation"),
     "softmax_type": (("vanilla",), "only the standard softmax"),

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import os
+from dataclasses import InitVar, dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
@@ -50,8 +51,70 @@ def _check_format(value) -> None:
                          f"got {value!r}")
 
 
+class Recipe:
+    """The base of every recipe, with Transformer Engine's questions about which one it is
+    (class methods, as in Transformer Engine: ``recipe.delayed()``). Recipes are frozen
+    dataclasses (``dataclasses.replace`` makes a changed copy); Transformer Engine's can be
+    changed in place."""
+
+    @classmethod
+    def delayed(cls) -> bool:
+        return issubclass(cls, DelayedScaling)
+
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        return issubclass(cls, Float8CurrentScaling)
+
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        return issubclass(cls, Float8BlockScaling)
+
+    @classmethod
+    def float8_rowwise_scaling(cls) -> bool:
+        return issubclass(cls, Float8RowwiseScaling)
+
+    @classmethod
+    def mxfp8(cls) -> bool:
+        return False
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        return False
+
+    @classmethod
+    def custom(cls) -> bool:
+        return False
+
+
+def _env_backward_override() -> Optional[str]:
+    return os.environ.get("NVTE_BACKWARD_OVERRIDE") or None
+
+
+def _check_te_switches(recipe) -> None:
+    """Transformer Engine's switches that this library accepts at their defaults only: FP8
+    attention (attention runs in high precision here) and a high-precision backward
+    (backward_override, whose default Transformer Engine reads from NVTE_BACKWARD_OVERRIDE)."""
+    name = type(recipe).__name__
+    for switch in ("fp8_dpa", "fp8_mha"):
+        value = getattr(recipe, switch)
+        _check_bool(switch, value)
+        if value:
+            raise ValueError(f"{name}: {switch}=True (FP8 attention) is not supported: "
+                             "attention runs in high precision; leave it False")
+    if recipe.backward_override is not None:
+        from_env = ("" if recipe.backward_override != _env_backward_override() else
+                    " (the default, from the environment variable NVTE_BACKWARD_OVERRIDE)")
+        raise ValueError(f"{name}: backward_override={recipe.backward_override!r}{from_env} is "
+                         "not supported: the backward GEMMs run in FP8; leave it None (unset "
+                         "NVTE_BACKWARD_OVERRIDE)")
+
+
 @dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(Recipe):
     """Delayed scaling: each tensor's scale comes from the amaxes of the last steps.
 
     margin: scale = fp8_max / amax / 2**margin, an integer in [0, MAX_MARGIN = 32]: 2**margin
@@ -63,6 +126,8 @@ class DelayedScaling:
         taking the window [L, n] (oldest first, this step's amax last) and returning amax [n].
     scaling_factor_compute_algo: None, or a callable (amax, scale, fp8_max, recipe) -> scale.
     reduce_amax: all-reduce (MAX) the amaxes across fp8_group before each update.
+    fp8_dpa, fp8_mha, backward_override: Transformer Engine's, accepted at their defaults
+        (False, False, None) only.
     """
 
     margin: int = 0
@@ -71,6 +136,9 @@ class DelayedScaling:
     amax_compute_algo: AmaxComputeAlgo = "max"
     scaling_factor_compute_algo: Optional[Callable] = None
     reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=_env_backward_override)
 
     def __post_init__(self):
         if (isinstance(self.margin, bool) or not isinstance(self.margin, int)
@@ -92,17 +160,38 @@ class DelayedScaling:
                              f"got {self.scaling_factor_compute_algo!r}")
         if not isinstance(self.reduce_amax, bool):
             raise ValueError(f"reduce_amax must be True or False, got {self.reduce_amax!r}")
+        _check_te_switches(self)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0") == "1"
 
 
 @dataclass(frozen=True)
-class Float8CurrentScaling:
-    """Current scaling: each cast takes its scale from the amax of the tensor being cast
-    (reduced across fp8_group so that all ranks agree). No history."""
+class Float8CurrentScaling(Recipe):
+    """Current scaling: each cast takes its scale from the amax of the tensor being cast, each
+    rank from what it holds (as Transformer Engine; a tensor-parallel DTensor weight's amax is
+    reduced across its mesh). No history.
+
+    use_power_2_scales: Transformer Engine's (default from NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES),
+        accepted at False only. fp8_dpa, fp8_mha, backward_override: see DelayedScaling.
+    """
 
     fp8_format: Format = Format.HYBRID
+    use_power_2_scales: bool = field(
+        default_factory=lambda: _env_flag("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"))
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=_env_backward_override)
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        _check_bool("use_power_2_scales", self.use_power_2_scales)
+        if self.use_power_2_scales:
+            raise ValueError("Float8CurrentScaling: use_power_2_scales=True (or "
+                             "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1) is not supported: "
+                             "current scales are fp8_max / amax, not rounded to powers of 2")
+        _check_te_switches(self)
 
 
 def _check_bool(name: str, value) -> None:
@@ -116,7 +205,7 @@ def _check_block_dim(name: str, value) -> None:
 
 
 @dataclass(frozen=True)
-class Float8BlockScaling:
+class Float8BlockScaling(Recipe):
     """Per-block scaling (DeepSeek-V3 style; Transformer Engine's recipe of this name).
 
     Every tensor is scaled per block from its own values at the time of the cast: no amax
@@ -131,16 +220,33 @@ class Float8BlockScaling:
     two of them, and cuBLASLt has no 128x128 by 128x128 block-scaled GEMM.
     fp8_format: E4M3 everywhere by default (per-block scales need less range); HYBRID gives
     gradients E5M2. E5M2 everywhere is refused.
+    power_2_scale: powers of two, or float32 scales; by default powers of two unless
+        NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 (Transformer Engine's switch). use_f32_scales:
+        Transformer Engine's spelling, an argument only: given, it sets power_2_scale to its
+        opposite.
+    fp8_dpa, fp8_mha, backward_override: see DelayedScaling.
     """
 
     fp8_format: Format = Format.E4M3
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
-    power_2_scale: bool = True
+    power_2_scale: Optional[bool] = None
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=_env_backward_override)
+    use_f32_scales: InitVar[Optional[bool]] = None
 
-    def __post_init__(self):
+    def __post_init__(self, use_f32_scales):
         _check_format(self.fp8_format)
+        if use_f32_scales is not None:  # (Transformer Engine's spelling)
+            _check_bool("use_f32_scales", use_f32_scales)
+            object.__setattr__(self, "power_2_scale", not use_f32_scales)
+        elif self.power_2_scale is None:
+            object.__setattr__(self, "power_2_scale",
+                               not _env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
+        _check_bool("power_2_scale", self.power_2_scale)
+        _check_te_switches(self)
         if self.fp8_format is Format.E5M2:
             raise ValueError("Float8BlockScaling: fp8_format=Format.E5M2 is not supported (FP8 "
                              "GEMMs take no E5M2 x E5M2 product); use Format.E4M3 or "
@@ -156,11 +262,10 @@ class Float8BlockScaling:
                              "128x128 by 128x128 block-scaled GEMM is not supported (fprop "
                              "multiplies x by w, dgrad grad by w, wgrad grad by x); make at "
                              "most one of them 2")
-        _check_bool("power_2_scale", self.power_2_scale)
 
 
 @dataclass(frozen=True)
-class Float8RowwiseScaling:
+class Float8RowwiseScaling(Recipe):
     """Row-wise scaling (torchao's "rowwise" recipe): one scale per row of each GEMM operand,
     along the contraction dimension: per row of the input and of the weight in the forward,
     per row of grad_output and per column of the weight for dgrad, per column of grad_output
@@ -193,4 +298,32 @@ FP8_ALL_GATHER_RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScali
 # The recipes with no amax history or scale in the module state.
 STATELESS_RECIPES = (Float8CurrentScaling,) + BLOCK_RECIPES
 
-Recipe = Union[DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Float8RowwiseScaling]
+
+
+class _UnsupportedRecipe(Recipe):
+    """Transformer Engine's recipes for Blackwell's FP8 and FP4 formats: importable (a script
+    that names them among others runs), refused when made."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__} is not supported by transformer_fp8 (its recipes are "
+            "DelayedScaling, Float8CurrentScaling, Float8BlockScaling and "
+            "Float8RowwiseScaling)")
+
+
+class MXFP8BlockScaling(_UnsupportedRecipe):
+    @classmethod
+    def mxfp8(cls) -> bool:
+        return True
+
+
+class NVFP4BlockScaling(_UnsupportedRecipe):
+    @classmethod
+    def nvfp4(cls) -> bool:
+        return True
+
+
+class CustomRecipe(_UnsupportedRecipe):
+    @classmethod
+    def custom(cls) -> bool:
+        return True

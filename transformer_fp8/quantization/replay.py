@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import warnings
 import weakref
 from typing import NamedTuple, Optional
 
@@ -213,6 +214,12 @@ def may_be_checkpointed() -> bool:
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
 
 
+def _is_process_group(value) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and isinstance(value, dist.ProcessGroup)
+
+
 def checkpoint(function, *args, distribute_saved_activations: bool = False,
                get_rng_state_tracker=None, tp_group=None, use_reentrant: bool = True, **kwargs):
     """Transformer Engine's ``checkpoint`` over torch.utils.checkpoint.checkpoint: run
@@ -223,8 +230,18 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
     reentrant mode takes none itself), except torch's own options context_fn,
     determinism_check and debug. distribute_saved_activations and get_rng_state_tracker serve
     Transformer Engine's tensor parallelism, which this library does not have: they are
-    refused rather than ignored.
+    refused rather than ignored. Transformer Engine's older positional form,
+    ``checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group,
+    *args)`` (Megatron-LM's), is recognised as Transformer Engine recognises it, with its
+    DeprecationWarning.
     """
+    if (len(args) > 3 and isinstance(args[0], bool) and callable(args[1])
+            and (args[2] is None or _is_process_group(args[2]))):
+        warnings.warn("checkpoint: distribute_saved_activations, get_rng_state_tracker and "
+                      "tp_group given as positional arguments (Transformer Engine's deprecated "
+                      "form); pass them as keywords", DeprecationWarning, stacklevel=2)
+        distribute_saved_activations, get_rng_state_tracker, tp_group = args[:3]
+        args = args[3:]
     if distribute_saved_activations:
         raise ValueError("checkpoint: distribute_saved_activations=True (sharding saved "
                          "activations over a tensor-parallel group) is not supported")

@@ -1,0 +1,107 @@
+"""The recipes as Transformer Engine's users write them: `from transformer_fp8.recipe import
+...` (transformer_engine.common.recipe's place), the Recipe base class and its questions,
+Transformer Engine's switches (fp8_dpa, fp8_mha, backward_override, use_power_2_scales,
+use_f32_scales) and the environment variables behind their defaults, and the Blackwell recipes
+(importable, refused when made)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import transformer_fp8 as tfp8
+
+
+def test_recipe_is_a_module_of_its_own():
+    from transformer_fp8.recipe import DelayedScaling, Format  # Transformer Engine's idiom
+    import transformer_fp8.recipe as recipe
+
+    assert tfp8.recipe is recipe
+    assert DelayedScaling is tfp8.DelayedScaling and Format is tfp8.Format
+    assert recipe.DelayedScaling(fp8_format=Format.E4M3).fp8_format is Format.E4M3
+
+
+@pytest.mark.parametrize("cls,answers", [
+    (tfp8.DelayedScaling, dict(delayed=True, float8_per_tensor_scaling=True)),
+    (tfp8.Float8CurrentScaling, dict(float8_current_scaling=True, float8_per_tensor_scaling=True)),
+    (tfp8.Float8BlockScaling, dict(float8_block_scaling=True)),
+    (tfp8.Float8RowwiseScaling, dict(float8_rowwise_scaling=True)),
+    (tfp8.recipe.MXFP8BlockScaling, dict(mxfp8=True)),
+    (tfp8.recipe.NVFP4BlockScaling, dict(nvfp4=True)),
+    (tfp8.recipe.CustomRecipe, dict(custom=True)),
+])
+def test_the_base_class_answers_which_recipe_it_is(cls, answers):
+    questions = ("delayed", "float8_current_scaling", "float8_per_tensor_scaling",
+                 "float8_block_scaling", "float8_rowwise_scaling", "mxfp8", "nvfp4", "custom")
+    assert issubclass(cls, tfp8.recipe.Recipe)
+    for question in questions:
+        assert getattr(cls, question)() is answers.get(question, False), question
+    if cls in (tfp8.DelayedScaling, tfp8.Float8CurrentScaling, tfp8.Float8BlockScaling):
+        instance = cls()
+        assert isinstance(instance, tfp8.recipe.Recipe)
+        for question in questions:
+            assert getattr(instance, question)() is answers.get(question, False), question
+
+
+@pytest.mark.parametrize("name", ["MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"])
+def test_blackwell_and_custom_recipes_import_and_are_refused_when_made(name):
+    cls = getattr(tfp8.recipe, name)
+    with pytest.raises(NotImplementedError, match=f"{name} is not supported"):
+        cls()
+
+
+@pytest.mark.parametrize("cls", [tfp8.DelayedScaling, tfp8.Float8CurrentScaling,
+                                 tfp8.Float8BlockScaling])
+def test_transformer_engines_switches_at_their_defaults(cls):
+    recipe = cls(fp8_dpa=False, fp8_mha=False, backward_override=None)
+    assert recipe == cls()
+    for switch in ("fp8_dpa", "fp8_mha"):
+        with pytest.raises(ValueError, match=f"{switch}=True .* not supported"):
+            cls(**{switch: True})
+        with pytest.raises(ValueError, match=f"{switch} must be True or False"):
+            cls(**{switch: "yes"})
+    with pytest.raises(ValueError, match="backward_override='high_precision' is not supported"):
+        cls(backward_override="high_precision")
+
+
+@pytest.mark.parametrize("cls", [tfp8.DelayedScaling, tfp8.Float8CurrentScaling,
+                                 tfp8.Float8BlockScaling])
+def test_nvte_backward_override_is_not_ignored(monkeypatch, cls):
+    """Transformer Engine takes backward_override's default from NVTE_BACKWARD_OVERRIDE (a
+    high-precision backward); here the backward runs in FP8, so a set variable is refused
+    by name rather than ignored."""
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "dequantized")
+    with pytest.raises(ValueError, match="NVTE_BACKWARD_OVERRIDE"):
+        cls()
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "")
+    cls()
+
+
+def test_current_scaling_power_2_scales_are_refused(monkeypatch):
+    assert tfp8.Float8CurrentScaling(use_power_2_scales=False) == tfp8.Float8CurrentScaling()
+    with pytest.raises(ValueError, match="use_power_2_scales=True .* not supported"):
+        tfp8.Float8CurrentScaling(use_power_2_scales=True)
+    monkeypatch.setenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "1")
+    with pytest.raises(ValueError, match="NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"):
+        tfp8.Float8CurrentScaling()
+
+
+def test_block_scaling_f32_scales(monkeypatch):
+    """Transformer Engine's use_f32_scales (and NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1, its
+    default) is power_2_scale's opposite; an explicit argument wins over the variable."""
+    Block = tfp8.Float8BlockScaling
+    assert Block().power_2_scale is True
+    assert Block(use_f32_scales=True) == Block(power_2_scale=False)
+    assert Block(use_f32_scales=False) == Block(power_2_scale=True) == Block()
+    with pytest.raises(ValueError, match="use_f32_scales must be True or False"):
+        Block(use_f32_scales=1)
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    assert Block().power_2_scale is False
+    assert Block(power_2_scale=True).power_2_scale is True
+    assert Block(use_f32_scales=False).power_2_scale is True
+    # Recipes are frozen; dataclasses.replace makes a changed copy.
+    recipe = Block(power_2_scale=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe.power_2_scale = False
+    assert dataclasses.replace(recipe, power_2_scale=False).power_2_scale is False
+    assert dataclasses.replace(recipe, use_f32_scales=True).power_2_scale is False
