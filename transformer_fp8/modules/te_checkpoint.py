@@ -234,7 +234,7 @@ def apply_extra_state(module, tensors: dict) -> None:
             module.fp8_recipe_fields.copy_(tensors["fp8_recipe_fields"])
     module.note_saved_recipe()
     # The update the checkpoint owes runs at the next FP8 forward, under its recipe, before
-    # anything is cast (state.py, run_pending_te_update), as Transformer Engine <= 1.5 did.
+    # anything is cast (quantization/owed_update.py), as Transformer Engine <= 1.5 did.
     module._te_pending_update = tensors.get(PENDING_UPDATE, ())
     module._recipe_code = None  # adopted again from the recipe of the next FP8 forward
     module._weight_cache = [None] * module._num_gemms

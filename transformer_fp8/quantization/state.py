@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 
-from .. import ops
 from .._dtensor import is_dtensor
 from . import amax_step, backward_step
 from . import replay as checkpointing
@@ -28,6 +27,7 @@ from . import scaling_state
 from .scaling_state import ScalingState
 from .transforms import outside_inference_mode, refuse_functorch_transform
 from .history import DEFAULT_HISTORY_LEN, recipe_code, resized_history
+from .owed_update import run_owed_update
 from .recipe import RECIPE_TYPES, DelayedScaling, Recipe
 from .state_validation import fp8_state_error
 
@@ -213,30 +213,7 @@ class Fp8State:
         with outside_inference_mode():  # (a resized history must stay writable by training)
             self._adopt_new_recipe(recipe, running)
             if running and self.__dict__.get("_te_pending_update"):
-                self._run_pending_te_update(recipe)
-
-    def _run_pending_te_update(self, recipe: DelayedScaling) -> None:
-        """The delayed-scaling update that a Transformer Engine <= 1.5 checkpoint still owed
-        (te_checkpoint._pending_update), under the recipe this module first runs with, before
-        its first cast: the last saved step's amaxes (row 0) make its scales, as Transformer
-        Engine resuming from it did."""
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                f"{type(self).__name__}: the FP8 state loaded from a Transformer Engine <= 1.5 "
-                "checkpoint still owes its delayed-scaling update, which cannot run under "
-                "torch.compile; run one step eagerly first")
-        roles = self._te_pending_update
-        self._fp8_state_to_local()
-        fmt = recipe.fp8_format
-        with torch.no_grad():
-            ops.update_delayed_scaling(
-                [getattr(self, f"fp8_{role}_amax_history") for role in roles],
-                [getattr(self, f"fp8_{role}_scale") for role in roles],
-                [getattr(self, f"fp8_{role}_scale_inv") for role in roles],
-                [fmt.max_fwd if role == "fwd" else fmt.max_bwd for role in roles],
-                recipe.margin, recipe.amax_compute_algo, recipe.scaling_factor_compute_algo,
-                recipe)
-        self._te_pending_update = ()
+                run_owed_update(self, recipe)
 
     def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
         if running and getattr(self, "_built_for_stateless", False):
