@@ -421,3 +421,36 @@ def test_parameter_order_is_transformer_engines(kind):
     }[kind]
     module = module()
     assert [name for name, _ in module.named_parameters()] == expected
+
+
+@pytest.mark.parametrize("make", [lambda: te.Linear(32, 16), lambda: te.LayerNormLinear(32, 16),
+                                  lambda: te.LayerNormMLP(32, 64),
+                                  lambda: te.GroupedLinear(2, 32, 16),
+                                  lambda: te.LayerNorm(32), lambda: te.RMSNorm(32)],
+                         ids=["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear",
+                              "LayerNorm", "RMSNorm"])
+def test_reset_parameters_takes_transformer_engines_defer_init(make):
+    """reset_parameters(defer_init=True) leaves the module as it is (the caller initialises
+    later, as in Transformer Engine); defer_init=False initialises again."""
+    module = make()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.fill_(3.0)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    module.reset_parameters(defer_init=True)
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    module.reset_parameters(defer_init=False)
+    assert any(not torch.all(p == 3.0) for p in module.parameters())
+
+
+@pytest.mark.parametrize("norm", [te.LayerNorm, te.RMSNorm])
+def test_norms_accept_sm_margin(norm):
+    """sm_margin (Transformer Engine's kernel tuning knob) is accepted and changes nothing."""
+    torch.manual_seed(0)
+    a = norm(32, sm_margin=8)
+    b = norm(32, sm_margin={"forward": 4, "backward": 4})
+    x = torch.randn(4, 32)
+    assert torch.equal(a(x), norm(32)(x)) and torch.equal(b(x), a(x))
+    with pytest.raises(TypeError, match="sm_margin must be an int"):
+        norm(32, sm_margin="8")

@@ -174,7 +174,9 @@ class LinearLayer(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
     def fp8_weights(self) -> list[torch.Tensor]:
         return [self._param("weight", routed=False)]  # (weight_nk(), one call less per step)
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, defer_init: Optional[bool] = False) -> None:
+        if defer_init:  # (Transformer Engine's: the caller initialises later)
+            return
         if not hasattr(self, "_parts"):  # nn.Linear.__init__ calls this first
             super().reset_parameters()
             return

@@ -98,7 +98,11 @@ class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
             self._init_parameters()
         make_fp8_primary_weights(self)  # inside quantized_model_init
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, defer_init: Optional[bool] = False) -> None:
+        """Initialise the parameters again and start a fresh FP8 state (Transformer Engine's
+        defer_init=True: do nothing, the caller initialises later)."""
+        if defer_init:
+            return
         self._init_parameters()
         self.reset_fp8_state()
 

@@ -147,9 +147,14 @@ class _Norm(torch.nn.Module):
     def __init__(self, normalized_shape=None, eps: float = 1e-5, sequence_parallel=None,
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
                  hidden_size: Optional[int] = None, *, device=None,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, sm_margin=0):
         super().__init__()
         owner = type(self).__name__
+        # sm_margin: SMs Transformer Engine's CUDA kernels leave free for communication; a
+        # tuning knob with no effect on the result, accepted and unused.
+        if not (isinstance(sm_margin, (int, dict)) and not isinstance(sm_margin, bool)):
+            raise TypeError(f"{owner}: sm_margin must be an int or a dict of ints, got "
+                            f"{type(sm_margin).__name__}")
         hidden_size = _normalized_size(owner, normalized_shape, hidden_size)
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
             raise ValueError(f"{owner}: 'dtype' ({dtype}) and 'params_dtype' "
@@ -163,7 +168,9 @@ class _Norm(torch.nn.Module):
         _norm_parameters(self, hidden_size, self.normalization == "LayerNorm",
                          zero_centered_gamma, device, dtype or params_dtype)
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, defer_init: Optional[bool] = False) -> None:
+        if defer_init:  # (Transformer Engine's: the caller initialises later)
+            return
         reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
