@@ -212,6 +212,25 @@ def test_make_graphed_callables_refuses_what_it_cannot_graph():
     with pytest.raises(ValueError, match="fp8_recipe and recipe"):
         tfp8.make_graphed_callables(block, sample, fp8_recipe=DelayedScaling(),
                                     recipe=Float8CurrentScaling())
+    # Transformer Engine 2.x's arguments: its spellings of the refused ones, and its pipeline
+    # and hook options, refused by name (they were TypeErrors); fp8_enabled per module.
+    with pytest.raises(ValueError, match="fp8_calibrating and calibrating|calibrating"):
+        tfp8.make_graphed_callables(block, sample, calibrating=True)
+    with pytest.raises(ValueError, match="fp8_weight_caching"):
+        tfp8.make_graphed_callables(block, sample, cache_quantized_params=True)
+    for name, value in (("retain_graph_in_backward", True), ("_order", [1, -1]),
+                        ("_num_layers_per_chunk", [1]),
+                        ("_reuse_graph_input_output_buffers", True),
+                        ("post_warmup_hook", lambda: None), ("capture_time_hooks", [None])):
+        with pytest.raises(ValueError, match=f"{name}=.* is not supported"):
+            tfp8.make_graphed_callables(block, sample, **{name: value})
+    with pytest.raises(TypeError, match="pre_warmup_hook must be callable"):
+        tfp8.make_graphed_callables(block, sample, pre_warmup_hook=1)
+    with pytest.raises(TypeError, match=r"a tuple of 2 bools"):
+        tfp8.make_graphed_callables((block, block), (sample, sample), fp8_enabled=(True,))
+    with pytest.raises(ValueError, match=r"sample_args\[0\].*CUDA"):  # (the tuple is fine)
+        tfp8.make_graphed_callables((block, block), (sample, sample), enabled=(True, False),
+                                    clone_param_grads_on_return=False)
     # Nothing was changed by a refused call.
     assert block[0].forward.__func__ is tfp8.Linear.forward
 
@@ -251,6 +270,34 @@ def test_make_graphed_callables_replays_like_eager_steps(recipe):
     with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
         expected = ref_block(h)
     assert_bitwise_equal(got, expected, "eval forward")
+
+
+@CUDA_SKIP
+def test_make_graphed_callables_takes_fp8_enabled_per_module():
+    """Transformer Engine 2.x's fp8_enabled tuple: the first module graphed in FP8, the second
+    in high precision (its own FP8 state untouched), like eager steps run so."""
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    stages = (make_model("cuda", recipe), make_model("cuda", recipe))
+    refs = copy.deepcopy(stages)
+    samples = tuple((torch.randn(32, 64, device="cuda", requires_grad=True),) for _ in stages)
+    tfp8.make_graphed_callables(stages, samples, fp8_enabled=(True, False), fp8_recipe=recipe)
+    got, expected = [], []
+    for x, g in step_inputs(3, 4, "cuda"):
+        for model in stages + refs:
+            model.zero_grad(set_to_none=True)
+        out = stages[1](stages[0](x))
+        out.backward(g)
+        with fp8_autocast(fp8_recipe=recipe):
+            h = refs[0](x)
+        ref_out = refs[1](h)
+        ref_out.backward(g)
+        torch.cuda.synchronize()
+        got.append(record_step(out, torch.nn.ModuleList(stages)))
+        expected.append(record_step(ref_out, torch.nn.ModuleList(refs)))
+        sgd_in_place(*stages, *refs)
+    assert_bit_identical(got, expected)
+    assert torch.all(stages[1][0].fp8_fwd_scale == 1), "the high-precision stage kept its state"
 
 
 @CUDA_SKIP

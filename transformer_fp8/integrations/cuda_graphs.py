@@ -72,8 +72,15 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
                            fp8_enabled: bool = False, fp8_calibrating: bool = False,
                            fp8_recipe: Optional[Recipe] = None, fp8_group=None,
                            fp8_weight_caching: bool = False, pool=None, *,
-                           enabled: Optional[bool] = None, recipe: Optional[Recipe] = None,
-                           amax_reduction_group=None) -> Union[torch.nn.Module, tuple]:
+                           enabled=None, recipe: Optional[Recipe] = None,
+                           amax_reduction_group=None, calibrating: Optional[bool] = None,
+                           cache_quantized_params: Optional[bool] = None,
+                           retain_graph_in_backward: bool = False, _order=None,
+                           _num_layers_per_chunk=None,
+                           _reuse_graph_input_output_buffers: bool = False,
+                           clone_param_grads_on_return: bool = True, pre_warmup_hook=None,
+                           post_warmup_hook=None,
+                           capture_time_hooks=None) -> Union[torch.nn.Module, tuple]:
     """CUDA-graph the forward and backward of each module (an nn.Module or a tuple of them, with
     one tuple of sample tensors each, as torch.cuda.make_graphed_callables takes), FP8 layers
     included. Returns the modules, whose forward now replays the graphs in the training mode
@@ -81,7 +88,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
 
     fp8_enabled / fp8_recipe / fp8_group (Transformer Engine's names; also enabled / recipe /
     amax_reduction_group): how the FP8 layers run in the graphs, whatever fp8_autocast
-    surrounds the call later. Each replay does what an eager step with ``fp8_autocast`` around
+    surrounds the call later; fp8_enabled may be a tuple, one bool per module. Each replay does what an eager step with ``fp8_autocast`` around
     the module does, the scale updates included: bit for bit the same numbers. With
     DelayedScaling the amax reduction across the group covers the graphed module's own layers,
     in its graph; every rank must replay the same graphs (as collectives in graphs require).
@@ -93,15 +100,35 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     The graphs hold the addresses of the parameters, buffers and FP8 state: after graphing, a
     module whose tensors were replaced (moved or cast with .to() / .half(), loaded with
     load_state_dict(assign=True) or with another amax history length) raises at its next call
-    (graph it again). Not supported (refused): fp8_calibrating, fp8_weight_caching,
-    sample_kwargs, modules with hooks (as torch refuses them), delay_wgrad_compute (its weight
-    gradients are handed over in Python, which a replay skips).
+    (graph it again). pre_warmup_hook is called once before the warm-up. Not supported
+    (refused): fp8_calibrating / calibrating, fp8_weight_caching / cache_quantized_params,
+    sample_kwargs, retain_graph_in_backward, post_warmup_hook, capture_time_hooks, Megatron-LM's
+    pipeline schedule (_order, _num_layers_per_chunk, _reuse_graph_input_output_buffers),
+    modules with hooks (as torch refuses them), delay_wgrad_compute (its weight gradients are
+    handed over in Python, which a replay skips). clone_param_grads_on_return is accepted and
+    unused (the returned gradients are torch's).
     """
     fp8_enabled = _merge("fp8_enabled", fp8_enabled, False, "enabled", enabled)
     fp8_recipe = _merge("fp8_recipe", fp8_recipe, None, "recipe", recipe)
     fp8_group = _merge("fp8_group", fp8_group, None, "amax_reduction_group", amax_reduction_group)
-    if not isinstance(fp8_enabled, bool):
-        raise TypeError(f"fp8_enabled must be True or False, got {type(fp8_enabled).__name__}")
+    fp8_calibrating = _merge("fp8_calibrating", fp8_calibrating, False, "calibrating",
+                             calibrating)
+    fp8_weight_caching = _merge("fp8_weight_caching", fp8_weight_caching, False,
+                                "cache_quantized_params", cache_quantized_params)
+    for name, value, default in (
+            ("retain_graph_in_backward", retain_graph_in_backward, False),
+            ("_order", _order, None), ("_num_layers_per_chunk", _num_layers_per_chunk, None),
+            ("_reuse_graph_input_output_buffers", _reuse_graph_input_output_buffers, False),
+            ("post_warmup_hook", post_warmup_hook, None),
+            ("capture_time_hooks", capture_time_hooks, None)):
+        if value is not default and value != default:
+            raise ValueError(f"{name}={value!r:.60} is not supported by transformer_fp8's "
+                             f"make_graphed_callables; leave it at {default!r}")
+    if not isinstance(clone_param_grads_on_return, bool):
+        raise TypeError("clone_param_grads_on_return must be True or False, got "
+                        f"{type(clone_param_grads_on_return).__name__}")
+    if pre_warmup_hook is not None and not callable(pre_warmup_hook):
+        raise TypeError(f"pre_warmup_hook must be callable, got {type(pre_warmup_hook).__name__}")
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
     if not isinstance(fp8_recipe, GRAPHABLE_RECIPES):
@@ -124,16 +151,21 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     module_list = tuple(module_list)
     for i, module in enumerate(module_list):
         _check_graphable(module, i)
+    enabled_per_module = _enabled_per_module(fp8_enabled, len(module_list))
     per_module_args = _check_sample_args(sample_args, len(module_list), single)
 
     layers = [layer for m in module_list for layer in _fp8_layers(m)]
-    if fp8_enabled:
-        for layer in layers:  # the state gets its final shapes before it is captured
-            layer.prepare_fp8_recipe(fp8_recipe)
+    for module, module_enabled in zip(module_list, enabled_per_module):
+        if module_enabled:
+            for layer in _fp8_layers(module):  # the state gets its final shapes before capture
+                layer.prepare_fp8_recipe(fp8_recipe)
     with torch.no_grad():
         saved = [[t.clone() for t in layer.fp8_state_tensors()] for layer in layers]
 
-    callables = tuple(_Fp8Callable(m, fp8_enabled, fp8_recipe, fp8_group) for m in module_list)
+    callables = tuple(_Fp8Callable(m, module_enabled, fp8_recipe, fp8_group)
+                      for m, module_enabled in zip(module_list, enabled_per_module))
+    if pre_warmup_hook is not None:
+        pre_warmup_hook()
     try:
         graphed = torch.cuda.make_graphed_callables(
             callables, per_module_args, num_warmup_iters=num_warmup_iters,
@@ -148,6 +180,18 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     for module, wrapper in zip(module_list, graphed):
         module.forward = _graphed_forward(module, wrapper)
     return module_list[0] if single else module_list
+
+
+def _enabled_per_module(fp8_enabled, count: int) -> tuple:
+    """fp8_enabled as one bool per module (Transformer Engine 2.x takes a bool or a tuple)."""
+    if isinstance(fp8_enabled, (tuple, list)):
+        values = tuple(fp8_enabled)
+    else:
+        values = (fp8_enabled,) * count
+    if len(values) != count or not all(isinstance(v, bool) for v in values):
+        raise TypeError(f"fp8_enabled must be True or False, or a tuple of {count} bools (one per "
+                        f"module), got {fp8_enabled!r:.80}")
+    return values
 
 
 def _check_graphable(module: torch.nn.Module, index: int) -> None:
