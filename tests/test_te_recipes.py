@@ -105,3 +105,18 @@ def test_block_scaling_f32_scales(monkeypatch):
         recipe.power_2_scale = False
     assert dataclasses.replace(recipe, power_2_scale=False).power_2_scale is False
     assert dataclasses.replace(recipe, use_f32_scales=True).power_2_scale is False
+
+
+def test_transformer_engine_1x_delayed_scaling_arguments():
+    """1.x's quickstart wrote DelayedScaling(margin=0, interval=1, fp8_format=...): interval is
+    accepted (deprecated and unused, as there); override_linear_precision at its default only."""
+    with pytest.warns(DeprecationWarning, match="interval is deprecated and unused"):
+        recipe = tfp8.DelayedScaling(margin=0, interval=1, fp8_format=tfp8.Format.HYBRID,
+                                     amax_history_len=16)
+    assert recipe == tfp8.DelayedScaling(amax_history_len=16)
+    assert tfp8.DelayedScaling(override_linear_precision=(False, False, False)) == \
+        tfp8.DelayedScaling()
+    with pytest.raises(ValueError, match="override_linear_precision=.* not supported"):
+        tfp8.DelayedScaling(override_linear_precision=(False, False, True))
+    with pytest.raises(ValueError, match="interval must be an int"):
+        tfp8.DelayedScaling(interval="1")

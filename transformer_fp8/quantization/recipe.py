@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import os
+import warnings
 from dataclasses import InitVar, dataclass, field
 from typing import Callable, Optional, Union
 
@@ -139,8 +140,22 @@ class DelayedScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: Optional[str] = field(default_factory=_env_backward_override)
+    # Transformer Engine 1.x's: interval (deprecated there, unused; keyword only here: 1.x
+    # put it second), override_linear_precision (only its default, all GEMMs in FP8).
+    interval: InitVar[int] = -1
+    override_linear_precision: InitVar[tuple] = (False, False, False)
 
-    def __post_init__(self):
+    def __post_init__(self, interval, override_linear_precision):
+        if isinstance(interval, bool) or not isinstance(interval, int):
+            raise ValueError(f"interval must be an int, got {interval!r}")
+        if interval >= 0:
+            warnings.warn("DelayedScaling: interval is deprecated and unused (as in Transformer "
+                          "Engine 1.x): scales are updated at every step", DeprecationWarning,
+                          stacklevel=3)
+        if tuple(override_linear_precision) != (False, False, False):
+            raise ValueError(f"override_linear_precision={override_linear_precision!r} (GEMMs "
+                             "in high precision) is not supported; leave it at (False, False, "
+                             "False)")
         if (isinstance(self.margin, bool) or not isinstance(self.margin, int)
                 or not 0 <= self.margin <= MAX_MARGIN):
             raise ValueError(f"margin must be an integer in [0, {MAX_MARGIN}] (a larger margin "
