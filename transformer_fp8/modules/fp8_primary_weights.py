@@ -54,6 +54,10 @@ def make_fp8_primary_weights(module: torch.nn.Module) -> None:
         module.register_state_dict_post_hook(_plain_weights_in_state_dict)
         module.register_load_state_dict_pre_hook(_fp8_weights_from_state_dict)
         module._fp8_weight_hooks = True
+    # The weights' amaxes are recorded when they are written (the optimizer step), not in the
+    # forward: a discarded step (an exception, an evaluation forward) must leave them.
+    module._fp8_weights_record_on_write = True
+    module._bind_scaling_states()
 
 
 def _check_module(module, recipe) -> None:

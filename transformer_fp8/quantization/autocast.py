@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from . import adoption_undo
 from . import replay as checkpointing
 from .amax_step import (_AWAITING_RECIPE, AmaxStep, adopt_recipe_for_waiting_modules,
                         update_all)
@@ -240,10 +241,12 @@ class fp8_autocast(contextlib.ContextDecorator):
             refuse_functorch_transform("fp8_autocast(enabled=True) entered")
         # (The module-level containers read directly: entered on every step, these checks
         # cost less than the calls that would make them.)
-        if delayed and _AWAITING_RECIPE.data and not _is_compiling():
-            adopt_recipe_for_waiting_modules(state.recipe)
         local = _LOCAL
         stack = local.stack
+        if not stack:
+            adoption_undo.begin()  # (a failed step's recipe adoptions are undone at its exit)
+        if delayed and _AWAITING_RECIPE.data and not _is_compiling():
+            adopt_recipe_for_waiting_modules(state.recipe)
         if not stack:  # the outermost context
             local.pass_id = next(_pass_ids)
             # (Not in an isolated context, which a graph may be capturing: the held updates
@@ -268,7 +271,11 @@ class fp8_autocast(contextlib.ContextDecorator):
         stack = _LOCAL.stack
         stack.pop()
         if not stack:
-            _exit_outermost(exc_type is not None)
+            failed = exc_type is not None
+            try:
+                _exit_outermost(failed)
+            finally:
+                adoption_undo.end(failed)
         return False
 
 

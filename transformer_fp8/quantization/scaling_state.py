@@ -36,7 +36,7 @@ class ScalingState:
     none (see amax_step.AmaxStep)."""
 
     __slots__ = ("key", "role", "history", "scale", "scale_inv", "device", "step",
-                 "_takes_recipe", "__weakref__")
+                 "weight_amaxes_from_writes", "_takes_recipe", "__weakref__")
 
     def __init__(self, key: int, role: str, takes_recipe: Callable[[object], bool]):
         self.key, self.role = key, role
@@ -44,10 +44,16 @@ class ScalingState:
         self.history = self.scale = self.scale_inv = None
         self.device = None
         self.step = None  # the step (amax_step.AmaxStep) that covers it, where one does
+        # Whether the weight columns (2g + 1 of a forward state) record when a weight is
+        # written (FP8 primary weights: at the optimizer step, outside any fp8_autocast), so
+        # that a discarded step leaves them (update_plan.UpdatePlan.discard).
+        self.weight_amaxes_from_writes = False
 
-    def bind(self, history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    def bind(self, history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
+             weight_amaxes_from_writes: bool = False) -> None:
         self.history, self.scale, self.scale_inv = history, scale, scale_inv
         self.device = history.device
+        self.weight_amaxes_from_writes = weight_amaxes_from_writes
         bump_generation()
 
     def takes_recipe(self, recipe) -> bool:

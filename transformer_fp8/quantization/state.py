@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .._dtensor import is_dtensor
-from . import amax_step, backward_step
+from . import adoption_undo, amax_step, backward_step
 from . import replay as checkpointing
 from . import scaling_state
 from .scaling_state import ScalingState
@@ -91,7 +91,8 @@ class Fp8State:
         self._fp8_state_to_local()
         fwd, bwd = self._scaling_states
         b = self._buffers
-        fwd.bind(b["fp8_fwd_amax_history"], b["fp8_fwd_scale"], b["fp8_fwd_scale_inv"])
+        fwd.bind(b["fp8_fwd_amax_history"], b["fp8_fwd_scale"], b["fp8_fwd_scale_inv"],
+                 self.__dict__.get("_fp8_weights_record_on_write", False))
         bwd.bind(b["fp8_bwd_amax_history"], b["fp8_bwd_scale"], b["fp8_bwd_scale_inv"])
 
     def _fp8_state_to_local(self) -> None:
@@ -216,6 +217,8 @@ class Fp8State:
                 run_owed_update(self, recipe)
 
     def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
+        if not torch.compiler.is_compiling():  # (undone if the step fails: adoption_undo.py)
+            adoption_undo.note(self, self._adoption_snapshot())
         if running and getattr(self, "_built_for_stateless", False):
             self._built_for_stateless = False  # (it trains under this one now)
         code = recipe_code(recipe)
@@ -264,6 +267,28 @@ class Fp8State:
             scaling_state.bump_generation()  # (no buffer was replaced: a resize is refused)
         else:
             self._bind_scaling_states()
+
+    def _adoption_snapshot(self) -> dict:
+        """What adopting a recipe may change (the history tensors themselves: a resize puts
+        new ones in their place), for _restore_adoption_snapshot."""
+        return {"histories": [getattr(self, name).data for name in HISTORIES],
+                "fields": self.fp8_recipe_fields.detach().clone(),
+                "attributes": {name: self.__dict__.get(name) for name in (
+                    "_recipe_code", "_saved_recipe_code", "_saved_histories",
+                    "_built_for_stateless", "_adopted_recipe")}}
+
+    def _restore_adoption_snapshot(self, snapshot: dict) -> None:
+        """Undo an adoption made by a step that failed (adoption_undo.end)."""
+        with torch.no_grad():
+            for name, data in zip(HISTORIES, snapshot["histories"]):
+                getattr(self, name).data = data
+            self.fp8_recipe_fields.copy_(snapshot["fields"])
+        for name, value in snapshot["attributes"].items():
+            self.__dict__[name] = value
+        self._delayed_cast_cache = self._fused_step_cache = None
+        self._bind_scaling_states()
+        if self._recipe_code is None:
+            amax_step.await_recipe(self._scaling_states[0])
 
     def _takes_recipe(self, recipe: DelayedScaling) -> bool:
         """Whether a step under ``recipe`` that this module did not run in on this rank reduces

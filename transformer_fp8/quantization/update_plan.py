@@ -81,6 +81,7 @@ class UpdatePlan:
         self.on_cuda = any(device.type == "cuda" for device in self.devices)
         fp8_max = recipe.fp8_format.max_fwd if role == "fwd" else recipe.fp8_format.max_bwd
         self.histories = [s.history for s in states]
+        self.weight_amaxes_from_writes = [s.weight_amaxes_from_writes for s in states]
         self.layout = layout_of(states)
         by_device: dict = {}
         for s in states:
@@ -166,6 +167,8 @@ class UpdatePlan:
                     recipe=recipe)
 
     def discard(self) -> None:
-        """Forget the amaxes recorded since the last update (row 0 of every history)."""
-        for history in self.histories:
-            history[0].zero_()
+        """Forget the amaxes the step recorded (row 0 of every history), but not the weight
+        amaxes FP8 primary weights recorded when they were written (the optimizer step before
+        the step: columns 2g + 1), which belong to the next update."""
+        for history, keep_weights in zip(self.histories, self.weight_amaxes_from_writes):
+            (history[0, 0::2] if keep_weights else history[0]).zero_()
