@@ -13,6 +13,14 @@ from __future__ import annotations
 import threading
 import weakref
 
+import torch
+
+from . import amax_step
+
+# What adopting a recipe may change besides the histories and the recipe record.
+_ATTRIBUTES = ("_recipe_code", "_saved_recipe_code", "_saved_histories", "_built_for_stateless",
+               "_adopted_recipe")
+
 
 class _Adoptions(threading.local):
     def __init__(self):
@@ -29,12 +37,28 @@ def begin() -> None:
     _LOCAL.frames.append([])
 
 
-def note(module, snapshot: dict) -> None:
-    """``module`` is about to adopt a recipe; ``snapshot`` puts it back (Fp8State's
-    _restore_adoption_snapshot)."""
+def note(module, history_names) -> None:
+    """``module`` (an Fp8State) is about to adopt a recipe: keep what it holds now (the history
+    tensors themselves: a resize puts new ones in their place)."""
     frames = _LOCAL.frames
     if frames:
+        snapshot = {"histories": {name: getattr(module, name).data for name in history_names},
+                    "fields": module.fp8_recipe_fields.detach().clone(),
+                    "attributes": {name: module.__dict__.get(name) for name in _ATTRIBUTES}}
         frames[-1].append((weakref.ref(module), snapshot))
+
+
+def _restore(module, snapshot: dict) -> None:
+    with torch.no_grad():
+        for name, data in snapshot["histories"].items():
+            getattr(module, name).data = data
+        module.fp8_recipe_fields.copy_(snapshot["fields"])
+    for name, value in snapshot["attributes"].items():
+        module.__dict__[name] = value
+    module._delayed_cast_cache = module._fused_step_cache = None
+    module._bind_scaling_states()
+    if module._recipe_code is None:
+        amax_step.await_recipe(module._scaling_states[0])
 
 
 def end(failed: bool) -> None:
@@ -46,4 +70,4 @@ def end(failed: bool) -> None:
         for ref, snapshot in reversed(records):
             module = ref()
             if module is not None:
-                module._restore_adoption_snapshot(snapshot)
+                _restore(module, snapshot)

@@ -218,7 +218,7 @@ class Fp8State:
 
     def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
         if not torch.compiler.is_compiling():  # (undone if the step fails: adoption_undo.py)
-            adoption_undo.note(self, self._adoption_snapshot())
+            adoption_undo.note(self, HISTORIES)
         if running and getattr(self, "_built_for_stateless", False):
             self._built_for_stateless = False  # (it trains under this one now)
         code = recipe_code(recipe)
@@ -267,28 +267,6 @@ class Fp8State:
             scaling_state.bump_generation()  # (no buffer was replaced: a resize is refused)
         else:
             self._bind_scaling_states()
-
-    def _adoption_snapshot(self) -> dict:
-        """What adopting a recipe may change (the history tensors themselves: a resize puts
-        new ones in their place), for _restore_adoption_snapshot."""
-        return {"histories": [getattr(self, name).data for name in HISTORIES],
-                "fields": self.fp8_recipe_fields.detach().clone(),
-                "attributes": {name: self.__dict__.get(name) for name in (
-                    "_recipe_code", "_saved_recipe_code", "_saved_histories",
-                    "_built_for_stateless", "_adopted_recipe")}}
-
-    def _restore_adoption_snapshot(self, snapshot: dict) -> None:
-        """Undo an adoption made by a step that failed (adoption_undo.end)."""
-        with torch.no_grad():
-            for name, data in zip(HISTORIES, snapshot["histories"]):
-                getattr(self, name).data = data
-            self.fp8_recipe_fields.copy_(snapshot["fields"])
-        for name, value in snapshot["attributes"].items():
-            self.__dict__[name] = value
-        self._delayed_cast_cache = self._fused_step_cache = None
-        self._bind_scaling_states()
-        if self._recipe_code is None:
-            amax_step.await_recipe(self._scaling_states[0])
 
     def _takes_recipe(self, recipe: DelayedScaling) -> bool:
         """Whether a step under ``recipe`` that this module did not run in on this rank reduces
