@@ -112,3 +112,94 @@ def test_fp8_primary_weights_keep_their_amax_through_a_failed_step():
     recipe = DelayedScaling(amax_history_len=4)
     steps = [(recipe, "train")] * 3 + [(recipe, "fail")] + [(recipe, "train")] * 3
     _same_run(_fp8_weight_layers, steps)
+
+
+def test_a_failed_step_under_two_recipes_discards_what_ran_under_the_first():
+    """In the failed step the module first records under its own recipe (8 rows), then runs in
+    a nested context of another length (a resized copy): the undo puts the 8-row history back,
+    without that step's amax in its row 0 (it stayed: a scale 82x off for 8 steps)."""
+    long, short = DelayedScaling(amax_history_len=8), DelayedScaling(amax_history_len=2)
+
+    class Nested(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = tfp8.Linear(32, 16, recipe=long)
+
+        def forward(self, x):
+            out = self.layer(x * 100)  # a large amax, recorded under the 8-row recipe
+            with fp8_autocast(fp8_recipe=short):
+                return out + self.layer(x)
+
+    model = Nested()
+    gen = torch.Generator().manual_seed(0)
+    plain = copy.deepcopy(model)
+    expected = _train(plain.layer, [(long, "train")] * 4)
+    try:
+        with fp8_autocast(fp8_recipe=long):
+            model(torch.randn(16, 32, generator=gen))
+            raise _OutOfMemory("CUDA out of memory (simulated)")
+    except _OutOfMemory:
+        pass
+    assert model.layer.fp8_fwd_amax_history.shape[0] == 8
+    got = _train(model.layer, [(long, "train")] * 4)
+    for key in expected[1]:
+        assert torch.equal(got[1][key], expected[1][key]), key
+
+
+class _FailingOnce:
+    """A scaling_factor_compute_algo that raises at its next call when armed (a NaN check):
+    the step's update fails at the context's exit."""
+
+    armed = False
+
+    def __call__(self, amax, scale, fp8_max, recipe):
+        if _FailingOnce.armed:
+            _FailingOnce.armed = False
+            raise FloatingPointError("update failed (simulated)")
+        return torch.where(amax > 0, fp8_max / amax, scale)
+
+
+def test_a_step_whose_update_raises_undoes_its_adoption():
+    """The exit's update raising (a recipe callable, a failed collective) is a failed step: its
+    amaxes were discarded, and now so is its recipe adoption (the resize to 2 rows stayed)."""
+    long = DelayedScaling(amax_history_len=8)
+    short = DelayedScaling(amax_history_len=2, scaling_factor_compute_algo=_FailingOnce())
+    model = _two_layers(long)
+    plain = copy.deepcopy(model)
+    _train(plain, [(long, "train")] * 3)
+    expected = _train(plain, [(long, "train")] * 3, gen_seed=2)
+    _train(model, [(long, "train")] * 3)
+    _FailingOnce.armed = True
+    try:
+        with fp8_autocast(fp8_recipe=short):
+            model(torch.randn(16, 32))
+    except FloatingPointError:
+        pass
+    assert not _FailingOnce.armed, "the update ran and raised"
+    got = _train(model, [(long, "train")] * 3, gen_seed=2)
+    for key in expected[1]:
+        assert torch.equal(got[1][key], expected[1][key]), key
+
+
+def test_an_exception_while_entering_leaves_nothing_behind(monkeypatch):
+    """An interrupt inside fp8_autocast's entry, after the waiting modules took its recipe:
+    the adoption is undone and no record of the step stays open."""
+    from transformer_fp8.quantization import adoption_undo
+    from transformer_fp8.quantization import autocast as autocast_module
+
+    layer = tfp8.Linear(32, 16)  # no recipe yet: takes the one of the next delayed context
+    real = autocast_module._prepare_steps
+
+    def interrupted(state):
+        monkeypatch.setattr(autocast_module, "_prepare_steps", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(autocast_module, "_prepare_steps", interrupted)
+    try:
+        with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=2)):
+            pass
+    except KeyboardInterrupt:
+        pass
+    assert layer.fp8_fwd_amax_history.shape[0] == 1024
+    assert layer.fp8_recipe_fields.tolist() == [-1, -1, -1, -1]
+    assert adoption_undo._LOCAL.frames == []

@@ -225,3 +225,36 @@ def test_an_extra_state_alone_leaves_no_fp8_key_missing():
     result = layer.load_state_dict({"_extra_state": te_extra_state(state)}, strict=False)
     assert sorted(result.missing_keys) == ["bias", "weight"]
     assert torch.equal(layer.fp8_fwd_scale, state["scale_fwd"][[0, 1]])
+
+
+def test_a_failed_first_step_still_owes_the_update():
+    """The update a 1.5 checkpoint owes runs at the module's first FP8 forward. If that step
+    fails, its recipe adoption is undone and so is the update (in place), which runs again at
+    the next step: the steps after are those of a run without the failed step (one left the
+    checkpoint's last amax out of the window, a stale scale for a step)."""
+    def run(fail_first, length):
+        recipe = DelayedScaling(amax_history_len=length)
+        layer = te.Linear(32, 16)
+        layer.load_state_dict(_linear_checkpoint(_bytes_io(_te_1x_state(True))))
+        if fail_first:
+            try:
+                with te.fp8_autocast(fp8_recipe=recipe):
+                    layer(torch.randn(64, 32) * 0.01)
+                    raise RuntimeError("CUDA out of memory (simulated)")
+            except RuntimeError:
+                pass
+        scales = []
+        for step in range(9):
+            x = torch.randn(64, 32, generator=torch.Generator().manual_seed(step)) * 0.01
+            with te.fp8_autocast(fp8_recipe=recipe):
+                out = layer(x)
+            out.sum().backward()
+            scales.append(layer.fp8_fwd_scale.clone())
+        return scales, layer.state_dict()
+
+    for length in (4, 8):  # (the checkpoint's history length, and another)
+        got, expected = run(True, length), run(False, length)
+        for a, b in zip(got[0], expected[0]):
+            assert torch.equal(a, b), length
+        for key, value in expected[1].items():
+            assert torch.equal(got[1][key], value), (length, key)

@@ -105,6 +105,12 @@ class _FakeDevice:
     ((9, 0), ("8.9",), "13.0", False, False),              # sm_89 machine code: not on 9.0
     ((12, 1), ("12.0",), "13.0", True, True),              # same major, higher minor
     ((9, 0), ("8.9", "9.0"), "12.8", True, False),         # built before cuBLASLt 12.9
+    ((9, 0), ("9.0a",), "13.0", True, True),               # arch-specific: that one only
+    ((10, 0), ("9.0a",), "13.0", False, False),
+    ((9, 0), ("8.9 9.0",), "13.0", True, True),            # torch's other spellings
+    ((9, 0), ("Hopper",), "13.0", True, True),
+    ((10, 3), ("10.0f",), "13.0", True, True),             # family-specific
+    ((9, 0), ("sm_90",), "13.0", False, False),            # not understood: not claimed
 ])
 def test_availability_follows_device_and_build(monkeypatch, capability, archs, cuda_version,
                                                fp8, block):

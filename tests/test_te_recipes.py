@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 import transformer_fp8 as tfp8
 
@@ -120,3 +121,28 @@ def test_transformer_engine_1x_delayed_scaling_arguments():
         tfp8.DelayedScaling(override_linear_precision=(False, False, True))
     with pytest.raises(ValueError, match="interval must be an int"):
         tfp8.DelayedScaling(interval="1")
+
+
+@pytest.mark.parametrize("cls", [tfp8.DelayedScaling, tfp8.Float8CurrentScaling,
+                                 tfp8.Float8BlockScaling])
+def test_recipes_pickled_before_the_new_fields_load(cls):
+    """A recipe pickled before fp8_dpa, fp8_mha, backward_override and use_power_2_scales
+    existed (torch.save(model) holds the recipes) loads equal to one made now (its repr, hash
+    and a training step under it raised AttributeError)."""
+    import pickle
+
+    now = cls()
+    old = object.__new__(cls)
+    old.__dict__.update({k: v for k, v in now.__dict__.items()
+                         if k not in ("fp8_dpa", "fp8_mha", "backward_override",
+                                      "use_power_2_scales")})
+    loaded = pickle.loads(pickle.dumps(old))
+    assert loaded == now and hash(loaded) == hash(now) and repr(loaded) == repr(now)
+    layer = tfp8.Linear(32, 16)
+    with tfp8.fp8_autocast(fp8_recipe=loaded):
+        layer(torch.randn(16, 32)).sum().backward()
+
+
+def test_override_linear_precision_is_named_whatever_is_given():
+    with pytest.raises(ValueError, match="override_linear_precision=None"):
+        tfp8.DelayedScaling(override_linear_precision=None)

@@ -37,16 +37,48 @@ def _answer(available: bool, reason: str, return_reason: bool) -> Answer:
     return (available, "" if available else reason) if return_reason else available
 
 
+# torch's names for architectures in TORCH_CUDA_ARCH_LIST (the build passes the list on).
+_NAMED_ARCHES = {"Ampere": "8.0;8.6+PTX", "Ada": "8.9+PTX", "Hopper": "9.0+PTX",
+                 "Blackwell": "10.0+PTX"}
+
+
+def _parsed_archs(archs: list[str]) -> list:
+    """(major, minor, kind) per entry of a TORCH_CUDA_ARCH_LIST-style list ("8.9", "9.0+PTX",
+    "9.0a", "10.0f", "Hopper", space- or ";"-separated); kind: "sass", "ptx", "exact" (an
+    arch-specific "a" build runs on that capability only) or "family" ("f": its major);
+    None for an entry that is none of these."""
+    parsed = []
+    for entry in " ".join(archs).replace(";", " ").split():
+        for arch in _NAMED_ARCHES.get(entry, entry).split(";"):
+            ptx = arch.endswith("+PTX")
+            arch = arch.removesuffix("+PTX")
+            kind = "ptx" if ptx else "sass"
+            if arch[-1:] in ("a", "f"):
+                kind = {"a": "exact", "f": "family"}[arch[-1]]
+                arch = arch[:-1]
+            try:
+                major, minor = (int(part) for part in arch.split("."))
+            except ValueError:
+                parsed.append(None)
+                continue
+            parsed.append((major, minor, kind))
+    return parsed
+
+
 def _runs_on(capability: tuple[int, int], archs: list[str]) -> bool:
-    """Whether code built for ``archs`` ("8.9", "9.0+PTX", ...) runs on a device of
-    ``capability``: machine code runs on its own major version at the same or a higher minor,
-    PTX (JIT-compiled by the driver) on that version and any newer one."""
-    for arch in archs:
-        ptx = arch.endswith("+PTX")
-        major, minor = (int(part) for part in arch.removesuffix("+PTX").split(".")[:2])
-        if capability[0] == major and capability[1] >= minor:
+    """Whether code built for ``archs`` runs on a device of ``capability``: machine code on its
+    own major version at the same or a higher minor ("a": that capability only), PTX (compiled
+    by the driver) on that version and any newer one."""
+    for arch in _parsed_archs(archs):
+        if arch is None:
+            continue
+        major, minor, kind = arch
+        if kind == "exact":
+            if capability == (major, minor):
+                return True
+        elif capability[0] == major and capability[1] >= minor:
             return True
-        if ptx and capability >= (major, minor):
+        elif kind == "ptx" and capability >= (major, minor):
             return True
     return False
 

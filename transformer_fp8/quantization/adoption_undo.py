@@ -19,7 +19,8 @@ from . import amax_step
 
 # What adopting a recipe may change besides the histories and the recipe record.
 _ATTRIBUTES = ("_recipe_code", "_saved_recipe_code", "_saved_histories", "_built_for_stateless",
-               "_adopted_recipe")
+               "_adopted_recipe", "_te_pending_update")
+_SCALES = ("fp8_fwd_scale", "fp8_fwd_scale_inv", "fp8_bwd_scale", "fp8_bwd_scale_inv")
 
 
 class _Adoptions(threading.local):
@@ -45,14 +46,33 @@ def note(module, history_names) -> None:
         snapshot = {"histories": {name: getattr(module, name).data for name in history_names},
                     "fields": module.fp8_recipe_fields.detach().clone(),
                     "attributes": {name: module.__dict__.get(name) for name in _ATTRIBUTES}}
+        if module.__dict__.get("_te_pending_update"):
+            # (The update a loaded checkpoint owes runs in place when the module first runs,
+            # after this adoption: undone with it, it runs again at the next step.)
+            snapshot["histories"] = {name: data.clone()
+                                     for name, data in snapshot["histories"].items()}
+            snapshot["scales"] = {name: getattr(module, name).detach().clone()
+                                  for name in _SCALES}
         frames[-1].append((weakref.ref(module), snapshot))
 
 
 def _restore(module, snapshot: dict) -> None:
+    """Put ``snapshot`` back, and discard what the failed step recorded in the forward history
+    put back (it may have run under its earlier recipe before adopting the failed one), as the
+    step's discard does (update_plan.UpdatePlan.discard: FP8 primary weights' write-time
+    amaxes, columns 2g + 1, stay). Its backward never ran: the backward history is as it was."""
+    keep_weights = module.__dict__.get("_fp8_weights_record_on_write", False)
+    # A module that still owed a loaded checkpoint's update had not run in the step (running
+    # pays it first): its row 0 holds the checkpoint's amaxes, which the update owed needs.
+    owed = snapshot["attributes"]["_te_pending_update"]
     with torch.no_grad():
         for name, data in snapshot["histories"].items():
             getattr(module, name).data = data
+            if name == "fp8_fwd_amax_history" and not owed:
+                (data[0, 0::2] if keep_weights else data[0]).zero_()
         module.fp8_recipe_fields.copy_(snapshot["fields"])
+        for name, values in snapshot.get("scales", {}).items():
+            getattr(module, name).copy_(values)
     for name, value in snapshot["attributes"].items():
         module.__dict__[name] = value
     module._delayed_cast_cache = module._fused_step_cache = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -154,6 +155,19 @@ _STEP_KEYS: dict = {}
 _LAST_STATE: list = [None]
 
 
+_DEFAULT_RECIPE: list = [None, None]  # (NVTE_BACKWARD_OVERRIDE when made, the recipe)
+
+
+def _default_recipe() -> DelayedScaling:
+    """DelayedScaling(), made once (a context made without a recipe at every step would make
+    and hash a new one each time), again if the environment variable its default reads has
+    changed."""
+    env = os.environ.get("NVTE_BACKWARD_OVERRIDE")
+    if _DEFAULT_RECIPE[1] is None or _DEFAULT_RECIPE[0] != env:
+        _DEFAULT_RECIPE[:] = [env, DelayedScaling()]
+    return _DEFAULT_RECIPE[1]
+
+
 def _state_for(enabled: bool, recipe: Recipe, group, calibrating: bool = False) -> AutocastState:
     """One AutocastState object per (enabled, recipe, group, calibrating): torch.compile guards
     on the object a compiled module reads, so a new one at every step would recompile every
@@ -221,7 +235,7 @@ class fp8_autocast(contextlib.ContextDecorator):
             raise ValueError("fp8_autocast: _graph=True (Transformer Engine's internal flag for "
                              "graph capture) is not supported; use make_graphed_callables")
         if fp8_recipe is None:
-            fp8_recipe = DelayedScaling()
+            fp8_recipe = _default_recipe()
         if not isinstance(fp8_recipe, RECIPE_TYPES):
             raise TypeError("fp8_recipe must be a DelayedScaling, Float8CurrentScaling, "
                             "Float8BlockScaling or Float8RowwiseScaling, got "
@@ -243,8 +257,18 @@ class fp8_autocast(contextlib.ContextDecorator):
         # cost less than the calls that would make them.)
         local = _LOCAL
         stack = local.stack
-        if not stack:
-            adoption_undo.begin()  # (a failed step's recipe adoptions are undone at its exit)
+        if stack:
+            self._enter(state, delayed, local, stack)
+            return
+        adoption_undo.begin()  # (a failed step's recipe adoptions are undone at its exit)
+        try:
+            self._enter(state, delayed, local, stack)
+        except BaseException:
+            adoption_undo.end(failed=True)
+            raise
+
+    @staticmethod
+    def _enter(state, delayed: bool, local, stack: list) -> None:
         if delayed and _AWAITING_RECIPE.data and not _is_compiling():
             adopt_recipe_for_waiting_modules(state.recipe)
         if not stack:  # the outermost context
@@ -274,8 +298,10 @@ class fp8_autocast(contextlib.ContextDecorator):
             failed = exc_type is not None
             try:
                 _exit_outermost(failed)
-            finally:
-                adoption_undo.end(failed)
+            except BaseException:  # (an update that raises discards its step: a failed one)
+                adoption_undo.end(failed=True)
+                raise
+            adoption_undo.end(failed)
         return False
 
 

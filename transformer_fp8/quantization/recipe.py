@@ -90,6 +90,21 @@ class Recipe:
     def custom(cls) -> bool:
         return False
 
+    def __setstate__(self, state: dict) -> None:
+        # A recipe pickled before a field existed (torch.save(model) holds the recipes) gets
+        # the field at the value it behaved as then.
+        for name, value in _FIELDS_ADDED.items():
+            if name in getattr(type(self), "__dataclass_fields__", {}):
+                state.setdefault(name, value)
+        self.__dict__.update(state)
+
+
+# Fields added to the recipes after their first release, and the value an older pickle had in
+# effect (the defaults; backward_override and use_power_2_scales, whose defaults come from the
+# environment, as not set).
+_FIELDS_ADDED = {"fp8_dpa": False, "fp8_mha": False, "backward_override": None,
+                 "use_power_2_scales": False}
+
 
 def _env_backward_override() -> Optional[str]:
     return os.environ.get("NVTE_BACKWARD_OVERRIDE") or None
@@ -152,10 +167,11 @@ class DelayedScaling(Recipe):
             warnings.warn("DelayedScaling: interval is deprecated and unused (as in Transformer "
                           "Engine 1.x): scales are updated at every step", DeprecationWarning,
                           stacklevel=3)
-        if tuple(override_linear_precision) != (False, False, False):
-            raise ValueError(f"override_linear_precision={override_linear_precision!r} (GEMMs "
-                             "in high precision) is not supported; leave it at (False, False, "
-                             "False)")
+        if (not isinstance(override_linear_precision, (tuple, list))
+                or tuple(override_linear_precision) != (False, False, False)):
+            raise ValueError(f"DelayedScaling: override_linear_precision="
+                             f"{override_linear_precision!r} (some GEMMs in high precision) is "
+                             "not supported; leave it at (False, False, False)")
         if (isinstance(self.margin, bool) or not isinstance(self.margin, int)
                 or not 0 <= self.margin <= MAX_MARGIN):
             raise ValueError(f"margin must be an integer in [0, {MAX_MARGIN}] (a larger margin "

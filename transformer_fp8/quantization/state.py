@@ -212,9 +212,11 @@ class Fp8State:
         if adopted is not None and adopted[0] is recipe and adopted[1] is self._recipe_code:
             return  # the same recipe object as last time, and nothing reset the record since
         with outside_inference_mode():  # (a resized history must stay writable by training)
-            self._adopt_new_recipe(recipe, running)
             if running and self.__dict__.get("_te_pending_update"):
+                # (First, on the loaded history: a failed step undoes the adoption below, not
+                # this update, which Transformer Engine would have made all the same.)
                 run_owed_update(self, recipe)
+            self._adopt_new_recipe(recipe, running)
 
     def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
         if not torch.compiler.is_compiling():  # (undone if the step fails: adoption_undo.py)
