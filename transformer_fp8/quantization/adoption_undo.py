@@ -25,17 +25,14 @@ _SCALES = ("fp8_fwd_scale", "fp8_fwd_scale_inv", "fp8_bwd_scale", "fp8_bwd_scale
 
 class _Adoptions(threading.local):
     def __init__(self):
-        # One list per outermost context being run (an isolated one, make_graphed_callables',
-        # may run inside another): (module ref, what _adopt_new_recipe is about to change).
+        # One entry per outermost context being run (an isolated one, make_graphed_callables',
+        # may run inside another): None until something is adopted, then a list of
+        # (module ref, what _adopt_new_recipe is about to change).
         self.frames: list = []
 
 
 _LOCAL = _Adoptions()
-
-
-def begin() -> None:
-    """An outermost fp8_autocast is entered: adoptions from now on are recorded for it."""
-    _LOCAL.frames.append([])
+THREAD_LOCAL = _LOCAL  # (fp8_autocast pushes a frame, None, at each outermost entry)
 
 
 def note(module, history_names) -> None:
@@ -43,6 +40,8 @@ def note(module, history_names) -> None:
     tensors themselves: a resize puts new ones in their place)."""
     frames = _LOCAL.frames
     if frames:
+        if frames[-1] is None:
+            frames[-1] = []
         snapshot = {"histories": {name: getattr(module, name).data for name in history_names},
                     "fields": module.fp8_recipe_fields.detach().clone(),
                     "attributes": {name: module.__dict__.get(name) for name in _ATTRIBUTES}}
@@ -85,7 +84,7 @@ def end(failed: bool) -> None:
     """The outermost fp8_autocast exits: on failure its step's adoptions are undone, newest
     first."""
     frames = _LOCAL.frames
-    records = frames.pop() if frames else []
+    records = (frames.pop() if frames else None) or []
     if failed:
         for ref, snapshot in reversed(records):
             module = ref()

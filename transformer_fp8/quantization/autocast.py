@@ -155,6 +155,9 @@ _STEP_KEYS: dict = {}
 _LAST_STATE: list = [None]
 
 
+# adoption_undo's records of the running outermost contexts (.frames: this thread's).
+_ADOPTIONS = adoption_undo.THREAD_LOCAL
+
 _DEFAULT_RECIPE: list = [None, None]  # (NVTE_BACKWARD_OVERRIDE when made, the recipe)
 
 
@@ -257,34 +260,30 @@ class fp8_autocast(contextlib.ContextDecorator):
         # cost less than the calls that would make them.)
         local = _LOCAL
         stack = local.stack
-        if stack:
-            self._enter(state, delayed, local, stack)
-            return
-        adoption_undo.begin()  # (a failed step's recipe adoptions are undone at its exit)
+        outermost = not stack
+        if outermost:  # (a failed step's recipe adoptions are undone at its exit)
+            _ADOPTIONS.frames.append(None)
         try:
-            self._enter(state, delayed, local, stack)
+            if delayed and _AWAITING_RECIPE.data and not _is_compiling():
+                adopt_recipe_for_waiting_modules(state.recipe)
+            if outermost:
+                local.pass_id = next(_pass_ids)
+                # (Not in an isolated context, which a graph may be capturing: the held
+                # updates belong to the surrounding step and run at its next outermost
+                # context. Nor under no_grad: an evaluation forward may come between a training
+                # forward and its compiled backward, whose held update must wait for it; a
+                # forward without gradients reads no grad_output scale.)
+                if not local.isolated and (_QUEUED_BACKWARD_STEPS or _PENDING_BACKWARD_STEPS
+                                           or _HELD_BACKWARD_STEPS):
+                    discard_failed_backward_passes()
+                    if has_pending_backward_updates() and torch.is_grad_enabled():
+                        flush_pending_backward_updates(this_thread_only=True)
+            if delayed and state.step_key not in local.forward_steps:
+                _prepare_steps(state)
         except BaseException:
-            adoption_undo.end(failed=True)
+            if outermost:
+                adoption_undo.end(failed=True)
             raise
-
-    @staticmethod
-    def _enter(state, delayed: bool, local, stack: list) -> None:
-        if delayed and _AWAITING_RECIPE.data and not _is_compiling():
-            adopt_recipe_for_waiting_modules(state.recipe)
-        if not stack:  # the outermost context
-            local.pass_id = next(_pass_ids)
-            # (Not in an isolated context, which a graph may be capturing: the held updates
-            # belong to the surrounding step and run at its next outermost context. Nor under
-            # no_grad: an evaluation forward may come between a training forward and its
-            # compiled backward, whose held update must wait for it; a forward without
-            # gradients reads no grad_output scale.)
-            if not local.isolated and (_QUEUED_BACKWARD_STEPS or _PENDING_BACKWARD_STEPS
-                                       or _HELD_BACKWARD_STEPS):
-                discard_failed_backward_passes()
-                if has_pending_backward_updates() and torch.is_grad_enabled():
-                    flush_pending_backward_updates(this_thread_only=True)
-        if delayed and state.step_key not in local.forward_steps:
-            _prepare_steps(state)
         if state.calibrating:
             local.calibrating = True
         stack.append(state)
@@ -301,7 +300,11 @@ class fp8_autocast(contextlib.ContextDecorator):
             except BaseException:  # (an update that raises discards its step: a failed one)
                 adoption_undo.end(failed=True)
                 raise
-            adoption_undo.end(failed)
+            frames = _ADOPTIONS.frames
+            if failed or frames[-1] is not None:
+                adoption_undo.end(failed)
+            else:
+                frames.pop()  # (nothing adopted: the common case, inline)
         return False
 
 
