@@ -4,6 +4,7 @@ training without it. Skipped where transformers is not installed (no weights are
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -83,6 +84,26 @@ def test_llama_compiles_fullgraph_without_recompiling():
     assert_bit_identical(got, expected)
 
 
+def save_bin_checkpoint(model, path, shards=1):
+    """The config and the state_dict as pytorch_model.bin, or as `shards` files with a
+    pytorch_model.bin.index.json, as transformers 4.x's save_pretrained(safe_serialization=
+    False) wrote them (transformers 5 writes safetensors only)."""
+    model.config.save_pretrained(path)
+    state = model.state_dict()
+    if shards == 1:
+        torch.save(state, path / "pytorch_model.bin")
+        return
+    keys = list(state)
+    weight_map = {}
+    for i in range(shards):
+        name = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = keys[i::shards]
+        torch.save({k: state[k] for k in part}, path / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 @pytest.mark.parametrize("safe_serialization", [True, False], ids=["safetensors", "bin"])
 def test_save_pretrained_round_trip_keeps_the_fp8_state(tmp_path, safe_serialization):
     """save_pretrained writes the FP8 state; from_pretrained drops it (its fresh model has no
@@ -90,7 +111,12 @@ def test_save_pretrained_round_trip_keeps_the_fp8_state(tmp_path, safe_serializa
     where it stopped rather than from fresh scales."""
     model = tfp8.convert_to_fp8(tiny_gpt2("cpu"), recipe=RECIPE)
     train_lm(model, model, "cpu")
-    model.save_pretrained(tmp_path, safe_serialization=safe_serialization)
+    if safe_serialization:
+        model.save_pretrained(tmp_path)
+    else:   # transformers 5's save_pretrained writes safetensors whatever it is asked
+        save_bin_checkpoint(model, tmp_path)
+    assert (tmp_path / ("model.safetensors" if safe_serialization
+                        else "pytorch_model.bin")).exists()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
 
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
@@ -103,6 +129,30 @@ def test_save_pretrained_round_trip_keeps_the_fp8_state(tmp_path, safe_serializa
         assert torch.equal(value, saved[key]), key
     # the next steps are those of the original model, bit for bit
     assert_bit_identical(train_lm(reloaded, reloaded, "cpu"), train_lm(model, model, "cpu"))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_load_fp8_state_reads_a_sharded_checkpoint(tmp_path, fmt):
+    """A checkpoint in several shards (save_pretrained's max_shard_size for safetensors; shards
+    and pytorch_model.bin.index.json for bin): load_fp8_state reads the FP8 state from all of
+    them, bit for bit the saved one."""
+    model = tfp8.convert_to_fp8(tiny_gpt2("cpu"), recipe=RECIPE)
+    train_lm(model, model, "cpu")
+    if fmt == "safetensors":
+        model.save_pretrained(tmp_path, max_shard_size="100KB")
+    else:
+        save_bin_checkpoint(model, tmp_path, shards=3)
+    shards = [f for f in tmp_path.iterdir() if f.name.endswith("." + fmt)]
+    assert len(shards) > 1, sorted(f.name for f in tmp_path.iterdir())
+    assert any(f.name.endswith(".index.json") for f in tmp_path.iterdir())
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    reloaded = tfp8.convert_to_fp8(tiny_gpt2("cpu"), recipe=RECIPE)
+    loaded = tfp8.load_fp8_state(reloaded, tmp_path)
+    assert len(loaded) == 2 * 4 + 1
+    for key, value in reloaded.state_dict().items():
+        if "fp8_" in key:
+            assert torch.equal(value, saved[key]), key
 
 
 def test_load_fp8_state_refuses_a_model_that_does_not_match(tmp_path):
