@@ -107,7 +107,9 @@ def test_block_scaling_gathers_the_block_cast_of_the_full_weight(tmp_path):
         for step in range(STEPS):
             in_fp8 = [r != 1.0 for r in ratios[6 * step:6 * step + 6]]
             assert in_fp8 == [True, True, False, False, True, True], ratios
-        assert all(r <= 0.55 for r in ratios if r != 1.0), ratios
+        # 1 byte per weight element and the blocks' scale_invs, against float32 weights:
+        # 25.4-25.6% of the bytes in this test.
+        assert all(0.25 < r < 0.26 for r in ratios if r != 1.0), ratios
         assert len(fp8["warnings"]) == 1 and "not whole 128-row blocks" in fp8["warnings"][0]
         # The gathered operands are BlockQuantizer(2, ...).cast of the full weight, bit for bit.
         per_step = len(FP8_WEIGHTS)
