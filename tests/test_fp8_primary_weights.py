@@ -159,9 +159,9 @@ def _train(model, step_fn, gen_seed, steps):
 def test_training_with_an_fp32_master_copy_tracks_high_precision(gen):
     """AdamW on fp32 master weights (seeded from get_high_precision_init_val), written back with
     param.copy_(master), against the same model with high-precision weights and the same FP8
-    GEMMs. Measured (benchmarks/measure_fp8_primary_weights.py) over 30 steps, seeds 0-2:
-    losses within 0.13% of each other, master weights at 42.2-42.4 dB SQNR from the
-    high-precision run's."""
+    GEMMs. Measured (benchmarks/measure_fp8_primary_weights.py, 30 steps, seeds 0-2, commit
+    7f5f94a, benchmarks/results/2026-11-27-cpu-fp8-primary-weights): losses within 0.15% of each
+    other, master weights at 41.2-41.6 dB SQNR from the high-precision run's."""
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     torch.manual_seed(seed)
     with tfp8.quantized_model_init(recipe=DELAYED, preserve_high_precision_init_val=True):
@@ -205,7 +205,7 @@ def test_plain_sgd_on_fp8_weights_quantises_every_update(gen):
     """torch.optim.SGD updates the FP8 weight in place: the new value is quantised with the
     layer's delayed weight scale, so every update smaller than half an FP8 step is lost.
     Measured (lr 0.3, 30 steps, seeds 0-2, benchmarks/measure_fp8_primary_weights.py, commit
-    e98e941): 96% of the first layer's FP8 codes unchanged by each step and the loss rises
+    7f5f94a, as at e98e941): 96% of the first layer's FP8 codes unchanged by each step and the loss rises
     (0.43-0.45 -> 0.46-0.47) where high-precision weights reach 0.34-0.35."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     with tfp8.quantized_model_init(recipe=DELAYED):
