@@ -108,6 +108,16 @@ def test_block_scaling_f32_scales(monkeypatch):
     assert dataclasses.replace(recipe, use_f32_scales=True).power_2_scale is False
 
 
+
+def test_constructor_only_arguments_read_back_their_defaults():
+    """use_f32_scales and interval are constructor arguments only (dataclass InitVars): the
+    attributes of those names read the class defaults, not what was passed (README: read
+    power_2_scale back)."""
+    recipe = tfp8.Float8BlockScaling(use_f32_scales=True)
+    assert recipe.power_2_scale is False and recipe.use_f32_scales is None
+    with pytest.warns(DeprecationWarning, match="interval is deprecated and unused"):
+        assert tfp8.DelayedScaling(interval=5).interval == -1
+
 def test_transformer_engine_1x_delayed_scaling_arguments():
     """1.x's quickstart wrote DelayedScaling(margin=0, interval=1, fp8_format=...): interval is
     accepted (deprecated and unused, as there); override_linear_precision at its default only."""
