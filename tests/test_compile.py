@@ -299,3 +299,45 @@ def test_compiling_an_fp8_layer_warns_of_nothing():
         with tfp8.fp8_autocast():
             compiled(torch.randn(16, 32))
     assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+
+
+class _BrokenBlock(torch.nn.Module):
+    """Two FP8 layers with a graph break between them (as an MoE block's routing, a .tolist(),
+    makes one): torch.compile compiles the block's code once and runs that graph for every
+    block."""
+
+    def __init__(self, recipe):
+        super().__init__()
+        self.a = tfp8.Linear(32, 32, recipe=recipe)
+        self.b = tfp8.Linear(32, 32, recipe=recipe)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return x + self.b(torch.relu(h))
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=RECIPE_IDS[:2])
+def test_one_graph_serves_every_layer_of_a_class(recipe):
+    """Eight blocks, each with a graph break: the same compilations as two blocks (a guard on
+    which layer it is compiled the code again for every FP8 layer, and past torch's
+    recompilation limit the rest ran eagerly), and every layer's FP8 state updated as eager
+    (the layers that replay a graph traced for another one record without registering: all
+    the layers of a traced class are covered by the step), bit for bit."""
+    from torch._dynamo.utils import counters
+
+    def compilations(blocks):
+        torch.manual_seed(0)
+        eager = torch.nn.Sequential(*[_BrokenBlock(recipe) for _ in range(blocks)])
+        compiled = copy.deepcopy(eager)
+        torch._dynamo.reset()
+        counters.clear()
+        backend, graphs = counting_aot_eager()
+        compiled_fn = torch.compile(compiled, backend=backend)
+        batches = step_batches(torch.Generator().manual_seed(0), STEPS, 16, 32)
+        expected = train(eager, eager, batches, recipe)
+        got = train(compiled, compiled_fn, batches, recipe)
+        assert_bit_identical(got, expected)
+        return len(graphs)
+
+    assert compilations(8) == compilations(2)

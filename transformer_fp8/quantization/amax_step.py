@@ -255,7 +255,7 @@ class AmaxStep:
         (which steps the states belong to differs from rank to rank: _others_states)."""
         states = dict(self.states)
         for state in scaling_state.registered(self.role):
-            if state.key not in states and (reduce or state.key in _COMPILED_MODULES):
+            if state.key not in states and (reduce or compiled(state)):
                 if state.takes_recipe(self.recipe) and (not devices or state.device in devices):
                     states[state.key] = state
         return [states[key] for key in sorted(states)]
@@ -306,19 +306,27 @@ class AmaxStep:
             return cached[2]
         others = frozenset(i for i, state in enumerate(ref() for ref in plan.state_refs)
                            if state is not None and state.step is not None
-                           and state.step is not self and state.key not in _COMPILED_MODULES)
+                           and state.step is not self and not compiled(state))
         self._others = (plan, _OWNERSHIP[0], others)
         return others
 
 
-# Creation indices of the FP8 modules that torch.compile has traced (see note_compiled).
+# The classes of the FP8 modules whose forward torch.compile has traced (see note_compiled).
 _COMPILED_MODULES: set = set()
 
 
+def compiled(state: ScalingState) -> bool:
+    """Whether ``state``'s module may run compiled: its forward then records amaxes without
+    registering its states with the step (roles._delayed)."""
+    return state.owner_type in _COMPILED_MODULES
+
+
 @torch.compiler.assume_constant_result
-def note_compiled(key: str) -> bool:
+def note_compiled(owner_type: type) -> bool:
     """Called by a traced FP8 forward: torch.compile runs it once, while tracing (its result is
     baked into the graph as a constant), so this side effect is allowed even inside a
-    checkpointed region, and costs nothing at run time."""
-    _COMPILED_MODULES.add(int(key))  # (key: the module's creation index, as a string)
+    checkpointed region, and costs nothing at run time. By class, not by module: a graph traced
+    for one module serves every module of its class (the modules are the graph's inputs), and
+    guarding on which module it is would compile the same code again for every layer."""
+    _COMPILED_MODULES.add(owner_type)
     return True

@@ -31,11 +31,11 @@ def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):
     quantizers = delayed_quantizers(fp8_state, recipe.fp8_format, compiling)
     if compiling:
         # A traced forward registers nothing (a side effect would be refused inside a
-        # checkpointed region): noted once as compiled, it is covered by every step of its
-        # recipe, and its backward's update runs at the next outermost fp8_autocast.
-        # (The index as a string: dynamo makes the int attributes of FSDP2-managed modules
-        # symbolic, and note_compiled needs a constant.)
-        amax_step.note_compiled(fp8_state._fp8_key)
+        # checkpointed region): its class noted once as compiled (a graph traced for one
+        # instance serves every other instance of the class, with no guard on which), every
+        # module of that class is covered by every step of its recipe, and its backward's
+        # update runs at the next outermost fp8_autocast.
+        amax_step.note_compiled(type(fp8_state))
         return quantizers, None
     backward_step = _autocast.record_forward(autocast_state, *fp8_state._scaling_states)
     return quantizers, backward_step

@@ -35,11 +35,13 @@ class ScalingState:
     the owner whether a step under ``recipe`` covers this state, adopting the recipe if it has
     none (see amax_step.AmaxStep)."""
 
-    __slots__ = ("key", "role", "history", "scale", "scale_inv", "device", "step",
+    __slots__ = ("key", "role", "owner_type", "history", "scale", "scale_inv", "device", "step",
                  "weight_amaxes_from_writes", "_takes_recipe", "__weakref__")
 
-    def __init__(self, key: int, role: str, takes_recipe: Callable[[object], bool]):
+    def __init__(self, key: int, role: str, takes_recipe: Callable[[object], bool],
+                 owner_type: Optional[type] = None):
         self.key, self.role = key, role
+        self.owner_type = owner_type  # the owner module's class (amax_step.note_compiled)
         self._takes_recipe = takes_recipe
         self.history = self.scale = self.scale_inv = None
         self.device = None

@@ -76,10 +76,9 @@ class Fp8State:
         """A creation index and the (forward, backward) ScalingStates of this module, registered
         with the step machinery."""
         self._fp8_index = next(_creation_index)
-        self._fp8_key = str(self._fp8_index)  # (for torch.compile: see roles._delayed)
         takes_recipe = scaling_state.weak_method(self._takes_recipe)
-        self._scaling_states = (ScalingState(self._fp8_index, "fwd", takes_recipe),
-                                ScalingState(self._fp8_index, "bwd", takes_recipe))
+        self._scaling_states = (ScalingState(self._fp8_index, "fwd", takes_recipe, type(self)),
+                                ScalingState(self._fp8_index, "bwd", takes_recipe, type(self)))
         self._bind_scaling_states()
         for state in self._scaling_states:
             scaling_state.register(state)
