@@ -234,6 +234,15 @@ class fp8_autocast(contextlib.ContextDecorator):
 
     def __init__(self, enabled: bool = True, calibrating: bool = False,
                  fp8_recipe: Optional[Recipe] = None, fp8_group=None, _graph: bool = False):
+        last = _LAST_STATE[0]
+        if (last is not None and fp8_recipe is last.recipe and fp8_group is last.group
+                and enabled is last.enabled and calibrating is False and _graph is False
+                and not last.calibrating):
+            # The arguments of the last context made (a training loop makes one per step):
+            # checked then, and its state (see _state_for).
+            self._state = last
+            self._delayed = enabled and isinstance(fp8_recipe, DelayedScaling)
+            return
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
         if not isinstance(calibrating, bool):
@@ -274,8 +283,8 @@ class fp8_autocast(contextlib.ContextDecorator):
             # no_grad: an evaluation forward may come between a training forward and its
             # compiled backward, whose held update must wait for it; a forward without
             # gradients reads no grad_output scale.)
-            if not local.isolated and (_QUEUED_BACKWARD_STEPS or _PENDING_BACKWARD_STEPS
-                                       or _HELD_BACKWARD_STEPS):
+            if ((_QUEUED_BACKWARD_STEPS or _PENDING_BACKWARD_STEPS or _HELD_BACKWARD_STEPS)
+                    and not local.isolated):
                 discard_failed_backward_passes()
                 if has_pending_backward_updates() and torch.is_grad_enabled():
                     flush_pending_backward_updates(this_thread_only=True)
