@@ -15,8 +15,6 @@ import weakref
 
 import torch
 
-from . import amax_step
-
 # What adopting a recipe may change besides the histories and the recipe record.
 _ATTRIBUTES = ("_recipe_code", "_saved_recipe_code", "_saved_histories", "_built_for_stateless",
                "_adopted_recipe", "_te_pending_update")
@@ -77,7 +75,7 @@ def _restore(module, snapshot: dict) -> None:
     module._delayed_cast_cache = module._fused_step_cache = None
     module._bind_scaling_states()
     if module._recipe_code is None:
-        amax_step.await_recipe(module._scaling_states[0])
+        module._await_recipe()
 
 
 def end(failed: bool) -> None:

@@ -266,7 +266,7 @@ class AmaxStep:
         amaxes recorded since the last update are discarded, as after a failed step: left in
         history row 0, the next step's amaxes were folded into them."""
         try:
-            reduce = self._reduces()
+            reduce = self.recipe.reduce_amax and world_size(self.group) > 1  # (_reduces())
             plan = self._plan
             if (not reduce and plan is not None
                     and plan.generation == scaling_state._current[0]

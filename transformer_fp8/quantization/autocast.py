@@ -31,6 +31,7 @@ from .backward_step import (_HELD_BACKWARD_STEPS, _PENDING_BACKWARD_STEPS,
                             has_pending_backward_updates, hold_for_compiled_backward)
 from .recipe import RECIPE_TYPES, DelayedScaling, Recipe
 from .scaling_state import ScalingState
+from .transforms import functorch_level as _functorch_level
 from .transforms import refuse_functorch_transform
 
 
@@ -92,24 +93,38 @@ def _prepare_steps(state: AutocastState):
     A compiled forward records its amaxes but registers nothing: the steps cover every module
     of the recipe (see AmaxStep._plan_for_step). An isolated context (a graphed callable's)
     has steps of its own, which cover exactly the modules that run in it."""
-    local = _LOCAL
+    local = _LOCAL  # (each attribute read once: a thread-local's cost several plain reads)
     k = state.step_key
-    if k not in local.forward_steps:
-        kept = local.kept_steps
-        steps = None if local.isolated else kept.pop(k, None)
-        if steps is None:
-            everywhere = not local.isolated
-            steps = (AmaxStep(state.recipe, state.group, role="fwd",
-                              include_unrecorded=everywhere),
-                     BackwardStep(state.recipe, state.group, include_unrecorded=everywhere))
-        if not local.isolated:
-            kept[k] = steps  # (the most recently used last; see MAX_KEPT_RECIPES)
-            if len(kept) > MAX_KEPT_RECIPES:
-                for old in [old for old in kept if old not in local.forward_steps][
-                        :len(kept) - MAX_KEPT_RECIPES]:
-                    del kept[old]
-        local.forward_steps[k], local.backward_steps[k] = steps
+    forward_steps = local.forward_steps
+    if k not in forward_steps:
+        if local.isolated:
+            steps = _new_steps(state, include_unrecorded=False)
+        else:
+            kept = local.kept_steps
+            steps = kept.get(k)
+            if steps is None or next(reversed(kept)) is not k:  # (else the most recently
+                steps = _kept_steps(kept, k, state, forward_steps)  # used already)
+        forward_steps[k], local.backward_steps[k] = steps
     return k
+
+
+def _new_steps(state: AutocastState, include_unrecorded: bool) -> tuple:
+    return (AmaxStep(state.recipe, state.group, role="fwd",
+                     include_unrecorded=include_unrecorded),
+            BackwardStep(state.recipe, state.group, include_unrecorded=include_unrecorded))
+
+
+def _kept_steps(kept: dict, k, state: AutocastState, in_use: dict) -> tuple:
+    """The kept steps of step key ``k`` (made at its first use), now the most recently used:
+    last in ``kept``. Beyond MAX_KEPT_RECIPES the least recently used not ``in_use`` go."""
+    steps = kept.pop(k, None)
+    if steps is None:
+        steps = _new_steps(state, include_unrecorded=True)
+    kept[k] = steps
+    if len(kept) > MAX_KEPT_RECIPES:
+        for old in [old for old in kept if old not in in_use][:len(kept) - MAX_KEPT_RECIPES]:
+            del kept[old]
+    return steps
 
 
 def record_forward(state: AutocastState, fwd_state: ScalingState,
@@ -130,12 +145,15 @@ def record_forward(state: AutocastState, fwd_state: ScalingState,
 
 
 def _exit_outermost(failed: bool) -> None:
-    local = _LOCAL
+    local = _LOCAL  # (each attribute read once: a thread-local's cost several plain reads)
     steps, backward_steps = local.forward_steps, local.backward_steps
-    calibrating, local.calibrating = local.calibrating, False
+    calibrating = local.calibrating
+    if calibrating:
+        local.calibrating = False
+    grad_enabled = torch.is_grad_enabled()
     if steps:
         local.forward_steps, local.backward_steps = {}, {}
-        if failed or not (torch.is_grad_enabled() or calibrating
+        if failed or not (grad_enabled or calibrating
                           or checkpointing.checkpoint_context().regions):
             # A failed step, or an evaluation (no_grad, inference_mode; as in Transformer
             # Engine, the grad mode at the exit): its amaxes are forgotten, no scale changes,
@@ -144,9 +162,14 @@ def _exit_outermost(failed: bool) -> None:
             # reentrant checkpoint's first forward (no_grad too, but a training forward).
             for step in steps.values():
                 step.discard()
+        elif len(steps) == 1:  # (one recipe, the common case: update_all's work for one)
+            for step in steps.values():
+                step.reduce_and_update()
         else:
             update_all([(step, AmaxStep.reduce_and_update) for step in steps.values()])
-    if not failed and not local.isolated:
+    # (No backward pass follows a forward without gradients: an eval forward keeps the last
+    # training one's held steps.)
+    if grad_enabled and not failed and not local.isolated:
         hold_for_compiled_backward(list(backward_steps.values()))
 
 
@@ -229,6 +252,15 @@ class fp8_autocast(contextlib.ContextDecorator):
 
     def __init__(self, enabled: bool = True, calibrating: bool = False,
                  fp8_recipe: Optional[Recipe] = None, fp8_group=None, _graph: bool = False):
+        last = _LAST_STATE[0]
+        if (last is not None and fp8_recipe is last.recipe and fp8_group is last.group
+                and enabled is last.enabled and calibrating is False and _graph is False
+                and not last.calibrating):
+            # The arguments of the last context made (a training loop makes one per step):
+            # checked then, and its state (see _state_for).
+            self._state = last
+            self._delayed = enabled and isinstance(fp8_recipe, DelayedScaling)
+            return
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
         if not isinstance(calibrating, bool):
@@ -254,8 +286,8 @@ class fp8_autocast(contextlib.ContextDecorator):
 
     def __enter__(self) -> None:
         state, delayed = self._state, self._delayed
-        if state.enabled and not _is_compiling():
-            refuse_functorch_transform("fp8_autocast(enabled=True) entered")
+        if state.enabled and not _is_compiling() and _functorch_level() is not None:
+            refuse_functorch_transform("fp8_autocast(enabled=True) entered")  # (raises)
         # (The module-level containers read directly: entered on every step, these checks
         # cost less than the calls that would make them.)
         local = _LOCAL
@@ -273,8 +305,8 @@ class fp8_autocast(contextlib.ContextDecorator):
                 # context. Nor under no_grad: an evaluation forward may come between a training
                 # forward and its compiled backward, whose held update must wait for it; a
                 # forward without gradients reads no grad_output scale.)
-                if not local.isolated and (_QUEUED_BACKWARD_STEPS or _PENDING_BACKWARD_STEPS
-                                           or _HELD_BACKWARD_STEPS):
+                if ((_QUEUED_BACKWARD_STEPS or _PENDING_BACKWARD_STEPS or _HELD_BACKWARD_STEPS)
+                        and not local.isolated):
                     discard_failed_backward_passes()
                     if has_pending_backward_updates() and torch.is_grad_enabled():
                         flush_pending_backward_updates(this_thread_only=True)

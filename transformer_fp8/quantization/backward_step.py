@@ -196,11 +196,10 @@ _LAST_FORWARD = threading.local()
 
 
 def hold_for_compiled_backward(backward_steps: list) -> None:
-    """The backward steps of a forward pass that has just ended, held for a compiled backward
-    when the process compiles FP8 modules or runs compiled autograd (see
-    _HELD_BACKWARD_STEPS)."""
-    if not torch.is_grad_enabled():
-        return  # (no backward pass to come: an eval forward keeps the last training one)
+    """The backward steps of a forward pass with gradients that has just ended (called by
+    fp8_autocast's outermost exit under grad mode only: an eval forward keeps the last
+    training one's), held for a compiled backward when the process compiles FP8 modules or
+    runs compiled autograd (see _HELD_BACKWARD_STEPS)."""
     if _COMPILED_MODULES or _COMPILED_BACKWARD_SEEN[0]:
         _HELD_BACKWARD_STEPS.extend(backward_steps)
     else:

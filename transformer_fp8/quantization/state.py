@@ -83,6 +83,14 @@ class Fp8State:
         for state in self._scaling_states:
             scaling_state.register(state)
         if self._recipe_code is None:
+            self._await_recipe()
+
+    def _await_recipe(self) -> None:
+        """Wait for the recipe of the next delayed-scaling fp8_autocast entered
+        (amax_step._AWAITING_RECIPE), unless built for a recipe without delayed state: such a
+        module takes a delayed recipe only by running under it (_takes_recipe refuses an
+        entry's), and every entry would ask it again (host time at every step, per module)."""
+        if not getattr(self, "_built_for_stateless", False):
             amax_step.await_recipe(self._scaling_states[0])
 
     def _bind_scaling_states(self) -> None:
@@ -131,6 +139,7 @@ class Fp8State:
             self._adopt_recipe(recipe)
         elif recipe is not None:  # built for a recipe without delayed state: see _takes_recipe
             self._built_for_stateless = True
+            amax_step.recipe_adopted(self._fp8_index)  # (waits for none: see _await_recipe)
 
     def reset_fp8_state(self) -> None:
         """Fresh FP8 state: empty histories, unit scales (keeps the history length)."""
@@ -144,7 +153,7 @@ class Fp8State:
         self._recipe_code = self._saved_recipe_code = self._saved_histories = None
         self._te_pending_update = ()
         self._bind_scaling_states()  # (which steps cover it may change with the recipe)
-        amax_step.await_recipe(self._scaling_states[0])
+        self._await_recipe()
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
         self._fused_step_cache = None
@@ -385,7 +394,7 @@ class Fp8State:
         self.note_saved_recipe()
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
         self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
-        amax_step.await_recipe(self._scaling_states[0])
+        self._await_recipe()
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
         self._fused_step_cache = None

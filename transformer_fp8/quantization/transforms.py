@@ -13,12 +13,14 @@ import contextlib
 
 import torch
 
-_current_level = torch._C._functorch.maybe_current_level
+# The level of the innermost torch.func transform running, or None outside any (a C function:
+# callers on every step test it inline and call refuse_functorch_transform only inside one).
+functorch_level = torch._C._functorch.maybe_current_level
 
 
 def refuse_functorch_transform(what: str) -> None:
     """Raises, naming ``what``, inside a torch.func transform; else nothing (one C call)."""
-    if _current_level() is not None:
+    if functorch_level() is not None:
         raise RuntimeError(
             f"transformer_fp8: {what} inside a torch.func transform (grad, vmap, jacrev, ...), "
             "which FP8 training does not support: the FP8 state (amax histories, scales) is "
