@@ -341,3 +341,24 @@ def test_one_graph_serves_every_layer_of_a_class(recipe):
         return len(graphs)
 
     assert compilations(8) == compilations(2)
+
+
+def test_a_layer_whose_class_changed_after_it_was_made_is_covered():
+    """FSDP2's fully_shard gives a module a subclass of its class after it is made: a compiled
+    forward of such a layer (its class noted when traced) is still covered by every step, so
+    its scales move as eager's, bit for bit."""
+    recipe = RECIPES[0]
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(_BrokenBlock(recipe), _BrokenBlock(recipe))
+    compiled = copy.deepcopy(eager)
+    for block in compiled:
+        for name in ("a", "b"):
+            layer = getattr(block, name)
+            layer.__class__ = type("Sharded" + type(layer).__name__, (type(layer),), {})
+    torch._dynamo.reset()
+    backend, _ = counting_aot_eager()
+    compiled_fn = torch.compile(compiled, backend=backend)
+    batches = step_batches(torch.Generator().manual_seed(0), STEPS, 16, 32)
+    expected = train(eager, eager, batches, recipe)
+    got = train(compiled, compiled_fn, batches, recipe)
+    assert_bit_identical(got, expected)

@@ -317,8 +317,11 @@ _COMPILED_MODULES: set = set()
 
 def compiled(state: ScalingState) -> bool:
     """Whether ``state``'s module may run compiled: its forward then records amaxes without
-    registering its states with the step (roles._delayed)."""
-    return state.owner_type in _COMPILED_MODULES
+    registering its states with the step (roles._delayed). (A subclass counts: FSDP2 gives the
+    modules it shards a subclass of their class after they are made.)"""
+    owner = state.owner_type
+    return owner is not None and any(issubclass(owner, traced) or issubclass(traced, owner)
+                                     for traced in _COMPILED_MODULES)
 
 
 @torch.compiler.assume_constant_result
