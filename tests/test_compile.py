@@ -317,6 +317,27 @@ class _BrokenBlock(torch.nn.Module):
         return x + self.b(torch.relu(h))
 
 
+def _compiled_blocks_match_eager(recipe, blocks: int, change_class: bool = False) -> int:
+    """``blocks`` _BrokenBlocks trained compiled (aot_eager) and eagerly over steps whose
+    scales change, bit for bit; returns the number of compilations. ``change_class``: each
+    FP8 layer of the compiled copy gets a subclass of its class first, as FSDP2's fully_shard
+    gives the modules it shards."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(*[_BrokenBlock(recipe) for _ in range(blocks)])
+    compiled = copy.deepcopy(eager)
+    if change_class:
+        for layer in (m for m in compiled.modules() if isinstance(m, tfp8.Linear)):
+            layer.__class__ = type("Sharded" + type(layer).__name__, (type(layer),), {})
+    torch._dynamo.reset()
+    backend, graphs = counting_aot_eager()
+    compiled_fn = torch.compile(compiled, backend=backend)
+    batches = step_batches(torch.Generator().manual_seed(0), STEPS, 16, 32)
+    expected = train(eager, eager, batches, recipe)
+    got = train(compiled, compiled_fn, batches, recipe)
+    assert_bit_identical(got, expected)
+    return len(graphs)
+
+
 @pytest.mark.parametrize("recipe", RECIPES[:2], ids=RECIPE_IDS[:2])
 def test_one_graph_serves_every_layer_of_a_class(recipe):
     """Eight blocks, each with a graph break: the same compilations as two blocks (a guard on
@@ -324,41 +345,11 @@ def test_one_graph_serves_every_layer_of_a_class(recipe):
     recompilation limit the rest ran eagerly), and every layer's FP8 state updated as eager
     (the layers that replay a graph traced for another one record without registering: all
     the layers of a traced class are covered by the step), bit for bit."""
-    from torch._dynamo.utils import counters
-
-    def compilations(blocks):
-        torch.manual_seed(0)
-        eager = torch.nn.Sequential(*[_BrokenBlock(recipe) for _ in range(blocks)])
-        compiled = copy.deepcopy(eager)
-        torch._dynamo.reset()
-        counters.clear()
-        backend, graphs = counting_aot_eager()
-        compiled_fn = torch.compile(compiled, backend=backend)
-        batches = step_batches(torch.Generator().manual_seed(0), STEPS, 16, 32)
-        expected = train(eager, eager, batches, recipe)
-        got = train(compiled, compiled_fn, batches, recipe)
-        assert_bit_identical(got, expected)
-        return len(graphs)
-
-    assert compilations(8) == compilations(2)
+    assert _compiled_blocks_match_eager(recipe, 8) == _compiled_blocks_match_eager(recipe, 2)
 
 
 def test_a_layer_whose_class_changed_after_it_was_made_is_covered():
     """FSDP2's fully_shard gives a module a subclass of its class after it is made: a compiled
     forward of such a layer (its class noted when traced) is still covered by every step, so
     its scales move as eager's, bit for bit."""
-    recipe = RECIPES[0]
-    torch.manual_seed(0)
-    eager = torch.nn.Sequential(_BrokenBlock(recipe), _BrokenBlock(recipe))
-    compiled = copy.deepcopy(eager)
-    for block in compiled:
-        for name in ("a", "b"):
-            layer = getattr(block, name)
-            layer.__class__ = type("Sharded" + type(layer).__name__, (type(layer),), {})
-    torch._dynamo.reset()
-    backend, _ = counting_aot_eager()
-    compiled_fn = torch.compile(compiled, backend=backend)
-    batches = step_batches(torch.Generator().manual_seed(0), STEPS, 16, 32)
-    expected = train(eager, eager, batches, recipe)
-    got = train(compiled, compiled_fn, batches, recipe)
-    assert_bit_identical(got, expected)
+    _compiled_blocks_match_eager(RECIPES[0], 2, change_class=True)

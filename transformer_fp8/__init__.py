@@ -23,7 +23,8 @@ from .modules.transformer_layer import TransformerLayer
 from .ops import blockwise as blockwise_ops
 from .ops import fused as fused_ops
 from . import recipe
-from .quantization.autocast import autocast, fp8_autocast, fp8_model_init, quantized_model_init
+from .quantization.autocast import autocast, fp8_autocast
+from .quantization.model_init import fp8_model_init, quantized_model_init
 from .quantization.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                                   Float8RowwiseScaling, Format)
 from .quantization.replay import checkpoint

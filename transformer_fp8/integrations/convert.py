@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..quantization import autocast as fp8_context
+from ..quantization import model_init
 from ..quantization.quantizer import ALIGN
 from ..quantization.history import history_len_for
 from ..modules.fsdp_all_gather import enable_fp8_all_gather
@@ -163,7 +163,7 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
                         f"{fp8_all_gather!r}")
     filter_fn = filter_fn or _default_filter
     if recipe is None:
-        recipe = fp8_context.init_recipe()  # from quantized_model_init, if any
+        recipe = model_init.init_recipe()  # from quantized_model_init, if any
     history_len = history_len_for(recipe)
     summary = ConversionSummary([], {})
     for name, child in module.named_modules():

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quantization import autocast as _autocast
+from ..quantization import model_init
 from ..quantization.fp8_weight import Fp8Weight, WeightCast
 from ..quantization.recipe import DelayedScaling, Float8CurrentScaling
 from .fsdp_all_gather import _weight_parameter_names
@@ -37,7 +37,7 @@ def make_fp8_primary_weights(module: torch.nn.Module) -> None:
     """The last step of an FP8 module's constructor: inside an enabled quantized_model_init,
     its GEMM weights become Fp8Weights quantised by the context's recipe (see the module
     docstring); elsewhere nothing changes."""
-    settings = _autocast.init_fp8_weights()
+    settings = model_init.init_fp8_weights()
     if settings is None:
         return
     recipe, preserve = settings

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ..quantization import autocast as _autocast
+from ..quantization import model_init
 from ..quantization.history import history_len_for
 from .base import Fp8StateMixin
 from .fp8_primary_weights import make_fp8_primary_weights
@@ -78,7 +78,7 @@ class GroupedLinear(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
             self._register_gemm_parameter(f"bias{i}",
                                           torch.zeros(out_features, **factory) if bias else None)
         if recipe is None:
-            recipe = _autocast.init_recipe()  # from quantized_model_init, if any
+            recipe = model_init.init_recipe()  # from quantized_model_init, if any
         self._register_fp8_state(self.weight0.device, history_len_for(recipe), num_gemms)
         self.prepare_fp8_recipe(recipe)
         self._m_splits: list[int] = []

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .._dtensor import is_dtensor
 from ..quantization import autocast as _autocast
+from ..quantization import model_init
 from ..ops import function_output
 from ..quantization.quantizer import pad_rows
 from ..quantization.recipe import Recipe
@@ -130,7 +131,7 @@ class LinearLayer(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         if init_method is not None and not weight.is_meta:
             self._init_te_parameters()
         if recipe is None:
-            recipe = _autocast.init_recipe()  # from quantized_model_init, if any
+            recipe = model_init.init_recipe()  # from quantized_model_init, if any
         self._register_fp8_state(self.weight_nk().device, history_len_for(recipe))
         self.prepare_fp8_recipe(recipe)
         if fp8_all_gather:

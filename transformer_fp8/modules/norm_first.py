@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..quantization import autocast as _autocast
+from ..quantization import model_init
 from ..quantization.history import history_len_for
 from .base import Fp8StateMixin
 from .fp8_primary_weights import make_fp8_primary_weights
@@ -86,7 +86,7 @@ class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
     def _init_state(self, recipe, num_gemms: int) -> None:
         """The FP8 state, after the Parameters."""
         if recipe is None:
-            recipe = _autocast.init_recipe()  # from quantized_model_init, if any
+            recipe = model_init.init_recipe()  # from quantized_model_init, if any
         self._register_fp8_state(self.layer_norm_weight.device, history_len_for(recipe),
                                  num_gemms)
         self.prepare_fp8_recipe(recipe)

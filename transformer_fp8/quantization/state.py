@@ -86,10 +86,8 @@ class Fp8State:
             self._await_recipe()
 
     def _await_recipe(self) -> None:
-        """Wait for the recipe of the next delayed-scaling fp8_autocast entered
-        (amax_step._AWAITING_RECIPE), unless built for a recipe without delayed state: such a
-        module takes a delayed recipe only by running under it (_takes_recipe refuses an
-        entry's), and every entry would ask it again (host time at every step, per module)."""
+        """Wait for the next delayed fp8_autocast's recipe (amax_step._AWAITING_RECIPE), unless
+        built for a stateless recipe, which only running under a delayed one adopts."""
         if not getattr(self, "_built_for_stateless", False):
             amax_step.await_recipe(self._scaling_states[0])
 
