@@ -248,25 +248,26 @@ def test_delay_wgrad_compute_does_not_compile_fullgraph():
 @pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8RowwiseScaling()],
                          ids=["block", "rowwise"])
 def test_grouped_linear_under_a_block_recipe_and_a_new_zero_split(recipe):
-    """GroupedLinear under the block recipes, compiled: new m_splits without an empty expert
-    compile and run; m_splits with a zero (an expert given no rows) that arrives at a
-    recompile fails a Dynamo assertion."""
+    """GroupedLinear under the block recipes, compiled: new m_splits, also one with a zero (an
+    expert given no rows) arriving at a recompile, compile and run, bit for bit as eager (the
+    zero split failed a Dynamo assertion while the padding of each split guarded on its
+    remainder)."""
     torch.manual_seed(0)
     grouped = tfp8.GroupedLinear(3, 64, 64, recipe=recipe)
+    reference = copy.deepcopy(grouped)
     torch._dynamo.reset()
     compiled_fn = torch.compile(grouped, backend="aot_eager")
-    gen = torch.Generator().manual_seed(0)
-
-    def step(m_splits):
-        x = torch.randn(64, 64, generator=gen, requires_grad=True)
-        with fp8_autocast(fp8_recipe=recipe):
-            out = compiled_fn(x, m_splits)
-        out.sum().backward()
-
-    for m_splits in ([16, 16, 32], [32, 16, 16], [20, 20, 24]):
-        step(m_splits)
-    with pytest.raises(AssertionError):
-        step([32, 0, 32])
+    for step, m_splits in enumerate(([16, 16, 32], [32, 16, 16], [20, 20, 24], [32, 0, 32])):
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for fn in (compiled_fn, reference):
+            with fp8_autocast(fp8_recipe=recipe):
+                out = fn(x, m_splits)
+            out.sum().backward()
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), m_splits
+    for p, q in zip(grouped.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_grouped_linear_with_a_zero_split_under_inductor_raises():
@@ -353,3 +354,38 @@ def test_a_layer_whose_class_changed_after_it_was_made_is_covered():
     forward of such a layer (its class noted when traced) is still covered by every step, so
     its scales move as eager's, bit for bit."""
     _compiled_blocks_match_eager(RECIPES[0], 2, change_class=True)
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=RECIPE_IDS[:2])
+def test_grouped_linear_compiles_as_often_as_in_high_precision(recipe):
+    """A GroupedLinear whose m_splits change at every step (MoE routing): once Dynamo has made
+    the splits dynamic, the FP8 module recompiles no more than the high-precision one (a guard
+    on each split's remainder modulo 16, where its rows are padded, recompiled it for every
+    new remainder), and stays bit-identical to eager."""
+    gen = torch.Generator().manual_seed(0)
+    splits = []
+    for _ in range(8):
+        a, b, c = (int(v) for v in torch.randint(1, 60, (3,), generator=gen))
+        splits.append([a, b, c, 192 - a - b - c])
+
+    def run(fp8_recipe):
+        torch.manual_seed(0)
+        layer = tfp8.GroupedLinear(4, 32, 32, recipe=fp8_recipe)
+        reference = copy.deepcopy(layer)
+        torch._dynamo.reset()
+        backend, graphs = counting_aot_eager()
+        compiled_fn = torch.compile(layer, backend=backend)
+        for step, m_splits in enumerate(splits):
+            x = torch.randn(192, 32, generator=torch.Generator().manual_seed(step))
+            outs = []
+            for fn in (compiled_fn, reference):
+                with fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+                    out = fn(x, m_splits)
+                out.sum().backward()
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), step
+        for p, q in zip(layer.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        return len(graphs)
+
+    assert run(recipe) <= run(None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence, Union
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true as _statically_known_true
 
 from .. import _C  # noqa: F401  (loads the library and registers the operators)
 from .. import _fp8_hooks
@@ -21,6 +22,7 @@ _ops = torch.ops.transformer_fp8
 AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 
 GEMM_ALIGN = 16  # on CUDA, fp8_gemm's M, N and K must be multiples of 16
+_is_compiling = torch.compiler.is_compiling
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -29,7 +31,9 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
     statistics are collected (eagerly), the padded tensor carries M as ``real_rows``: the
     statistics of its cast leave the padding out (its zero blocks were counted)."""
     extra = (-x.shape[0]) % GEMM_ALIGN
-    if not extra:
+    # (Without a guard on a dynamic row count's remainder, GroupedLinear's splits under
+    # torch.compile: one compilation per remainder. Such a count is padded whatever it is.)
+    if _statically_known_true(extra == 0) if _is_compiling() else not extra:
         return x
     padded = torch.nn.functional.pad(x, (0, 0, 0, extra))
     if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
@@ -42,7 +46,8 @@ def function_output(out: torch.Tensor, rows: int, shape) -> torch.Tensor:
     of its first ``rows`` rows, returned by an autograd.Function's forward. Not a view (no
     copy either): autograd refuses in-place changes to a custom Function's output that is a
     view, and torch.nn.Linear's output takes them (``out += residual``, in-place dropout)."""
-    if out.shape[0] != rows:
+    if (not _statically_known_true(out.shape[0] == rows) if _is_compiling()
+            else out.shape[0] != rows):  # (no guard on a dynamic count: see pad_rows)
         out = out[:rows]
     return torch.ops.aten._unsafe_view(out, shape)
 
