@@ -245,6 +245,31 @@ def test_delay_wgrad_compute_does_not_compile_fullgraph():
             compiled_fn(torch.randn(16, 64))
 
 
+def _grouped_compiled_matches_eager(recipe, m_splits_per_step: list, width: int = 64) -> int:
+    """A GroupedLinear compiled (aot_eager) and eager, stepped over ``m_splits_per_step``
+    (recipe None: high precision): outputs and gradients bit for bit; returns the number of
+    compilations."""
+    torch.manual_seed(0)
+    experts = len(m_splits_per_step[0])
+    layer = tfp8.GroupedLinear(experts, width, width, recipe=recipe)
+    reference = copy.deepcopy(layer)
+    torch._dynamo.reset()
+    backend, graphs = counting_aot_eager()
+    compiled_fn = torch.compile(layer, backend=backend)
+    for step, m_splits in enumerate(m_splits_per_step):
+        x = torch.randn(sum(m_splits), width, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for fn in (compiled_fn, reference):
+            with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+                out = fn(x, m_splits)
+            out.sum().backward()
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), m_splits
+    for p, q in zip(layer.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    return len(graphs)
+
+
 @pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8RowwiseScaling()],
                          ids=["block", "rowwise"])
 def test_grouped_linear_under_a_block_recipe_and_a_new_zero_split(recipe):
@@ -252,22 +277,8 @@ def test_grouped_linear_under_a_block_recipe_and_a_new_zero_split(recipe):
     expert given no rows) arriving at a recompile, compile and run, bit for bit as eager (the
     zero split failed a Dynamo assertion while the padding of each split guarded on its
     remainder)."""
-    torch.manual_seed(0)
-    grouped = tfp8.GroupedLinear(3, 64, 64, recipe=recipe)
-    reference = copy.deepcopy(grouped)
-    torch._dynamo.reset()
-    compiled_fn = torch.compile(grouped, backend="aot_eager")
-    for step, m_splits in enumerate(([16, 16, 32], [32, 16, 16], [20, 20, 24], [32, 0, 32])):
-        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(step))
-        outs = []
-        for fn in (compiled_fn, reference):
-            with fp8_autocast(fp8_recipe=recipe):
-                out = fn(x, m_splits)
-            out.sum().backward()
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1]), m_splits
-    for p, q in zip(grouped.parameters(), reference.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    _grouped_compiled_matches_eager(
+        recipe, [[16, 16, 32], [32, 16, 16], [20, 20, 24], [32, 0, 32]])
 
 
 def test_grouped_linear_with_a_zero_split_under_inductor_raises():
@@ -367,25 +378,5 @@ def test_grouped_linear_compiles_as_often_as_in_high_precision(recipe):
     for _ in range(8):
         a, b, c = (int(v) for v in torch.randint(1, 60, (3,), generator=gen))
         splits.append([a, b, c, 192 - a - b - c])
-
-    def run(fp8_recipe):
-        torch.manual_seed(0)
-        layer = tfp8.GroupedLinear(4, 32, 32, recipe=fp8_recipe)
-        reference = copy.deepcopy(layer)
-        torch._dynamo.reset()
-        backend, graphs = counting_aot_eager()
-        compiled_fn = torch.compile(layer, backend=backend)
-        for step, m_splits in enumerate(splits):
-            x = torch.randn(192, 32, generator=torch.Generator().manual_seed(step))
-            outs = []
-            for fn in (compiled_fn, reference):
-                with fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
-                    out = fn(x, m_splits)
-                out.sum().backward()
-                outs.append(out)
-            assert torch.equal(outs[0], outs[1]), step
-        for p, q in zip(layer.parameters(), reference.parameters()):
-            assert torch.equal(p.grad, q.grad)
-        return len(graphs)
-
-    assert run(recipe) <= run(None)
+    fp8 = _grouped_compiled_matches_eager(recipe, splits, width=32)
+    assert fp8 <= _grouped_compiled_matches_eager(None, splits, width=32)
