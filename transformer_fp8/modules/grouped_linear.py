@@ -50,6 +50,7 @@ class GroupedLinear(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
     fuse_wgrad_accumulation and delay_wgrad_compute (wgrad.py); the parallelism and layout
     options are accepted at their defaults (te_args.py). recipe sizes the amax histories.
     """
+    _TE_STATE_LAYOUT = "grouped_linear"  # by role up to Transformer Engine 2.2, then by GEMM
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int,
                  sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,

@@ -167,6 +167,7 @@ class LayerNormMLP(NormFirstModule):
     """
 
     _NO_BIAS_RETURNS_NONE = True  # return_bias without a bias: None, as Transformer Engine 2.x
+    _TE_STATE_LAYOUT = "layernorm_mlp"  # its grad_output columns moved between versions
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
                  sequence_parallel: bool = False, return_bias: bool = False,

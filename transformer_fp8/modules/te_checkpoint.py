@@ -246,16 +246,15 @@ def _te_layouts(module, gemms: int, te_1x: bool) -> list:
     """The columns of Transformer Engine's state that hold ours, as (forward columns: each
     GEMM's input and weight; backward columns: each GEMM's grad_output), one pair for each
     layout the Transformer Engine versions that write this kind of state (1.x or 2.x) used."""
-    from .grouped_linear import GroupedLinear  # (here: those modules import this one)
-    from .layernorm_mlp import LayerNormMLP
-
+    # "by_gemm" unless the module names another (LayerNormMLP, GroupedLinear: _TE_STATE_LAYOUT)
+    layout = getattr(module, "_TE_STATE_LAYOUT", "by_gemm")
     by_gemm = ([c for g in range(gemms) for c in (3 * g, 3 * g + 1)],
                [2 * g for g in range(gemms)])
-    if isinstance(module, LayerNormMLP):  # our GEMM 0 is fc1, GEMM 1 fc2
+    if layout == "layernorm_mlp":  # our GEMM 0 is fc1, GEMM 1 fc2
         # fc1's and fc2's grad_output: GRAD_OUTPUT2 and GRAD_OUTPUT1 in 1.x, GRAD_INPUT1 and
         # GRAD_OUTPUT1 in 2.0-2.3, GRAD_OUTPUT1 and GRAD_OUTPUT2 from 2.4.
         return [(by_gemm[0], [2, 0])] if te_1x else [(by_gemm[0], [1, 0]), by_gemm]
-    if isinstance(module, GroupedLinear):
+    if layout == "grouped_linear":
         # Up to 2.2, by role: every input, then every weight; grad_outputs 0..n-1. From 2.3,
         # by GEMM.
         by_role = ([c for g in range(gemms) for c in (g, gemms + g)], list(range(gemms)))

@@ -60,6 +60,9 @@ class TeModuleMixin:
 
     # return_bias without a bias: None, or an empty tensor (Transformer Engine differs by module)
     _NO_BIAS_RETURNS_NONE = False
+    # How Transformer Engine laid out this module's FP8 state in its checkpoints
+    # (te_checkpoint.py): one column set per GEMM unless the module names another.
+    _TE_STATE_LAYOUT = "by_gemm"
 
     def _init_te_module(self, fuse_wgrad_accumulation: bool = False,
                         delay_wgrad_compute: bool = False) -> None:
