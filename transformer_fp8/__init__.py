@@ -22,7 +22,7 @@ from .modules.normalization import LayerNorm, RMSNorm
 from .modules.transformer_layer import TransformerLayer
 from .ops import blockwise as blockwise_ops
 from .ops import fused as fused_ops
-from . import recipe
+from . import optimizers, recipe
 from .quantization.autocast import autocast, fp8_autocast
 from .quantization.model_init import fp8_model_init, quantized_model_init
 from .quantization.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
@@ -43,5 +43,5 @@ __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention
            "fp8_model_init", "fused_ops", "get_default_recipe", "get_device_compute_capability",
            "is_bf16_available", "is_fp8_available", "is_fp8_block_scaling_available",
            "is_mxfp8_available", "is_nvfp4_available", "load_fp8_state",
-           "make_graphed_callables", "ops",
+           "make_graphed_callables", "ops", "optimizers",
            "quantized_model_init", "recipe", "strip_fp8_state"]
