@@ -123,10 +123,10 @@ class FusedAdam(torch.optim.Optimizer):
     def _init_state(self, param) -> dict:
         state = self.state[param]
         state["step"] = torch.tensor(0.0)
-        # (plain tensors: zeros_like or .to() of an FP8 weight would be FP8 weights)
-        state["exp_avg"] = torch.zeros(param.shape, dtype=self.exp_avg_dtype, device=param.device)
-        state["exp_avg_sq"] = torch.zeros(param.shape, dtype=self.exp_avg_sq_dtype,
-                                          device=param.device)
+        # (zeros_like keeps a DTensor's layout; of an FP8 weight it would be an FP8 weight)
+        like = param.dequantize() if hasattr(param, "fp8_data") else param
+        state["exp_avg"] = torch.zeros_like(like, dtype=self.exp_avg_dtype)
+        state["exp_avg_sq"] = torch.zeros_like(like, dtype=self.exp_avg_sq_dtype)
         if self.master_weights:
             state["master_param"] = _high_precision_value(param).to(
                 device=param.device, dtype=self.master_weight_dtype, copy=True)
