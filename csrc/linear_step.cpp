@@ -175,7 +175,7 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
       at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in forward
       grads = gradients(ctx, saved, grad_outputs[0]);
     }
-    return once_differentiable(std::move(grads), grad_outputs[0], "Linear");
+    return once_differentiable(std::move(grads), "Linear");
   }
 
   static variable_list gradients(AutogradContext* ctx, const variable_list& saved,

@@ -165,7 +165,7 @@ struct Fp8NormMlpStep : public torch::autograd::Function<Fp8NormMlpStep> {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       grads = gradients(ctx, saved, grad_outputs[0]);
     }
-    return once_differentiable(std::move(grads), grad_outputs[0], "LayerNormMLP");
+    return once_differentiable(std::move(grads), "LayerNormMLP");
   }
 
   static CastState grad_state(AutogradContext* ctx, const char* which) {

@@ -378,11 +378,11 @@ inline std::tuple<Operand, Tensor> cast_activation_grad(const Tensor& dy, const 
 }
 
 // Under create_graph=True a step's gradients take a node that raises if they are
-// differentiated again, as torch.autograd.function.once_differentiable does for the Python
-// path. `what`: the step, in the message.
-inline variable_list once_differentiable(variable_list grads, const Tensor& grad_out,
-                                         const char* what) {
-  if (!at::GradMode::is_enabled() || !grad_out.requires_grad()) return grads;
+// differentiated again, as modules/once_differentiable.py does for the Python path: always,
+// not only when grad_output requires grad (a gradient penalty's grad_output is a constant,
+// while the gradients still depend on the weights). `what`: the step, in the message.
+inline variable_list once_differentiable(variable_list grads, const char* what) {
+  if (!at::GradMode::is_enabled()) return grads;
   for (auto& grad : grads) {
     if (!grad.defined()) continue;
     grad = grad.detach();

@@ -373,6 +373,46 @@ def test_double_backward_is_refused(gen):
         g.sum().backward()
 
 
+_PENALTY_MODULES = {
+    "Linear": (lambda: tfp8.Linear(32, 16), ()),
+    "LayerNormLinear": (lambda: tfp8.LayerNormLinear(32, 16), ()),
+    "LayerNormMLP": (lambda: tfp8.LayerNormMLP(32, 64), ()),
+    "GroupedLinear": (lambda: tfp8.GroupedLinear(2, 32, 16), ([8, 8],)),
+}
+
+
+@pytest.mark.parametrize("recipe", [tfp8.DelayedScaling(), tfp8.Float8CurrentScaling(),
+                                    tfp8.Float8BlockScaling()], ids=["delayed", "current", "block"])
+@pytest.mark.parametrize("name", list(_PENALTY_MODULES))
+def test_gradient_penalty_through_an_fp8_layer_is_refused(gen, name, recipe):
+    """A gradient penalty (autograd.grad(y.sum(), x, create_graph=True)) has a constant
+    grad_output, yet its gradient depends on the weights: differentiating it raises (it came
+    back as a constant, and the penalty's share of the weight gradients was silently lost).
+    Under create_graph=True without differentiating an FP8 gradient again, nothing changes."""
+    make, extra = _PENALTY_MODULES[name]
+    torch.manual_seed(0)
+    layer = make()
+    x = randn(gen, 16, 32).requires_grad_(True)
+    with fp8_autocast(fp8_recipe=recipe):
+        y = layer(x, *extra)
+    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match=f"differentiate twice the FP8 .*once_differentiable"):
+        (y.square().mean() + 0.1 * gx.square().sum()).backward()
+
+    # create_graph=True where no FP8 gradient is differentiated again: the plain gradients
+    grads = []
+    for create_graph in (True, False):
+        torch.manual_seed(0)
+        module = make()
+        with fp8_autocast(fp8_recipe=recipe):
+            out = module(x, *extra)
+        out.square().mean().backward(create_graph=create_graph)
+        grads.append([p.grad.detach().clone() for p in module.parameters()])
+    for got, expected in zip(*grads):
+        assert_bitwise_equal(got, expected, "create_graph=True changes no gradient")
+
+
 @pytest.mark.parametrize("shape", [(0, 32), (32,)], ids=["zero_rows", "1d"])
 def test_zero_rows_and_1d_input(gen, shape):
     layer, ref = make_pair(gen, 32, 16, "cpu")

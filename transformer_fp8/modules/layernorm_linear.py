@@ -22,6 +22,7 @@ from .norm_first import NormFirstModule, check_positive
 from ..quantization.recipe import Recipe
 from .te_args import check_forward_flags, te_only_arguments
 from .te_module import split_sizes
+from .once_differentiable import once_differentiable
 
 
 def cast_norm_output(plan, norm, x, ln_weight, ln_bias, with_transpose, return_hp):
@@ -69,7 +70,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("LayerNormLinear")
     def backward(ctx, grad_out, grad_ln_out=None):
         x, ln_weight, ln_t_fp8, ln_t_scale_inv, w_t_fp8, w_t_scale_inv, *stats = \
             ctx.saved_tensors

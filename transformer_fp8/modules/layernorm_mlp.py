@@ -29,6 +29,7 @@ from .layernorm_linear import cast_norm_output
 from .norm_first import NormFirstModule, check_positive, te_default_init
 from ..quantization.recipe import Recipe
 from .te_args import te_only_arguments
+from .once_differentiable import once_differentiable
 
 
 def _cast_activation(plan, activation, fc1_out, with_transpose):
@@ -103,7 +104,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("LayerNormMLP")
     def backward(ctx, grad_out, grad_ln_out=None):
         (x, ln_weight, fc1_out, ln_t_fp8, ln_t_scale_inv, w1_t_fp8, w1_t_scale_inv, act_t_fp8,
          act_t_scale_inv, w2_t_fp8, w2_t_scale_inv, *stats) = ctx.saved_tensors

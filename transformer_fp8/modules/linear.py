@@ -27,6 +27,7 @@ from .linear_fused_step import fused_linear_step, ticketed_linear_step
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes
 from .tensor_parallel import sharded_linear
+from .once_differentiable import once_differentiable
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -60,7 +61,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return _unpad(out, ctx.rows, ctx.lead_shape, out_features)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("Linear")
     def backward(ctx, grad_out):
         x_t_fp8, x_t_scale_inv, w_t_fp8, w_t_scale_inv = ctx.saved_tensors
         needs_input_grad, needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[:3]
