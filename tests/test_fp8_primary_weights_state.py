@@ -387,3 +387,89 @@ def test_a_dtype_copy_of_a_weight_writes_into_no_module_state(gen):
         assert_bitwise_equal(t, state[key], key)
     layer.float()
     assert layer.weight._fp8.cast._module() is layer
+
+
+def _fp8_weight_model(seed, fp8_weights=True):
+    torch.manual_seed(seed)
+    with tfp8.quantized_model_init(enabled=fp8_weights, recipe=DELAYED):
+        return torch.nn.Sequential(tfp8.Linear(64, 64), torch.nn.GELU(),
+                                   tfp8.LayerNormMLP(64, 96))
+
+
+def _train_step(models, x_of, evaluate=False):
+    """One step of ``models`` in ONE fp8_autocast (each model's input from ``x_of(model)``),
+    then SGD written into each weight with copy_ (the optimizer-write pattern: FP8 weights
+    record the written value's amax there), or a forward under no_grad (``evaluate``)."""
+    if evaluate:
+        with torch.no_grad(), tfp8.fp8_autocast(fp8_recipe=DELAYED):
+            for model in models:
+                model(x_of(model))
+        return []
+    with tfp8.fp8_autocast(fp8_recipe=DELAYED):
+        losses = [model(x_of(model)).float().pow(2).mean() for model in models]
+    for model, loss in zip(models, losses):
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p - 0.1 * p.grad)
+                p.grad = None
+    return [loss.detach() for loss in losses]
+
+
+def _everything(model, losses) -> dict:
+    """The losses, the FP8 state tensors, the FP8 data of each weight and the rest of the
+    state_dict (the dequantised weights and their scale_invs), for a bit-for-bit comparison."""
+    found = {f"loss{i}": loss for i, loss in enumerate(losses)}
+    found.update({k: v.clone() for k, v in model.state_dict().items()})
+    found.update({name + ".fp8_data": p.fp8_data.clone()
+                  for name, p in model.named_parameters() if isinstance(p, Fp8Weight)})
+    return found
+
+
+@pytest.mark.parametrize("b_weights", ["fp8", "plain"])
+@pytest.mark.parametrize("schedule", ["alternately", "after_an_evaluation", "in_one_context"])
+def test_another_models_steps_leave_an_fp8_weight_models_state(schedule, b_weights):
+    """Model A (FP8 weights, written by the optimizer after each step) trained alternately with
+    model B (FP8 or plain weights) under the same recipe object, B's steps in contexts of their
+    own (also after an evaluation forward of A, whose amaxes are discarded), or both in one
+    context: each model's losses, weights and FP8 state are bit for bit those of it trained
+    alone. (A write records the value's amax into the weight's history row 0, for the next
+    update of a step its layer runs in; the update at the exit of B's own context, which covers
+    every state of the recipe in the thread, rolled A's weight columns and set A's weight scale:
+    an extra roll per step of any other model, an EMA or evaluation model, a GAN's other
+    half.)"""
+    base_a, base_b = _fp8_weight_model(0), _fp8_weight_model(1, b_weights == "fp8")
+
+    def inputs(seed):  # (each model draws its own inputs, whatever runs in between)
+        gen = torch.Generator().manual_seed(seed)
+        return lambda: torch.randn(16, 64, generator=gen) * 2
+
+    alone = []
+    for base, seed in ((base_a, 10), (base_b, 11)):
+        model, draw, losses = copy.deepcopy(base), inputs(seed), []
+        for _ in range(5):
+            losses += _train_step([model], lambda _: draw())
+        alone.append(_everything(model, losses))
+
+    a, b = copy.deepcopy(base_a), copy.deepcopy(base_b)
+    draws = {a: inputs(10), b: inputs(11)}
+
+    def x_of(model):
+        return draws[model]()
+
+    losses = {a: [], b: []}
+    for _ in range(5):
+        if schedule == "in_one_context":
+            loss_a, loss_b = _train_step([a, b], x_of)
+            losses[a].append(loss_a)
+            losses[b].append(loss_b)
+            continue
+        losses[a] += _train_step([a], x_of)
+        if schedule == "after_an_evaluation":
+            _train_step([a], lambda _: torch.ones(16, 64), evaluate=True)
+        losses[b] += _train_step([b], x_of)
+    for name, model, expected in (("A", a, alone[0]), ("B", b, alone[1])):
+        got = _everything(model, losses[model])
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert_bitwise_equal(got[key], expected[key], f"model {name}: {key}")

@@ -70,6 +70,13 @@ class UpdatePlan:
     """The prepared update of ``states`` (ordered by creation index) under ``recipe``, valid
     while the generation it was built under is the current one."""
 
+    def __new__(cls, states: list[ScalingState], recipe: DelayedScaling, role: str):
+        # A plan of FP8 primary weights' states is a _PlanWithWrittenWeights, whose update
+        # leaves the written amaxes of the layers that did not run: no work added to the others.
+        if cls is UpdatePlan and any(s.weight_amaxes_from_writes for s in states):
+            cls = _PlanWithWrittenWeights
+        return super().__new__(cls)
+
     def __init__(self, states: list[ScalingState], recipe: DelayedScaling, role: str):
         self.generation = generation()  # read first: a change while building invalidates it
         # The states, weakly (a plan holds their tensors, never their modules' states: a freed
@@ -172,3 +179,29 @@ class UpdatePlan:
         the step: columns 2g + 1), which belong to the next update."""
         for history, keep_weights in zip(self.histories, self.weight_amaxes_from_writes):
             (history[0, 0::2] if keep_weights else history[0]).zero_()
+
+
+class _PlanWithWrittenWeights(UpdatePlan):
+    """A plan that holds states of FP8 primary weights (weight_amaxes_from_writes). A
+    weight's write (the optimizer step) records the value's amax in row 0 of its column, for the
+    next update of a step its layer runs in. But a step covers every state of its recipe in the
+    thread, not only those that ran in it (see AmaxStep), and an update rolls every column with
+    an amax in row 0: another model's step (an EMA or evaluation model, a GAN's other half)
+    rolled the layer's weight columns and set its weight scale."""
+
+    def update(self) -> None:
+        """UpdatePlan.update, except that a layer of FP8 weights that recorded no input amax in
+        this step (it did not run in it: on no rank, once reduced) keeps its written amaxes for
+        a later step, its weight columns left untouched, as the update leaves any column with
+        nothing recorded. (Decided on the device: no host synchronisation.)"""
+        held = []
+        for history, written in zip(self.histories, self.weight_amaxes_from_writes):
+            if written:
+                row = history[0]
+                idle = (row[0::2] == 0).all()  # (inputs in columns 2g, weights in 2g + 1)
+                weights = row[1::2]
+                held.append((weights, torch.where(idle, weights, 0.0)))
+                weights.masked_fill_(idle, 0.0)
+        super().update()
+        for weights, amaxes in held:
+            weights.add_(amaxes)  # (zeros for a layer that ran: its columns rolled)
