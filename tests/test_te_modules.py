@@ -686,3 +686,62 @@ def test_norm_options_set_on_a_built_module_are_checked(name, value):
     with pytest.raises(ValueError, match=name):
         setattr(layer, name, value)
     assert layer.eps == 1e-5 and layer.normalization == "LayerNorm"
+
+
+def _fused_twin(split: torch.nn.Module, fused: torch.nn.Module) -> torch.nn.Module:
+    """``fused`` (the same module with one weight and bias where ``split`` has parts) given
+    ``split``'s values: its parts concatenated, in order."""
+    state = {}
+    for key, value in split.state_dict().items():
+        if "fp8" in key or "extra_state" in key:
+            continue
+        for part in ("q", "k", "v"):
+            for kind in ("weight", "bias"):
+                if key.endswith(f"{part}_{kind}"):
+                    fused_key = key[:-len(f"{part}_{kind}")] + kind
+                    state[fused_key] = torch.cat([state[fused_key], value]) \
+                        if fused_key in state else value
+                    break
+            else:
+                continue
+            break
+        else:
+            state[key] = value
+    fused.load_state_dict(state, strict=False)
+    return fused
+
+
+SPLIT_MODULES = {  # kind -> builder for parameters of dtype d
+    "Linear": lambda d, **kw: tfp8.Linear(32, 48, params_dtype=d, **kw),
+    "MultiheadAttention": lambda d, **kw: tfp8.MultiheadAttention(32, 2, params_dtype=d, **kw),
+    "TransformerLayer": lambda d, **kw: tfp8.TransformerLayer(32, 64, 2, params_dtype=d, **kw),
+}
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["high_precision", "fp8"])
+@pytest.mark.parametrize("params_dtype, autocast_dtype",
+                         [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
+                         ids=["bf16_params_fp16_autocast", "fp16_params_bf16_autocast"])
+@pytest.mark.parametrize("kind", SPLIT_MODULES)
+def test_split_weights_under_the_other_16_bit_torch_autocast(kind, params_dtype, autocast_dtype,
+                                                             fp8):
+    """Weights held as parts (parameters_split, fuse_qkv_params=False) were joined with torch.cat
+    under torch.autocast, whose cat raised for bfloat16 parts under float16 autocast (and the
+    reverse): they compute, in the autocast dtype, what the module with one weight computes."""
+    build = SPLIT_MODULES[kind]
+    split_kw = ({"parameters_split": {"q": 16, "k": 16, "v": 16}} if kind == "Linear"
+                else {"fuse_qkv_params": False})
+    torch.manual_seed(0)
+    split = build(params_dtype, **split_kw)
+    # (values against the one-weight Linear only: fused q/k/v are laid out per head)
+    fused = _fused_twin(split, build(params_dtype)) if kind == "Linear" else None
+    x = torch.randn(3, 1, 32, dtype=params_dtype)
+    outs = []
+    for module in (split, fused) if fused is not None else (split,):
+        with torch.autocast("cpu", dtype=autocast_dtype), tfp8.fp8_autocast(
+                enabled=fp8, fp8_recipe=DelayedScaling()):
+            out = module(x)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    assert outs[0].dtype == autocast_dtype and torch.isfinite(outs[0]).all()
+    if fused is not None:
+        assert_bitwise_equal(outs[0], outs[1], kind)

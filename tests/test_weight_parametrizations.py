@@ -151,3 +151,58 @@ def test_a_plain_checkpoint_of_a_parametrized_layer_starts_its_fp8_state_afresh(
     assert not torch.all(module.fp8_fwd_scale == 1)
     module.load_state_dict(te.strip_fp8_state(module.state_dict()), strict=False)
     assert torch.all(module.fp8_fwd_scale == 1) and not module.fp8_fwd_amax_history.any()
+
+
+class _Halved(torch.nn.Module):  # a custom parametrization
+    def forward(self, weight):
+        return weight * 0.5
+
+
+COPIED_PARAMETRIZATIONS = {
+    "weight_norm": lambda m: parametrizations.weight_norm(m, "weight"),
+    "custom": lambda m: torch.nn.utils.parametrize.register_parametrization(m, "weight",
+                                                                            _Halved()),
+}
+
+
+@pytest.mark.parametrize("when", ["before_a_step", "after_a_step"])
+@pytest.mark.parametrize("how", COPIED_PARAMETRIZATIONS)
+def test_a_copy_of_a_parametrized_layer_is_a_module_of_its_own(how, when):
+    """torch parametrize gives the module's class a deepcopy of its own that copies __dict__
+    as it is (unless the class defines __deepcopy__): the copy shared the original's creation
+    index (trained next to it in one step, the original's delayed state stopped updating), and
+    after a delayed step deepcopy raised (the step's C++ plan cannot be pickled). The original
+    and its copy trained together give what two independently built layers give."""
+    recipe = te.DelayedScaling(amax_history_len=4)
+
+    def make():
+        torch.manual_seed(0)
+        layer = te.Linear(32, 64, recipe=recipe)
+        COPIED_PARAMETRIZATIONS[how](layer)
+        return layer
+
+    torch.manual_seed(1)
+    xs = [torch.randn(8, 32) for _ in range(4)]
+    original, twin, twin_of_copy = make(), make(), make()
+    if when == "after_a_step":
+        for layer in (original, twin, twin_of_copy):
+            with te.fp8_autocast(fp8_recipe=recipe):
+                layer(xs[0]).sum().backward()
+            layer.zero_grad(set_to_none=True)
+        torch.optim.swa_utils.AveragedModel(original)  # (a deepcopy: raised too)
+    copied = copy.deepcopy(original)
+    assert copied._fp8_index != original._fp8_index
+    for x in xs[1:]:
+        losses = []
+        for a, b in ((original, copied), (twin, twin_of_copy)):
+            with te.fp8_autocast(fp8_recipe=recipe):
+                loss = a(x).pow(2).sum() + b(2 * x).pow(2).sum()
+            loss.backward()
+            losses.append(loss.detach())
+        assert_bitwise_equal(losses[0], losses[1])
+    for got, want in ((original, twin), (copied, twin_of_copy)):
+        assert torch.any(got.fp8_fwd_scale != 1)  # (the delayed state was updated)
+        for (name, p), (_, q) in zip(got.named_parameters(), want.named_parameters()):
+            assert_bitwise_equal(p.grad, q.grad, name)
+        for (name, t), (_, u) in zip(got.state_dict().items(), want.state_dict().items()):
+            assert_bitwise_equal(t, u, name)

@@ -21,6 +21,7 @@ import torch
 
 from . import te_checkpoint
 from ..quantization.state import FP8_STATE_KEYS
+from ..quantization.torch_autocast import autocast_dtype
 from .fp8_primary_weights import SCALE_INV_SUFFIX
 
 from . import wgrad
@@ -157,7 +158,15 @@ class TeModuleMixin:
                     "without them")
             is_weight = "bias" not in logical
             params = [wgrad.route(p, self._wgrad, is_weight, self._wgrad_first) for p in params]
-        return params[0] if len(params) == 1 else torch.cat(params, dim=0)
+        if len(params) == 1:
+            return params[0]
+        device_type = params[0].device.type
+        if autocast_dtype(device_type) is None:
+            return torch.cat(params, dim=0)
+        # Joined as they are, as one Parameter would be (the GEMM casts): torch.autocast's cat
+        # promotes, which raises for bfloat16 parts under float16 autocast and vice versa.
+        with torch.autocast(device_type, enabled=False):
+            return torch.cat(params, dim=0)
 
     def _returned_bias(self, logical: str, like: torch.Tensor) -> Optional[torch.Tensor]:
         """The bias that return_bias returns (not added to the output): in the output's

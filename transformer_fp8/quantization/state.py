@@ -15,6 +15,7 @@ backward), which it binds again whenever its buffers are replaced; the forward t
 """
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Optional
 
@@ -29,7 +30,7 @@ from .transforms import outside_inference_mode, refuse_functorch_transform
 from .history import DEFAULT_HISTORY_LEN, recipe_code, resized_history
 from .owed_update import run_owed_update
 from .recipe import RECIPE_TYPES, DelayedScaling, Recipe
-from .state_validation import fp8_state_error
+from .state_validation import assigned_state_made_usable, fp8_state_error
 
 FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
                    "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv")
@@ -178,6 +179,12 @@ class Fp8State:
         state["_weight_cache"] = [None] * self._num_gemms
         return state
 
+    def __deepcopy__(self, memo):  # through the two above, also under torch parametrize, whose
+        # default_deepcopy copies __dict__ (sharing _fp8_index) and whose __getstate__ raises
+        replica = memo[id(self)] = type(self).__new__(type(self))
+        replica.__setstate__(copy.deepcopy(Fp8State.__getstate__(self), memo))
+        return replica
+
     def _apply(self, fn, recurse=True):
         # Device moves apply to the FP8 state; dtype casts (.half(), .to(torch.bfloat16)) do
         # not: the operators need float32 scales and histories.
@@ -291,19 +298,6 @@ class Fp8State:
         self._adopt_recipe(recipe, running=False)
         return True
 
-    def _assigned_state_made_usable(self) -> None:
-        """After load_state_dict(assign=True), which takes the checkpoint's tensors as they
-        are: the float state in float32, and, for a module built on "meta" given no FP8 state,
-        buffers on its parameters' device (reset to a fresh state by the caller)."""
-        param = next((p for p in self._parameters.values() if p is not None), None)
-        device = None if param is None or param.is_meta else param.device
-        for key in FP8_STATE_KEYS:
-            buffer = self._buffers[key]
-            if buffer.is_meta and device is not None:
-                self._buffers[key] = torch.empty_like(buffer, device=device)
-            elif key in _FLOAT_STATE_NAMES and buffer.dtype != torch.float32:
-                self._buffers[key] = buffer.float()
-
     def note_saved_recipe(self) -> None:
         """After a load: the recipe record the loaded state was saved under (see
         _saved_recipe_code), read once on the host."""
@@ -383,7 +377,7 @@ class Fp8State:
                     if prefix + key in missing_keys:
                         missing_keys.remove(prefix + key)
             return  # load_state_dict raises
-        self._assigned_state_made_usable()
+        assigned_state_made_usable(self, FP8_STATE_KEYS, _FLOAT_STATE_NAMES)
         if not present:
             self.reset_fp8_state()
             for key in FP8_STATE_KEYS:

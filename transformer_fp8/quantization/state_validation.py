@@ -110,3 +110,18 @@ def _recipe_record_error(fields, prefix: str) -> Optional[str]:
                 f"{MAX_MARGIN}], format 0-2, amax_history_len >= 1, algo 0-2, or all -1); "
                 "refusing to load a corrupt FP8 state")
     return None
+
+
+def assigned_state_made_usable(module, keys, float_names) -> None:
+    """After load_state_dict(assign=True), which takes the checkpoint's tensors as they are:
+    the float state (``float_names`` among the FP8 state ``keys``) in float32, and, for a module
+    built on "meta" given no FP8 state, buffers on its parameters' device (reset to a fresh
+    state by the caller). (Part of quantization/state.py's Fp8State loading.)"""
+    param = next((p for p in module._parameters.values() if p is not None), None)
+    device = None if param is None or param.is_meta else param.device
+    for key in keys:
+        buffer = module._buffers[key]
+        if buffer.is_meta and device is not None:
+            module._buffers[key] = torch.empty_like(buffer, device=device)
+        elif key in float_names and buffer.dtype != torch.float32:
+            module._buffers[key] = buffer.float()
