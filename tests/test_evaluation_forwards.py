@@ -208,3 +208,83 @@ def test_a_state_dict_loaded_under_inference_mode_trains():
     batches = step_batches(torch.Generator().manual_seed(5), 3, 16, 32)
     assert_bit_identical(train(loaded, loaded, batches, recipe),
                          train(expected, expected, batches, recipe))
+
+
+# An evaluation forward under another delayed recipe than training's, run between a training
+# forward and its backward: it registered the layer's backward state with its own recipe's
+# backward step, which no backward pass follows, so the training backward's grad_output update
+# never ran (the amax left in history row 0, the scale stale for the next step's cast).
+TRAIN_RECIPE = DelayedScaling(amax_history_len=4)
+OTHER_RECIPES = {
+    "margin": DelayedScaling(amax_history_len=4, margin=1),
+    "most_recent": DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent"),
+    "reduce_amax": DelayedScaling(amax_history_len=4, reduce_amax=False),
+}
+LAYERS = {"Linear": lambda: tfp8.Linear(32, 32),
+          "LayerNormMLP": lambda: tfp8.LayerNormMLP(32, 64)}
+PATHS = {"cpp": None, "python": ("ENABLED", "NORM_ENABLED", "NORM_MLP_ENABLED")}
+
+
+def _train_with_evaluation(layer, batches, eval_recipe, mode, at_step=(1, 2)):
+    from integration_compare import record_step
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    records = []
+    for step, x in enumerate(batches):
+        x = x.detach().requires_grad_(True)
+        with fp8_autocast(fp8_recipe=TRAIN_RECIPE):
+            loss = layer(x).float().square().mean()
+        if eval_recipe is not None and step in at_step:
+            with GRAD_FREE[mode](), fp8_autocast(fp8_recipe=eval_recipe):
+                layer(torch.randn(8, 32, generator=torch.Generator().manual_seed(step)) * 7)
+        loss.backward()
+        records.append(record_step(loss, layer, {"x": x}))
+        opt.step()
+        opt.zero_grad()
+    return records
+
+
+def _runs(layer_name, path, eval_recipe, mode, monkeypatch):
+    if PATHS[path] is not None:
+        from transformer_fp8.modules import linear_fused_step
+        for switch in PATHS[path]:
+            monkeypatch.setattr(linear_fused_step, switch, False)
+    batches = step_batches(torch.Generator().manual_seed(3), 5, 16, 32)
+    results = []
+    for recipe in (None, eval_recipe):
+        torch.manual_seed(0)
+        results.append(_train_with_evaluation(LAYERS[layer_name](), batches, recipe, mode))
+    return results
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+@pytest.mark.parametrize("mode", list(GRAD_FREE))
+@pytest.mark.parametrize("other", list(OTHER_RECIPES))
+def test_evaluation_under_another_recipe_between_forward_and_backward(other, mode, layer_name,
+                                                                      path, monkeypatch):
+    """Losses, gradients and the FP8 state bit for bit the plain run's. (fp8_recipe_fields,
+    the record of the recipe last adopted, shows the evaluation's until the next training
+    forward adopts the training recipe again: not compared.)"""
+    expected, got = _runs(layer_name, path, OTHER_RECIPES[other], mode, monkeypatch)
+    for record in got + expected:
+        del record.fp8_state["fp8_recipe_fields"]
+    assert_bit_identical(got, expected)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+@pytest.mark.parametrize("mode", list(GRAD_FREE))
+@pytest.mark.parametrize("length", [2, 8])
+def test_evaluation_under_another_length_between_forward_and_backward(length, mode,
+                                                                      layer_name, path,
+                                                                      monkeypatch):
+    """Another amax_history_len is adopted (README): the histories are resized, so the state
+    is not the plain run's; but the training backward's grad_output update still runs: the
+    amax is rolled out of row 0 at the end of every backward (the scale, computed over the
+    resized history, may differ from the plain run's)."""
+    eval_recipe = DelayedScaling(amax_history_len=length)
+    expected, got = _runs(layer_name, path, eval_recipe, mode, monkeypatch)
+    for step, g in enumerate(got):
+        hist = g.fp8_state["fp8_bwd_amax_history"]
+        assert torch.all(hist[0] == 0), (step, hist)
+        assert hist.abs().amax() > 0, step

@@ -139,7 +139,13 @@ def record_forward(state: AutocastState, fwd_state: ScalingState,
     forward_step = local.forward_steps[state.step_key]
     if fwd_state.step is not forward_step:  # (else covered since an earlier step)
         forward_step.add(fwd_state)
-    if bwd_state.step is not backward_step.step:
+    if bwd_state.step is not backward_step.step and (
+            torch.is_grad_enabled() or checkpointing.checkpoint_context().regions):
+        # A forward without gradients (no_grad, inference_mode: an evaluation) has no backward
+        # pass: its registration would take the state away from the step of a training
+        # forward still waiting for its backward (under another delayed recipe), whose update
+        # would then never run. A reentrant checkpoint's first forward runs under no_grad but
+        # is a training forward: its regions make it register, as _exit_outermost updates.
         backward_step.add(bwd_state)
     return backward_step
 
