@@ -431,3 +431,161 @@ def test_a_retained_graph_backpropagated_twice_replays_the_same_casts(recipe):
     assert_bit_identical(train(checkpointed, checkpointed, batches, recipe,
                                backward=backward_twice),
                          train(plain, plain, batches, recipe, backward=backward_twice))
+
+
+# ---- regions whose forward ran in high precision ----------------------------------------------
+
+# One module of each kind that goes through base.py's dispatch, [24, 32] -> [24, ...].
+class GroupedHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.grouped = tfp8.GroupedLinear(2, 32, 16)
+
+    def forward(self, x):
+        return self.grouped(x, [8, 16])
+
+
+LAYERS = {"Linear": lambda: tfp8.Linear(32, 16),
+          "LayerNormLinear": lambda: tfp8.LayerNormLinear(32, 16),
+          "LayerNormMLP": lambda: tfp8.LayerNormMLP(32, 64),
+          "GroupedLinear": GroupedHead}
+# torch.utils.checkpoint and tfp8.checkpoint, each in both modes.
+HP_MODES = ["reentrant", "non_reentrant", "te_reentrant", "te_non_reentrant"]
+HP_RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()]
+HP_RECIPE_IDS = ["delayed", "current", "block"]
+
+
+def checkpointed(function, x, mode):
+    """function(x), checkpointed as ``mode`` says (None: not checkpointed)."""
+    if mode is None:
+        return function(x)
+    if mode.startswith("te_"):
+        return tfp8.checkpoint(function, x, use_reentrant=mode == "te_reentrant")
+    return torch_checkpoint.checkpoint(function, x, use_reentrant=mode == "reentrant")
+
+
+class HighPrecisionHead(torch.nn.Module):
+    """An FP8 body and a head kept in high precision by a nested fp8_autocast(enabled=False)
+    (the usual way to keep an LM head in high precision), each in a checkpointed region of its
+    own when ``checkpoint`` says how."""
+
+    def __init__(self, head="Linear", calibrating=False):
+        super().__init__()
+        self.body = Block(32)
+        self.head = LAYERS[head]()
+        self.calibrating = calibrating
+        self.checkpoint = None
+
+    def forward(self, x):
+        x = checkpointed(self.body, x, self.checkpoint)
+        with fp8_autocast(enabled=False, calibrating=self.calibrating):
+            return checkpointed(self.head, x, self.checkpoint)
+
+
+def train_backward_inside(model, batches, recipe, backward_inside: bool) -> list:
+    """integration_compare.train's SGD steps, with the backward inside the fp8_autocast
+    (``backward_inside``, where the recomputation runs in the enabled context) or after it."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = []
+    for batch in batches:
+        x = batch.clone().requires_grad_(True)
+        with fp8_autocast(fp8_recipe=recipe):
+            loss = model(x).float().square().mean()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        records.append(record_step(loss, model, {"input": x}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return records
+
+
+def compare_high_precision_head(recipe, mode, backward, head="Linear", calibrating=False):
+    torch.manual_seed(0)
+    plain = HighPrecisionHead(head, calibrating)
+    ckpt = copy.deepcopy(plain)
+    ckpt.checkpoint = mode
+    batches = step_batches(torch.Generator().manual_seed(0), 4, 24, 32)
+    inside = backward == "inside"
+    expected = train_backward_inside(plain, batches, recipe, inside)
+    got = train_backward_inside(ckpt, batches, recipe, inside)
+    assert_bit_identical(got, expected)
+    assert not any(m._replay_records for m in ckpt.modules() if hasattr(m, "_replay_records"))
+    return ckpt
+
+
+@pytest.mark.parametrize("backward", ["inside", "outside"])
+@pytest.mark.parametrize("mode", HP_MODES)
+@pytest.mark.parametrize("recipe", HP_RECIPES, ids=HP_RECIPE_IDS)
+def test_a_high_precision_head_is_recomputed_in_high_precision(recipe, mode, backward):
+    """An FP8 body and a head under a nested fp8_autocast(enabled=False), both checkpointed,
+    over steps whose scales change: the head's recomputation runs in high precision, also when
+    the backward runs inside the enabled context (it ran in FP8 there: the reentrant mode gave
+    FP8 gradients and moved the head's scales, which never ran in FP8; the non-reentrant mode
+    raised CheckpointError). Losses, every gradient and every FP8 state tensor bit for bit those
+    of the same steps without checkpointing."""
+    model = compare_high_precision_head(recipe, mode, backward)
+    assert not model.head.fp8_fwd_amax_history.any(), "the head recorded no amax"
+
+
+@pytest.mark.parametrize("mode", HP_MODES)
+@pytest.mark.parametrize("head", ["LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+@pytest.mark.parametrize("recipe", HP_RECIPES, ids=HP_RECIPE_IDS)
+def test_a_high_precision_head_of_each_kind_is_recomputed_in_high_precision(recipe, head,
+                                                                            mode):
+    """The same, backward inside the context, for each other module kind as the head (the
+    fused C++ steps of LayerNormLinear and LayerNormMLP included)."""
+    model = compare_high_precision_head(recipe, mode, "inside", head)
+    assert not any(t.any() for name, t in model.head.state_dict().items()
+                   if "fwd_amax_history" in name), "the head recorded no amax"
+
+
+@pytest.mark.parametrize("backward", ["inside", "outside"])
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_a_calibrating_head_is_recomputed_without_recording(mode, backward):
+    """The head under a nested fp8_autocast(enabled=False, calibrating=True): its first forward
+    records its amaxes, its recomputation runs in high precision and records nothing."""
+    compare_high_precision_head(DelayedScaling(amax_history_len=4), mode, backward,
+                                calibrating=True)
+
+
+@pytest.mark.parametrize("mode", HP_MODES)
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("recipe", HP_RECIPES, ids=HP_RECIPE_IDS)
+def test_a_region_run_outside_fp8_autocast_is_recomputed_in_high_precision(recipe, layer,
+                                                                           mode):
+    """Per step, a checkpointed forward with no fp8_autocast, then one inside an enabled
+    fp8_autocast, and the backward of both inside it (as a pipeline schedule runs an earlier
+    microbatch's backward inside a later one's context): the first region's recomputation
+    runs in high precision, as its forward did. Every loss, gradient and FP8 state tensor bit
+    for bit those of the same steps without checkpointing, over steps whose scales change;
+    a calibrating context around the backward records nothing for the recomputation either."""
+    torch.manual_seed(0)
+    base = LAYERS[layer]()
+    batches = step_batches(torch.Generator().manual_seed(1), 8, 24, 32)
+    runs = []
+    for mode_or_none in (None, mode):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        records = []
+        for step in range(4):
+            x_hp, x_fp8 = (b.clone().requires_grad_(True) for b in batches[2 * step:2 * step + 2])
+            out_hp = checkpointed(model, x_hp, mode_or_none)  # no fp8_autocast
+            if step == 3:  # (a calibrating context: its recomputation must not record)
+                with fp8_autocast(enabled=False, calibrating=True,
+                                  fp8_recipe=DelayedScaling(amax_history_len=4)):
+                    out_hp.square().mean().backward()
+                loss = out_hp.detach().square().mean()
+            else:
+                with fp8_autocast(fp8_recipe=recipe):
+                    out = checkpointed(model, x_fp8, mode_or_none)
+                    loss = out_hp.square().mean() + out.square().mean()
+                    loss.backward()
+            records.append(record_step(loss, model, {"x_hp": x_hp, "x_fp8": x_fp8}))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs.append(records)
+        assert not any(m._replay_records for m in model.modules()
+                       if hasattr(m, "_replay_records"))
+    assert_bit_identical(runs[1], runs[0])

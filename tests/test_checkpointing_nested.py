@@ -272,3 +272,58 @@ def test_nested_forward_passes_backpropagated_in_order_pipeline_style(mode):
             opt.zero_grad()
         records.append(runs)
     assert_bit_identical(records[1], records[0])
+
+
+class NestedHighPrecision(NestedModel):
+    """NestedModel with one region run in high precision: ``high_precision`` "inner" (the
+    inner region under a nested fp8_autocast(enabled=False)) or "outer" (the outer region so,
+    its inner region in FP8 again under a nested enabled fp8_autocast)."""
+
+    def __init__(self, high_precision, recipe):
+        super().__init__()
+        self.high_precision, self.recipe = high_precision, recipe
+
+    def outer(self, h):
+        h = self.layers["a"](h)
+        enabled = self.high_precision == "outer"
+        with fp8_autocast(enabled=enabled, fp8_recipe=self.recipe if enabled else None):
+            h = h + checkpointed(self.inner, h, mode=self.modes[1])
+        return self.layers["d"](h)
+
+    def forward(self, x):
+        h = self.layers["first"](x)
+        with fp8_autocast(enabled=self.high_precision != "outer"):
+            h = checkpointed(self.outer, h, mode=self.modes[0])
+        return self.layers["last"](h)
+
+
+@pytest.mark.parametrize("high_precision", ["inner", "outer"])
+@pytest.mark.parametrize("recipe", RECIPES[:3], ids=RECIPE_IDS[:3])
+@pytest.mark.parametrize("inner", MODES)
+@pytest.mark.parametrize("outer", MODES)
+def test_nested_region_run_in_high_precision_is_recomputed_so(outer, inner, recipe,
+                                                              high_precision):
+    """Nested checkpoints where one region ran in high precision, backward inside the enabled
+    fp8_autocast: each recomputation (the outer region's, which runs the inner region's first
+    forward again, and the inner region's) runs each layer as its very first forward did, in
+    high precision or FP8. Bit for bit the same steps without checkpointing."""
+    torch.manual_seed(0)
+    plain = NestedHighPrecision(high_precision, recipe)
+    nested = copy.deepcopy(plain)
+    nested.modes = (outer, inner)
+    batches = step_batches(torch.Generator().manual_seed(0), 4, 16, 32)
+    runs = []
+    for model in (plain, nested):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        records = []
+        for batch in batches:
+            x = batch.clone().requires_grad_(True)
+            with fp8_autocast(fp8_recipe=recipe):
+                loss = model(x).square().mean()
+                loss.backward()
+            records.append(record_step(loss, model, {"input": x}))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs.append(records)
+    assert_bit_identical(runs[1], runs[0])
+    assert not _pending(nested), "every record was replayed"

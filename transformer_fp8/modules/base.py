@@ -83,7 +83,7 @@ class Fp8StateMixin(Fp8State):
         if self._replay_records.entries:  # (the list: one attribute read on every forward)
             replay = self._replay_records.for_recomputation()
             if replay is not None:
-                return self._fp8_replay(inp, *replay)
+                return self._replay(inp, *replay)
         stack = _autocast.LOCAL.stack  # (current_state(), inline: every forward asks)
         state = stack[-1] if stack else None
         if self._fp8_override is not None and state is not None:
@@ -100,6 +100,9 @@ class Fp8StateMixin(Fp8State):
                             "stays a DTensor: use_local_output=False); give it the local "
                             "tensor (input.to_local() or full_tensor()), or parallelize it too")
         if state is None or not state.enabled:
+            regions = checkpointing.regions_to_keep()
+            if regions:  # (its recomputation runs in high precision too, in any context)
+                self._replay_records.keep(regions, checkpointing.HIGH_PRECISION)
             if state is not None and state.calibrating:
                 if torch.compiler.is_compiling():
                     return self._calibrate_eagerly(inp, state)
@@ -180,12 +183,16 @@ class Fp8StateMixin(Fp8State):
         return self._high_precision(inp, recording_linear(self, state))
 
     @torch.compiler.disable
-    def _fp8_replay(self, inp, plans, regions):
-        """The recomputation of a checkpointed FP8 forward: the same casts with the same
-        scales (``plans``, a replay record), no amax recorded; its backward casts and records
-        grad_output as usual. ``regions``: the checkpointed regions whose first forward this
+    def _replay(self, inp, plans, regions):
+        """The recomputation of a checkpointed forward. An FP8 one: the same casts with the
+        same scales (``plans``, a replay record), no amax recorded; its backward casts and
+        records grad_output as usual. A high-precision one (``plans`` is HIGH_PRECISION): the
+        high-precision form, whatever fp8_autocast it runs in, no amax recorded (calibration
+        included). ``regions``: the checkpointed regions whose first forward this
         recomputation runs (nested checkpoints), which keep the record for their own."""
         self._replay_records.keep(regions, plans)
+        if plans is checkpointing.HIGH_PRECISION:
+            return self._high_precision(inp)
         return self._fp8_apply(inp, plans)
 
     def _weight_for_step(self, gemm: int, weight, weight_quantizer, is_first_microbatch):

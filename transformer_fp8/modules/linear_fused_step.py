@@ -257,7 +257,7 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of) -> Optional[tu
 
 
 def _keep_replay_record(layer, fmt, backward_step, out_dtype, regions):
-    """What the recomputation of this checkpointed forward replays (base.py's _fp8_replay),
+    """What the recomputation of this checkpointed forward replays (base.py's _replay),
     made by Fp8Plan.for_replay as on the Python path, one plan per GEMM: the scales this
     forward casts with and a copy of its scale_invs (the update at the context's exit changes
     both before the recomputation runs; the operator makes its own equal copy)."""

@@ -8,12 +8,15 @@ forward's FP8 casts exactly (same scales, same recipe) and record no amax a seco
 
 So an FP8 layer whose forward runs under torch.utils.checkpoint keeps a replay record (the
 scales it used, its backward plan) for each checkpointed region it runs in, and when it runs
-inside the recomputation of one of those regions it replays that region's records, in the
-order its calls first ran (a layer called twice in a region). Nested checkpoints make a call
-run several times: in the recomputation of an outer region, an inner checkpoint's forward is a
-first forward of a new region, recomputed later in its turn. So a call that replays an outer
-region's record keeps it again for the inner regions it runs in, and every recomputation of
-every region casts exactly as the very first forward did.
+inside the recomputation of one of those regions it replays that region's records, in the order
+its calls first ran (a layer called twice in a region). A forward that ran in high precision
+(outside an enabled fp8_autocast: none, or a nested enabled=False one) keeps the record
+HIGH_PRECISION: its recomputation runs in high precision too, recording nothing, even inside an
+enabled context (a backward inside the context, or inside a later step's). Nested checkpoints
+make a call run several times: in the recomputation of an outer region, an inner checkpoint's
+forward is a first forward of a new region, recomputed later in its turn. So a call that
+replays an outer region's record keeps it again for the inner regions it runs in, and every
+recomputation of every region casts exactly as the very first forward did.
 
 A region is the object torch keeps for it in both phases: a reentrant region's autograd context
 (``ctx`` of CheckpointFunction.forward / backward), a non-reentrant region's _CheckpointFrame
@@ -35,6 +38,8 @@ import torch.utils.checkpoint as _torch_checkpoint
 
 _CHECKPOINT_FILE = _torch_checkpoint.__file__
 MAX_RECORDS_PER_LAYER = 1024  # replay records a layer keeps before dropping the oldest
+# The replay record of a forward that ran in high precision (see the module's docstring).
+HIGH_PRECISION = "high precision"
 
 
 class CheckpointContext(NamedTuple):
@@ -101,10 +106,16 @@ def _checkpoint_frames(frame):
 
 
 def regions_to_keep() -> tuple:
-    """The regions a forward that is not a replay keeps a record for (cheap where no
-    checkpoint can be running: see may_be_checkpointed)."""
+    """The regions a forward that is not a replay keeps a record for. Cheap where no
+    checkpoint can be running (see may_be_checkpointed), also under a plain no_grad or
+    inference_mode (an evaluation forward, high-precision ones included): a reentrant first
+    forward runs inside an autograd.Function's forward, which disables forward-mode AD too,
+    and inference_mode builds no graph that a backward could recompute."""
     if torch.compiler.is_compiling() or not may_be_checkpointed():
         return ()
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is None and (
+            torch._C._is_fwd_grad_enabled() or torch.is_inference_mode_enabled()):
+        return ()  # (no_grad outside any autograd.Function's forward, or inference_mode)
     return checkpoint_context().regions
 
 
