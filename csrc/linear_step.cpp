@@ -110,7 +110,8 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
     Operand x_q, w_q;
     Tensor stat0, stat1;  // the norm's statistics
     if (delayed) {
-      const std::vector<Tensor> scale_inv = copy_scale_invs(state[kFwdScaleInv]);
+      const std::vector<Tensor> scale_inv =
+          scale_invs_of({state[kInputScale], state[kWeightScale]});
       if (has_norm) {  // the norm's output cast in the norm's kernel
         x_q.scale_inv = scale_inv[0];
         Tensor y_t;

@@ -90,10 +90,11 @@ struct Fp8NormMlpStep : public torch::autograd::Function<Fp8NormMlpStep> {
     const bool needs_fc2_dgrad = needs_norm_grad || g[3] || g[4];
     const int64_t rows = x.size(0);
 
-    // The forward casts' states, with a copy of the scale_invs (copy_scale_invs).
+    // The forward casts' states, with their scale_invs (scale_invs_of).
     std::array<CastState, 4> fwd;  // fc1 input, fc1 weight, fc2 input, fc2 weight
     if (delayed) {
-      const std::vector<Tensor> scale_inv = copy_scale_invs(state[kFwdScaleInv]);
+      const std::vector<Tensor> scale_inv = scale_invs_of(
+          {state[kIn1Scale], state[kW1Scale], state[kIn2Scale], state[kW2Scale]});
       for (size_t i = 0; i < 4; ++i) {
         fwd[i] = {state[kIn1Scale + i], scale_inv[i], state[kIn1Amax + i]};
       }

@@ -238,23 +238,26 @@ inline void check_shapes(const char* op, const Tensor& input, const Tensor& weig
 
 // ---- the forward's copy of delayed scaling's scale_invs -----------------------------------
 
-// A copy of scale_invs [n], one 1-element tensor per entry, made once per forward: the update at
-// the context's exit rewrites the state in place before backward multiplies the saved
-// transposes. On CUDA the copies sit 16 bytes apart: cuBLASLt refuses a scale 4 bytes into a
-// buffer, and fp8_gemm would copy each again before every GEMM that reads it.
-inline std::vector<Tensor> copy_scale_invs(const Tensor& scale_inv) {
-  const int64_t n = scale_inv.numel();
-  const int64_t stride = scale_inv.is_cuda() ? 4 : 1;
-  Tensor copy;
-  if (stride == 1) {
-    copy = scale_inv.clone();
-  } else {
-    copy = at::empty({n * stride}, scale_inv.options());
-    copy.as_strided({n}, {stride}).copy_(scale_inv);
-  }
+// The forward casts' scale_invs, 1 / scale of each cast's scale [1], made once per forward as
+// new tensors: the update at the context's exit rewrites the state in place before backward
+// multiplies the saved transposes. Taken from the scales the casts use, not from the
+// scale_inv buffer: a buffer out of step with its scale (an EMA that averages buffers averages
+// the two apart) must not scale the output. The update writes scale_inv = 1 / scale, so in
+// step the two agree bit for bit. On CUDA the entries sit 16 bytes apart: cuBLASLt refuses a
+// scale 4 bytes into a buffer, and fp8_gemm would copy each again before every GEMM.
+inline std::vector<Tensor> scale_invs_of(std::initializer_list<Tensor> scales) {
+  const Tensor& first = *scales.begin();
+  const int64_t n = static_cast<int64_t>(scales.size());
+  const int64_t stride = first.is_cuda() ? 4 : 1;
+  const Tensor all = at::empty({n * stride}, first.options());
   std::vector<Tensor> entries;
   entries.reserve(n);
-  for (int64_t i = 0; i < n; ++i) entries.push_back(copy.narrow(0, i * stride, 1));
+  int64_t i = 0;
+  for (const Tensor& scale : scales) {
+    Tensor entry = all.narrow(0, i++ * stride, 1);
+    at::reciprocal_out(entry, scale);
+    entries.push_back(std::move(entry));
+  }
   return entries;
 }
 

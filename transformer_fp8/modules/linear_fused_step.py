@@ -259,9 +259,9 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of) -> Optional[tu
 def _keep_replay_record(layer, fmt, backward_step, out_dtype, regions):
     """What the recomputation of this checkpointed forward replays (base.py's _replay),
     made by Fp8Plan.for_replay as on the Python path, one plan per GEMM: the scales this
-    forward casts with and a copy of its scale_invs (the update at the context's exit changes
-    both before the recomputation runs; the operator makes its own equal copy)."""
-    scale_inv = layer._scaling_states[0].scale_inv.clone()  # [input, weight] per GEMM
+    forward casts with and their scale_invs, 1 / scale as the operator takes them (the update at
+    the context's exit changes both before the recomputation runs)."""
+    scale_inv = layer._scaling_states[0].scale.reciprocal()  # [input, weight] per GEMM
     plans = []
     for gemm, (input_q, weight_q, grad_q) in enumerate(delayed_quantizers(layer, fmt)):
         plan = Fp8Plan(input_q, weight_q, grad_q, None, backward_step, out_dtype)

@@ -157,10 +157,13 @@ class TensorQuantizer(Quantizer):
         """(scale, scale_inv, amax slot or None) of a cast whose scale is known beforehand."""
         if self.fixed:
             return self.scale, self.scale_inv, None
-        # A copy of scale_inv: the delayed update rewrites it in place before backward runs
-        # (under torch.compile an opaque copy, which the compiler cannot drop: ops.snapshot).
-        copy = ops.snapshot if torch.compiler.is_compiling() else torch.Tensor.clone
-        return self.scale, copy(self.scale_inv), self.amax_slot
+        # scale_inv as 1 / scale, a new tensor: the delayed update rewrites the state in place
+        # before backward runs (under torch.compile from an opaque copy of the scale, which the
+        # compiler cannot drop: ops.snapshot), and a scale_inv buffer out of step with its
+        # scale (an EMA that averages buffers) must not scale the output. The update writes
+        # scale_inv = 1 / scale: in step the two agree bit for bit (csrc's scale_invs_of).
+        scale = ops.snapshot(self.scale) if torch.compiler.is_compiling() else self.scale
+        return self.scale, scale.reciprocal(), self.amax_slot
 
     def _run(self, kernel: Callable, scale, amax_slot):
         """kernel(scale, amax_slot) -> results, with the amax recorded into the history."""
