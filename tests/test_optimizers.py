@@ -166,10 +166,11 @@ def test_fp8_weight_without_masters_is_updated_once_from_its_dequantised_value()
     assert not torch.equal(weight.dequantize(), start), "the step moved the weight"
 
 
-@pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("moment_dtype", [torch.bfloat16])
 def test_low_precision_moments_are_stored_rounded(gen, moment_dtype):
-    """exp_avg / exp_avg_sq in bfloat16 or float16: each step computes in float32 from the
-    stored moments and stores them rounded; the first step's update is the float32 one."""
+    """exp_avg / exp_avg_sq in bfloat16: each step computes in float32 from the stored moments
+    and stores them rounded; the first step's update is the float32 one. (float16 moments are
+    refused: without a scale of their own, small second moments flush to zero.)"""
     ours, fp32 = _model("cpu"), _model("cpu")
     opt = FusedAdam(ours.parameters(), lr=1e-2, exp_avg_dtype=moment_dtype,
                     exp_avg_sq_dtype=moment_dtype)
@@ -237,7 +238,9 @@ def test_decoupled_grad_and_parameters_without_gradients():
     (dict(capturable=True), "capturable"),
     (dict(exp_avg_dtype=torch.uint8), "exp_avg_dtype"),
     (dict(exp_avg_sq_dtype=torch.float64), "exp_avg_sq_dtype"),
+    (dict(exp_avg_sq_dtype=torch.float16), "exp_avg_sq_dtype"),
     (dict(master_weights=True, master_weight_dtype=torch.bfloat16), "master_weight_dtype"),
+    (dict(master_weights=True, master_weight_dtype=torch.float16), "master_weight_dtype"),
     (dict(betas=(0.9, 1.0)), "betas[1]"),
     (dict(lr=-1.0), "lr"),
     (dict(eps=-1e-8), "eps"),
@@ -258,6 +261,87 @@ def test_sparse_gradients_and_set_grad_none_conflicts_are_refused():
         opt = FusedAdam([p], set_grad_none=False)
     with pytest.raises(ValueError, match="set_grad_none=False"):
         opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float64])
+def test_parameters_of_other_dtypes_are_refused(dtype):
+    """complex (its imaginary part was dropped) and float64 (rounded to float32 at every step)
+    parameters are refused, as Transformer Engine's kernels do, also when added later."""
+    with pytest.raises(ValueError, match=f"got one of dtype {dtype}"):
+        FusedAdam([torch.nn.Parameter(torch.ones(2, dtype=dtype))])
+    opt = FusedAdam([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="float32, bfloat16, float16 or FP8"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=dtype))]})
+    assert len(opt.param_groups) == 1
+
+
+def test_float32_parameters_take_no_master(gen):
+    """master_weights=True updates float32 parameters in place (no master), as without it."""
+    ours, plain = _model("cpu"), _model("cpu")
+    opt = FusedAdam(ours.parameters(), lr=1e-2, master_weights=True)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    _train(ours, opt, torch.Generator().manual_seed(seed), 3, "cpu")
+    _train(plain, FusedAdam(plain.parameters(), lr=1e-2), torch.Generator().manual_seed(seed),
+           3, "cpu")
+    _params_equal(ours, plain, "with and without master_weights")
+    assert all("master_param" not in opt.state[p] for p in ours.parameters())
+
+
+def test_a_master_missing_from_a_loaded_state_is_made_from_the_parameter(gen):
+    """A state saved without masters, loaded with master_weights=True: each master is made at
+    the next step from the parameter (the bfloat16 weights trained on; they stood still)."""
+    model = _model("cpu", torch.bfloat16)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    _train(model, opt, torch.Generator().manual_seed(0), 2, "cpu", torch.bfloat16)
+    with_masters = FusedAdam(model.parameters(), lr=1e-2, master_weights=True)
+    with_masters.load_state_dict(opt.state_dict())
+    before = [p.detach().clone() for p in model.parameters()]
+    _train(model, with_masters, torch.Generator().manual_seed(1), 1, "cpu", torch.bfloat16,
+           first=2)
+    for p, old in zip(model.parameters(), before):
+        master = with_masters.state[p]["master_param"]
+        assert master.dtype == torch.float32
+        assert_bitwise_equal(p.detach(), master.to(torch.bfloat16), "the rounded master")
+        assert not torch.equal(p.detach(), old), "the step moved the parameter"
+
+
+def test_an_fp8_weight_written_after_construction_starts_its_master_from_that_value():
+    """preserve_high_precision_init_val=True, then a checkpoint loaded into the weight: the
+    master starts from the loaded (dequantised) value, not the construction-time one; with
+    nothing written, from the kept initial value."""
+    recipe = tfp8.DelayedScaling()
+    torch.manual_seed(0)
+    pretrained = tfp8.Linear(16, 16).state_dict()
+    for load in (True, False):
+        torch.manual_seed(1)
+        with tfp8.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+            model = tfp8.Linear(16, 16)
+        if load:
+            model.load_state_dict(pretrained)
+        weight = model.weight
+        start = (weight.dequantize() if load else weight.get_high_precision_init_val()).float()
+        opt = FusedAdam([weight], lr=1e-6, master_weights=True)
+        weight.grad = torch.ones(16, 16)
+        opt.step()
+        master = opt.state[weight]["master_param"]
+        assert (master - start).abs().max() <= 1.01e-6, "one step of lr 1e-6 from the start"
+
+
+def test_a_torch_adamw_state_loads_and_continues_as_adamw(gen):
+    """A torch.optim.AdamW state dict (its groups lack bias_correction) loads, and the next
+    steps are AdamW's, bit for bit."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    ours, theirs = _model("cpu"), _model("cpu")
+    opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    g = torch.Generator().manual_seed(seed)
+    _train(theirs, opt_theirs, g, 2, "cpu")
+    ours.load_state_dict(theirs.state_dict())
+    opt = FusedAdam(ours.parameters(), lr=1e-2, weight_decay=0.01)
+    opt.load_state_dict(opt_theirs.state_dict())
+    g_ours = torch.Generator().manual_seed(seed + 1)
+    _train(ours, opt, g_ours, 2, "cpu", first=2)
+    _train(theirs, opt_theirs, torch.Generator().manual_seed(seed + 1), 2, "cpu", first=2)
+    _params_equal(ours, theirs, "after the load")
 
 
 def test_importable_under_transformer_engine_path():

@@ -7,18 +7,23 @@ kernel): for float32 parameters without master weights, bit for bit what
 ``torch.optim.AdamW(foreach=False)`` computes. Transformer Engine's kernel computes the same
 formula in another order.
 
-``master_weights=True`` keeps a copy of each parameter in ``master_weight_dtype`` (float32 or
-float16): each step updates the master in float32 and writes it into the parameter once
-(``param.copy_``), which rounds it to a bfloat16 / float16 parameter, or quantises an FP8
-primary weight (``quantized_model_init``) with its recipe's rule. An FP8 weight's master starts
-from the weight's high-precision initial value when it kept one
-(``preserve_high_precision_init_val=True``), else from its dequantised value. Without master
-weights a low-precision or FP8 parameter is updated in float32 and written back once.
+``master_weights=True`` keeps a float32 copy of each bfloat16, float16 or FP8 parameter
+(float32 parameters are updated in place, as Transformer Engine does): each step updates the
+master and writes it into the parameter once (``param.copy_``), which rounds it to the
+parameter's dtype, or quantises an FP8 primary weight (``quantized_model_init``) with its
+recipe's rule. A master starts from the parameter's value at its first step (one missing from
+a loaded state is made then too); an FP8 weight's from its high-precision initial value
+(``preserve_high_precision_init_val=True``) while the weight still holds that value's cast,
+else from its dequantised value. Without master weights a low-precision or FP8 parameter is
+updated in float32 and written back once.
 
-``exp_avg_dtype`` / ``exp_avg_sq_dtype``: float32, bfloat16 or float16 (stored in that dtype,
-updated in float32). Refused, naming the argument: ``amsgrad``, ``capturable``, FP8 moments
-(``torch.uint8``), sparse gradients. ``store_param_remainders`` is accepted and keeps the whole
-float32 master (the same numbers; Transformer Engine stores 16 bits of it).
+``exp_avg_dtype`` / ``exp_avg_sq_dtype``: float32 or bfloat16 (stored in that dtype, updated in
+float32). Refused, naming the argument: ``amsgrad``, ``capturable``, float16 or FP8
+(``torch.uint8``) moments and a float16 ``master_weight_dtype`` (Transformer Engine stores
+those with a scale of their own; without it small moments flush to zero), parameters that are
+not float32, bfloat16, float16 or FP8 weights (complex, float64), sparse gradients.
+``store_param_remainders`` is accepted and keeps the whole float32 master (the same numbers;
+Transformer Engine stores 16 bits of it).
 """
 from __future__ import annotations
 
@@ -28,8 +33,9 @@ from typing import Optional
 
 import torch
 
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MASTER_DTYPES = (torch.float32, torch.float16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+_MASTER_DTYPES = (torch.float32,)
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_dtype(name: str, value, allowed) -> None:
@@ -38,14 +44,16 @@ def _check_dtype(name: str, value, allowed) -> None:
                          f"{[str(d) for d in allowed]}, got {value}")
 
 
-def _high_precision_value(param) -> torch.Tensor:
+def _master_start(param) -> torch.Tensor:
     """A plain tensor of the parameter's value: an FP8 weight's high-precision initial value
-    where it kept one, else its dequantised value (its .float() / .to() are FP8 weights)."""
-    init = getattr(param, "get_high_precision_init_val", None)
-    value = init() if callable(init) else None
-    if value is None:
-        value = param.dequantize() if hasattr(param, "fp8_data") else param.detach()
-    return value
+    while the weight still holds its cast (nothing written since), else its dequantised value
+    (its .float() / .to() would be FP8 weights)."""
+    if not hasattr(param, "fp8_data"):
+        return param.detach()
+    init = param.get_high_precision_init_val()
+    if init is not None and param.holds_cast_of(init):
+        return init
+    return param.dequantize()
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -120,6 +128,18 @@ class FusedAdam(torch.optim.Optimizer):
                              "torch.optim.SparseAdam)")
         return grad
 
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        for p in [params] if isinstance(params, torch.Tensor) else list(params):
+            if p.dtype not in _PARAM_DTYPES:
+                raise ValueError(f"FusedAdam: parameters must be float32, bfloat16, float16 or "
+                                 f"FP8 weights, got one of dtype {p.dtype} and shape "
+                                 f"{tuple(p.shape)}")
+        super().add_param_group(param_group)
+
+    def _needs_master(self, param) -> bool:
+        return self.master_weights and (param.dtype != torch.float32 or hasattr(param, "fp8_data"))
+
     def _init_state(self, param) -> dict:
         state = self.state[param]
         state["step"] = torch.tensor(0.0)
@@ -127,10 +147,17 @@ class FusedAdam(torch.optim.Optimizer):
         like = param.dequantize() if hasattr(param, "fp8_data") else param
         state["exp_avg"] = torch.zeros_like(like, dtype=self.exp_avg_dtype)
         state["exp_avg_sq"] = torch.zeros_like(like, dtype=self.exp_avg_sq_dtype)
-        if self.master_weights:
-            state["master_param"] = _high_precision_value(param).to(
-                device=param.device, dtype=self.master_weight_dtype, copy=True)
         return state
+
+    def _master(self, param, state) -> Optional[torch.Tensor]:
+        """The parameter's master (made at its first step, or the first after a load without
+        one), or None."""
+        if not self._needs_master(param):
+            return None
+        if "master_param" not in state:
+            state["master_param"] = _master_start(param).to(
+                device=param.device, dtype=self.master_weight_dtype, copy=True)
+        return state["master_param"]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -150,7 +177,7 @@ class FusedAdam(torch.optim.Optimizer):
         """One parameter's Adam step in float32, in torch.optim's single-tensor order."""
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        master = state.get("master_param")
+        master = self._master(param, state)
         # The value updated: the master, or the parameter itself where it is float32 (then in
         # place, as torch.optim does), else a float32 copy written back once at the end.
         stored = master if master is not None else param
@@ -191,15 +218,22 @@ class FusedAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch.optim casts every floating state to its parameter's dtype at a load; the
-        moments and the master keep their own dtypes here."""
+        moments and the master keep their own dtypes here. A group saved by another optimizer
+        (torch.optim.AdamW) takes this one's defaults for what it lacks (bias_correction)."""
         saved = {key: {name: value for name, value in entry.items()
-                       if name in ("exp_avg", "exp_avg_sq", "master_param")}
+                       if name in ("step", "exp_avg", "exp_avg_sq", "master_param")}
                  for key, entry in state_dict["state"].items()}
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for name, default in self.defaults.items():
+                group.setdefault(name, default)
         ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         dtypes = self._state_dtypes()
-        for key, param in zip(ids, params):
+        for key, param in zip(ids, params):  # (copies: nothing shared with the state given)
             for name, value in saved.get(key, {}).items():
-                self.state[param][name] = value.to(device=param.device, dtype=dtypes[name],
-                                                   copy=True)
+                if name == "step":
+                    self.state[param][name] = torch.tensor(float(value), dtype=torch.float32)
+                else:
+                    self.state[param][name] = value.to(device=param.device, dtype=dtypes[name],
+                                                       copy=True)

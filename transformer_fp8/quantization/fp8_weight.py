@@ -243,6 +243,12 @@ class Fp8Weight(torch.Tensor):
     def clear_high_precision_init_val(self) -> None:
         self._fp8.hp_init = None
 
+    def holds_cast_of(self, value: torch.Tensor) -> bool:
+        """Whether the FP8 data is ``value`` cast with this weight's scale (nothing recorded):
+        a kept initial value still stands for the weight only while nothing else was written."""
+        cast = self._fp8.cast.quantize(value, self.device, (self._fp8.scale, self._fp8.scale_inv))
+        return torch.equal(cast.data.view(torch.uint8), self._fp8.data.view(torch.uint8))
+
     # ---- torch operations --------------------------------------------------------------------
 
     def _alias(self, dtype=None, fp8: Optional[Fp8Data] = None) -> "Fp8Weight":
