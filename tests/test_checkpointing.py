@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from conftest import DEVICE_PARAMS
+from conftest import DEVICE_PARAMS, assert_bitwise_equal
 from integration_compare import assert_bit_identical, record_step, step_batches, train
 
 import transformer_fp8 as tfp8
@@ -589,3 +589,39 @@ def test_a_region_run_outside_fp8_autocast_is_recomputed_in_high_precision(recip
         assert not any(m._replay_records for m in model.modules()
                        if hasattr(m, "_replay_records"))
     assert_bit_identical(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward_outside", "inside"])
+def test_an_inference_mode_layer_inside_a_reentrant_region_replays_its_fp8_forward(
+        backward_inside):
+    """A gate run under torch.inference_mode inside a reentrant checkpoint: its recomputation
+    replays the FP8 forward it ran (an early exit of the record keeping took inference_mode
+    for an evaluation forward; the backward outside the context then recomputed the gate in
+    high precision: other gradients). Bit for bit the run without checkpointing."""
+    recipe = tfp8.DelayedScaling()
+
+    def train(checkpointed):
+        torch.manual_seed(0)
+        gate, body = tfp8.Linear(64, 64), tfp8.Linear(64, 64)
+
+        def region(x):
+            with torch.inference_mode():
+                g = torch.sigmoid(gate(x))
+            return body(x) * g.clone()  # (cloned outside inference_mode: a normal tensor)
+
+        gen, out = torch.Generator().manual_seed(1), []
+        for _ in range(2):
+            x = torch.randn(32, 64, generator=gen).requires_grad_()
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                y = (torch.utils.checkpoint.checkpoint(region, x, use_reentrant=True)
+                     if checkpointed else region(x))
+                if backward_inside:
+                    y.square().mean().backward()
+            if not backward_inside:
+                y.square().mean().backward()
+            out += [x.grad, body.weight.grad.clone()]
+            body.zero_grad()
+        return out + [gate.fp8_fwd_amax_history.clone(), gate.fp8_fwd_scale.clone()]
+
+    for got, expected in zip(train(True), train(False)):
+        assert_bitwise_equal(got, expected)

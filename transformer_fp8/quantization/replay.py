@@ -107,15 +107,17 @@ def _checkpoint_frames(frame):
 
 def regions_to_keep() -> tuple:
     """The regions a forward that is not a replay keeps a record for. Cheap where no
-    checkpoint can be running (see may_be_checkpointed), also under a plain no_grad or
-    inference_mode (an evaluation forward, high-precision ones included): a reentrant first
-    forward runs inside an autograd.Function's forward, which disables forward-mode AD too,
-    and inference_mode builds no graph that a backward could recompute."""
+    checkpoint can be running (see may_be_checkpointed), also outside any autograd.Function's
+    forward without saved-tensor hooks (an evaluation forward under a plain no_grad,
+    high-precision ones included): a reentrant first forward runs inside an
+    autograd.Function's forward, which disables forward-mode AD, and a non-reentrant one under
+    saved-tensor hooks. (inference_mode disables forward-mode AD too: it gets the walk, as an
+    inference_mode region inside a reentrant checkpoint must keep its records.)"""
     if torch.compiler.is_compiling() or not may_be_checkpointed():
         return ()
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is None and (
-            torch._C._is_fwd_grad_enabled() or torch.is_inference_mode_enabled()):
-        return ()  # (no_grad outside any autograd.Function's forward, or inference_mode)
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is None and \
+            torch._C._is_fwd_grad_enabled():
+        return ()  # (outside any autograd.Function's forward, no saved-tensor hooks)
     return checkpoint_context().regions
 
 
