@@ -73,7 +73,8 @@ struct BackwardMeta {
 // The delayed-scaling state the step takes, one tensor per entry (the Python caller slices the
 // layer's buffers once and keeps the slices): the input's and the weight's amax slot (history
 // row 0) and scale, their scale_invs [input, weight], and grad_output's amax slot, scale and
-// scale_inv.
+// scale_inv. (The scale_invs are checked with the rest; the casts take 1 / scale of the scale
+// they use, see scale_invs_of in step_ops.h.)
 enum StateIndex : size_t {
   kInputAmax, kWeightAmax, kInputScale, kWeightScale, kFwdScaleInv,
   kGradAmax, kGradScale, kGradScaleInv, kStateSize
@@ -155,7 +156,6 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
     if (delayed) {
       ctx->saved_data["grad_amax"] = state[kGradAmax];
       ctx->saved_data["grad_scale"] = state[kGradScale];
-      ctx->saved_data["grad_scale_inv"] = state[kGradScaleInv];
     }
     ctx->saved_data["meta"] =
         BackwardMeta{bwd_dtype, input.scalar_type(), weight.scalar_type(),
@@ -202,9 +202,9 @@ struct Fp8LinearStep : public torch::autograd::Function<Fp8LinearStep> {
     const int64_t rows = g_2d.size(0);
     CastState grad_state;  // (undefined: current scaling)
     if (meta.delayed) {
-      grad_state = {ctx->saved_data["grad_scale"].toTensor(),
-                    ctx->saved_data["grad_scale_inv"].toTensor(),
-                    ctx->saved_data["grad_amax"].toTensor()};
+      // scale_inv as 1 / scale (as the forward's, see scale_invs_of), not the buffer's
+      const Tensor scale = ctx->saved_data["grad_scale"].toTensor();
+      grad_state = {scale, scale.reciprocal(), ctx->saved_data["grad_amax"].toTensor()};
     }
     auto [g_q, grad_bias] =
         cast_grad_output(g_2d, grad_state, meta.bwd_dtype, needs_weight_grad, needs_bias_grad);

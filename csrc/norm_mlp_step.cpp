@@ -30,7 +30,8 @@ using namespace step;  // NOLINT: the shared operator calls (step_ops.h)
 using torch::autograd::AutogradContext;
 
 // Delayed scaling's state, one tensor per entry (1 element each, views of the state buffers,
-// but fwd_scale_inv: the 4 forward scale_invs).
+// but fwd_scale_inv: the 4 forward scale_invs). The scale_invs are checked with the rest; the
+// casts take 1 / scale of the scale they use (scale_invs_of in step_ops.h, grad_state).
 enum Slot : size_t {
   kIn1Amax, kW1Amax, kIn2Amax, kW2Amax,
   kIn1Scale, kW1Scale, kIn2Scale, kW2Scale,
@@ -146,8 +147,6 @@ struct Fp8NormMlpStep : public torch::autograd::Function<Fp8NormMlpStep> {
       ctx->saved_data["g2_amax"] = state[kG2Amax];
       ctx->saved_data["g1_scale"] = state[kG1Scale];
       ctx->saved_data["g2_scale"] = state[kG2Scale];
-      ctx->saved_data["g1_scale_inv"] = state[kG1ScaleInv];
-      ctx->saved_data["g2_scale_inv"] = state[kG2ScaleInv];
     }
     ctx->saved_data["activation"] = spec.activation;
     ctx->saved_data["meta"] = pack_meta(
@@ -169,10 +168,12 @@ struct Fp8NormMlpStep : public torch::autograd::Function<Fp8NormMlpStep> {
     return once_differentiable(std::move(grads), "LayerNormMLP");
   }
 
+  // A grad_output's state at backward; its scale_inv 1 / scale (as the forward's, see
+  // scale_invs_of in step_ops.h), not the scale_inv buffer.
   static CastState grad_state(AutogradContext* ctx, const char* which) {
     const std::string w(which);
-    return {ctx->saved_data[w + "_scale"].toTensor(), ctx->saved_data[w + "_scale_inv"].toTensor(),
-            ctx->saved_data[w + "_amax"].toTensor()};
+    const Tensor scale = ctx->saved_data[w + "_scale"].toTensor();
+    return {scale, scale.reciprocal(), ctx->saved_data[w + "_amax"].toTensor()};
   }
 
   static variable_list gradients(AutogradContext* ctx, const variable_list& saved,

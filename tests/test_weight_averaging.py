@@ -7,6 +7,8 @@ GEMM read the scale_inv buffer, and the output came out scaled by scale * scale_
 one case)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -70,3 +72,34 @@ def test_an_ema_of_the_buffers_computes_what_its_weights_and_scales_give(
         with torch.no_grad():
             expected = _high_precision(averaged, x)
         assert sqnr(expected, out) >= 20, "FP8 rounding only"
+
+
+@pytest.mark.parametrize("path", ["cpp_step", "python_path"])
+@pytest.mark.parametrize("name", list(MODULES))
+def test_the_backward_of_a_model_whose_scale_invs_are_out_of_step(gen, monkeypatch, name, path):
+    """grad_output's casts too take 1 / scale, not the scale_inv buffer: a module whose scale_inv
+    buffers (forward and backward) are out of step with its scales gives, bit for bit, the
+    outputs and every gradient of the module with them back in step (the C++ steps' backward
+    read the buffer: gradients 360-1050x too large)."""
+    make, switch = MODULES[name]
+    if path == "python_path":
+        python_path(monkeypatch, switch)
+    torch.manual_seed(0)
+    model = make()
+    x = randn(gen, 16, 32)
+    for _ in range(2):
+        _train_step(model, x)
+    in_step, out_of_step = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():
+        out_of_step.fp8_fwd_scale_inv.mul_(7)
+        out_of_step.fp8_bwd_scale_inv.mul_(360)
+
+    def step(module):
+        inp = x.detach().clone().requires_grad_()
+        with tfp8.fp8_autocast(fp8_recipe=RECIPE):
+            out = module(inp)
+        out.square().mean().backward()
+        return [out.detach(), inp.grad] + [p.grad for p in module.parameters()]
+
+    for got, expected in zip(step(out_of_step), step(in_step)):
+        assert_bitwise_equal(got, expected)
