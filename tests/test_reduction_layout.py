@@ -147,3 +147,35 @@ def test_a_dead_layer_covered_by_a_kept_step_changes_no_rank_alone(tmp_path):
                                                     weights_only=True)] for rank in range(WORLD)]
     for name, value in records[0][-1].fp8_state.items():
         assert_bitwise_equal(records[1][-1].fp8_state[name], value, f"ranks differ on {name}")
+
+
+def _fresh_recipe_worker(rank: int, out_dir: str) -> None:
+    from transformer_fp8.quantization import amax_step
+
+    amax_step.MAX_KEPT_PLANS = 4  # (a small bound: few steps pass it)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = amax_step.MAX_KEPT_PLANS + 6
+    for step in range(steps):
+        # a recipe made anew at every step, which never equals the last (a new lambda)
+        recipe = tfp8.DelayedScaling(amax_history_len=4,
+                                     amax_compute_algo=lambda history: history.amax(0))
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    sizes = {"plans": len(amax_step._EVERY_STATE_PLANS), "layouts": len(amax_step._LAST_LAYOUT),
+             "steps": steps, "bound": amax_step.MAX_KEPT_PLANS}
+    torch.save(sizes, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_recipes_made_anew_at_every_step_keep_a_bounded_number_of_plans(tmp_path):
+    """The plans and layouts kept for the reduction are keyed by recipe: a recipe made at every
+    step (a new lambda as amax_compute_algo) added one of each per step, without end."""
+    run_ranks(_fresh_recipe_worker, (str(tmp_path),), tmp_path)
+    for rank in range(WORLD):
+        sizes = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        bound = sizes["bound"]
+        assert sizes["steps"] > bound
+        assert 0 < sizes["plans"] <= bound and 0 < sizes["layouts"] <= bound, sizes

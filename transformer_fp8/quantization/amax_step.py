@@ -55,6 +55,19 @@ _EVERY_STATE_PLANS: dict = {}
 _LAST_LAYOUT: dict = {}
 
 
+# At most this many entries in each of the two caches above: a recipe made anew at every step
+# (a new lambda as amax_compute_algo never equals the last) is a new key each time.
+MAX_KEPT_PLANS = 64
+
+
+def _keep_bounded(cache: dict, key, value) -> None:
+    """cache[key] = value, the oldest entries dropped beyond MAX_KEPT_PLANS."""
+    cache.pop(key, None)
+    cache[key] = value
+    while len(cache) > MAX_KEPT_PLANS:
+        del cache[next(iter(cache))]
+
+
 # A count of the states that joined a step (AmaxStep.add): the steps' masks of the states of
 # other steps (_others_states) are made again when it changes.
 _OWNERSHIP = [0]
@@ -242,10 +255,10 @@ class AmaxStep:
             return None
         plan = UpdatePlan(states, self.recipe, self.role)
         if reduce:
-            _LAST_LAYOUT[key] = plan.layout
+            _keep_bounded(_LAST_LAYOUT, key, plan.layout)
         for old in [k for k, p in cache.items() if p.generation != plan.generation]:
             del cache[old]  # (made before a change: they would hold tensors no longer in use)
-        cache[key] = plan
+        _keep_bounded(cache, key, plan)
         return plan
 
     def _covered_states(self, devices, reduce: bool) -> list[ScalingState]:
