@@ -32,6 +32,15 @@ def _train_step(model, x):
     model.zero_grad()
 
 
+def _model_and_input(gen, monkeypatch, name, path):
+    """The module ``name`` (on the C++ step or the Python path) and an input for it."""
+    make, switch = MODULES[name]
+    if path == "python_path":
+        python_path(monkeypatch, switch)
+    torch.manual_seed(0)
+    return make(), randn(gen, 16, 32)
+
+
 def _high_precision(module, x):
     with tfp8.fp8_autocast(enabled=False):
         return module(x)
@@ -41,12 +50,7 @@ def _high_precision(module, x):
 @pytest.mark.parametrize("name", list(MODULES))
 def test_an_ema_of_the_buffers_computes_what_its_weights_and_scales_give(
         gen, monkeypatch, name, path):
-    make, switch = MODULES[name]
-    if path == "python_path":
-        python_path(monkeypatch, switch)
-    torch.manual_seed(0)
-    model = make()
-    x = randn(gen, 16, 32)
+    model, x = _model_and_input(gen, monkeypatch, name, path)
     _train_step(model, x)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
     ema.update_parameters(model)
@@ -81,12 +85,7 @@ def test_the_backward_of_a_model_whose_scale_invs_are_out_of_step(gen, monkeypat
     buffers (forward and backward) are out of step with its scales gives, bit for bit, the
     outputs and every gradient of the module with them back in step (the C++ steps' backward
     read the buffer: gradients 360-1050x too large)."""
-    make, switch = MODULES[name]
-    if path == "python_path":
-        python_path(monkeypatch, switch)
-    torch.manual_seed(0)
-    model = make()
-    x = randn(gen, 16, 32)
+    model, x = _model_and_input(gen, monkeypatch, name, path)
     for _ in range(2):
         _train_step(model, x)
     in_step, out_of_step = copy.deepcopy(model), copy.deepcopy(model)
