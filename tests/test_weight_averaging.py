@@ -20,9 +20,11 @@ from fused_step_checks import python_path
 RECIPE = tfp8.DelayedScaling(amax_history_len=1)
 
 MODULES = {  # name -> (constructor, the C++ step's switch in linear_fused_step)
-    "Linear": (lambda: tfp8.Linear(32, 32, recipe=RECIPE), "ENABLED"),
-    "LayerNormLinear": (lambda: tfp8.LayerNormLinear(32, 32, recipe=RECIPE), "NORM_ENABLED"),
-    "LayerNormMLP": (lambda: tfp8.LayerNormMLP(32, 64, recipe=RECIPE), "NORM_MLP_ENABLED"),
+    "Linear": (lambda device: tfp8.Linear(32, 32, recipe=RECIPE, device=device), "ENABLED"),
+    "LayerNormLinear": (lambda device: tfp8.LayerNormLinear(32, 32, recipe=RECIPE, device=device),
+                        "NORM_ENABLED"),
+    "LayerNormMLP": (lambda device: tfp8.LayerNormMLP(32, 64, recipe=RECIPE, device=device),
+                     "NORM_MLP_ENABLED"),
 }
 
 
@@ -32,13 +34,13 @@ def _train_step(model, x):
     model.zero_grad()
 
 
-def _model_and_input(gen, monkeypatch, name, path):
+def _model_and_input(gen, monkeypatch, name, path, device):
     """The module ``name`` (on the C++ step or the Python path) and an input for it."""
     make, switch = MODULES[name]
     if path == "python_path":
         python_path(monkeypatch, switch)
     torch.manual_seed(0)
-    return make(), randn(gen, 16, 32)
+    return make(device), randn(gen, 16, 32, device=device)
 
 
 def _high_precision(module, x):
@@ -49,8 +51,8 @@ def _high_precision(module, x):
 @pytest.mark.parametrize("path", ["cpp_step", "python_path"])
 @pytest.mark.parametrize("name", list(MODULES))
 def test_an_ema_of_the_buffers_computes_what_its_weights_and_scales_give(
-        gen, monkeypatch, name, path):
-    model, x = _model_and_input(gen, monkeypatch, name, path)
+        gen, monkeypatch, name, path, device):
+    model, x = _model_and_input(gen, monkeypatch, name, path, device)
     _train_step(model, x)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
     ema.update_parameters(model)
@@ -80,12 +82,13 @@ def test_an_ema_of_the_buffers_computes_what_its_weights_and_scales_give(
 
 @pytest.mark.parametrize("path", ["cpp_step", "python_path"])
 @pytest.mark.parametrize("name", list(MODULES))
-def test_the_backward_of_a_model_whose_scale_invs_are_out_of_step(gen, monkeypatch, name, path):
+def test_the_backward_of_a_model_whose_scale_invs_are_out_of_step(gen, monkeypatch, name, path,
+                                                                  device):
     """grad_output's casts too take 1 / scale, not the scale_inv buffer: a module whose scale_inv
     buffers (forward and backward) are out of step with its scales gives, bit for bit, the
     outputs and every gradient of the module with them back in step (the C++ steps' backward
     read the buffer: gradients 360-1050x too large)."""
-    model, x = _model_and_input(gen, monkeypatch, name, path)
+    model, x = _model_and_input(gen, monkeypatch, name, path, device)
     for _ in range(2):
         _train_step(model, x)
     in_step, out_of_step = copy.deepcopy(model), copy.deepcopy(model)
