@@ -30,7 +30,10 @@ _INI_OPTIONS = (
 
 def pytest_addoption(parser) -> None:
     for ini_name, _, help_text in _INI_OPTIONS:
-        parser.addini(ini_name, help_text, default=None)
+        try:  # a number in pytest 9's native TOML table ([tool.pytest]) too
+            parser.addini(ini_name, help_text, type=float | str, default=None)
+        except (TypeError, ValueError, AssertionError):  # (a pytest without union types)
+            parser.addini(ini_name, help_text, default=None)
 
 
 def _ini_thresholds(config) -> dict:

@@ -269,6 +269,101 @@ def test_routed_weight_gradients_are_refused(gen, option):
         compare_to_reference(model, model, randn(gen, 16, 64), recipe=RECIPE)
 
 
+def test_a_gradient_that_is_zero_in_math_is_measured_against_the_noise_floor(gen):
+    """A key bias before a softmax has a gradient that is zero in math: both runs hold rounding
+    noise (-3 to +1 dB against its own norm, so a correct TransformerLayer failed). It is
+    measured against GRAD_NOISE_FLOOR times the largest parameter gradient; a real gradient of
+    that size in the FP8 run still fails."""
+    import copy
+
+    from transformer_fp8.testing import GRAD_NOISE_FLOOR
+    torch.manual_seed(0)
+    layer = tfp8.TransformerLayer(64, 256, 2, hidden_dropout=0.0, attention_dropout=0.0)
+    x = randn(gen, 16, 4, 64)
+    report = assert_fp8_parity(layer, copy.deepcopy(layer), x, recipe=RECIPE)
+    assert report["grad:self_attention.layernorm_qkv.key_bias"].sqnr_db >= 10
+
+    class LeakyKeyBias(torch.nn.Module):  # planted: the FP8 run's key-bias gradient is real
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inp):
+            out = self.inner(inp)
+            state = tfp8.quantization.autocast.current_state()
+            if state is not None and state.enabled:
+                bias = self.inner.self_attention.layernorm_qkv.key_bias
+                out = out + bias.sum() * 1e-2
+            return out
+
+    leaky = LeakyKeyBias(layer)
+    with pytest.raises(AssertionError, match="key_bias"):
+        assert_fp8_parity(leaky, copy.deepcopy(leaky), x, recipe=RECIPE)
+    assert 0 < GRAD_NOISE_FLOOR < 1e-3
+
+
+def test_an_output_dtype_changed_by_the_fp8_path_fails(gen):
+    """A bfloat16 model whose FP8 path returns float32 (values cast to float64 for the SQNR
+    compared equal): the output's dtype is compared when both runs have one parameter dtype."""
+    class Widened(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = tfp8.Linear(64, 32, params_dtype=torch.bfloat16)
+
+        def forward(self, inp):
+            out = self.linear(inp)
+            state = tfp8.quantization.autocast.current_state()
+            return out.float() if state is not None and state.enabled else out
+
+    model = Widened()
+    x = randn(gen, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match=r"output dtype torch.float32 \(expected "
+                                             r"torch.bfloat16\)"):
+        assert_fp8_parity(model, model, x, recipe=RECIPE)
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_it_runs_under_no_grad_and_inference_mode(gen, context):
+    """Called from code that turned autograd off: both runs still record their graphs."""
+    torch.manual_seed(0)
+    model = tfp8.Linear(64, 32)
+    x = randn(gen, 16, 64)
+    expected = compare_to_reference(model, model, x, recipe=RECIPE)
+    torch.manual_seed(0)
+    model = tfp8.Linear(64, 32)
+    with getattr(torch, context)():
+        report = compare_to_reference(model, model, x, recipe=RECIPE)
+    assert [(e.name, e.sqnr_db) for e in report.entries] == \
+        [(e.name, e.sqnr_db) for e in expected.entries]
+
+
+def test_a_graph_cut_at_the_output_fails_with_every_gradient_named(gen):
+    class CutAtOutput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = tfp8.Linear(64, 32)
+
+        def forward(self, inp):
+            out = self.linear(inp)
+            state = tfp8.quantization.autocast.current_state()
+            return out.detach() if state is not None and state.enabled else out
+
+    model = CutAtOutput()
+    report = compare_to_reference(model, model, randn(gen, 16, 64), recipe=RECIPE)
+    for name in ("input_grad[0]", "grad:linear.weight", "grad:linear.bias"):
+        assert report[name].sqnr_db == -math.inf
+
+
+def test_a_shape_mismatch_names_the_tensor(gen):
+    import copy
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tfp8.Linear(64, 32))
+    reference = copy.deepcopy(model)
+    reference[0] = torch.nn.Linear(64, 48)  # (same parameter names, other shapes)
+    with pytest.raises(ValueError, match="output: actual and expected must have the same shape"):
+        compare_to_reference(model, reference, randn(gen, 16, 64), recipe=RECIPE)
+
+
 # ---- the pytest plugin -------------------------------------------------------------------------
 
 def test_pyproject_declares_the_plugin_entry_point():
@@ -321,3 +416,29 @@ def test_plugin_fixture_and_ini_thresholds(tmp_path):
                             cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed" in result.stdout
+
+
+def test_plugin_thresholds_from_pytest_9_native_toml(tmp_path):
+    """pytest 9's [tool.pytest] table gives numbers, not strings: taken as thresholds."""
+    if int(pytest.__version__.split(".")[0]) < 9:
+        pytest.skip("pytest 9's native TOML configuration")
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest]\nfp8_grad_min_sqnr_db = 99\n")
+    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
+        import copy
+        import pytest
+        import torch
+        import transformer_fp8 as tfp8
+
+        def test_toml_threshold_applies(fp8_parity):
+            torch.manual_seed(0)
+            model = tfp8.Linear(64, 32)
+            with pytest.raises(AssertionError, match="< 99.0 dB"):
+                fp8_parity(model, copy.deepcopy(model), torch.randn(16, 64))
+    """))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-p", "pytest_transformer_fp8", str(tmp_path)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout

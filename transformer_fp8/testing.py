@@ -9,8 +9,10 @@ and every parameter gradient, by parameter name. ``assert_fp8_parity`` raises As
 naming the tensors under the thresholds. Nothing here changes the parameters or their ``.grad``
 (gradients come from ``torch.autograd.grad``); the FP8 model's delayed-scaling state advances as
 ``steps`` training steps' would (default 2). A gradient that one run produces and the other does
-not (an FP8 path that cuts the graph) reads -inf dB and fails; the reference runs outside FP8
-even inside a caller's ``fp8_autocast``. Models with fuse_wgrad_accumulation or
+not (an FP8 path that cuts the graph) reads -inf dB and fails; a gradient that is zero in math
+is measured against GRAD_NOISE_FLOOR; an output dtype the FP8 path changed fails (where model
+and reference have one parameter dtype); the reference runs outside FP8 even inside a
+caller's ``fp8_autocast``, and both runs record their graphs under a caller's no_grad too. Models with fuse_wgrad_accumulation or
 delay_wgrad_compute, whose weight gradients bypass autograd, are refused.
 
 Default thresholds (DEFAULT_MIN_SQNR_DB, DEFAULT_GRAD_MIN_SQNR_DB) come from measurements
@@ -37,6 +39,10 @@ from .quantization.autocast import fp8_autocast
 
 DEFAULT_MIN_SQNR_DB = 15.0       # output and loss
 DEFAULT_GRAD_MIN_SQNR_DB = 10.0  # input and parameter gradients
+# A gradient whose reference norm is under this fraction of the largest of its kind (input or
+# parameter gradients) is zero in math (a key bias before a softmax, a bias before a
+# batch norm): both runs hold rounding noise, so its noise is measured against that floor.
+GRAD_NOISE_FLOOR = 1e-5
 _PROBE_SEED = 0x5EED  # the random grad_output of the default loss
 _RUN_SEED = 0x0F8     # both runs start from this RNG state (dropout draws the same masks)
 
@@ -47,11 +53,11 @@ def _as_float64(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.float64)
 
 
-def _pair(actual, expected):
+def _pair(actual, expected, what: str = ""):
     a, e = _as_float64(actual, "actual"), _as_float64(expected, "expected")
     if a.shape != e.shape:
-        raise ValueError(f"actual and expected must have the same shape, got {tuple(a.shape)} "
-                         f"and {tuple(e.shape)}")
+        raise ValueError(f"{what + ': ' if what else ''}actual and expected must have the same "
+                         f"shape, got {tuple(a.shape)} and {tuple(e.shape)}")
     return a, e
 
 
@@ -61,7 +67,10 @@ def sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:
     when expected is zero and actual is not, nan when either holds a NaN. Equal elements add
     no noise (an inf in both at one place); an inf where the other is not makes the noise
     infinite: -inf. The signal is the finite part of expected."""
-    noise, signal = _noise_and_signal(actual, expected)
+    return _sqnr_of(*_noise_and_signal(actual, expected))
+
+
+def _sqnr_of(noise: float, signal: float) -> float:
     if math.isnan(noise) or noise == 0.0:
         return math.nan if math.isnan(noise) else math.inf
     if signal == 0.0 or math.isinf(noise):
@@ -69,10 +78,10 @@ def sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return 20.0 * math.log10(signal / noise)
 
 
-def _noise_and_signal(actual, expected) -> tuple:
+def _noise_and_signal(actual, expected, what: str = "") -> tuple:
     """(||actual - expected|| over the elements that differ, ||finite expected||); the noise is
     nan when either holds a NaN."""
-    a, e = _pair(actual, expected)
+    a, e = _pair(actual, expected, what)
     if torch.isnan(a).any() or torch.isnan(e).any():
         return math.nan, math.nan
     noise = torch.linalg.vector_norm(torch.where(a == e, 0.0, a - e)).item()
@@ -167,7 +176,7 @@ def _prepared(inputs: tuple, dtype: Optional[torch.dtype]) -> tuple:
     out = []
     for x in inputs:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
-            x = x.detach().to(dtype or x.dtype).requires_grad_(True)
+            x = x.detach().to(dtype or x.dtype, copy=True).requires_grad_(True)
         out.append(x)
     return tuple(out)
 
@@ -206,6 +215,8 @@ def _one_run(module, inputs: tuple, loss_fn, dtype, seed_devices):
     named = {f"input_grad[{i}]": x for i, x in enumerate(args)
              if isinstance(x, torch.Tensor) and x.requires_grad}
     named.update({f"grad:{n}": p for n, p in module.named_parameters() if p.requires_grad})
+    if not objective.requires_grad:  # the graph was cut at the output: no gradient at all
+        return [o.detach() for o in outputs], loss, {}
     grads = torch.autograd.grad(objective, list(named.values()), allow_unused=True)
     grads = {n: g for n, g in zip(named, grads) if g is not None}
     return [o.detach() for o in outputs], loss, grads
@@ -248,29 +259,46 @@ def compare_to_reference(model: torch.nn.Module, reference: torch.nn.Module, inp
         raise ValueError(f"compare_to_reference: {routed[:3]} use fuse_wgrad_accumulation or "
                          "delay_wgrad_compute, whose weight gradients bypass autograd (main_grad, "
                          "backward_dw()): compare copies built without them")
-    with fp8_autocast(enabled=False):  # (high precision inside a caller's fp8_autocast too)
-        ref_out, ref_loss, ref_grads = _one_run(reference, inputs, loss_fn,
-                                                _float_dtype(reference), seed_devices)
-    for _ in range(steps):
-        with fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=fp8_group):
-            fp8_out, fp8_loss, fp8_grads = _one_run(model, inputs, loss_fn, None, seed_devices)
+    # (autograd on, also when called under no_grad or inference_mode: training steps)
+    with torch.inference_mode(False), torch.enable_grad():
+        with fp8_autocast(enabled=False):  # (high precision inside a caller's fp8_autocast)
+            ref_out, ref_loss, ref_grads = _one_run(reference, inputs, loss_fn,
+                                                    _float_dtype(reference), seed_devices)
+        for _ in range(steps):
+            with fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=fp8_group):
+                fp8_out, fp8_loss, fp8_grads = _one_run(model, inputs, loss_fn, None,
+                                                        seed_devices)
     if len(fp8_out) != len(ref_out):
         raise ValueError(f"model returned {len(fp8_out)} floating tensors, reference "
                          f"{len(ref_out)}")
+    if not ref_grads:
+        raise ValueError("the reference run produced no gradient (no input or parameter that "
+                         "requires grad reaches its output): nothing to compare")
     report = ParityReport()
+    floors = {kind: GRAD_NOISE_FLOOR * max(
+        [torch.linalg.vector_norm(g.detach().double()).item() for n, g in ref_grads.items()
+         if n.startswith("input_grad") == (kind == "input_grad") and g.isfinite().all()],
+        default=0.0) for kind in ("input_grad", "param_grad")}
 
-    def add(name, kind, actual, expected):
+    def add(name, kind, actual, expected, floor=0.0):
+        noise, signal = _noise_and_signal(actual, expected, name)
         report.entries.append(TensorParity(name, kind, tuple(expected.shape),
-                                           sqnr(actual, expected), rel_error(actual, expected)))
+                                           _sqnr_of(noise, max(signal, floor)),
+                                           rel_error(actual, expected)))
 
+    same_dtype = _float_dtype(model) == _float_dtype(reference)
     for i, (a, e) in enumerate(zip(fp8_out, ref_out)):
-        add("output" if len(ref_out) == 1 else f"output[{i}]", "output", a, e)
+        name = "output" if len(ref_out) == 1 else f"output[{i}]"
+        add(name, "output", a, e)
+        if same_dtype and a.dtype != e.dtype:  # (the FP8 path changed the output's dtype)
+            report.entries.append(TensorParity(f"{name} dtype {a.dtype} (expected {e.dtype})",
+                                               "output", tuple(e.shape), -math.inf, math.inf))
     if loss_fn is not None:
         add("loss", "loss", fp8_loss.reshape(()), ref_loss.reshape(()))
     for name in [*ref_grads, *(n for n in fp8_grads if n not in ref_grads)]:
         kind = "input_grad" if name.startswith("input_grad") else "param_grad"
         if name in ref_grads and name in fp8_grads:
-            add(name, kind, fp8_grads[name], ref_grads[name])
+            add(name, kind, fp8_grads[name], ref_grads[name], floors[kind])
         else:  # one run produced it, the other not (a graph cut): fails
             shape = tuple((ref_grads.get(name, fp8_grads.get(name))).shape)
             report.entries.append(TensorParity(name, kind, shape, -math.inf, math.inf))
@@ -302,6 +330,7 @@ def assert_fp8_parity(model: torch.nn.Module, reference: torch.nn.Module, inputs
     return report
 
 
-__all__: Sequence[str] = ("DEFAULT_GRAD_MIN_SQNR_DB", "DEFAULT_MIN_SQNR_DB", "ParityReport",
+__all__: Sequence[str] = ("DEFAULT_GRAD_MIN_SQNR_DB", "DEFAULT_MIN_SQNR_DB", "GRAD_NOISE_FLOOR",
+                          "ParityReport",
                           "TensorParity", "assert_fp8_parity", "compare_to_reference",
                           "rel_error", "sqnr")
