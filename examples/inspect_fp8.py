@@ -96,6 +96,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--out", default=None, help="folder for fp8_stats.jsonl and the heat map")
     args = parser.parse_args(argv)
+    if args.steps < 11:  # statistics every 10 steps, step 0's left out: the first is step 10
+        parser.error(f"--steps must be at least 11 (statistics are taken every 10 steps), "
+                     f"got {args.steps}")
     torch.manual_seed(0)
     base = Model().to(torch.bfloat16)
     teacher = torch.nn.Linear(HIDDEN, HIDDEN).to(torch.bfloat16)

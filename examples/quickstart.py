@@ -156,7 +156,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1:
+        p.error(f"--steps must be >= 1 and --batch-size >= 1, got {args.steps} and "
+                f"{args.batch_size}")
+    return args
 
 
 def main(argv=None) -> dict:

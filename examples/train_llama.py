@@ -112,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in (TINY if args.tiny else DEFAULTS).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
     if args.resume_at is None:
         args.resume_at = args.steps // 2
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -128,3 +128,13 @@ def test_inspect_fp8_points_at_the_outlier_layer(tmp_path, capsys):
     assert _finite(results["losses"].values())
     assert "blocks.2.fc1 in high precision" in capsys.readouterr().out
     assert (tmp_path / "fp8_stats.jsonl").stat().st_size > 0
+
+
+@pytest.mark.parametrize("example, argv", [("inspect_fp8", ["--steps", "5"]),
+                                           ("quickstart", ["--steps", "0"])])
+def test_examples_refuse_step_counts_they_cannot_report_on(example, argv, capsys):
+    """inspect_fp8 takes statistics every 10 steps (under 11 steps: nothing to report, it
+    crashed in max()); a zero step count divided by zero."""
+    with pytest.raises(SystemExit):
+        _load(example).main(argv)
+    assert "--steps must be" in capsys.readouterr().err
