@@ -407,15 +407,20 @@ def test_plugin_fixture_and_ini_thresholds(tmp_path):
                                 grad_min_sqnr_db=15)
             assert report["output"].sqnr_db > 20
     """))
-    # The checkout's plugin, loaded by name: whether or not an installed package has already
-    # registered it through its pytest11 entry point (which would register it twice).
+    _run_plugin_tests(tmp_path, "2 passed")
+
+
+def _run_plugin_tests(folder, expected: str) -> None:
+    """pytest on ``folder`` with the checkout's plugin, loaded by name: whether or not an
+    installed package has already registered it through its pytest11 entry point (which would
+    register it twice)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "-p", "pytest_transformer_fp8", str(tmp_path)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True)
+                             "-p", "pytest_transformer_fp8", str(folder)],
+                            cwd=folder, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 passed" in result.stdout
+    assert expected in result.stdout
 
 
 def test_plugin_thresholds_from_pytest_9_native_toml(tmp_path):
@@ -435,10 +440,4 @@ def test_plugin_thresholds_from_pytest_9_native_toml(tmp_path):
             with pytest.raises(AssertionError, match="< 99.0 dB"):
                 fp8_parity(model, copy.deepcopy(model), torch.randn(16, 64))
     """))
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "-p", "pytest_transformer_fp8", str(tmp_path)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 passed" in result.stdout
+    _run_plugin_tests(tmp_path, "1 passed")
