@@ -17,6 +17,9 @@ from .modules.grouped_linear import GroupedLinear
 from .modules.layernorm_linear import LayerNormLinear
 from .modules.layernorm_mlp import LayerNormMLP
 from .modules.linear import Linear, strip_fp8_state
+from .modules.moe_permutation import (moe_permute, moe_permute_with_probs,
+                                      moe_sort_chunks_by_index,
+                                      moe_sort_chunks_by_index_with_probs, moe_unpermute)
 from .modules.multi_head_attention import MultiheadAttention
 from .modules.normalization import LayerNorm, RMSNorm
 from .modules.transformer_layer import TransformerLayer
@@ -43,5 +46,7 @@ __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention
            "fp8_model_init", "fused_ops", "get_default_recipe", "get_device_compute_capability",
            "is_bf16_available", "is_fp8_available", "is_fp8_block_scaling_available",
            "is_mxfp8_available", "is_nvfp4_available", "load_fp8_state",
-           "make_graphed_callables", "ops", "optimizers",
+           "make_graphed_callables", "moe_permute", "moe_permute_with_probs",
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "moe_unpermute",
+           "ops", "optimizers",
            "quantized_model_init", "recipe", "strip_fp8_state"]
