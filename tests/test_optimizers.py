@@ -346,3 +346,19 @@ def test_a_torch_adamw_state_loads_and_continues_as_adamw(gen):
 
 def test_importable_under_transformer_engine_path():
     assert tfp8.optimizers.FusedAdam is FusedAdam
+
+
+def test_param_groups_given_as_generators_keep_their_parameters(gen):
+    """A group's "params" may be a generator (model.parameters()): every parameter in it is
+    stepped (the dtype check once read the generator, leaving the group empty)."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    ours, theirs = _model("cpu"), _model("cpu")
+    opt = FusedAdam([dict(params=ours[0].parameters()),
+                     dict(params=ours[2].parameters(), lr=1e-3)], lr=1e-2)
+    opt_theirs = torch.optim.AdamW([dict(params=theirs[0].parameters()),
+                                    dict(params=theirs[2].parameters(), lr=1e-3)],
+                                   lr=1e-2, weight_decay=0.0, foreach=False)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+    _train(ours, opt, torch.Generator().manual_seed(seed), 2, "cpu")
+    _train(theirs, opt_theirs, torch.Generator().manual_seed(seed), 2, "cpu")
+    _params_equal(ours, theirs, "after 2 steps")
