@@ -159,12 +159,12 @@ def test_layer_called_twice_replays_each_call_with_its_own_scales(mode):
 def test_first_checkpointed_layers_of_a_process_hold_the_nested_update(mode, monkeypatch):
     """The end of a reentrant checkpoint's nested backward pass is found by a walk up the stack
     that is skipped until an FP8 layer has kept a replay record in the process
-    (replay.in_reentrant_backward): as in a fresh process, the first checkpointed layers must
-    still be found."""
-    from transformer_fp8.quantization import replay
-    monkeypatch.setattr(replay, "_KEPT_ANY", [False])
+    (checkpoint_stack.in_reentrant_backward): as in a fresh process, the first checkpointed
+    layers must still be found."""
+    from transformer_fp8.quantization import checkpoint_stack
+    monkeypatch.setattr(checkpoint_stack, "KEPT_ANY", [False])
     test_layer_called_twice_replays_each_call_with_its_own_scales(mode)
-    assert replay._KEPT_ANY[0]
+    assert checkpoint_stack.KEPT_ANY[0]
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])

@@ -11,7 +11,7 @@ from .integrations.convert import Conv1D, ConversionSummary, convert_to_fp8
 from .integrations.cuda_graphs import make_graphed_callables
 from .integrations.pretrained import load_fp8_state
 from .modules.attention import DotProductAttention, RotaryPositionEmbedding
-from .modules.fsdp_all_gather import enable_fp8_all_gather
+from .modules.fsdp_enable import enable_fp8_all_gather
 from .modules.fp8_padding import Fp8Padding, Fp8Unpadding
 from .modules.grouped_linear import GroupedLinear
 from .modules.layernorm_linear import LayerNormLinear

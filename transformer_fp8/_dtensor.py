@@ -1,5 +1,6 @@
 """DTensor (torch.distributed.tensor) where this torch has it: the test and the local tensor that
-the FP8 state and the tensor-parallel forward (modules/tensor_parallel.py) use."""
+the FP8 state and the tensor-parallel forward (modules/tensor_parallel.py) use; and the ranks of
+a process group, which the tensor-parallel and FSDP2 paths compare."""
 from __future__ import annotations
 
 import torch
@@ -22,3 +23,9 @@ def is_dtensor(tensor) -> bool:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The rank's local tensor of a DTensor (differentiable), else the tensor itself."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def group_ranks(group) -> frozenset:
+    """The global ranks of a torch.distributed process group."""
+    import torch.distributed as dist
+    return frozenset(dist.get_process_group_ranks(group))

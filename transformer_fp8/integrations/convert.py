@@ -16,7 +16,7 @@ import torch
 from ..quantization import model_init
 from ..quantization.quantizer import ALIGN
 from ..quantization.history import history_len_for
-from ..modules.fsdp_all_gather import enable_fp8_all_gather
+from ..modules.fsdp_enable import enable_fp8_all_gather
 from ..modules.linear import Linear, LinearLayer
 from ..quantization.recipe import Recipe
 

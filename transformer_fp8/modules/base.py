@@ -13,15 +13,16 @@ from torch.nn.utils import parametrize
 from .. import _fp8_hooks
 from .._dtensor import is_dtensor, local_tensor
 from ..quantization import autocast as _autocast
-from ..quantization import replay as checkpointing
+from ..quantization import checkpoint_stack
 from ..quantization.calibration import recording_linear
 from ..quantization.fp8_weight import Fp8Weight
 from ..quantization.quantizer import ALIGN, Fp8Plan
+from ..quantization.replay import HIGH_PRECISION
 from ..quantization.roles import quantizers_for_step
 from ..quantization.state import Fp8State
 from ..quantization.torch_autocast import autocast_dtype
 from ..quantization.transforms import outside_inference_mode
-from .fsdp_weight import GatheredFp8Weight
+from .fsdp_gathered_weight import GatheredFp8Weight
 from . import tensor_parallel
 
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -100,9 +101,9 @@ class Fp8StateMixin(Fp8State):
                             "stays a DTensor: use_local_output=False); give it the local "
                             "tensor (input.to_local() or full_tensor()), or parallelize it too")
         if state is None or not state.enabled:
-            regions = checkpointing.regions_to_keep()
+            regions = checkpoint_stack.regions_to_keep()
             if regions:  # (its recomputation runs in high precision too, in any context)
-                self._replay_records.keep(regions, checkpointing.HIGH_PRECISION)
+                self._replay_records.keep(regions, HIGH_PRECISION)
             if state is not None and state.calibrating:
                 if torch.compiler.is_compiling():
                     return self._calibrate_eagerly(inp, state)
@@ -165,7 +166,7 @@ class Fp8StateMixin(Fp8State):
             for gemm, (weight, (input_q, weight_q, grad_q))
             in enumerate(zip(self.fp8_weights(), quantizers)))
         out = self._fp8_apply(inp, plans, *args)
-        regions = checkpointing.regions_to_keep()
+        regions = checkpoint_stack.regions_to_keep()
         if regions:
             # Runs under torch.utils.checkpoint: keep what its recomputations need to repeat
             # it exactly (the scales used: the update changes them before they run).
@@ -191,7 +192,7 @@ class Fp8StateMixin(Fp8State):
         included). ``regions``: the checkpointed regions whose first forward this
         recomputation runs (nested checkpoints), which keep the record for their own."""
         self._replay_records.keep(regions, plans)
-        if plans is checkpointing.HIGH_PRECISION:
+        if plans is HIGH_PRECISION:
             return self._high_precision(inp)
         return self._fp8_apply(inp, plans)
 

@@ -1,7 +1,7 @@
 """FP8 weight all-gather under FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-``enable_fp8_all_gather(model)`` turns the GEMM weights of the model's FP8 modules into
-ShardedWeight (fsdp_weight.py). When FSDP2 all-gathers such a weight:
+``enable_fp8_all_gather(model)`` (fsdp_enable.py) turns the GEMM weights of the model's FP8
+modules into ShardedWeight (fsdp_weight.py). When FSDP2 all-gathers such a weight:
 
 * in the forward, inside an enabled fp8_autocast with DelayedScaling: each rank casts its shard
   with the module's current weight scale (the same on every rank: the scales are the result of
@@ -47,6 +47,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import ops
+from .._dtensor import group_ranks
 from ..ops.blockwise import BLOCK
 from ..quantization import autocast as _autocast
 from ..quantization.blockwise import BlockQuantizer
@@ -64,8 +65,8 @@ from .fsdp_block_gather import (
     gathered_block_weight,
     shards_hold_whole_blocks,
 )
-from .fsdp_current_scale import _group_ranks, current_weight_scale
-from .fsdp_weight import GatheredFp8Weight, ShardedWeight
+from .fsdp_current_scale import current_weight_scale
+from .fsdp_gathered_weight import GatheredFp8Weight
 
 
 class GatherForm(NamedTuple):
@@ -102,7 +103,7 @@ def _amaxes_reduced_over(state, mesh) -> bool:
         return False
     if state.group is None:
         return True  # the default group: every rank
-    return _group_ranks(mesh.get_group()) <= _group_ranks(state.group)
+    return group_ranks(mesh.get_group()) <= group_ranks(state.group)
 
 
 def _module_state(module):
@@ -147,7 +148,7 @@ def _forward_form(module) -> GatherForm:
     return GatherForm(dtype)
 
 
-def _cast_shard(shard: ShardedWeight, x: torch.Tensor, module, form: GatherForm,
+def _cast_shard(shard: torch.Tensor, x: torch.Tensor, module, form: GatherForm,
                 mesh) -> tuple:
     """(x, the shard in the all-gather's dtype, cast to FP8; the form with the scale used).
     Without a scale yet (the forward's gather): under Float8CurrentScaling the scale of the full
@@ -167,7 +168,7 @@ def _cast_shard(shard: ShardedWeight, x: torch.Tensor, module, form: GatherForm,
     return q.data, GatherForm(form.fp8_dtype, q.scale.clone(), q.scale_inv)
 
 
-def all_gather_inputs(shard: ShardedWeight, mesh, outer_size, module, mp_policy):
+def all_gather_inputs(shard: torch.Tensor, mesh, outer_size, module, mp_policy):
     """fsdp_pre_all_gather: (the tensors this rank contributes, metadata)."""
     if _in_backward() and shard._forward_form is not None:
         form = shard._forward_form
@@ -247,10 +248,10 @@ def gathered_weight(all_gather_outputs, metadata, param_dtype, out):
         data, scale_inv = gathered.view(form.fp8_dtype)[:rows], form.scale_inv
     if out is not None:
         out._refill(data, form.scale, scale_inv, form.block)
-        out._delayed_pass, out._source = delayed_pass, source
+        out._delayed_pass, out._source, out._gather_again = delayed_pass, source, gather_again
         return None
     weight = GatheredFp8Weight(data, form.scale, scale_inv, param_dtype, block=form.block)
-    weight._delayed_pass, weight._source = delayed_pass, source
+    weight._delayed_pass, weight._source, weight._gather_again = delayed_pass, source, gather_again
     return weight, tuple(all_gather_outputs)
 
 
@@ -278,7 +279,7 @@ def gather_again(weight: GatheredFp8Weight) -> None:
                                                               delayed_pass)
 
 
-def _drop_fsdp_buffers(shard: ShardedWeight) -> None:
+def _drop_fsdp_buffers(shard: torch.Tensor) -> None:
     """Let FSDP2 make the all-gather buffers and the unsharded Parameter of ``shard`` afresh
     (its gathered form changed: other dtype or size)."""
     from torch.distributed._composable_state import _module_state_mapping
@@ -301,98 +302,3 @@ def _drop_fsdp_buffers(shard: ShardedWeight) -> None:
                 del fsdp_param._unsharded_param
             return
     raise RuntimeError("fp8_all_gather: FSDP2's state for a weight was not found")
-
-
-# ---- turning it on ---------------------------------------------------------------------------
-
-def _plain_weights_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
-    """state_dict hook: the weights as plain high-precision tensors (a DTensor of the plain
-    shard under FSDP2), sharing their storage, so checkpoints hold no tensor subclass and a
-    load (torch.distributed.checkpoint loads in place) writes into the weights."""
-    for name, param in module._parameters.items():
-        key = prefix + name
-        value = state_dict.get(key)
-        if value is None or not isinstance(param, ShardedWeight) and not _is_sharded_dtensor(
-                value):
-            continue
-        state_dict[key] = _plain(value)
-
-
-def _is_sharded_dtensor(value) -> bool:
-    return isinstance(getattr(value, "_local_tensor", None), ShardedWeight)
-
-
-def _plain(value: torch.Tensor) -> torch.Tensor:
-    if isinstance(value, ShardedWeight):
-        return value._data
-    if _is_sharded_dtensor(value):
-        from torch.distributed.tensor import DTensor
-        return DTensor.from_local(value._local_tensor._data, value.device_mesh,
-                                  value.placements, run_check=False, shape=value.shape,
-                                  stride=value.stride())
-    return value
-
-
-def _weight_parameter_names(module) -> list:
-    """(GEMM index, Parameter name) of each GEMM weight of an FP8 module that is a Parameter of
-    its own (not split into parts, not stored transposed)."""
-    names = []
-    for gemm, weight in enumerate(module.fp8_weights()):
-        for name, param in module._parameters.items():
-            if param is weight:
-                names.append((gemm, name))
-    return names
-
-
-def check_fp8_all_gather(owner: str, fp8_all_gather, **options) -> None:
-    """A module's fp8_all_gather argument: a bool, and not with the options (name -> value)
-    that keep its weight from being gathered in FP8."""
-    if not isinstance(fp8_all_gather, bool):
-        raise TypeError(f"{owner}: fp8_all_gather must be True or False, got {fp8_all_gather!r}")
-    if fp8_all_gather:
-        given = [name for name, value in options.items() if value]
-        if given:
-            raise ValueError(f"{owner}: fp8_all_gather=True cannot be combined with {given} "
-                             "(the weight must be one Parameter, with no gradient routing)")
-
-
-def enable_fp8_all_gather(model: torch.nn.Module) -> list:
-    """Make the GEMM weights of every FP8 module in ``model`` all-gather in FP8 under FSDP2
-    (see the module docstring). Call it before ``fully_shard`` and before building the
-    optimizer: each weight Parameter becomes a ShardedWeight (the same object where
-    torch.utils.swap_tensors can change it in place). Returns the qualified names of the
-    weights changed; the FP8 modules whose weights cannot be (parameters_split, a weight stored
-    transposed, fuse_wgrad_accumulation or delay_wgrad_compute) are named in an error."""
-    from .base import Fp8StateMixin
-    modules = [(q, m) for q, m in model.named_modules() if isinstance(m, Fp8StateMixin)]
-    refused = [q or type(m).__name__ for q, m in modules
-               if len(_weight_parameter_names(m)) != len(m.fp8_weights())
-               or getattr(m, "_wgrad", None) is not None]
-    if refused:  # checked before anything changes
-        raise ValueError(
-            "fp8_all_gather: the weights of these FP8 modules cannot be all-gathered in FP8 "
-            "(parameters_split, a weight stored transposed such as Conv1D's, "
-            f"fuse_wgrad_accumulation or delay_wgrad_compute): {refused}")
-    for qualified, module in modules:
-        for gemm, name in _weight_parameter_names(module):
-            param = module._parameters[name]
-            if type(param) is not torch.nn.Parameter and not isinstance(param, ShardedWeight):
-                raise TypeError(f"enable_fp8_all_gather: {qualified}.{name} is a "
-                                f"{type(param).__name__}; call it before fully_shard")
-    changed = []
-    for qualified, module in modules:
-        for gemm, name in _weight_parameter_names(module):
-            param = module._parameters[name]
-            if isinstance(param, ShardedWeight):
-                continue
-            new = torch.nn.Parameter(ShardedWeight(param.data, gemm),
-                                     requires_grad=param.requires_grad)
-            try:
-                torch.utils.swap_tensors(param, new)
-            except RuntimeError:
-                module._parameters[name] = new
-            changed.append(f"{qualified}.{name}" if qualified else name)
-        if not getattr(module, "_fp8_all_gather_hook", False):
-            module._register_state_dict_hook(_plain_weights_in_state_dict)
-            module._fp8_all_gather_hook = True
-    return changed

@@ -18,7 +18,7 @@ import torch
 
 from ..ops.blockwise import BLOCK
 from ..quantization.blockwise import BlockQuantizer
-from .fsdp_weight import block_scales_laid_out
+from .fsdp_gathered_weight import block_scales_laid_out
 
 
 def shards_hold_whole_blocks(rows: int, ranks: int) -> bool:

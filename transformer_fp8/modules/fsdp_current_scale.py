@@ -17,9 +17,9 @@ from typing import Optional
 import torch
 
 from .. import ops
+from .._dtensor import group_ranks
 from ..quantization import autocast as _autocast
 from ..quantization.amax_step import all_reduce_max
-from .fsdp_weight import ShardedWeight
 
 
 class _StepAmaxes:
@@ -31,7 +31,7 @@ class _StepAmaxes:
         self.shards = shards  # held for the step: the ids above stay theirs
         self.amaxes = amaxes
 
-    def amax_of(self, shard: ShardedWeight) -> Optional[torch.Tensor]:
+    def amax_of(self, shard: torch.Tensor) -> Optional[torch.Tensor]:
         i = self.index.get(id(shard))
         if i is None or self.shards[i] is not shard:
             return None
@@ -41,26 +41,21 @@ class _StepAmaxes:
 _STEPS: dict = {}  # process group ranks -> _StepAmaxes of the latest step
 
 
-def _group_ranks(group) -> frozenset:
-    import torch.distributed as dist
-    return frozenset(dist.get_process_group_ranks(group))
-
-
 def _mesh_ranks(mesh) -> frozenset:
     """The ranks of an FSDP shard mesh's group (empty for a single rank: nothing to reduce)."""
-    return _group_ranks(mesh.get_group()) if mesh.size() > 1 else frozenset()
+    return group_ranks(mesh.get_group()) if mesh.size() > 1 else frozenset()
 
 
-def _shards_sharded_over(ranks: frozenset) -> list:
-    """Every ShardedWeight shard that FSDP2 holds for a group with these ranks, in the order the
-    modules were fully_shard-ed (the same on every rank of the group)."""
+def _shards_sharded_over(ranks: frozenset, kind: type) -> list:
+    """Every shard of type ``kind`` (ShardedWeight) that FSDP2 holds for a group with these
+    ranks, in the order the modules were fully_shard-ed (the same on every rank of the group)."""
     from torch.distributed._composable_state import _module_state_mapping
     shards, seen = [], set()
     for state_ref in list(_module_state_mapping.values()):
         group = getattr(state_ref(), "_fsdp_param_group", None)
         for fsdp_param in getattr(group, "fsdp_params", ()):
             shard = getattr(fsdp_param.sharded_param, "_local_tensor", None)
-            if not isinstance(shard, ShardedWeight) or id(shard) in seen:
+            if not isinstance(shard, kind) or id(shard) in seen:
                 continue
             mesh = fsdp_param.shard_mesh_from_root
             if _mesh_ranks(mesh) != ranks:
@@ -70,9 +65,9 @@ def _shards_sharded_over(ranks: frozenset) -> list:
     return shards
 
 
-def _reduce_step_amaxes(ranks: frozenset, group, shard: ShardedWeight) -> _StepAmaxes:
+def _reduce_step_amaxes(ranks: frozenset, group, shard: torch.Tensor) -> _StepAmaxes:
     """The local amax of every weight shard of the group, one all_reduce(MAX) of them all."""
-    shards = _shards_sharded_over(ranks)
+    shards = _shards_sharded_over(ranks, type(shard))
     if not any(s is shard for s in shards):
         shards.append(shard)  # not found in FSDP2's state: still reduced with the others
     local = torch.stack([ops.amax(s._data).reshape(()) for s in shards])
@@ -81,7 +76,7 @@ def _reduce_step_amaxes(ranks: frozenset, group, shard: ShardedWeight) -> _StepA
     return _StepAmaxes(_autocast.forward_pass_id(), ranks, shards, local)
 
 
-def current_weight_scale(shard: ShardedWeight, mesh, fp8_dtype: torch.dtype,
+def current_weight_scale(shard: torch.Tensor, mesh, fp8_dtype: torch.dtype,
                          gather_dtype: torch.dtype) -> torch.Tensor:
     """The current-scaling scale (1 element, float32) of the full weight ``shard`` belongs to,
     gathered in ``gather_dtype`` (FSDP2's param_dtype, or the shard's own): the same on every

@@ -22,7 +22,7 @@ from ..quantization.history import history_len_for
 from ..quantization.state import FP8_STATE_KEYS
 from .base import Fp8StateMixin
 from .fp8_primary_weights import SCALE_INV_SUFFIX, make_fp8_primary_weights
-from .fsdp_all_gather import check_fp8_all_gather, enable_fp8_all_gather
+from .fsdp_enable import check_fp8_all_gather, enable_fp8_all_gather
 from .linear_fused_step import fused_linear_step, ticketed_linear_step
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes

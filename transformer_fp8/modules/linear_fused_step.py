@@ -25,7 +25,7 @@ import torch
 
 from .. import _C, _fp8_hooks
 from ..quantization import autocast as _autocast
-from ..quantization import replay as checkpointing
+from ..quantization import checkpoint_stack
 from ..quantization.quantizer import Fp8Plan, Quantized
 from ..quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
 from ..quantization.roles import (_REGISTERED, QUANTIZERS, delayed_quantizers,
@@ -98,7 +98,7 @@ def _keep_ticket(layer, inp, state, weight, bias, state_slices, backward_step) -
     if (_LinearTicket is None or layer._wgrad is not None or layer.return_bias
             or params.get("weight") is not weight or params.get("bias") is not bias
             or inp.dtype is not weight.dtype or _is_any_autocast_enabled()
-            or checkpointing.may_be_checkpointed()):
+            or checkpoint_stack.may_be_checkpointed()):
         return  # (a weight that is not the Parameter itself: split, or Conv1D's transpose)
     delayed, buffers = None, []
     if state_slices is not None:
@@ -236,7 +236,7 @@ def _prepare(layer, inp, state, delayed: bool, params, slices_of) -> Optional[tu
     # Under torch.utils.checkpoint (the recomputation never gets here: _dispatch replays it)
     # the forward keeps a replay record: made here for delayed scaling, by the Python path for
     # current scaling (its scales exist only inside the operator).
-    regions = checkpointing.regions_to_keep()
+    regions = checkpoint_stack.regions_to_keep()
     if regions and not delayed:
         return None
     fmt = recipe.fp8_format

@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import warnings
 
-from .._dtensor import is_dtensor
+from .._dtensor import group_ranks, is_dtensor
 from ..quantization.quantizer import Fp8Plan
 from ..quantization.recipe import DelayedScaling, Float8CurrentScaling
-from .fsdp_current_scale import _group_ranks
 
 _warned: set = set()
 _SCALES_AGREE: dict = {}  # (autocast step key, mesh) -> whether the ranks' scales agree
@@ -136,7 +135,7 @@ def _scales_agree(state, mesh) -> bool:
         return True  # block recipes: every block its own scale, no state
     if isinstance(recipe, DelayedScaling) and not recipe.reduce_amax:
         return False
-    return state.group is None or _group_ranks(mesh.get_group()) <= _group_ranks(state.group)
+    return state.group is None or group_ranks(mesh.get_group()) <= group_ranks(state.group)
 
 
 def sharded_linear(fp8_linear, module, inp, weight, bias, plan: Fp8Plan):

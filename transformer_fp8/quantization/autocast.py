@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 import torch
 
 from . import adoption_undo
-from . import replay as checkpointing
+from . import checkpoint_stack
 from .amax_step import (_AWAITING_RECIPE, AmaxStep, adopt_recipe_for_waiting_modules,
                         update_all)
 from .backward_step import (_HELD_BACKWARD_STEPS, _PENDING_BACKWARD_STEPS,
@@ -140,7 +140,7 @@ def record_forward(state: AutocastState, fwd_state: ScalingState,
     if fwd_state.step is not forward_step:  # (else covered since an earlier step)
         forward_step.add(fwd_state)
     if bwd_state.step is not backward_step.step and (
-            torch.is_grad_enabled() or checkpointing.checkpoint_context().regions):
+            torch.is_grad_enabled() or checkpoint_stack.checkpoint_context().regions):
         # A forward without gradients (no_grad, inference_mode: an evaluation) has no backward
         # pass: its registration would take the state away from the step of a training
         # forward still waiting for its backward (under another delayed recipe), whose update
@@ -160,7 +160,7 @@ def _exit_outermost(failed: bool) -> None:
     if steps:
         local.forward_steps, local.backward_steps = {}, {}
         if failed or not (grad_enabled or calibrating
-                          or checkpointing.checkpoint_context().regions):
+                          or checkpoint_stack.checkpoint_context().regions):
             # A failed step, or an evaluation (no_grad, inference_mode; as in Transformer
             # Engine, the grad mode at the exit): its amaxes are forgotten, no scale changes,
             # so evaluating between training steps leaves their numbers as they were.

@@ -12,7 +12,7 @@ import threading
 import torch
 
 from .. import _C
-from . import replay as checkpointing
+from . import checkpoint_stack
 from .amax_step import _COMPILED_MODULES, AmaxStep, update_all
 from .recipe import DelayedScaling
 from .scaling_state import ScalingState
@@ -46,7 +46,7 @@ class BackwardStep:
     def on_backward(self) -> None:
         task = _current_graph_task_id()
         if self._queued:
-            if task == self._queued_task or checkpointing.in_reentrant_backward():
+            if task == self._queued_task or checkpoint_stack.in_reentrant_backward():
                 return  # queued by this pass (or by the pass whose checkpoint this one runs)
             # Queued by a pass that ended without running its callback: it failed (the engine
             # drops the callbacks of a pass that raises). Its amaxes are discarded, as at the
@@ -71,7 +71,7 @@ class BackwardStep:
         self._queued = False
         self._once.clear()
         _QUEUED_BACKWARD_STEPS.pop(id(self), None)
-        if checkpointing._KEPT_ANY[0] and checkpointing.in_reentrant_backward():  # (the call
+        if checkpoint_stack.KEPT_ANY[0] and checkpoint_stack.in_reentrant_backward():  # (the call
             # only where a checkpointed FP8 forward ever ran)
             _PENDING_BACKWARD_STEPS[id(self)] = self
             return
@@ -151,7 +151,7 @@ def update_at_end_of_pass(thread: int) -> None:
     are discarded at the next outermost fp8_autocast, as a failed pass's are. A region inside
     another one's nested pass leaves it to the outermost region."""
     task = _current_graph_task_id()
-    if task == -1 or checkpointing.reentrant_depth() != 0:
+    if task == -1 or checkpoint_stack.reentrant_depth() != 0:
         return
     with _PENDING_LOCK:
         if task in _PASSES_TO_END:

@@ -23,7 +23,7 @@ import torch
 
 from .._dtensor import is_dtensor
 from . import adoption_undo, amax_step, backward_step
-from . import replay as checkpointing
+from . import replay
 from . import scaling_state
 from .scaling_state import ScalingState
 from .transforms import outside_inference_mode, refuse_functorch_transform
@@ -70,7 +70,7 @@ class Fp8State:
         self._weight_cache = [None] * num_gemms
         self._delayed_cast_cache = None  # see _delayed_casts
         self._fused_step_cache = None  # see modules/linear_fused_step.py
-        self._replay_records = checkpointing.ReplayRecords()
+        self._replay_records = replay.ReplayRecords()
         self._warned_high_precision = False
 
     def _new_scaling_states(self) -> None:
@@ -164,7 +164,7 @@ class Fp8State:
         self._new_scaling_states()
         self._delayed_cast_cache = None
         self._fused_step_cache = None
-        self._replay_records = checkpointing.ReplayRecords()
+        self._replay_records = replay.ReplayRecords()
 
     def __getstate__(self):
         # Replay records hold autograd bookkeeping of a step in flight: never copied or pickled.
