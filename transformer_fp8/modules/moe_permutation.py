@@ -52,6 +52,9 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ..quantization.fp8_weight import Fp8Weight
+from .fsdp_gathered_weight import GatheredFp8Weight
+
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute", "moe_sort_chunks_by_index",
            "moe_sort_chunks_by_index_with_probs"]
 
@@ -74,8 +77,6 @@ def _check_activation(fn: str, name: str, t, device=None) -> None:
     """A 2-D high-precision floating tensor (not FP8), on ``device`` when given."""
     if not isinstance(t, torch.Tensor):
         _fail(fn, f"{name} must be a torch.Tensor, got {_described(t)}", TypeError)
-    from ..quantization.fp8_weight import Fp8Weight
-    from .fsdp_weight import GatheredFp8Weight
     if isinstance(t, (Fp8Weight, GatheredFp8Weight)) or t.dtype in (torch.float8_e4m3fn,
                                                                      torch.float8_e5m2):
         _fail(fn, f"{name} must be a high-precision tensor, got {type(t).__name__} holding "
