@@ -697,6 +697,10 @@ def test_errors_name_the_argument(gen):
     raises(TypeError, r"row_id_map must be an integer tensor, got a torch.float32",
            te.moe_unpermute, permuted, row_id_map.float())
     raises(ValueError, r"row_id_map must be 2-D", te.moe_unpermute, permuted, row_id_map[0])
+    raises(ValueError, rf"moe_unpermute: inp must have at least {permuted.shape[0]} rows "
+           rf"\(row_id_map places copies up to row {permuted.shape[0] - 1}\), got a "
+           rf"torch.float32 tensor of shape \[{permuted.shape[0] - 1}, 8\]",
+           te.moe_unpermute, permuted[:-1], row_id_map)
     # chunk sort
     sort = te.moe_sort_chunks_by_index
     raises(ValueError, r"sorted_index must have split_sizes' length 3, got a torch.int64 tensor "
@@ -732,3 +736,28 @@ def test_exported_as_transformer_engine_exports_them():
                                        ("map_type", "mask"), ("probs", None)]
     assert list(inspect.signature(te.moe_sort_chunks_by_index_with_probs).parameters) == [
         "inp", "probs", "split_sizes", "sorted_index"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_the_unpermuted_output_takes_in_place_operations(gen, dtype, with_probs):
+    """The output is a tensor of its own (it was a view of the float32 accumulator, which
+    autograd refuses to modify in place: ``out += shared_expert_out`` raised), and the in-place
+    add's gradients are those of the out-of-place one."""
+    mask = routing(gen, "mask", 2)
+    permuted, row_id_map = te.moe_permute(randn(gen, N, H), mask)
+    probs = (torch.rand(N, E, generator=gen) * mask).to(dtype) if with_probs else None
+    shared = randn(gen, N, H).to(dtype)
+    grads = []
+    for in_place in (False, True):
+        y = permuted.detach().to(dtype).requires_grad_()
+        p = probs.clone().requires_grad_() if with_probs else None
+        out = te.moe_unpermute(y, row_id_map, p)
+        if in_place:
+            out += shared
+        else:
+            out = out + shared
+        out.pow(2).sum().backward()
+        grads.append((out.detach(), y.grad, p.grad if with_probs else None))
+    for eager, inplace in zip(*grads):
+        assert (eager is None and inplace is None) or torch.equal(eager, inplace)

@@ -186,9 +186,10 @@ def _scatter_add_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int,
                       device=src.device)
     acc.index_add_(0, index, src.to(acc.dtype))
     out = acc[:num_rows]
-    # (Only a cast that changes the dtype: torch 2.11's compiled autograd.Function loses the
+    # A tensor of its own, not a view of acc (a caller may add to it in place: out += shared).
+    # (A clone rather than a no-op .to(): torch 2.11's compiled autograd.Function loses the
     # gradient of an output that is a no-op .to() of a view.)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return out.clone() if out.dtype == out_dtype else out.to(out_dtype)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -424,6 +425,14 @@ def moe_unpermute(
         probs_flat = merging_probs.reshape(-1)
     if s < 1:
         _fail(fn, f"row_id_map must have at least one column, got {_described(row_id_map)}")
+    if (row_id_map.device.type == "cpu" and row_id_map.numel()
+            and not torch.compiler.is_compiling()):
+        # (Free on the CPU, eager; on a device it would wait for it.) Too few rows would drop the
+        # copies row_id_map places past the end without a word.
+        needed = int(row_id_map.max()) + 1
+        if inp.shape[0] < needed:
+            _fail(fn, f"inp must have at least {needed} rows (row_id_map places copies up to "
+                  f"row {needed - 1}), got {_described(inp)}")
     with torch.no_grad():
         tok, pos = _rows_of(row_id_map, inp.shape[0])
     return _UnpermuteRows.apply(inp, probs_flat, tok, pos, n)
