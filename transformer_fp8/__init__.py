@@ -7,6 +7,7 @@ from . import ops
 from .availability import (build_info, get_default_recipe, get_device_compute_capability,
                            is_bf16_available, is_fp8_available, is_fp8_block_scaling_available,
                            is_mxfp8_available, is_nvfp4_available)
+from .cpu_offload import get_cpu_offload_context
 from .integrations.convert import Conv1D, ConversionSummary, convert_to_fp8
 from .integrations.cuda_graphs import make_graphed_callables
 from .integrations.pretrained import load_fp8_state
@@ -43,7 +44,8 @@ __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
            "build_info", "checkpoint", "convert_to_fp8", "debug", "enable_fp8_all_gather",
            "fp8_autocast",
-           "fp8_model_init", "fused_ops", "get_default_recipe", "get_device_compute_capability",
+           "fp8_model_init", "fused_ops", "get_cpu_offload_context", "get_default_recipe",
+           "get_device_compute_capability",
            "is_bf16_available", "is_fp8_available", "is_fp8_block_scaling_available",
            "is_mxfp8_available", "is_nvfp4_available", "load_fp8_state",
            "make_graphed_callables", "moe_permute", "moe_permute_with_probs",
