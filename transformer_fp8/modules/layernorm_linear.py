@@ -22,7 +22,7 @@ from .norm_first import NormFirstModule, check_positive
 from ..quantization.recipe import Recipe
 from .te_args import check_forward_flags, te_only_arguments
 from .te_module import split_sizes
-from .once_differentiable import once_differentiable
+from .once_differentiable import once_differentiable, save_for_backward, saved_operands
 
 
 def cast_norm_output(plan, norm, x, ln_weight, ln_bias, with_transpose, return_hp):
@@ -57,8 +57,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         out = plan.gemm(ln_q.data, ln_q.scale_inv, w_q.data, w_q.scale_inv, plan.out_dtype,
                         bias=None if bias is None else bias.to(plan.out_dtype), fast_accum=True)
         # Backward keeps the input (for the norm's backward) and the FP8 copies only.
-        ctx.save_for_backward(x, ln_weight, ln_q.data_t, ln_q.scale_inv_t, w_q.data_t,
-                              w_q.scale_inv_t, *stats)
+        save_for_backward(ctx, x, ln_weight, ln_q.data_t, ln_q.scale_inv_t, w_q.data_t,
+                          w_q.scale_inv_t, *stats, weights=(weight,) if needs_weight_grad else ())
         ctx.plan, ctx.norm = plan, norm
         ctx.rows, ctx.lead_shape = x.shape[0], inp.shape[:-1]
         ctx.in_features, ctx.out_features = in_features, out_features
@@ -73,7 +73,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     @once_differentiable("LayerNormLinear")
     def backward(ctx, grad_out, grad_ln_out=None):
         x, ln_weight, ln_t_fp8, ln_t_scale_inv, w_t_fp8, w_t_scale_inv, *stats = \
-            ctx.saved_tensors
+            saved_operands(ctx)
         needs_norm_grad = any(ctx.needs_input_grad[:3])
         needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[3:5]
         plan = ctx.plan

@@ -29,7 +29,7 @@ from .layernorm_linear import cast_norm_output
 from .norm_first import NormFirstModule, check_positive, te_default_init
 from ..quantization.recipe import Recipe
 from .te_args import te_only_arguments
-from .once_differentiable import once_differentiable
+from .once_differentiable import once_differentiable, save_for_backward, saved_operands
 
 
 def _cast_activation(plan, activation, fc1_out, with_transpose):
@@ -91,9 +91,11 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             act_q.data, act_q.scale_inv, w2_q.data, w2_q.scale_inv, fc2_plan.out_dtype,
             bias=None if fc2_bias is None else fc2_bias.to(fc2_plan.out_dtype),
             fast_accum=True)[:rows]
-        ctx.save_for_backward(x, ln_weight, fc1_out, ln_q.data_t, ln_q.scale_inv_t, w1_q.data_t,
-                              w1_q.scale_inv_t, act_q.data_t, act_q.scale_inv_t, w2_q.data_t,
-                              w2_q.scale_inv_t, *stats)
+        save_for_backward(ctx, x, ln_weight, fc1_out, ln_q.data_t, ln_q.scale_inv_t,
+                          w1_q.data_t, w1_q.scale_inv_t, act_q.data_t, act_q.scale_inv_t,
+                          w2_q.data_t, w2_q.scale_inv_t, *stats,
+                          weights=[w for w, g in ((fc1_weight, grads[3]), (fc2_weight, grads[5]))
+                                   if g])
         ctx.plans, ctx.norm, ctx.activation = plans, norm, activation
         ctx.lead_shape, ctx.hidden = inp.shape[:-1], hidden
         ctx.dtypes = (fc1_weight.dtype, None if fc1_bias is None else fc1_bias.dtype,
@@ -107,7 +109,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     @once_differentiable("LayerNormMLP")
     def backward(ctx, grad_out, grad_ln_out=None):
         (x, ln_weight, fc1_out, ln_t_fp8, ln_t_scale_inv, w1_t_fp8, w1_t_scale_inv, act_t_fp8,
-         act_t_scale_inv, w2_t_fp8, w2_t_scale_inv, *stats) = ctx.saved_tensors
+         act_t_scale_inv, w2_t_fp8, w2_t_scale_inv, *stats) = saved_operands(ctx)
         grads = ctx.needs_input_grad
         needs_norm_grad = any(grads[:3])
         needs_fc2_dgrad = any(grads[:5])

@@ -27,7 +27,7 @@ from .linear_fused_step import fused_linear_step, ticketed_linear_step
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes
 from .tensor_parallel import sharded_linear
-from .once_differentiable import once_differentiable
+from .once_differentiable import once_differentiable, save_for_backward, saved_operands
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -52,8 +52,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             bias = bias.to(plan.out_dtype)
         out = plan.gemm(x_q.data, x_q.scale_inv, w_q.data, w_q.scale_inv, plan.out_dtype,
                         bias=bias, fast_accum=True)
-        # Backward needs only the FP8 transposes: the high-precision input is not kept.
-        ctx.save_for_backward(x_q.data_t, x_q.scale_inv_t, w_q.data_t, w_q.scale_inv_t)
+        # Backward needs only the FP8 transposes: the high-precision input is not kept (under
+        # torch.compile a reference to the weight too: once_differentiable.py).
+        save_for_backward(ctx, x_q.data_t, x_q.scale_inv_t, w_q.data_t, w_q.scale_inv_t,
+                          weights=(weight,) if needs_weight_grad else ())
         ctx.plan = plan
         ctx.rows, ctx.lead_shape = inp_2d.shape[0], inp.shape[:-1]
         ctx.in_features, ctx.out_features = in_features, out_features
@@ -63,7 +65,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable("Linear")
     def backward(ctx, grad_out):
-        x_t_fp8, x_t_scale_inv, w_t_fp8, w_t_scale_inv = ctx.saved_tensors
+        x_t_fp8, x_t_scale_inv, w_t_fp8, w_t_scale_inv = saved_operands(ctx)
         needs_input_grad, needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[:3]
         plan = ctx.plan
         plan.on_backward()  # the grad_output update runs when this backward pass ends

@@ -8,12 +8,46 @@ create_graph=True)``) has a constant grad_output, so its gradient came back as a
 the penalty's share of the weight gradients was lost without a word. Here, under
 create_graph=True (grad mode on in backward), every gradient takes that node: differentiating
 it raises, naming the layer (as the C++ steps' once_differentiable in csrc/step_ops.h).
+
+Under torch.compile that node cannot be traced. There AOTAutograd's compiled backward refuses
+double backward itself ("torch.compile with aot_autograd does not currently support double
+backward"), but only where one of the tensors it saved for backward requires grad at run time
+(runtime_wrappers.py: CompiledFunction.backward, needs_grad). An FP8 backward saves only FP8
+copies, which do not: a penalty through a compiled Linear came back as a constant. So under
+torch.compile the forward also saves the weights that take a gradient (``save_for_backward``:
+a reference, no copy), and the backward reads them (``_hold``), which makes AOTAutograd keep
+them for backward: differentiating the gradients raises its error.
 """
 from __future__ import annotations
 
 import functools
 
 import torch
+
+
+def save_for_backward(ctx, *operands, weights=()) -> None:
+    """``ctx.save_for_backward(*operands)``; under torch.compile ``weights`` too (the layer's
+    weights that take a gradient), after them. Read the operands with ``saved_operands``."""
+    held = tuple(weights) if torch.compiler.is_compiling() else ()
+    ctx.held = len(held)
+    ctx.save_for_backward(*operands, *held)
+
+
+def saved_operands(ctx) -> tuple:
+    """What ``save_for_backward`` saved as ``operands``."""
+    saved = ctx.saved_tensors
+    return saved[:len(saved) - ctx.held]
+
+
+def _hold(held, grad: torch.Tensor) -> None:
+    """Reads each held tensor in the traced backward, in an op that reads no element (no row
+    of it, picked by an empty index) and is kept (an assert). The index comes from ``grad``,
+    so that the op stays in the backward graph (on forward values alone the partitioner moves
+    it to the forward) and the partitioner saves the tensor itself (the forward's views of an
+    input do not require grad at run time)."""
+    index = grad.narrow(0, 0, 0).reshape(-1).long()
+    for tensor in held:
+        torch.ops.aten._assert_tensor_metadata(tensor.index_select(0, index))
 
 
 def once_differentiable(what: str):
@@ -25,9 +59,13 @@ def once_differentiable(what: str):
     def decorate(backward):
         @functools.wraps(backward)
         def wrapper(ctx, *grad_outputs):
+            compiling = torch.compiler.is_compiling()  # (traced once, whatever the grad mode)
+            if compiling and ctx.held:
+                # (first: grad_output's last read stays the backward's own)
+                _hold(ctx.saved_tensors[-ctx.held:], grad_outputs[0])
             with torch.no_grad():
                 grads = backward(ctx, *grad_outputs)
-            if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            if compiling or not torch.is_grad_enabled():
                 return grads
             as_tuple = grads if isinstance(grads, tuple) else (grads,)
             refuse = torch._C._functions.DelayedError(message, len(as_tuple))
