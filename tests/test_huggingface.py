@@ -3,8 +3,10 @@ FP8 with every linear layer, trained with gradient_checkpointing_enable() bit-id
 training without it. Skipped where transformers is not installed (no weights are downloaded)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -225,3 +227,72 @@ def test_converted_gpt2_conv1d_is_transformers_conv1d_to_its_init_and_pickles():
     model.eval(), loaded.eval()  # (no dropout)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def tiny_llama_config():
+    return transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, max_position_embeddings=64)
+
+
+def fp8_at_construction(recipe):
+    """A Llama class whose linear layers are FP8 when it is built (convert_to_fp8 in
+    __init__, as a model written with FP8 layers has them): from_pretrained builds it on
+    "meta" and materialises it."""
+    class FP8Llama(transformers.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            tfp8.convert_to_fp8(self, recipe=recipe)
+
+    return FP8Llama
+
+
+@contextlib.contextmanager
+def uninitialised_memory_is_nan():
+    """torch.empty_like (from_pretrained's placeholder for a key its checkpoint lacks) fills
+    NaN, so that a state left uninitialised shows whatever the allocator hands out."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def train_llama(model, recipe):
+    return train(model, lambda ids: model(input_ids=ids, labels=ids).loss,
+                 token_batches("cpu"), recipe, loss_fn=lambda loss: loss)
+
+
+@pytest.mark.parametrize("recipe", [RECIPE, tfp8.Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+@pytest.mark.parametrize("checkpoint", ["plain", "fp8"])
+def test_from_pretrained_into_fp8_layers_made_at_construction(tmp_path, recipe, checkpoint):
+    """from_pretrained into a class whose FP8 layers exist at construction. From a plain
+    checkpoint (the pretrained model to fine-tune in FP8), the FP8 state it lacks is fresh: the
+    model is the plain one converted after loading (the usual order), state for state, and
+    trains as it does; its state_dict then loads (transformers had filled the missing keys with
+    uninitialised memory: NaN losses under DelayedScaling, a checkpoint refused on reload
+    under current scaling). From a checkpoint with FP8 state, that state is kept: training
+    resumes as the saved model goes on."""
+    FP8Llama = fp8_at_construction(recipe)
+    torch.manual_seed(0)
+    if checkpoint == "plain":
+        transformers.LlamaForCausalLM(tiny_llama_config()).save_pretrained(tmp_path)
+        expected_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+        tfp8.convert_to_fp8(expected_model, recipe=recipe)
+    else:
+        expected_model = FP8Llama(tiny_llama_config())
+        train_llama(expected_model, recipe)
+        expected_model.save_pretrained(tmp_path)
+    with uninitialised_memory_is_nan(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = FP8Llama.from_pretrained(tmp_path)
+    assert not [w for w in caught if "FP8 state" in str(w.message)], \
+        [str(w.message) for w in caught]
+    expected, got = expected_model.state_dict(), model.state_dict()
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    assert_bit_identical(train_llama(model, recipe), train_llama(expected_model, recipe))
+    FP8Llama(tiny_llama_config()).load_state_dict(model.state_dict())

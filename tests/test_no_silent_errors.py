@@ -293,8 +293,8 @@ def test_compile_of_a_model_converted_without_recipe_adopts_it_at_fp8_autocast()
 
 
 def test_a_model_built_on_meta_compiles_as_often_as_one_built_on_cpu():
-    """to_empty() resets the FP8 state (and so the recipe it was built for): the recipe is
-    adopted again at fp8_autocast's entry, so the compiled model is not recompiled for it."""
+    """to_empty() gives the fresh FP8 state of the module as built (the recipe it was built
+    for included), so the compiled model is not recompiled for it."""
     from integration_compare import counting_aot_eager
 
     recipe = DelayedScaling(amax_history_len=4)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 from typing import Optional
 
 import torch
@@ -37,6 +38,7 @@ FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
 FP8_STATE_KEYS = FP8_FLOAT_STATE + ("fp8_recipe_fields",)
 HISTORIES = ("fp8_fwd_amax_history", "fp8_bwd_amax_history")
 _FLOAT_STATE_NAMES = frozenset(FP8_FLOAT_STATE)
+_STATE_NAMES = frozenset(FP8_STATE_KEYS)
 # Creation order of FP8 modules: the same on every rank that builds the same model, so it lays
 # out the cross-rank amax reduction identically everywhere.
 _creation_index = itertools.count()
@@ -117,12 +119,49 @@ class Fp8State:
         self._bind_scaling_states()
 
     def __setattr__(self, name, value):
+        if name in _STATE_NAMES and "_scaling_states" in self.__dict__:
+            self._set_state_buffer(name, value)
+            return
         super().__setattr__(name, value)
         # Any attribute set drops the ticket of the module's C++ step (it is made under the
         # module's attributes of the moment: modules/linear_fused_step.py's _keep_ticket).
         self.__dict__["_fused_ticket"] = None
-        if name in _FLOAT_STATE_NAMES and "_scaling_states" in self.__dict__:
-            self._bind_scaling_states()  # a state buffer replaced by assignment
+
+    def _set_state_buffer(self, name, value) -> None:
+        """A state buffer replaced by assignment (module.fp8_fwd_scale = t). One on "meta"
+        replaced by a real tensor is being materialised: transformers' from_pretrained puts
+        every key its checkpoint lacks there as ``setattr(module, name, torch.empty_like(...))``
+        (uninitialised memory) and marks those it loaded ``_is_hf_initialized``. An unmarked
+        one starts fresh, as to_empty() starts the whole state; once no state buffer is left on
+        "meta", a state that got any fresh buffer is reset as a whole (the state the module
+        was built with). Inside load_state_dict(assign=True) the loading decides."""
+        old = self._buffers.get(name)
+        super().__setattr__(name, value)
+        self.__dict__["_fused_ticket"] = None
+        if (old is not None and old.is_meta and isinstance(value, torch.Tensor)
+                and not value.is_meta and not self.__dict__.get("_fp8_loading")):
+            self._materialised_by_assignment(name, value)
+        if name in _FLOAT_STATE_NAMES:
+            self._bind_scaling_states()
+
+    def _materialised_by_assignment(self, name: str, value: torch.Tensor) -> None:
+        fresh = self.__dict__.setdefault("_fp8_fresh_off_meta", {})
+        fresh[name] = not getattr(value, "_is_hf_initialized", False)
+        if fresh[name]:
+            with torch.no_grad():
+                value.fill_(0 if name in HISTORIES else 1 if name in _FLOAT_STATE_NAMES else -1)
+        if any(self._buffers[key].is_meta for key in FP8_STATE_KEYS):
+            return  # (the others follow)
+        del self.__dict__["_fp8_fresh_off_meta"]
+        if not any(fresh.values()):
+            return  # every one of them loaded (a checkpoint with the FP8 state)
+        loaded = [key for key in FP8_STATE_KEYS if not fresh.get(key, False)]
+        if loaded:
+            warnings.warn(f"{type(self).__name__}: its FP8 state was materialised from "
+                          f"\"meta\" with {', '.join(loaded)} loaded and the rest missing (an "
+                          "incomplete FP8 state): the whole FP8 state starts fresh",
+                          stacklevel=4)
+        self.reset_fp8_state()
 
     def fp8_state_tensors(self) -> list[torch.Tensor]:
         """The float32 FP8 state (histories, scales, scale_invs), as the update writes it."""
@@ -136,12 +175,26 @@ class Fp8State:
                             f"Float8RowwiseScaling, got {type(recipe).__name__}")
         if isinstance(recipe, DelayedScaling):
             self._adopt_recipe(recipe)
+            # What a fresh state is for (reset_fp8_state): this recipe's record. (Its code,
+            # not the recipe: an amax_compute_algo callable need not pickle.)
+            self._built_for = list(self._recipe_code)
         elif recipe is not None:  # built for a recipe without delayed state: see _takes_recipe
             self._built_for_stateless = True
+            self._built_for = "stateless"
             amax_step.recipe_adopted(self._fp8_index)  # (waits for none: see _await_recipe)
 
     def reset_fp8_state(self) -> None:
-        """Fresh FP8 state: empty histories, unit scales (keeps the history length)."""
+        """Fresh FP8 state: empty histories, unit scales, and the recipe the module was built
+        for (recipe=, convert_to_fp8(recipe=...), prepare_fp8_recipe: its history length and
+        record, as at construction); built for none, it keeps the history length and takes
+        the next delayed recipe. A state still on "meta" while the parameters are real (only
+        the parameters were materialised) is made on their device."""
+        self._fp8_state_to_local()
+        device = self._meta_state_device()
+        if device is not None:
+            for name in FP8_STATE_KEYS:
+                if self._buffers[name].is_meta:
+                    self._buffers[name] = torch.empty_like(self._buffers[name], device=device)
         with torch.no_grad():
             for name in HISTORIES:
                 getattr(self, name).zero_()
@@ -150,13 +203,40 @@ class Fp8State:
                     getattr(self, name).fill_(1.0)
             self.fp8_recipe_fields.fill_(-1)
         self._recipe_code = self._saved_recipe_code = self._saved_histories = None
+        self.__dict__.pop("_adopted_recipe", None)
+        self.__dict__.pop("_fp8_fresh_off_meta", None)
         self._te_pending_update = ()
-        self._bind_scaling_states()  # (which steps cover it may change with the recipe)
-        self._await_recipe()
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
         self._fused_step_cache = None
         self._replay_records.clear()
+        built = self.__dict__.get("_built_for")
+        if isinstance(built, list):  # DelayedScaling: its history length and record
+            self._built_for_stateless = False
+            with torch.no_grad(), outside_inference_mode():
+                for name in HISTORIES:
+                    history = getattr(self, name)
+                    if history.shape[0] != built[2]:
+                        # .data keeps the buffer object, so references stay valid.
+                        history.data = history.new_zeros(built[2], history.shape[1])
+                self.fp8_recipe_fields.copy_(torch.tensor(built, dtype=torch.int64))
+            self._recipe_code = list(built)
+            amax_step.recipe_adopted(self._fp8_index)
+        elif built == "stateless":
+            self._built_for_stateless = True
+            amax_step.recipe_adopted(self._fp8_index)
+        self._bind_scaling_states()  # (which steps cover it may change with the recipe)
+        if self._recipe_code is None:
+            self._await_recipe()
+
+    def _meta_state_device(self) -> Optional[torch.device]:
+        """The device of the module's parameters where its FP8 state is on "meta" and they are
+        not (accelerate's init_empty_weights(include_buffers=False) puts only the parameters
+        there, and loaders then materialise the parameters alone), else None."""
+        if not self._buffers["fp8_fwd_scale"].is_meta:
+            return None
+        param = next(self.parameters(), None)
+        return None if param is None or param.is_meta else param.device
 
     def __setstate__(self, state):
         # A copy (copy.deepcopy, unpickling) is a module of its own in the amax reduction.
@@ -186,18 +266,26 @@ class Fp8State:
         return replica
 
     def _apply(self, fn, recurse=True):
-        # Device moves apply to the FP8 state; dtype casts (.half(), .to(torch.bfloat16)) do
-        # not: the operators need float32 scales and histories.
+        # Device moves apply to the FP8 state; dtype casts (.half(), .to(torch.bfloat16),
+        # .type(torch.bfloat16), which casts integers too) do not: the operators need float32
+        # scales and histories, and the recipe record stays int64.
         was_meta = self.fp8_fwd_scale.is_meta
         order = list(self._buffers)
-        fp8_state = {name: self._buffers.pop(name) for name in FP8_FLOAT_STATE}
+        fp8_state = {name: self._buffers.pop(name) for name in FP8_STATE_KEYS}
         try:
             super()._apply(fn, recurse)
         finally:
             for name, buffer in fp8_state.items():
                 self._buffers[name] = buffer
             self._buffers = type(self._buffers)((name, self._buffers[name]) for name in order)
+        # A state on "meta" under real parameters (only they were materialised: accelerate's
+        # init_empty_weights(include_buffers=False)) has no values to move: it is made where
+        # the parameters now are, and starts fresh below.
+        device = self._meta_state_device() if was_meta else None
         for name, buffer in fp8_state.items():
+            if device is not None and buffer.is_meta:
+                self._buffers[name] = torch.empty_like(buffer, device=device)
+                continue
             moved = fn(buffer)
             self._buffers[name] = moved if moved.dtype == buffer.dtype else \
                 buffer.to(device=moved.device)
@@ -224,12 +312,29 @@ class Fp8State:
         adopted = self.__dict__.get("_adopted_recipe")
         if adopted is not None and adopted[0] is recipe and adopted[1] is self._recipe_code:
             return  # the same recipe object as last time, and nothing reset the record since
+        if self._buffers["fp8_fwd_scale"].is_meta:  # (the first FP8 forward gets here)
+            self._state_off_meta()
         with outside_inference_mode():  # (a resized history must stay writable by training)
             if running and self.__dict__.get("_te_pending_update"):
                 # (First, on the loaded history: a failed step undoes the adoption below, not
                 # this update, which Transformer Engine would have made all the same.)
                 run_owed_update(self, recipe)
             self._adopt_new_recipe(recipe, running)
+
+    def _state_off_meta(self) -> None:
+        """Before the FP8 state is used: a state left on "meta" under real parameters (see
+        _meta_state_device) starts fresh on their device, as a buffer made there would have."""
+        device = self._meta_state_device()
+        if device is None:
+            return  # (all on "meta": nothing runs)
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"{type(self).__name__}: its FP8 state is on \"meta\" while its parameters are "
+                f"on {device} (the parameters were materialised without the buffers: "
+                "accelerate's init_empty_weights(include_buffers=False), or a loader that sets "
+                "parameters only); call model.to(device) or run one step eagerly before "
+                "torch.compile, which makes a fresh FP8 state on the parameters' device")
+        self.reset_fp8_state()
 
     def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
         if not torch.compiler.is_compiling():  # (undone if the step fails: adoption_undo.py)
@@ -315,13 +420,21 @@ class Fp8State:
         if backward_step.has_pending_backward_updates():
             backward_step.flush_pending_backward_updates()
         self._fp8_state_to_local()
+        if self._buffers["fp8_fwd_scale"].is_meta:
+            self._state_off_meta()  # (real parameters: a fresh state, not meta tensors)
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        with outside_inference_mode():  # (a resized history must stay writable by training)
-            self._load_fp8_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        if self._buffers["fp8_fwd_scale"].is_meta:
+            self._state_off_meta()  # (real parameters: the state loads into real buffers)
+        self.__dict__["_fp8_loading"] = True  # (assign=True's setattr: see _set_state_buffer)
+        try:
+            with outside_inference_mode():  # (a resized history must stay writable)
+                self._load_fp8_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        finally:
+            del self.__dict__["_fp8_loading"]
 
     def _load_fp8_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                              unexpected_keys, error_msgs):
@@ -379,10 +492,13 @@ class Fp8State:
             return  # load_state_dict raises
         assigned_state_made_usable(self, FP8_STATE_KEYS, _FLOAT_STATE_NAMES)
         if not present:
+            # A fresh state, the one the module was built with (its recipe kept, as a
+            # directly built module's: reset_fp8_state).
             self.reset_fp8_state()
             for key in FP8_STATE_KEYS:
                 if prefix + key in missing_keys:
                     missing_keys.remove(prefix + key)
+            return
         self.note_saved_recipe()
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
         self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
