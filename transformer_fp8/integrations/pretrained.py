@@ -19,7 +19,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..quantization.state import FP8_STATE_KEYS, Fp8State
+from ..quantization.state import Fp8State
+from ..quantization.state_layout import FP8_STATE_KEYS
 from ..quantization.state_validation import fp8_state_error
 
 

@@ -19,7 +19,7 @@ from ..ops import function_output
 from ..quantization.quantizer import pad_rows
 from ..quantization.recipe import Recipe
 from ..quantization.history import history_len_for
-from ..quantization.state import FP8_STATE_KEYS
+from ..quantization.state_layout import FP8_STATE_KEYS
 from .base import Fp8StateMixin
 from .fp8_primary_weights import SCALE_INV_SUFFIX, make_fp8_primary_weights
 from .fsdp_enable import check_fp8_all_gather, enable_fp8_all_gather

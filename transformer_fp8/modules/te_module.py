@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from . import te_checkpoint
-from ..quantization.state import FP8_STATE_KEYS
+from ..quantization.state_layout import FP8_STATE_KEYS
 from ..quantization.torch_autocast import autocast_dtype
 from .fp8_primary_weights import SCALE_INV_SUFFIX
 

@@ -20,7 +20,7 @@ from .blockwise import BlockQuantizer
 from .quantizer import TensorQuantizer
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                      Float8RowwiseScaling, Format)
-from .state import FP8_FLOAT_STATE
+from .state_layout import FP8_FLOAT_STATE
 
 
 def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):

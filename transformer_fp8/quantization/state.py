@@ -8,16 +8,16 @@ state_dict (kept float32 by .half() and the like):
   fp8_bwd_scale [G], fp8_bwd_scale_inv [G]
   fp8_recipe_fields [4] int64   the recipe in use, as a record: margin, format,
                                 amax_history_len, amax algo (-1: never used)
-Fp8State owns these buffers and everything that keeps them valid (meta init, device moves,
-checkpoints, copies, recipe changes). The step machinery (quantization/amax_step.py,
-backward_step.py) reads and updates them through two ScalingStates (_scaling_states: forward,
-backward), which it binds again whenever its buffers are replaced; the forward that casts with them is modules/base.py's.
+Fp8State owns these buffers (their names: state_layout.py) and everything that keeps them
+valid (meta init, with state_materialisation.py; device moves, checkpoints, copies, recipe
+changes). The step machinery (quantization/amax_step.py, backward_step.py) reads and updates
+them through two ScalingStates (_scaling_states: forward, backward), which it binds again
+whenever its buffers are replaced; the forward that casts with them is modules/base.py's.
 """
 from __future__ import annotations
 
 import copy
 import itertools
-import warnings
 from typing import Optional
 
 import torch
@@ -31,12 +31,11 @@ from .transforms import outside_inference_mode, refuse_functorch_transform
 from .history import DEFAULT_HISTORY_LEN, recipe_code, resized_history
 from .owed_update import run_owed_update
 from .recipe import RECIPE_TYPES, DelayedScaling, Recipe
+from .state_layout import FP8_FLOAT_STATE, FP8_STATE_KEYS, HISTORIES
+from .state_materialisation import (fresh_state_off_meta, materialised_by_assignment,
+                                    meta_state_device, state_off_meta)
 from .state_validation import assigned_state_made_usable, fp8_state_error
 
-FP8_FLOAT_STATE = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
-                   "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv")
-FP8_STATE_KEYS = FP8_FLOAT_STATE + ("fp8_recipe_fields",)
-HISTORIES = ("fp8_fwd_amax_history", "fp8_bwd_amax_history")
 _FLOAT_STATE_NAMES = frozenset(FP8_FLOAT_STATE)
 _STATE_NAMES = frozenset(FP8_STATE_KEYS)
 # Creation order of FP8 modules: the same on every rank that builds the same model, so it lays
@@ -140,28 +139,9 @@ class Fp8State:
         self.__dict__["_fused_ticket"] = None
         if (old is not None and old.is_meta and isinstance(value, torch.Tensor)
                 and not value.is_meta and not self.__dict__.get("_fp8_loading")):
-            self._materialised_by_assignment(name, value)
+            materialised_by_assignment(self, name, value)
         if name in _FLOAT_STATE_NAMES:
             self._bind_scaling_states()
-
-    def _materialised_by_assignment(self, name: str, value: torch.Tensor) -> None:
-        fresh = self.__dict__.setdefault("_fp8_fresh_off_meta", {})
-        fresh[name] = not getattr(value, "_is_hf_initialized", False)
-        if fresh[name]:
-            with torch.no_grad():
-                value.fill_(0 if name in HISTORIES else 1 if name in _FLOAT_STATE_NAMES else -1)
-        if any(self._buffers[key].is_meta for key in FP8_STATE_KEYS):
-            return  # (the others follow)
-        del self.__dict__["_fp8_fresh_off_meta"]
-        if not any(fresh.values()):
-            return  # every one of them loaded (a checkpoint with the FP8 state)
-        loaded = [key for key in FP8_STATE_KEYS if not fresh.get(key, False)]
-        if loaded:
-            warnings.warn(f"{type(self).__name__}: its FP8 state was materialised from "
-                          f"\"meta\" with {', '.join(loaded)} loaded and the rest missing (an "
-                          "incomplete FP8 state): the whole FP8 state starts fresh",
-                          stacklevel=4)
-        self.reset_fp8_state()
 
     def fp8_state_tensors(self) -> list[torch.Tensor]:
         """The float32 FP8 state (histories, scales, scale_invs), as the update writes it."""
@@ -190,11 +170,7 @@ class Fp8State:
         the next delayed recipe. A state still on "meta" while the parameters are real (only
         the parameters were materialised) is made on their device."""
         self._fp8_state_to_local()
-        device = self._meta_state_device()
-        if device is not None:
-            for name in FP8_STATE_KEYS:
-                if self._buffers[name].is_meta:
-                    self._buffers[name] = torch.empty_like(self._buffers[name], device=device)
+        state_off_meta(self)
         with torch.no_grad():
             for name in HISTORIES:
                 getattr(self, name).zero_()
@@ -228,15 +204,6 @@ class Fp8State:
         self._bind_scaling_states()  # (which steps cover it may change with the recipe)
         if self._recipe_code is None:
             self._await_recipe()
-
-    def _meta_state_device(self) -> Optional[torch.device]:
-        """The device of the module's parameters where its FP8 state is on "meta" and they are
-        not (accelerate's init_empty_weights(include_buffers=False) puts only the parameters
-        there, and loaders then materialise the parameters alone), else None."""
-        if not self._buffers["fp8_fwd_scale"].is_meta:
-            return None
-        param = next(self.parameters(), None)
-        return None if param is None or param.is_meta else param.device
 
     def __setstate__(self, state):
         # A copy (copy.deepcopy, unpickling) is a module of its own in the amax reduction.
@@ -281,7 +248,7 @@ class Fp8State:
         # A state on "meta" under real parameters (only they were materialised: accelerate's
         # init_empty_weights(include_buffers=False)) has no values to move: it is made where
         # the parameters now are, and starts fresh below.
-        device = self._meta_state_device() if was_meta else None
+        device = meta_state_device(self) if was_meta else None
         for name, buffer in fp8_state.items():
             if device is not None and buffer.is_meta:
                 self._buffers[name] = torch.empty_like(buffer, device=device)
@@ -313,28 +280,13 @@ class Fp8State:
         if adopted is not None and adopted[0] is recipe and adopted[1] is self._recipe_code:
             return  # the same recipe object as last time, and nothing reset the record since
         if self._buffers["fp8_fwd_scale"].is_meta:  # (the first FP8 forward gets here)
-            self._state_off_meta()
+            fresh_state_off_meta(self)
         with outside_inference_mode():  # (a resized history must stay writable by training)
             if running and self.__dict__.get("_te_pending_update"):
                 # (First, on the loaded history: a failed step undoes the adoption below, not
                 # this update, which Transformer Engine would have made all the same.)
                 run_owed_update(self, recipe)
             self._adopt_new_recipe(recipe, running)
-
-    def _state_off_meta(self) -> None:
-        """Before the FP8 state is used: a state left on "meta" under real parameters (see
-        _meta_state_device) starts fresh on their device, as a buffer made there would have."""
-        device = self._meta_state_device()
-        if device is None:
-            return  # (all on "meta": nothing runs)
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                f"{type(self).__name__}: its FP8 state is on \"meta\" while its parameters are "
-                f"on {device} (the parameters were materialised without the buffers: "
-                "accelerate's init_empty_weights(include_buffers=False), or a loader that sets "
-                "parameters only); call model.to(device) or run one step eagerly before "
-                "torch.compile, which makes a fresh FP8 state on the parameters' device")
-        self.reset_fp8_state()
 
     def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
         if not torch.compiler.is_compiling():  # (undone if the step fails: adoption_undo.py)
@@ -421,13 +373,13 @@ class Fp8State:
             backward_step.flush_pending_backward_updates()
         self._fp8_state_to_local()
         if self._buffers["fp8_fwd_scale"].is_meta:
-            self._state_off_meta()  # (real parameters: a fresh state, not meta tensors)
+            fresh_state_off_meta(self)  # (real parameters: a fresh state, not meta tensors)
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         if self._buffers["fp8_fwd_scale"].is_meta:
-            self._state_off_meta()  # (real parameters: the state loads into real buffers)
+            fresh_state_off_meta(self)  # (real parameters: the state loads into real buffers)
         self.__dict__["_fp8_loading"] = True  # (assign=True's setattr: see _set_state_buffer)
         try:
             with outside_inference_mode():  # (a resized history must stay writable)
