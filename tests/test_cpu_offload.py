@@ -253,18 +253,177 @@ def _saved_copies(device):
     x = torch.randn(64, 64, device=device, requires_grad=True)
     with context:
         y = x.exp()  # saves its output
+    layer = context._layer
     y = synchronizer(y)
-    return x, y, [ref() for ref in y.grad_fn.layer.saved]
+    return x, y, [ref() for ref in layer.saved]
 
 
 def test_a_cpu_model_gets_copies_back():
     """On the CPU the saved tensor is copied into new CPU memory: backward reads the copy."""
     x, y, copies = _saved_copies("cpu")
     assert len(copies) == 1 and copies[0].cpu.data_ptr() != y.data_ptr()
-    assert torch.equal(y.grad_fn.next_functions[0][0]._saved_result, y)
-    assert y.grad_fn.next_functions[0][0]._saved_result.data_ptr() == copies[0].cpu.data_ptr()
+    assert torch.equal(y.grad_fn._saved_result, y)
+    assert y.grad_fn._saved_result.data_ptr() == copies[0].cpu.data_ptr()
     (2 * y).sum().backward()
     assert torch.equal(x.grad, 2 * x.detach().exp())
+
+
+def _linear_stack(context, synchronizer, layers, x, on_layer=None):
+    for i, layer in enumerate(layers):
+        context._observer = lambda index, t, i=i: on_layer(i) if on_layer else None
+        with context:
+            x = torch.tanh(layer(x))
+        x = synchronizer(x)
+    return x
+
+
+def test_the_same_model_layers_are_offloaded_in_every_forward():
+    """Which model layers (not the context's own labels) are offloaded, across training forwards
+    and a no_grad forward between them."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    context, synchronizer = tfp8.get_cpu_offload_context(True, 2, 4)
+    for step in range(3):
+        by_layer = set()
+        with torch.no_grad() if step == 1 else torch.enable_grad():
+            x = _linear_stack(context, synchronizer, layers,
+                              torch.randn(2, 8, requires_grad=True), by_layer.add)
+        if step != 1:
+            x.sum().backward()
+            assert by_layer == {0, 1}, (step, by_layer)
+
+
+def test_a_backward_reloads_only_its_own_forwards_layers(monkeypatch):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    context, synchronizer = tfp8.get_cpu_offload_context(True, 2, 4)
+    outs, lists = [], []
+    for _ in range(2):  # two micro-batches
+        x = torch.randn(2, 8, requires_grad=True)
+        mine = []
+        for layer in layers:
+            with context:
+                x = torch.tanh(layer(x))
+            mine.append(context._layer)
+            x = synchronizer(x)
+        outs.append(x)
+        lists.append(mine)
+    reloaded = []
+    reload = cpu_offload._Layer.reload
+    monkeypatch.setattr(cpu_offload._Layer, "reload",
+                        lambda self: (reloaded.append(self), reload(self)))
+    outs[1].sum().backward()
+    assert reloaded and all(any(layer is mine for mine in lists[1]) for layer in reloaded), \
+        "micro-batch 0's layers reloaded in micro-batch 1's backward"
+
+
+def _grad_after_in_place_write(context, synchronizer):
+    x = torch.arange(1., 5., requires_grad=True)
+    with context:
+        y = x.exp()  # saves its output
+        y.mul_(2)    # modifies the saved tensor
+    y = synchronizer(y)
+    y.sum().backward()
+    return x.grad
+
+
+def _second_layer_of_two(num_layers):
+    context, synchronizer = tfp8.get_cpu_offload_context(True, num_layers, model_layers=2)
+    with context:
+        pass
+    synchronizer(torch.zeros(2))  # layer 0 done: the next is layer 1
+    return context, synchronizer
+
+
+@pytest.mark.parametrize("where", ["num_layers=0", "layer not offloaded", "offloaded tensor",
+                                   "kept by an offloaded layer"])
+def test_a_saved_tensor_modified_in_place_raises_as_without_the_context(where):
+    """PyTorch's version check (which any saved-tensor hooks turn off) is kept."""
+    if where == "kept by an offloaded layer":  # a one-element tensor stays in place
+        context, synchronizer = tfp8.get_cpu_offload_context(True)
+        x = torch.randn(4, requires_grad=True)
+        with context:
+            scale = x[:1].exp()
+            y = x * scale  # saves scale as is
+            scale.mul_(2)
+        y = synchronizer(y)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+        return
+    context, synchronizer = {
+        "num_layers=0": lambda: tfp8.get_cpu_offload_context(True, 0, 1),
+        "layer not offloaded": lambda: _second_layer_of_two(1),
+        "offloaded tensor": lambda: tfp8.get_cpu_offload_context(True, 1, 1)}[where]()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _grad_after_in_place_write(context, synchronizer)
+
+
+def test_layers_not_offloaded_install_no_hooks():
+    for context, _ in (tfp8.get_cpu_offload_context(True, 0, 1), _second_layer_of_two(1)):
+        with context:
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_in_place_ops_on_the_synchronizers_output_work():
+    torch.manual_seed(0)
+    layers = [tfp8.LayerNormMLP(32, 64) for _ in range(2)]
+    grads = []
+    for enabled in (False, True):
+        context, synchronizer = tfp8.get_cpu_offload_context(enabled, 1, 2)
+        x0 = torch.randn(8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        x = x0
+        for layer in layers:
+            with context:
+                x = layer(x)
+            x = synchronizer(x)
+            x.mul_(0.5)
+        x.sum().backward()
+        grads.append(x0.grad)
+    assert torch.equal(*grads)
+
+
+def test_an_exception_in_the_context_restarts_the_layer_count():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    context, synchronizer = tfp8.get_cpu_offload_context(True, 2, 4)
+    x = torch.randn(2, 8, requires_grad=True)
+    for layer in layers[:2]:
+        with context:
+            x = torch.tanh(layer(x))
+        x = synchronizer(x)
+    with pytest.raises(ValueError, match="stop"):
+        with context:
+            raise ValueError("stop")  # in layer 2
+    for _ in range(2):
+        by_layer = set()
+        out = _linear_stack(context, synchronizer, layers,
+                            torch.randn(2, 8, requires_grad=True), by_layer.add)
+        out.sum().backward()
+        assert by_layer == {0, 1}
+
+
+def test_entering_during_cuda_graph_capture_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    context, _ = tfp8.get_cpu_offload_context(True)
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+        with context:
+            pass
+
+
+def test_an_expanded_view_is_copied_at_its_unexpanded_size():
+    context, synchronizer = tfp8.get_cpu_offload_context(True)
+    x = torch.randn(1, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    with context:
+        y = x.expand(32, 64) * w  # saves the expanded view of x (and w)
+    layer = context._layer
+    y = synchronizer(y)
+    copies = sorted((ref().cpu.untyped_storage().nbytes() for ref in layer.saved))
+    assert copies == [x.untyped_storage().nbytes(), w.untyped_storage().nbytes()]
+    (y * y).sum().backward()
+    assert torch.equal(w.grad, 2 * (x.detach() * w.detach()) * x.detach())
+    assert torch.equal(x.grad, (2 * (x.detach() * w.detach()) * w.detach()).sum(0, keepdim=True))
 
 
 # ---- arguments ---------------------------------------------------------------------------------

@@ -13,14 +13,18 @@ after ``model_layers`` calls). What an offloaded layer saves goes to CPU memory 
 plain tensor (not a Parameter or a view of one, not a tensor subclass: FP8 weights, DTensors)
 with more than one element (not a per-tensor scale or amax), on the CPU or a CUDA device:
 activations, the FP8 copies of activations and the FP8 weight casts made for the step (the FP8
-layers' state buffers are not saved for backward). Everything else is saved as without the
-context.
+layers' state buffers are not saved for backward); an expanded view (stride 0) is copied
+at its unexpanded size. Everything else is saved as without the context. Layers not offloaded
+get no hooks (PyTorch's check that a saved tensor was not modified in place stays on); in an
+offloaded layer the same check runs at unpack (for an offloaded tensor, while it still lives).
+A forward that an exception stops inside the context restarts the count at layer 0. Entering
+the context during CUDA graph capture raises a RuntimeError.
 
 On CUDA each copy runs on a side stream, after the work that made the tensor, into pinned
 memory; the tensor's memory goes back to the allocator (record_stream) once the copy is done, so
-the forward never waits. The synchronizer's output carries a node whose backward starts copying
-layers back, on the side stream, ahead of their backward: layer i when backward reaches layer
-_reload_points(...)[i] (Transformer Engine 2.8's schedule). The compute stream waits for a
+the forward never waits. The synchronizer puts a pre-hook on the node that made its output (its
+grad_fn); the hook starts copying layers back, on the side stream, ahead of their
+backward: layer i when backward reaches layer _reload_points(...)[i] (Transformer Engine 2.8's schedule). The compute stream waits for a
 tensor only where backward reads it. A CPU tensor is copied into new CPU memory (on a CPU model
 this frees nothing; it runs the same save and restore as on CUDA).
 
@@ -57,13 +61,45 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _check_version(source, version: int) -> None:
+    """PyTorch's check that a saved tensor was not modified in place after it was saved (which
+    saved-tensor hooks turn off): ``source`` is the tensor or a weak reference to it."""
+    t = source() if isinstance(source, weakref.ref) else source
+    if t is not None and t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+            f"expected version {version} instead (saved in a layer offloaded by "
+            "get_cpu_offload_context)")
+
+
+class _Kept:
+    """A tensor an offloaded layer keeps as is, with its version at save time."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.version = t, t._version
+
+    def get(self) -> torch.Tensor:
+        _check_version(self.tensor, self.version)
+        return self.tensor
+
+
 class _Offloaded:
     """A saved tensor's copy in CPU memory, and its way back (what the pack hook returns)."""
 
-    __slots__ = ("cpu", "device", "on_device", "ready", "stream", "__weakref__")
+    __slots__ = ("cpu", "device", "on_device", "ready", "stream", "source", "version", "shape",
+                 "__weakref__")
 
     def __init__(self, t: torch.Tensor):
         self.device, self.on_device, self.ready, self.stream = t.device, None, None, None
+        # in-place writes after the save are checked at unpack while the tensor lives
+        self.source, self.version, self.shape = weakref.ref(t), t._version, None
+        if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+            # an expanded view: copy what it reads (the expanded dimensions at size 1)
+            self.shape = t.shape
+            t = t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]
         if t.device.type == "cpu":
             self.cpu = t.clone()
             return
@@ -88,18 +124,22 @@ class _Offloaded:
         self.ready, self.stream = side.record_event(), compute
 
     def get(self) -> torch.Tensor:
+        _check_version(self.source, self.version)
         if self.device.type == "cpu":
-            return self.cpu
+            return self._expanded(self.cpu)
         self.reload()
         current = torch.cuda.current_stream(self.device)
         current.wait_event(self.ready)
         if current != self.stream:
             self.on_device.record_stream(current)
-        return self.on_device
+        return self._expanded(self.on_device)
+
+    def _expanded(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.shape is None else t.expand(self.shape)
 
 
 def _unpack(saved):
-    return saved.get() if type(saved) is _Offloaded else saved
+    return saved.get()
 
 
 def _reload_points(num_layers: int, model_layers: int) -> list:
@@ -124,22 +164,16 @@ class _Layer:
                 saved.reload()
 
 
-class _Boundary(torch.autograd.Function):
-    """Identity; its backward (grad of the layer's output: the layer's backward is next)
-    starts copying back the layers due by now."""
-
-    @staticmethod
-    def forward(ctx, tensor, layer, reload_points):
-        ctx.layer, ctx.reload_points = layer, reload_points
-        return tensor
-
-    @staticmethod
-    def backward(ctx, grad):
-        now, points = ctx.layer.index, ctx.reload_points
-        for layer in ctx.layer.forward:
-            if layer.offload and points[layer.index] >= now:
-                layer.reload()
-        return grad, None, None
+def _reload_prehook(layer: _Layer, points: list):
+    """A pre-hook for the node that made a layer's output (the layer's backward is next): it
+    starts copying back the layers of that forward due by now (as Transformer Engine 2.10 hooks
+    the output's grad_fn; a node of its own would make the output a view that in-place ops
+    refuse)."""
+    def prehook(grad_outputs):
+        for other in layer.forward:
+            if other.offload and points[other.index] >= layer.index:
+                other.reload()
+    return prehook
 
 
 class _CpuOffloadContext:
@@ -162,13 +196,19 @@ class _CpuOffloadContext:
         return self._layer
 
     def __enter__(self):
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("get_cpu_offload_context: the context was entered while a CUDA "
+                               "graph is being captured; CPU offloading does not support CUDA "
+                               "graphs (make_graphed_callables, torch.cuda.graph, "
+                               "torch.compile(mode='reduce-overhead'))")
         hooks = None
         if not _in_backward() and torch._C._autograd._top_saved_tensors_default_hooks(
                 False) is None:
             layer = self._current()
-            hooks = torch.autograd.graph.saved_tensors_hooks(
-                lambda t: self._pack(layer, t), _unpack)
-            hooks.__enter__()
+            if layer.offload:  # (no hooks elsewhere: PyTorch's in-place check stays on)
+                hooks = torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: self._pack(layer, t), _unpack)
+                hooks.__enter__()
         self._hooks.append(hooks)
         return self
 
@@ -176,10 +216,13 @@ class _CpuOffloadContext:
         hooks = self._hooks.pop()
         if hooks is not None:
             hooks.__exit__(*exc)
+        if exc[0] is not None and not _in_backward():
+            # the forward stopped mid-model: the next one starts at layer 0
+            self._index, self._layer, self._forward = 0, None, None
 
     def _pack(self, layer: _Layer, t: torch.Tensor):
-        if not layer.offload or not _offloadable(t):
-            return t
+        if not _offloadable(t):
+            return _Kept(t)
         saved = _Offloaded(t)
         layer.saved.append(weakref.ref(saved))
         if self._observer is not None:
@@ -187,8 +230,8 @@ class _CpuOffloadContext:
         return saved
 
     def synchronize(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Ends the layer: returns ``tensor`` (through a node whose backward copies layers
-        back when it requires grad)."""
+        """Ends the layer: returns ``tensor`` itself, with a pre-hook on its grad_fn (if any)
+        that starts copying layers back."""
         if _in_backward():  # a checkpoint's recomputation: counted in its forward
             return tensor
         layer = self._current()
@@ -196,8 +239,9 @@ class _CpuOffloadContext:
         self._index += 1
         if self._index == self.model_layers:
             self._index, self._forward = 0, None
-        if torch.is_grad_enabled() and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            return _Boundary.apply(tensor, layer, self.reload_points)
+        if (torch.is_grad_enabled() and isinstance(tensor, torch.Tensor)
+                and tensor.grad_fn is not None):
+            tensor.grad_fn.register_prehook(_reload_prehook(layer, self.reload_points))
         return tensor
 
 
