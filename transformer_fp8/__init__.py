@@ -18,9 +18,8 @@ from .modules.grouped_linear import GroupedLinear
 from .modules.layernorm_linear import LayerNormLinear
 from .modules.layernorm_mlp import LayerNormMLP
 from .modules.linear import Linear, strip_fp8_state
-from .modules.moe_permutation import (moe_permute, moe_permute_with_probs,
-                                      moe_sort_chunks_by_index,
-                                      moe_sort_chunks_by_index_with_probs, moe_unpermute)
+from .modules.moe_chunk_sort import moe_sort_chunks_by_index, moe_sort_chunks_by_index_with_probs
+from .modules.moe_permutation import moe_permute, moe_permute_with_probs, moe_unpermute
 from .modules.multi_head_attention import MultiheadAttention
 from .modules.normalization import LayerNorm, RMSNorm
 from .modules.transformer_layer import TransformerLayer

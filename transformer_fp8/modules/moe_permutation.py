@@ -46,82 +46,15 @@ Differences from Transformer Engine 2.8 (README, "Transformer Engine's modules")
 """
 from __future__ import annotations
 
-import operator
 import warnings
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..quantization.fp8_weight import Fp8Weight
-from .fsdp_gathered_weight import GatheredFp8Weight
+from .moe_checks import (_accumulation_dtype, _as_int, _check_activation, _check_int_tensor,
+                         _check_map_type, _described, _fail)
 
-__all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute", "moe_sort_chunks_by_index",
-           "moe_sort_chunks_by_index_with_probs"]
-
-_MAP_TYPES = ("mask", "index")
-
-
-# ----------------------------------------------------------------------------- validation
-
-def _fail(fn: str, message: str, error=ValueError):
-    raise error(f"{fn}: {message}")
-
-
-def _described(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"a {t.dtype} tensor of shape {list(t.shape)} on {t.device}"
-    return f"{type(t).__name__} {t!r}"
-
-
-def _check_activation(fn: str, name: str, t, device=None) -> None:
-    """A 2-D high-precision floating tensor (not FP8), on ``device`` when given."""
-    if not isinstance(t, torch.Tensor):
-        _fail(fn, f"{name} must be a torch.Tensor, got {_described(t)}", TypeError)
-    if isinstance(t, (Fp8Weight, GatheredFp8Weight)) or t.dtype in (torch.float8_e4m3fn,
-                                                                     torch.float8_e5m2):
-        _fail(fn, f"{name} must be a high-precision tensor, got {type(t).__name__} holding "
-              f"{getattr(t, '_fp8', t).dtype} data: this library has no FP8 activation tensor "
-              "type (Transformer Engine's takes its Float8Tensor); permute the high-precision "
-              "tensor, the FP8 GEMMs after it cast it", TypeError)
-    if not t.is_floating_point():
-        _fail(fn, f"{name} must be a floating-point tensor, got {_described(t)}", TypeError)
-    if t.dim() != 2:
-        _fail(fn, f"{name} must be 2-D [num_tokens, hidden_size], got {_described(t)}")
-    if device is not None and t.device != device:
-        _fail(fn, f"{name} must be on {device} (the input's device), got {_described(t)}")
-
-
-def _check_int_tensor(fn: str, name: str, t, dims: int, device=None,
-                      allow_bool: bool = False, shape_text: str = "") -> None:
-    if not isinstance(t, torch.Tensor):
-        _fail(fn, f"{name} must be a torch.Tensor, got {_described(t)}", TypeError)
-    ok = t.dtype == torch.bool if allow_bool else False
-    if not ok and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-        kind = "a bool or integer" if allow_bool else "an integer"
-        _fail(fn, f"{name} must be {kind} tensor, got {_described(t)}", TypeError)
-    if t.dim() != dims:
-        _fail(fn, f"{name} must be {dims}-D{shape_text}, got {_described(t)}")
-    if device is not None and t.device != device:
-        _fail(fn, f"{name} must be on {device} (the input's device), got {_described(t)}")
-
-
-def _as_int(fn: str, name: str, value) -> int:
-    if isinstance(value, bool):
-        _fail(fn, f"{name} must be an int, got {value!r}", TypeError)
-    try:
-        return operator.index(value)
-    except TypeError:
-        _fail(fn, f"{name} must be an int, got {_described(value)}", TypeError)
-
-
-def _check_map_type(fn: str, map_type) -> None:
-    if map_type not in _MAP_TYPES:
-        _fail(fn, f"map_type must be 'mask' or 'index', got {map_type!r}")
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for 16-bit inputs, their own dtype for float32 and float64."""
-    return torch.promote_types(dtype, torch.float32)
+__all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute"]
 
 
 # ----------------------------------------------------------------------------- routing
@@ -436,90 +369,3 @@ def moe_unpermute(
     with torch.no_grad():
         tok, pos = _rows_of(row_id_map, inp.shape[0])
     return _UnpermuteRows.apply(inp, probs_flat, tok, pos, n)
-
-
-# ----------------------------------------------------------------------------- chunk sort
-
-def _as_index_tensor(fn: str, name: str, value) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        try:
-            value = torch.as_tensor(value)
-        except (TypeError, ValueError, RuntimeError):
-            _fail(fn, f"{name} must be a 1-D integer tensor, got {_described(value)}", TypeError)
-        if value.numel() == 0:
-            value = value.long()
-    _check_int_tensor(fn, name, value, 1)
-    return value
-
-
-def _sort_chunks(fn: str, inp, split_sizes, sorted_index, probs=None):
-    _check_activation(fn, "inp", inp)
-    split_sizes = _as_index_tensor(fn, "split_sizes", split_sizes)
-    sorted_index = _as_index_tensor(fn, "sorted_index", sorted_index)
-    num_chunks = split_sizes.shape[0]
-    if sorted_index.shape[0] != num_chunks:
-        _fail(fn, f"sorted_index must have split_sizes' length {num_chunks}, got "
-              f"{_described(sorted_index)}")
-    n = inp.shape[0]
-    if probs is not None:
-        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() \
-                or tuple(probs.shape) != (n,) or probs.device != inp.device:
-            _fail(fn, f"probs must be a 1-D floating tensor of the input's {n} rows on "
-                  f"{inp.device}, got {_described(probs)}")
-    # Values are checked where that is free (index tensors on the CPU); on a device the check
-    # would wait for it.
-    if split_sizes.device.type == "cpu" and sorted_index.device.type == "cpu":
-        sizes, order = split_sizes.tolist(), sorted_index.tolist()
-        if any(m < 0 for m in sizes) or sum(sizes) != n:
-            _fail(fn, f"split_sizes must be non-negative and add up to the input's {n} rows, "
-                  f"got {sizes}")
-        if sorted(order) != list(range(num_chunks)):
-            _fail(fn, f"sorted_index must be a permutation of 0..{num_chunks - 1}, got {order}")
-    if n == 0:
-        src = torch.zeros(0, dtype=torch.int64, device=inp.device)
-        inverse = src
-    else:
-        if num_chunks == 0:
-            _fail(fn, f"split_sizes is empty but the input has {n} rows")
-        with torch.no_grad():
-            sizes = split_sizes.to(device=inp.device, dtype=torch.int64)
-            order = sorted_index.to(device=inp.device, dtype=torch.int64)
-            in_start = torch.cumsum(sizes, 0) - sizes
-            out_sizes = sizes.index_select(0, order)
-            out_end = torch.cumsum(out_sizes, 0)
-            rows = torch.arange(n, device=inp.device)
-            # output row j lies in output chunk k = the first whose end is past j
-            k = torch.searchsorted(out_end, rows, right=True).clamp(max=num_chunks - 1)
-            src = in_start.index_select(0, order.index_select(0, k)) + rows \
-                - (out_end - out_sizes).index_select(0, k)
-            inverse = torch.empty_like(src).scatter_(0, src, rows)
-    output = _SortRows.apply(inp, src, inverse)
-    permuted_probs = None
-    if probs is not None:
-        permuted_probs = _SortRows.apply(probs.unsqueeze(1), src, inverse).squeeze(1)
-    return output, permuted_probs
-
-
-def moe_sort_chunks_by_index(
-    inp: torch.Tensor,
-    split_sizes: torch.Tensor,
-    sorted_index: torch.Tensor,
-) -> torch.Tensor:
-    """Split inp's rows into chunks of ``split_sizes`` rows and concatenate the chunks in the
-    order ``sorted_index`` gives (Transformer Engine's ``moe_sort_chunks_by_index``): output =
-    cat([chunk[i] for i in sorted_index]). split_sizes must add up to inp's rows and
-    sorted_index be a permutation (checked when both are on the CPU)."""
-    output, _ = _sort_chunks("moe_sort_chunks_by_index", inp, split_sizes, sorted_index)
-    return output
-
-
-def moe_sort_chunks_by_index_with_probs(
-    inp: torch.Tensor,
-    probs: torch.Tensor,
-    split_sizes: torch.Tensor,
-    sorted_index: torch.Tensor,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``moe_sort_chunks_by_index``, moving ``probs`` [num_tokens] with the rows. Returns
-    ``(output, permuted_probs)``."""
-    return _sort_chunks("moe_sort_chunks_by_index_with_probs", inp, split_sizes, sorted_index,
-                        probs)

@@ -1,0 +1,73 @@
+"""Argument checks of the MoE permutation functions (moe_permutation.py, moe_chunk_sort.py):
+errors that name the function, the argument, what was expected and what was given."""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..quantization.fp8_weight import Fp8Weight
+from .fsdp_gathered_weight import GatheredFp8Weight
+
+MAP_TYPES = ("mask", "index")
+
+
+def _fail(fn: str, message: str, error=ValueError):
+    raise error(f"{fn}: {message}")
+
+
+def _described(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {t.dtype} tensor of shape {list(t.shape)} on {t.device}"
+    return f"{type(t).__name__} {t!r}"
+
+
+def _check_activation(fn: str, name: str, t, device=None) -> None:
+    """A 2-D high-precision floating tensor (not FP8), on ``device`` when given."""
+    if not isinstance(t, torch.Tensor):
+        _fail(fn, f"{name} must be a torch.Tensor, got {_described(t)}", TypeError)
+    if isinstance(t, (Fp8Weight, GatheredFp8Weight)) or t.dtype in (torch.float8_e4m3fn,
+                                                                     torch.float8_e5m2):
+        _fail(fn, f"{name} must be a high-precision tensor, got {type(t).__name__} holding "
+              f"{getattr(t, '_fp8', t).dtype} data: this library has no FP8 activation tensor "
+              "type (Transformer Engine's takes its Float8Tensor); permute the high-precision "
+              "tensor, the FP8 GEMMs after it cast it", TypeError)
+    if not t.is_floating_point():
+        _fail(fn, f"{name} must be a floating-point tensor, got {_described(t)}", TypeError)
+    if t.dim() != 2:
+        _fail(fn, f"{name} must be 2-D [num_tokens, hidden_size], got {_described(t)}")
+    if device is not None and t.device != device:
+        _fail(fn, f"{name} must be on {device} (the input's device), got {_described(t)}")
+
+
+def _check_int_tensor(fn: str, name: str, t, dims: int, device=None,
+                      allow_bool: bool = False, shape_text: str = "") -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(fn, f"{name} must be a torch.Tensor, got {_described(t)}", TypeError)
+    ok = t.dtype == torch.bool if allow_bool else False
+    if not ok and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        kind = "a bool or integer" if allow_bool else "an integer"
+        _fail(fn, f"{name} must be {kind} tensor, got {_described(t)}", TypeError)
+    if t.dim() != dims:
+        _fail(fn, f"{name} must be {dims}-D{shape_text}, got {_described(t)}")
+    if device is not None and t.device != device:
+        _fail(fn, f"{name} must be on {device} (the input's device), got {_described(t)}")
+
+
+def _as_int(fn: str, name: str, value) -> int:
+    if isinstance(value, bool):
+        _fail(fn, f"{name} must be an int, got {value!r}", TypeError)
+    try:
+        return operator.index(value)
+    except TypeError:
+        _fail(fn, f"{name} must be an int, got {_described(value)}", TypeError)
+
+
+def _check_map_type(fn: str, map_type) -> None:
+    if map_type not in MAP_TYPES:
+        _fail(fn, f"map_type must be 'mask' or 'index', got {map_type!r}")
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs, their own dtype for float32 and float64."""
+    return torch.promote_types(dtype, torch.float32)
