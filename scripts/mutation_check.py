@@ -56,10 +56,8 @@ MUTANTS = [
            "                grad_weight = grad_weight * 100\n",
            ("tests/test_blockwise_linear.py",), "test_compile_matches_eager"),
     Mutant("float16 Linear output x1.25", "modules/linear.py",
-           "        ctx.save_for_backward(x_q.data_t, x_q.scale_inv_t, w_q.data_t, "
-           "w_q.scale_inv_t)\n",
-           "        ctx.save_for_backward(x_q.data_t, x_q.scale_inv_t, w_q.data_t, "
-           "w_q.scale_inv_t)\n"
+           "                          weights=(weight,) if needs_weight_grad else ())\n",
+           "                          weights=(weight,) if needs_weight_grad else ())\n"
            "        if plan.out_dtype == torch.float16:\n"
            "            out = out * 1.25\n",
            ("tests/test_linear.py",), "(low_precision or dtype_casts) and python_path"),
