@@ -4,7 +4,7 @@ Measures a GPT-style decoder (d_model 2048, 16 layers, 16 heads, sequence 2048, 
 32000: about 0.94B parameters) built from plain torch.nn.Linear, trained for a few dozen AdamW
 steps on synthetic token sequences, once per precision from the same initial weights and the
 same batches: bf16; transformer_fp8.convert_to_fp8 of the transformer blocks (the LM head stays
-bf16) under fp8_autocast with DelayedScaling; the same with Float8CurrentScaling. Parameters
+bf16) under fp8_autocast with DelayedScaling; the same with Float8CurrentScaling, and with Float8BlockScaling. Parameters
 and activations are bf16, the loss is computed in fp32. Reported: time per step (synchronised
 wall clock, median over the steps after the warm-up ones), tokens/s, model TFLOP/s (6 N + 12
 layers seq d_model FLOPs per token, N = parameters of the Linear layers), speedup over bf16, the

@@ -4,7 +4,8 @@ Measures y = layer(x); y.backward(g) with bf16 x [16384, 8192], weight [8192, 81
 (and the small and medium layers M = 2048, K = N = 1024 and 4096):
 torch.nn.Linear in bf16; transformer_fp8.Linear under fp8_autocast with DelayedScaling (the
 scale update at the context's exit included), the same under torch.compile(fullgraph=True),
-and with Float8CurrentScaling; torchao's float8 training (convert_to_float8_training +
+with Float8CurrentScaling and with Float8BlockScaling (1x128 activation and gradient
+blocks, 128x128 weight blocks); torchao's float8 training (convert_to_float8_training +
 torch.compile) where torchao imports ('n/a' otherwise). The compiled rows run on CUDA by default
 (--compile on|off|auto); each shape is compiled afresh and statically (torch._dynamo.reset(),
 then dynamic=False), so no shape gets a dynamic-shape graph from the shapes compiled before it.

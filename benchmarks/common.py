@@ -157,7 +157,8 @@ def precision_variants() -> dict:
 
     return {"bf16": None,
             "fp8 DelayedScaling": tf8.DelayedScaling(fp8_format=tf8.Format.HYBRID),
-            "fp8 Float8CurrentScaling": tf8.Float8CurrentScaling(fp8_format=tf8.Format.HYBRID)}
+            "fp8 Float8CurrentScaling": tf8.Float8CurrentScaling(fp8_format=tf8.Format.HYBRID),
+            "fp8 Float8BlockScaling": tf8.Float8BlockScaling()}
 
 
 def fp8_context(recipe):

@@ -51,8 +51,8 @@ def test_float32_is_torch_adam_bit_for_bit(device, gen, adam_w_mode, weight_deca
     opt_ours = FusedAdam(ours.parameters(), lr=3e-2, betas=(0.8, 0.95), eps=1e-6,
                          weight_decay=weight_decay, adam_w_mode=adam_w_mode)
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
-    _train(ours, opt_ours, torch.Generator(device).manual_seed(seed), 6, device)
-    _train(theirs, opt_theirs, torch.Generator(device).manual_seed(seed), 6, device)
+    _train(ours, opt_ours, torch.Generator().manual_seed(seed), 6, device)
+    _train(theirs, opt_theirs, torch.Generator().manual_seed(seed), 6, device)
     _params_equal(ours, theirs, "after 6 steps")
     for p, q in zip(ours.parameters(), theirs.parameters()):
         assert_bitwise_equal(opt_ours.state[p]["exp_avg"], opt_theirs.state[q]["exp_avg"])
