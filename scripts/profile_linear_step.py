@@ -1,0 +1,61 @@
+"""The GPU kernels of one Linear training step, by time (torch.profiler), for one recipe.
+
+bench_linear gives a step's total; this says where it goes: each kernel's total CUDA time over
+the profiled steps and its share of the step, so the casts and scaling around the three GEMMs
+can be told apart from them.
+
+    python scripts/profile_linear_step.py [--recipe delayed|current|block|rowwise|bf16]
+                                          [--shape 16384,8192,8192] [--steps 5] [--top 15]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+import transformer_fp8 as tfp8
+
+RECIPES = {"delayed": tfp8.DelayedScaling, "current": tfp8.Float8CurrentScaling,
+           "block": tfp8.Float8BlockScaling, "rowwise": tfp8.Float8RowwiseScaling, "bf16": None}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="block")
+    parser.add_argument("--shape", default="16384,8192,8192", help="M,K,N")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    m, k, n = (int(v) for v in args.shape.split(","))
+    recipe = RECIPES[args.recipe]() if RECIPES[args.recipe] else None
+    layer = (tfp8.Linear(k, n, params_dtype=torch.bfloat16, device="cuda") if recipe
+             else torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        with tfp8.fp8_autocast(fp8_recipe=recipe) if recipe else contextlib.nullcontext():
+            y = layer(x)
+        y.backward(g)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"{args.recipe} Linear step {m}x{k}x{n} on {torch.cuda.get_device_name()}: "
+          f"{total / args.steps / 1e3:.3f} ms of kernels per step")
+    print(f"| kernel | calls/step | ms/step | share |\n|---|---|---|---|")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
+        print(f"| {e.key[:90]} | {e.count / args.steps:g} | "
+              f"{e.self_device_time_total / args.steps / 1e3:.3f} | "
+              f"{100 * e.self_device_time_total / total:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
