@@ -50,7 +50,7 @@ def main():
     total = sum(e.self_device_time_total for e in events)
     print(f"{args.recipe} Linear step {m}x{k}x{n} on {torch.cuda.get_device_name()}: "
           f"{total / args.steps / 1e3:.3f} ms of kernels per step")
-    print(f"| kernel | calls/step | ms/step | share |\n|---|---|---|---|")
+    print("| kernel | calls/step | ms/step | share |\n|---|---|---|---|")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
         print(f"| {e.key[:90]} | {e.count / args.steps:g} | "
               f"{e.self_device_time_total / args.steps / 1e3:.3f} | "
