@@ -161,7 +161,7 @@ def _cast_shard(shard: torch.Tensor, x: torch.Tensor, module, form: GatherForm,
     if isinstance(state.recipe, Float8CurrentScaling):
         scale = current_weight_scale(shard, mesh, form.fp8_dtype, x.dtype)
         return (ops.cast_to_fp8(x, scale, form.fp8_dtype),
-                GatherForm(form.fp8_dtype, scale, scale.reciprocal()))
+                GatherForm(form.fp8_dtype, scale, ops.scale_inverse(scale)))
     module._adopt_recipe(state.recipe)
     quantizer = delayed_quantizers(module, state.recipe.fp8_format)[shard._gemm][1]
     q = quantizer.cast(x, with_transpose=False)

@@ -228,21 +228,30 @@ def _check_record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -
                          f"({history.device}), got {amax.device}")
 
 
-@torch.library.custom_op("transformer_fp8::snapshot", mutates_args=())
-def snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t taken now, which torch.compile keeps as a value of the forward.
-
-    A compiled FP8 forward saves the scale_inv it used for backward; the delayed update
-    rewrites the state buffer in place between the forward and the backward. A plain clone()
-    is a copy the compiler may drop or recompute in backward from the (by then updated)
-    buffer, so the compiled gradients used the new scales; an opaque operator is neither
-    recomputed nor elided."""
-    return t.clone()
+@torch.library.custom_op("transformer_fp8::scale_inverse", mutates_args=())
+def _scale_inverse(scale: torch.Tensor) -> torch.Tensor:
+    return torch.reciprocal(scale)
 
 
-@snapshot.register_fake
-def _snapshot_fake(t):
-    return torch.empty_like(t)
+@_scale_inverse.register_fake
+def _scale_inverse_fake(scale):
+    return torch.empty_like(scale)
+
+
+def scale_inverse(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` rounded to nearest, as a new tensor: the scale_inv a cast's GEMM operand
+    takes, the bits the update and the C++ steps write (csrc's scale_invs_of).
+
+    Under torch.compile through an opaque operator, for two reasons. Inductor's float32
+    division is approximate on CUDA (Triton's div.full, up to 2 ulp): an inlined reciprocal
+    moved compiled outputs and the next layer's amaxes an ulp off eager's (seen on an H200).
+    And the delayed update rewrites the scale buffer in place between the forward and the
+    backward: a value the compiler could recompute in backward from the buffer, or drop,
+    would give the backward the new scale (an opaque operator is neither recomputed nor
+    elided)."""
+    if _is_compiling():
+        return _scale_inverse(scale)
+    return scale.reciprocal()
 
 
 def _check_margin(margin) -> int:

@@ -80,7 +80,7 @@ class WeightCast:
         in place at every update)."""
         amax, own = self.own_scale(hp)
         if isinstance(self.recipe, Float8CurrentScaling) or self._module is None:
-            return own, own.reciprocal()
+            return own, ops.scale_inverse(own)
         module = self._module()
         if module is None:
             raise RuntimeError("Fp8Weight: the module this FP8 weight belongs to no longer "
@@ -97,7 +97,7 @@ class WeightCast:
         clipped = (amax * layer_scale > torch.finfo(self.fp8_dtype).max) & amax.isfinite()
         use_own = fresh | clipped
         scale = torch.where(use_own, own, layer_scale)
-        scale_inv = torch.where(use_own, own.reciprocal(), layer_scale_inv)
+        scale_inv = torch.where(use_own, ops.scale_inverse(own), layer_scale_inv)
         layer_scale.copy_(scale)
         layer_scale_inv.copy_(scale_inv)
         slot = history[0, col:col + 1]

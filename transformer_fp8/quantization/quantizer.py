@@ -158,12 +158,11 @@ class TensorQuantizer(Quantizer):
         if self.fixed:
             return self.scale, self.scale_inv, None
         # scale_inv as 1 / scale, a new tensor: the delayed update rewrites the state in place
-        # before backward runs (under torch.compile from an opaque copy of the scale, which the
-        # compiler cannot drop: ops.snapshot), and a scale_inv buffer out of step with its
-        # scale (an EMA that averages buffers) must not scale the output. The update writes
-        # scale_inv = 1 / scale: in step the two agree bit for bit (csrc's scale_invs_of).
-        scale = ops.snapshot(self.scale) if torch.compiler.is_compiling() else self.scale
-        return self.scale, scale.reciprocal(), self.amax_slot
+        # before backward runs (under torch.compile an opaque operator's result, which the
+        # compiler cannot drop or recompute: ops.scale_inverse), and a scale_inv buffer out of
+        # step with its scale (an EMA that averages buffers) must not scale the output. The
+        # update writes scale_inv = 1 / scale: in step the two agree bit for bit.
+        return self.scale, ops.scale_inverse(self.scale), self.amax_slot
 
     def _run(self, kernel: Callable, scale, amax_slot):
         """kernel(scale, amax_slot) -> results, with the amax recorded into the history."""
@@ -185,7 +184,7 @@ class TensorQuantizer(Quantizer):
             if self.group is not None:
                 amax_step.all_reduce_max(amax, self.group)
             scale = ops.compute_scale_from_amax(amax.reshape(1), torch.finfo(self.dtype).max)
-            scale_inv, amax_slot = scale.reciprocal(), None
+            scale_inv, amax_slot = ops.scale_inverse(scale), None
         else:
             scale, scale_inv, amax_slot = self._known_scale()
 
