@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from . import te_checkpoint
 from .te_args import check_positive, check_te_options as check_unsupported
+from .torchscript import refuse_torchscript
 
 QKV_FORMATS = ("sbhd", "bshd")
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal", "arbitrary")
@@ -58,6 +59,8 @@ class RotaryPositionEmbedding(torch.nn.Module):
     max_seq_len exceeds pretrained * factor.
     The inverse frequencies are a buffer, inv_freq (in the state_dict, as Transformer Engine
     keeps it)."""
+
+    __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
 
     def __init__(self, dim: int, rotary_percent: float = 1.0,
                  seq_len_interpolation_factor: Optional[int] = None,
@@ -160,6 +163,8 @@ class DotProductAttention(torch.nn.Module):
     1 / sqrt(kv_channels). Tensor/sequence/context parallel options are accepted only at their
     defaults.
     """
+
+    __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
 
     def __init__(self, num_attention_heads: int, kv_channels: int,
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0,

@@ -21,9 +21,10 @@ from ..quantization.replay import HIGH_PRECISION
 from ..quantization.roles import quantizers_for_step
 from ..quantization.state import Fp8State
 from ..quantization.torch_autocast import autocast_dtype
-from ..quantization.transforms import outside_inference_mode
+from ..quantization.transforms import exporting, outside_inference_mode
 from .fsdp_gathered_weight import GatheredFp8Weight
 from . import tensor_parallel
+from .torchscript import refuse_torchscript
 
 FP8_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -53,6 +54,8 @@ class Fp8StateMixin(Fp8State):
       per GEMM (quantizer.Fp8Plan); it calls plan.keep_used(x_q, w_q) in forward and
       plan.on_backward() first in backward, and multiplies operands with plan.gemm.
     """
+
+    __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
 
     _fp8_override = None  # set per module by transformer_fp8.debug.override
     # fused_step(module, inp, autocast state, is_first_microbatch) -> output, or None where the
@@ -106,6 +109,8 @@ class Fp8StateMixin(Fp8State):
                 self._replay_records.keep(regions, HIGH_PRECISION)
             if state is not None and state.calibrating:
                 if torch.compiler.is_compiling():
+                    if exporting():  # (an exported program records nothing: roles._delayed)
+                        return self._high_precision(inp)
                     return self._calibrate_eagerly(inp, state)
                 return self._high_precision(inp, recording_linear(self, state))
             return self._high_precision(inp)

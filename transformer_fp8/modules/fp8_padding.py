@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .grouped_linear import _as_int
+from .torchscript import refuse_torchscript
 
 DEFAULT_ALIGN_SIZE = 16
 
@@ -46,6 +47,8 @@ def _checked(owner: str, num_gemms: int, inp: torch.Tensor,
 
 
 class _AlignedSplits(torch.nn.Module):
+    __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
+
     def __init__(self, num_gemms: int, align_size: Optional[int] = None) -> None:
         super().__init__()
         if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms < 1:

@@ -23,6 +23,7 @@ from .linear import Linear
 from ..quantization.recipe import Recipe
 from .te_args import check_positive, check_te_options, one_dtype, te_default_init, \
     te_only_arguments
+from .torchscript import refuse_torchscript
 
 
 class MultiheadAttention(torch.nn.Module):
@@ -40,6 +41,8 @@ class MultiheadAttention(torch.nn.Module):
     Not supported (refused): attention_type="cross", encoder_output, and the options te_args
     lists at other values than their defaults.
     """
+
+    __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
 
     def __init__(self, hidden_size: int, num_attention_heads: int,
                  kv_channels: Optional[int] = None, attention_dropout: float = 0.1,

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quantization.torch_autocast import autocast_dtype
+from .torchscript import refuse_torchscript
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -143,6 +144,7 @@ def _normalized_size(owner: str, normalized_shape, hidden_size) -> int:
 
 class _Norm(torch.nn.Module):
     normalization = "LayerNorm"
+    __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
 
     def __init__(self, normalized_shape=None, eps: float = 1e-5, sequence_parallel=None,
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,

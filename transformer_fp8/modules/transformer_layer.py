@@ -26,6 +26,7 @@ from ..quantization.recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
                       te_only_arguments)
 from ..quantization.torch_autocast import autocast_dtype
+from .torchscript import refuse_torchscript
 
 
 def _check_dropout(owner: str, name: str, value) -> float:
@@ -60,6 +61,8 @@ class TransformerLayer(torch.nn.Module):
     Not supported (refused with a ValueError): layer_type="decoder" (cross-attention),
     output_layernorm=True (post-norm), and tensor/sequence/context parallelism.
     """
+
+    __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
                  num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5,

@@ -171,7 +171,9 @@ def cast_transpose_dbias(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype,
 
 def _padded(rows, row_multiple: int):
     torch._check(row_multiple >= 1, lambda: f"row_multiple must be >= 1, got {row_multiple}")
-    return (rows + row_multiple - 1) // row_multiple * row_multiple
+    # (The form pad_rows and the output's slice use: with a dynamic row count, torch.export
+    # and torch.compile(dynamic=True) prove rows <= rows_pad from it, not from a ceiling.)
+    return rows + (-rows) % row_multiple
 
 
 def _fp8_outputs(x: Tensor, rows, cols, fp8_dtype, with_transpose: bool, row_multiple: int):

@@ -267,6 +267,8 @@ class fp8_autocast(contextlib.ContextDecorator):
             self._state = last
             self._delayed = enabled and isinstance(fp8_recipe, DelayedScaling)
             return
+        if _is_compiling() and _is_dynamo_compiling():
+            _refuse_in_dynamo()  # (the bookkeeping below is more than Dynamo traces)
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
         if not isinstance(calibrating, bool):
@@ -292,17 +294,20 @@ class fp8_autocast(contextlib.ContextDecorator):
 
     def __enter__(self) -> None:
         state, delayed = self._state, self._delayed
-        if state.enabled and not _is_compiling() and _functorch_level() is not None:
-            refuse_functorch_transform("fp8_autocast(enabled=True) entered")  # (raises)
         # (The module-level containers read directly: entered on every step, these checks
         # cost less than the calls that would make them.)
         local = _LOCAL
         stack = local.stack
         outermost = not stack
+        if state.enabled:
+            if _is_compiling():  # (traced: Dynamo refused, torch.export's entry)
+                return _enter_traced(state, outermost)
+            if _functorch_level() is not None:
+                refuse_functorch_transform("fp8_autocast(enabled=True) entered")  # (raises)
         if outermost:  # (a failed step's recipe adoptions are undone at its exit)
             _ADOPTIONS.frames.append(None)
         try:
-            if delayed and _AWAITING_RECIPE.data and not _is_compiling():
+            if delayed and _AWAITING_RECIPE.data:  # (delayed: enabled, so not compiling)
                 adopt_recipe_for_waiting_modules(state.recipe)
             if outermost:
                 local.pass_id = next(_pass_ids)
@@ -310,9 +315,11 @@ class fp8_autocast(contextlib.ContextDecorator):
                 # updates belong to the surrounding step and run at its next outermost
                 # context. Nor under no_grad: an evaluation forward may come between a training
                 # forward and its compiled backward, whose held update must wait for it; a
-                # forward without gradients reads no grad_output scale.)
+                # forward without gradients reads no grad_output scale. Nor in a forward that
+                # torch.export traces: its program would write the FP8 state; only a disabled
+                # context gets here traced.)
                 if ((_QUEUED_BACKWARD_STEPS or _PENDING_BACKWARD_STEPS or _HELD_BACKWARD_STEPS)
-                        and not local.isolated):
+                        and not local.isolated and (state.enabled or not _is_compiling())):
                     discard_failed_backward_passes()
                     if has_pending_backward_updates() and torch.is_grad_enabled():
                         flush_pending_backward_updates(this_thread_only=True)
@@ -340,10 +347,62 @@ class fp8_autocast(contextlib.ContextDecorator):
                 raise
             frames = _ADOPTIONS.frames
             if failed or frames[-1] is not None:
+                if type(frames[-1]) is _TracedFrame:  # (entered traced: see _enter_traced)
+                    _LOCAL.isolated = frames[-1].isolated
                 adoption_undo.end(failed)
             else:
                 frames.pop()  # (nothing adopted: the common case, inline)
         return False
+
+
+# Where Dynamo traces fp8_autocast (inside torch.compile or a strict torch.export): it cannot
+# trace the context's bookkeeping (thread-local steps, counters), and a step's update traced
+# into a graph would run at every call of it.
+_IN_DYNAMO_MESSAGE = (
+    "transformer_fp8: fp8_autocast was entered inside a function that torch.compile "
+    "(fullgraph=True) or torch.export (strict=True) traces; enter fp8_autocast outside the "
+    "compiled or exported function: `with fp8_autocast(...): compiled_model(x)`, or "
+    "`with fp8_autocast(...): torch.export.export(model, args)` (torch.export with "
+    "strict=False also traces a forward that enters it)")
+_is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", lambda: True)
+
+
+def _refuse_in_dynamo() -> None:
+    """Called while Dynamo traces fp8_autocast: raises _IN_DYNAMO_MESSAGE, the error under
+    torch.compile(fullgraph=True) and a strict torch.export (before, one about a Dynamo
+    limitation in the bookkeeping). Without fullgraph Dynamo gives up on the frame, which runs
+    eagerly, as it did at that bookkeeping. (Not a graph break: Dynamo traced on after one, and
+    a compiled step that entered the context lost its backward update.)"""
+    raise RuntimeError(_IN_DYNAMO_MESSAGE)
+
+
+class _TracedFrame(list):
+    """The adoption frame (adoption_undo) of an outermost fp8_autocast entered while traced
+    (torch.export, strict=False), holding the thread's ``isolated`` flag to restore at exit."""
+
+    def __init__(self, isolated: bool):
+        super().__init__()
+        self.isolated = isolated
+
+
+def _enter_traced(state: AutocastState, outermost: bool) -> None:
+    """fp8_autocast(enabled=True) entered while torch.compile or torch.export traces.
+    Dynamo: refused (_refuse_in_dynamo). torch.export (strict=False) traces the Python
+    forward: the modules inside see the state, and nothing else runs, at the entry or at the
+    exit: the exported program has no step machinery (its casts record no amax:
+    roles._delayed), and a discard or an update traced at the exit would write the model's FP8
+    state at every call of the program."""
+    if _is_dynamo_compiling():
+        _refuse_in_dynamo()
+    local = _LOCAL
+    if outermost:
+        # The exit's step work (_exit_outermost) then finds no step and, with isolated set,
+        # holds no backward step; __exit__ restores isolated from the frame.
+        _ADOPTIONS.frames.append(_TracedFrame(local.isolated))
+        local.isolated = True
+    if state.calibrating:
+        local.calibrating = True
+    local.stack.append(state)
 
 
 @contextlib.contextmanager

@@ -60,3 +60,17 @@ class BlockQuantizer(Quantizer):
     def __repr__(self) -> str:
         return f"BlockQuantizer(dim={self.dim!r}, dtype={self.dtype}, " \
                f"power_2_scale={self.power_2_scale})"
+
+
+class ForwardOnlyBlockQuantizer(BlockQuantizer):
+    """A BlockQuantizer that makes no transposes: the quantizers of a forward that torch.export
+    traces without gradients (roles._block), whose program has no backward to read them. (The
+    scales of a transposed activation, [cols, ceil(rows / 128)] column-major, made the trace
+    specialise a dynamic batch on whether it had one block of rows.)"""
+
+    def __init__(self, dim, dtype: torch.dtype, power_2_scale: bool):
+        super().__init__(dim, dtype, power_2_scale)
+        self.cache_key = (*self.cache_key, "forward only")  # (a kept weight has no transpose)
+
+    def cast(self, x: torch.Tensor, with_transpose: bool = True) -> Quantized:
+        return super().cast(x, with_transpose=False)

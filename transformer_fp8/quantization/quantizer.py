@@ -120,10 +120,12 @@ class TensorQuantizer(Quantizer):
         self.fuses_cast = not self.is_current  # current scaling needs the amax first
 
     @classmethod
-    def delayed(cls, dtype, history, scale, scale_inv, column):
-        """The stored scale; the amax goes to the history's row 0 in the same pass."""
-        return cls(dtype, scale[column:column + 1], scale_inv[column:column + 1],
-                   history[0, column:column + 1], history=history, column=column)
+    def delayed(cls, dtype, history, scale, scale_inv, column, record: bool = True):
+        """The stored scale; the amax goes to the history's row 0 in the same pass (unless not
+        ``record``: a torch.export trace, whose program has no update to give it to)."""
+        amax_slot = history[0, column:column + 1] if record else None
+        return cls(dtype, scale[column:column + 1], scale_inv[column:column + 1], amax_slot,
+                   history=history, column=column)
 
     @classmethod
     def current(cls, dtype, group=None):

@@ -16,11 +16,12 @@ import torch
 from . import amax_step
 from . import autocast as _autocast
 from .._dtensor import is_dtensor
-from .blockwise import BlockQuantizer
+from .blockwise import BlockQuantizer, ForwardOnlyBlockQuantizer
 from .quantizer import TensorQuantizer
 from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                      Float8RowwiseScaling, Format)
 from .state_layout import FP8_FLOAT_STATE
+from .transforms import exporting
 
 
 def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):
@@ -28,6 +29,12 @@ def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):
     forward registers the state for the update at the context's exit."""
     fp8_state._adopt_recipe(recipe)
     compiling = torch.compiler.is_compiling()
+    if compiling and exporting():
+        # torch.export: the program runs with no fp8_autocast around it (no update, no discard
+        # of an evaluation's amaxes) and shares the model's buffers in process, so it writes
+        # no FP8 state: the casts read the current scales and record no amax. Nothing noted
+        # as compiled either (no step needs to cover what the program never records).
+        return delayed_quantizers(fp8_state, recipe.fp8_format, compiling, record=False), None
     quantizers = delayed_quantizers(fp8_state, recipe.fp8_format, compiling)
     if compiling:
         # A traced forward registers nothing (a side effect would be refused inside a
@@ -45,11 +52,14 @@ def _delayed(recipe: DelayedScaling, fp8_state, autocast_state):
 float_state_buffers = operator.itemgetter(*FP8_FLOAT_STATE)
 
 
-def delayed_quantizers(fp8_state, fmt: Format, compiling: Optional[bool] = None) -> list:
+def delayed_quantizers(fp8_state, fmt: Format, compiling: Optional[bool] = None,
+                       record: bool = True) -> list:
     """Per GEMM, the (input, weight, grad_output) quantizers of delayed scaling: views of the
     state's scales, scale_invs and history row 0. Made once and reused while the state buffers
     are the same tensors (slicing them on every forward costs more host time than the cast).
-    ``compiling``: torch.compiler.is_compiling(), where the caller has asked already."""
+    ``compiling``: torch.compiler.is_compiling(), where the caller has asked already.
+    ``record``: False only while compiling (torch.export's trace): casts that record no
+    amax."""
     if compiling is None:
         compiling = torch.compiler.is_compiling()
     if compiling:  # (dynamo traces no itemgetter call)
@@ -59,9 +69,10 @@ def delayed_quantizers(fp8_state, fmt: Format, compiling: Optional[bool] = None)
     fwd_h, fwd_s, fwd_si, bwd_h, bwd_s, bwd_si = buffers
 
     def make():
-        return [(TensorQuantizer.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, 2 * gemm),
-                 TensorQuantizer.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, 2 * gemm + 1),
-                 TensorQuantizer.delayed(fmt.bwd_dtype, bwd_h, bwd_s, bwd_si, gemm))
+        return [(TensorQuantizer.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, 2 * gemm, record),
+                 TensorQuantizer.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, 2 * gemm + 1,
+                                         record),
+                 TensorQuantizer.delayed(fmt.bwd_dtype, bwd_h, bwd_s, bwd_si, gemm, record))
                 for gemm in range(fp8_state._num_gemms)]
 
     if compiling:
@@ -97,7 +108,7 @@ def _current(recipe: Float8CurrentScaling, fp8_state, autocast_state):
             for _ in range(fp8_state._num_gemms)], None
 
 
-def _block_roles(recipe) -> tuple:
+def _block_roles(recipe, quantizer=BlockQuantizer) -> tuple:
     """(input, weight, grad_output) block quantizers of a block recipe."""
     fmt, pow2 = recipe.fp8_format, recipe.power_2_scale
     if isinstance(recipe, Float8RowwiseScaling):  # one scale per row of every operand
@@ -106,7 +117,7 @@ def _block_roles(recipe) -> tuple:
         dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim,
                 recipe.grad_block_scaling_dim)
     dtypes = (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype)
-    return tuple(BlockQuantizer(dim, dtype, pow2) for dim, dtype in zip(dims, dtypes))
+    return tuple(quantizer(dim, dtype, pow2) for dim, dtype in zip(dims, dtypes))
 
 
 # Block quantizers hold no state: made once per recipe (in eager mode; a trace makes its own).
@@ -116,7 +127,11 @@ _BLOCK_ROLES: dict = {}
 def _block(recipe, fp8_state, autocast_state):
     """Scales per block, each role with the recipe's block dimension."""
     if torch.compiler.is_compiling():
-        roles = _block_roles(recipe)
+        # torch.export of a forward without gradients: no backward, so no transposes (see
+        # ForwardOnlyBlockQuantizer: they kept a dynamic batch from exporting).
+        forward_only = exporting() and not torch.is_grad_enabled()
+        roles = _block_roles(recipe, ForwardOnlyBlockQuantizer if forward_only
+                             else BlockQuantizer)
     else:
         roles = _BLOCK_ROLES.get(recipe)
         if roles is None:

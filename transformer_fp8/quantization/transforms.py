@@ -28,6 +28,15 @@ def refuse_functorch_transform(what: str) -> None:
             "loss.backward() or torch.autograd.grad instead.")
 
 
+@torch.compiler.assume_constant_result
+def exporting() -> bool:
+    """Whether torch.export (strict or not) is tracing: its program runs without fp8_autocast's
+    step machinery, so it must write no FP8 state (see roles._delayed). Asked only while
+    tracing (inside ``torch.compiler.is_compiling()``): a constant of the trace, no guard.
+    (Not torch.compiler.is_exporting(), which Dynamo answers True under torch.compile too.)"""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
+
 def outside_inference_mode():
     """A context that makes normal tensors also under torch.inference_mode (a no-op outside
     it)."""
