@@ -14,7 +14,8 @@ Text (stdlib_text.py; nothing downloaded): by default the ``stdlib`` corpus, the
 reference's prose (``pydoc_data/topics.py``) followed by the standard library's own .py files
 (code, docstrings and comments), byte-level tokens (vocabulary 256), every 20th page of 16,384
 tokens held out for validation. With CPython 3.11.7 it is 12.55M tokens (11.92M training,
-0.62M validation): 1,000 steps of 4 x 2,049 tokens read 0.69 of it, so no batch is seen twice.
+0.62M validation; 12.02M with 3.12.1, 11.93M with 3.13.0): 1,000 steps of 4 x 2,049 tokens
+read 0.69 of the training tokens (0.72 with 3.12), so no batch is seen twice.
 ``--corpus prose`` takes the reference's prose and the standard library's docstrings only (2.27M
 tokens with 3.11.7, read ~3.8 times in 1,000 steps: later steps measure memorisation). Another
 Python gives another text; the summary refuses to compare runs whose streams differ.

@@ -44,7 +44,11 @@ def stdlib_files(root: str | None = None) -> list[str]:
 
 
 def _topics() -> str:
-    from pydoc_data.topics import topics
+    """The language reference's text; empty where a trimmed install left pydoc_data out."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return ""
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
@@ -71,7 +75,11 @@ def corpus_text(name: str) -> tuple[str, int]:
     if name not in CORPORA:
         raise ValueError(f"corpus must be one of {CORPORA}, got {name!r}")
     parts, files = [_topics()], 0
-    for path in stdlib_files():
+    paths = stdlib_files()
+    if not paths:
+        raise RuntimeError(f"no .py files under {sysconfig.get_paths()['stdlib']}: this "
+                           "Python's standard library holds no source to read")
+    for path in paths:
         source = _read(path)
         if source is None:
             continue
