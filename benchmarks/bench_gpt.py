@@ -119,19 +119,40 @@ def synthetic_batches(cfg: GPTConfig, batch: int, count: int, device) -> list[to
     return [chunk.to(device) for chunk in tokens.split(batch)]
 
 
+def initial_model(cfg: GPTConfig, device, seed: int = 0) -> GPT:
+    """The bf16 model every precision starts from: seeded, initialised on ``device`` (~1B
+    parameters are slow to draw on a CPU)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return GPT(cfg).to(torch.bfloat16)
+
+
+def make_optimizer(params, lr: float = 3e-4) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def train_step(model: GPT, recipe, tokens: torch.Tensor, optimizer, clip: float | None = None):
+    """One AdamW step on ``tokens`` [batch, seq + 1] (inputs, then the next tokens as targets):
+    the forward under fp8_autocast(recipe) (recipe None: bf16), the loss in fp32, the backward
+    outside it; the gradient norm clipped to ``clip`` if given. Returns the loss (a tensor)."""
+    with common.fp8_context(recipe):
+        logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def train(model: GPT, recipe, batches, warmup: int, device) -> dict:
     """AdamW steps over ``batches``; per-step loss and synchronised wall time."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95),
-                                  weight_decay=0.0)
+    optimizer = make_optimizer(model.parameters())
     losses, times = [], []
     for tokens in batches:
         start = time.perf_counter()
-        with common.fp8_context(recipe):
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(model, recipe, tokens, optimizer)
         common.synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
@@ -165,9 +186,7 @@ def main(argv=None) -> dict:
     cfg = SMOKE_CONFIG if args.smoke else GPTConfig()
     if args.smoke:
         args.steps, args.warmup, args.batch = min(args.steps, 4), 1, 2
-    torch.manual_seed(0)
-    with args.device:  # initialise on the device: ~1B parameters are slow to draw on a CPU
-        initial = GPT(cfg).to(torch.bfloat16)
+    initial = initial_model(cfg, args.device)
     n_params = sum(p.numel() for p in initial.parameters())
     batches = synthetic_batches(cfg, args.batch, args.steps, args.device)
     tokens_per_step = args.batch * cfg.seq

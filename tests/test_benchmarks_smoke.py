@@ -198,11 +198,12 @@ def test_device_info_names_the_commit(tmp_path, monkeypatch):
 
 
 def test_gpt_smoke_trains_every_precision(tmp_path):
-    """bf16 and both FP8 recipes each produce a finite loss per step."""
+    """bf16 and the three FP8 recipes each produce a finite loss per step."""
     payload = importlib.import_module("bench_gpt").main(
         ["--smoke", "--out", str(tmp_path), "--no-plot"])
     losses = payload["extra"]["losses"]
-    assert set(losses) == {"bf16", "fp8 DelayedScaling", "fp8 Float8CurrentScaling"}
+    assert set(losses) == {"bf16", "fp8 DelayedScaling", "fp8 Float8CurrentScaling",
+                           "fp8 Float8BlockScaling"}
     for name, curve in losses.items():
         assert curve and all(torch.isfinite(torch.tensor(curve))), f"{name}: {curve}"
     assert not (tmp_path / "bench_gpt.png").exists()
