@@ -56,12 +56,18 @@ def run_fused_ops(dev: str, scale: torch.Tensor) -> None:
 
 def run_blockwise_ops(dev: str) -> None:
     """Block-scaled quantisation (1x128, 128x128, row-wise; with transposes; partial edge
-    blocks) and the cuBLASLt block-scaled GEMM for every mode pair it runs."""
-    for rows, cols in [(0, 128), (1, 16), (33, 200), (256, 384)]:
+    blocks; the fused 1x128 + transpose kernel's vector and scalar paths, every input dtype, a
+    misaligned view) and the cuBLASLt block-scaled GEMM for every mode pair it runs."""
+    for rows, cols in [(0, 128), (1, 16), (33, 200), (256, 384), (129, 257), (128, 1), (300, 5)]:
         x = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
         for block in ((1, 128), (128, 128), (1, -1)):
             blockwise_ops.quantize_blockwise(x, *block, E4M3, True, True)
             blockwise_ops.quantize_blockwise(x.t(), *block, E5M2, False, False)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(144, 264, device=dev, dtype=dtype)
+        blockwise_ops.quantize_blockwise(x, 1, 128, E4M3, True, True)
+    flat = torch.randn(1 + 160 * 256, device=dev, dtype=torch.bfloat16)
+    blockwise_ops.quantize_blockwise(flat[1:].view(160, 256), 1, 128, E5M2, False, True)
     modes = {"1x128": (1, 128), "128x128": (128, 128), "rowwise": (1, -1)}
     pairs = [("1x128", "1x128"), ("1x128", "128x128"), ("128x128", "1x128"),
              ("rowwise", "rowwise")]

@@ -138,6 +138,106 @@ def test_empty_inputs():
     check_quantize(torch.zeros(0, 256), "rowwise", E4M3, True)
 
 
+# ----------------------------------------------------------------------------- 1x128 with the transpose
+# On CUDA, 1x128 quantisation with_transpose runs one kernel (blockwise_transpose.cu) for x and
+# x^T; it must give the bits that quantising x and x.t().contiguous() separately gives.
+
+TRANSPOSE_SHAPES = [(129, 257), (1, 128), (128, 1), (300, 5), (1, 1), (127, 129), (256, 384),
+                    (16, 136), (513, 8), (8, 513), (1000, 24), (16384, 72), (72, 2048)]
+
+
+def storage_of(scale_inv):
+    """Every float32 of a scale tensor's storage, the padding of its layout included."""
+    n = scale_inv.untyped_storage().nbytes() // 4
+    return torch.as_strided(scale_inv, (n,), (1,), 0)
+
+
+def assert_transpose_is_separate_quantisation(x, fp8_dtype, power_2_scale):
+    got = quantize_blockwise(x, 1, 128, fp8_dtype, power_2_scale, True)
+    x_only = quantize_blockwise(x, 1, 128, fp8_dtype, power_2_scale, False)
+    t_only = quantize_blockwise(x.t().contiguous(), 1, 128, fp8_dtype, power_2_scale, False)
+    want = (x_only[0], x_only[1], t_only[0], t_only[1])
+    names = ("x_fp8", "scale_inv", "x_t_fp8", "scale_inv_t")
+    what = f"{tuple(x.shape)} {x.dtype} -> {fp8_dtype}, power_2_scale={power_2_scale}"
+    for name, g, w in zip(names, got, want):
+        assert g.stride() == w.stride(), f"{name} of {what}: strides {g.stride()} != {w.stride()}"
+        assert_bitwise_equal(g, w, f"{name} of {what}")  # NaN bytes with their sign
+        if name.startswith("scale"):
+            assert_bitwise_equal(storage_of(g), storage_of(w), f"{name} storage of {what}")
+
+
+def spread_of(dtype):
+    """Magnitudes that mostly stay finite in dtype (float16 ends at 65504)."""
+    return 8 if dtype == torch.float16 else 20
+
+
+def with_specials(gen, x):
+    """x with an all-zero column and row, a column holding +-inf, one holding NaN, and a
+    128 x 128 region of values below the smallest normal of x's dtype (subnormals, zeros)."""
+    x = x.clone()
+    rows, cols = x.shape
+    r, c = (torch.randint(0, n, (4,), generator=gen).tolist() for n in (rows, cols))
+    x[:, c[0]] = 0.0
+    x[r[0], :] = 0.0
+    x[r[1], c[1]] = float("inf")
+    x[r[2], c[1]] = float("-inf")
+    x[r[3], c[2]] = float("nan")
+    tiny = torch.finfo(x.dtype).tiny
+    x[:128, -128:] = randn(gen, min(rows, 128), min(cols, 128), scale=tiny / 8, dtype=x.dtype)
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("shape", TRANSPOSE_SHAPES)
+def test_1x128_transpose_is_bitwise_separate_quantisation(gen, device, shape):
+    for dtype in HP_DTYPES:
+        x = with_specials(gen, mixed(gen, *shape, dtype=dtype, spread=spread_of(dtype))).to(device)
+        for fp8_dtype in FP8_DTYPES:
+            for power_2_scale in (True, False):
+                assert_transpose_is_separate_quantisation(x, fp8_dtype, power_2_scale)
+    check_quantize(x.cpu(), "1x128", E5M2, False, device)  # and the reference
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_1x128_transpose_random_shapes(gen, device):
+    for _ in range(24):
+        rows, cols = (int(v) for v in torch.randint(1, 700, (2,), generator=gen))
+        dtype = HP_DTYPES[int(torch.randint(0, 3, (1,), generator=gen))]
+        fp8_dtype = FP8_DTYPES[int(torch.randint(0, 2, (1,), generator=gen))]
+        power_2_scale = bool(torch.randint(0, 2, (1,), generator=gen))
+        x = with_specials(gen, mixed(gen, rows, cols, dtype=dtype, spread=spread_of(dtype)))
+        x = x.to(device)
+        assert_transpose_is_separate_quantisation(x, fp8_dtype, power_2_scale)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+def test_1x128_transpose_of_views(gen, device, dtype):
+    """Misaligned (the scalar loads), transposed and strided inputs."""
+    flat = mixed(gen, 1, 1 + 264 * 320, dtype=dtype, spread=spread_of(dtype)).reshape(-1)
+    flat = flat.to(device)
+    views = [flat[1:].view(264, 320),             # starts one element past an aligned address
+             flat[1:1 + 320 * 264].view(320, 264).t(),
+             flat[:200 * 300].view(200, 300)[::2, 1::3]]
+    for x in views:
+        assert_transpose_is_separate_quantisation(x, E4M3, True)
+        check_quantize(x.cpu(), "1x128", E4M3, True, device)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_128x128_transpose_is_the_transposed_bytes(gen, device):
+    """128x128 blocks: x_t_fp8 is x_fp8's bytes transposed (on CUDA by the byte-transpose
+    kernel of cast_transpose), scale_inv_t the transposed scales in their own layout."""
+    for shape in TRANSPOSE_SHAPES:
+        x = with_specials(gen, mixed(gen, *shape, dtype=torch.bfloat16)).to(device)
+        q, s, qt, st = quantize_blockwise(x, 128, 128, E5M2, False, True)
+        assert qt.is_contiguous() and qt.shape == (shape[1], shape[0])
+        assert_bitwise_equal(qt, q.t().contiguous(), f"x_t_fp8 of {shape}")
+        assert_bitwise_equal(st, s.t(), f"scale_inv_t of {shape}")
+        row_blocks = -(-shape[0] // 128)  # the K blocks of x^T, padded to 4 per row
+        assert st.stride() == ((row_blocks + 3) // 4 * 4, 1)
+
+
 # ----------------------------------------------------------------------------- GEMM
 
 GEMM_PAIRS = [("1x128", "1x128"), ("1x128", "128x128"), ("128x128", "1x128"),

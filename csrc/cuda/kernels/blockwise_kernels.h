@@ -1,5 +1,6 @@
-// Launcher of the block-scaled quantisation kernels (blockwise.cu). Plain pointers
-// and the stream; blockwise_ops.cpp checks the arguments, allocates and calls it.
+// Launchers of the block-scaled quantisation kernels (blockwise.cu, blockwise_transpose.cu).
+// Plain pointers and the stream; blockwise_ops.cpp checks the arguments, allocates and calls
+// them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,6 +17,15 @@ namespace cuda {
 cudaError_t launch_quantize_blockwise(const void* x, HpType x_type, const BlockGeometry& g,
                                       Fp8Format fmt, bool power_2_scale, uint8_t* out,
                                       float* scale_inv, cudaStream_t stream);
+
+// 1x128 blocks of x [g.rows, g.cols] contiguous (g.mode == Vec128) and of its transpose, from
+// one read of x: what launch_quantize_blockwise writes for x and for x.t().contiguous() (with
+// transposed_geometry(g)), into out / scale_inv and out_t [g.cols, g.rows] / scale_inv_t.
+cudaError_t launch_quantize_blockwise_with_transpose(const void* x, HpType x_type,
+                                                     const BlockGeometry& g, Fp8Format fmt,
+                                                     bool power_2_scale, uint8_t* out,
+                                                     float* scale_inv, uint8_t* out_t,
+                                                     float* scale_inv_t, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace transformer_fp8

@@ -1,5 +1,6 @@
 // CUDA operator quantize_blockwise: argument checks, allocation, device guard and stream; the
-// kernels are in blockwise.cu. Same checks and layouts as the CPU kernel (csrc/cpu/blockwise.cpp).
+// kernels are in blockwise.cu and blockwise_transpose.cu (1x128 blocks with the transpose, one
+// read of x). Same checks and layouts as the CPU kernel (csrc/cpu/blockwise.cpp).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,22 +10,56 @@
 
 #include "../../checks/blockwise_checks.h"
 #include "blockwise_kernels.h"
+#include "kernels.h"
 #include "../cuda_checks.h"
 
 namespace transformer_fp8 {
 namespace {
 
+// transpose_bytes runs 128-column tiles along gridDim.y, which holds at most 65535 blocks.
+constexpr int64_t kMaxTransposeCols = 65535LL * 128;
+
+uint8_t* fp8_ptr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+Fp8Format fp8_format(at::ScalarType fp8_dtype) {
+  return fp8_dtype == at::kFloat8_e4m3fn ? Fp8Format::E4M3 : Fp8Format::E5M2;
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize_one(const at::Tensor& xc, const BlockGeometry& g,
                                                 at::ScalarType fp8_dtype, bool power_2_scale) {
   at::Tensor out = at::empty({g.rows, g.cols}, xc.options().dtype(fp8_dtype));
   at::Tensor scale_inv = new_scale_tensor(g, xc.options());
-  const Fp8Format fmt = fp8_dtype == at::kFloat8_e4m3fn ? Fp8Format::E4M3 : Fp8Format::E5M2;
   const auto status = cuda::launch_quantize_blockwise(
-      xc.data_ptr(), hp_type_of(xc.scalar_type()), g, fmt, power_2_scale,
-      static_cast<uint8_t*>(out.data_ptr()), scale_inv.data_ptr<float>(),
-      c10::cuda::getCurrentCUDAStream());
+      xc.data_ptr(), hp_type_of(xc.scalar_type()), g, fp8_format(fp8_dtype), power_2_scale,
+      fp8_ptr(out), scale_inv.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
   TFP8_CHECK_LAUNCH(status, "quantize_blockwise");
   return {out, scale_inv};
+}
+
+// 1x128 blocks of xc and of xc^T (their own blocks: 128 x 1 columns of xc), one kernel.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_1x128_with_transpose(
+    const at::Tensor& xc, const BlockGeometry& g, at::ScalarType fp8_dtype, bool power_2_scale) {
+  at::Tensor out = at::empty({g.rows, g.cols}, xc.options().dtype(fp8_dtype));
+  at::Tensor out_t = at::empty({g.cols, g.rows}, xc.options().dtype(fp8_dtype));
+  at::Tensor scale_inv = new_scale_tensor(g, xc.options());
+  at::Tensor scale_inv_t = new_scale_tensor(transposed_geometry(g), xc.options());
+  const auto status = cuda::launch_quantize_blockwise_with_transpose(
+      xc.data_ptr(), hp_type_of(xc.scalar_type()), g, fp8_format(fp8_dtype), power_2_scale,
+      fp8_ptr(out), scale_inv.data_ptr<float>(), fp8_ptr(out_t), scale_inv_t.data_ptr<float>(),
+      c10::cuda::getCurrentCUDAStream());
+  TFP8_CHECK_LAUNCH(status, "quantize_blockwise");
+  return {out, scale_inv, out_t, scale_inv_t};
+}
+
+// The transpose of the FP8 bytes x_fp8 [rows, cols], a new contiguous tensor [cols, rows].
+at::Tensor transpose_fp8(const at::Tensor& x_fp8) {
+  // Wider than transpose_bytes' grid: ATen's copy (a copy always: for one row or column
+  // contiguous() would return a view of x_fp8).
+  if (x_fp8.size(1) > kMaxTransposeCols) return x_fp8.t().clone(at::MemoryFormat::Contiguous);
+  at::Tensor out = at::empty({x_fp8.size(1), x_fp8.size(0)}, x_fp8.options());
+  const auto status = cuda::launch_transpose_bytes(fp8_ptr(x_fp8), x_fp8.size(0), x_fp8.size(1),
+                                                   fp8_ptr(out), c10::cuda::getCurrentCUDAStream());
+  TFP8_CHECK_LAUNCH(status, "quantize_blockwise");
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_cuda(
@@ -34,11 +69,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_cu
   check_cuda_tensor(x, "x");
   const c10::cuda::CUDAGuard guard(x.device());
   const BlockGeometry g = block_geometry(mode, x.size(0), x.size(1));
-  // One warp (1-D blocks) or one thread block (128x128) per block, on a 1-D grid.
+  // One warp (1-D blocks) or one thread block (128x128, and 1x128 with the transpose: 128 x 128
+  // tiles, fewer than the 1x128 blocks) per block, on a 1-D grid.
   TORCH_CHECK(g.scale_rows * g.scale_cols <= (int64_t{1} << 31) - 1,
               "transformer_fp8: argument 'x' of quantize_blockwise has too many blocks for one "
               "launch, got ", describe(x));
   const at::Tensor xc = x.contiguous();
+  if (with_transpose && mode == BlockMode::Vec128)
+    return quantize_1x128_with_transpose(xc, g, fp8_dtype, power_2_scale);
   auto [x_fp8, scale_inv] = quantize_one(xc, g, fp8_dtype, power_2_scale);
   if (!with_transpose) {
     return {x_fp8, scale_inv, at::empty({0}, x.options().dtype(fp8_dtype)),
@@ -49,11 +87,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_cu
     // Same blocks: the transpose's bytes and scales are the transposed bytes and scales.
     at::Tensor scale_inv_t = new_scale_tensor(gt, x.options());
     scale_inv_t.copy_(scale_inv.t());
-    // (A copy always: for one row or column contiguous() would return a view of x_fp8.)
-    return {x_fp8, scale_inv, x_fp8.t().clone(at::MemoryFormat::Contiguous), scale_inv_t};
+    return {x_fp8, scale_inv, transpose_fp8(x_fp8), scale_inv_t};
   }
-  // 1-D blocks of x^T are other blocks: quantise x^T from the high-precision values.
-  // TODO(perf): a fused cast-transpose kernel would save this extra read and write of x.
+  // Row-wise x^T: one block per column of x, quantised from the high-precision values.
   auto [x_t_fp8, scale_inv_t] = quantize_one(xc.t().contiguous(), gt, fp8_dtype, power_2_scale);
   return {x_fp8, scale_inv, x_t_fp8, scale_inv_t};
 }

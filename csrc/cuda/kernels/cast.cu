@@ -2,6 +2,7 @@
 // transpose of the fused operators' FP8 outputs (cast_transpose's tiles without the cast).
 // Reference: csrc/cpu/cast.cpp. Memory-bound: one read of x, 16-byte accesses where aligned.
 #include "device_utils.cuh"
+#include "fp8_tile.cuh"
 #include "kernels.h"
 
 namespace transformer_fp8 {
@@ -111,20 +112,11 @@ cast_kernel(const InT* __restrict__ x, int64_t n, Split s, const float* __restri
 // cast_transpose: one block of 256 threads per tile of 128 x 128 elements. Phase 1 reads the
 // tile by rows, casts it once, writes out and keeps the FP8 bytes in shared memory; phase 2
 // reads them back by columns and writes out_t. Each phase uses vectors where the shapes and
-// pointers allow (row_vec, col_vec), with per-vector bounds checks in edge tiles.
-constexpr int kTile = 128;
-constexpr int kTileWords = kTile / 4;               // 4 FP8 bytes per 32-bit shared word
+// pointers allow (row_vec, col_vec), with per-vector bounds checks in edge tiles. The shared
+// tile's layout and phase 2 are in fp8_tile.cuh.
+static_assert(kThreads == kTileThreads, "fp8_tile.cuh's phase 2 is written for 256 threads");
 constexpr int kPacksPerThread = kTile * kTile / kVec / kThreads;  // phase 1: 8
 constexpr int kLoadBatch = 4;                       // phase 1 loads in flight per thread
-constexpr int kColRows = 16;                        // phase 2: rows per 16-byte out_t store
-
-// Shared word of (row r, word column w). Each row holds its 32 words in the order
-// w ^ (4 * (r / 16)). A phase-2 warp instruction reads word columns 4k..4k+3 of the rows
-// 16 i + j, i = 0..7: without the swizzle all 8 rows would hit the same 4 banks, with it they
-// hit 32 distinct banks. XOR with a multiple of 4 keeps phase 1's word pairs adjacent and
-// every row's 32 words on 32 banks.
-__device__ __forceinline__ int tile_word(int r, int w) { return r * kTileWords + (w ^ ((r >> 4) << 2)); }
-__device__ __forceinline__ int tile_byte(int r, int c) { return 4 * tile_word(r, c >> 2) + (c & 3); }
 
 // One tile as the phases see it: pointers to its first element in x, out and out_t, the row
 // pitch of x and out (cols), the row pitch of out_t (rows) and how many rows and columns of the
@@ -177,45 +169,6 @@ __device__ __forceinline__ void cast_tile_rows_scalar(const TileView<InT>& v, fl
       v.out[r * v.pitch + c] = byte;
       tile_bytes[tile_byte(r, c)] = byte;
     }
-  }
-}
-
-// Phase 2, vectors (rows % 16 == 0): thread t reads rows 16 (t % 8) .. + 15 of word column
-// t / 8 (4 FP8 columns), transposes the 16 x 4 bytes in registers and writes 16 bytes to each
-// of the 4 out_t rows. A warp writes 4 out_t rows x 128 contiguous bytes per store.
-template <typename InT>
-__device__ __forceinline__ void write_tile_cols_vec(const TileView<InT>& v, const uint32_t* tile) {
-  const int r = (threadIdx.x % (kTile / kColRows)) * kColRows, w = threadIdx.x / (kTile / kColRows);
-  if (r >= v.n_rows) return;
-  uint32_t col[4][kColRows / 4];  // col[q][m]: column 4w + q, rows r + 4m .. r + 4m + 3
-#pragma unroll
-  for (int m = 0; m < kColRows / 4; ++m) {
-    const uint32_t a = tile[tile_word(r + 4 * m, w)], b = tile[tile_word(r + 4 * m + 1, w)];
-    const uint32_t c = tile[tile_word(r + 4 * m + 2, w)], d = tile[tile_word(r + 4 * m + 3, w)];
-    // 4 x 4 byte transpose: a word holds 4 columns of one row, low byte first.
-    const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
-    const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
-    col[0][m] = __byte_perm(ab_lo, cd_lo, 0x5410);
-    col[1][m] = __byte_perm(ab_lo, cd_lo, 0x7632);
-    col[2][m] = __byte_perm(ab_hi, cd_hi, 0x5410);
-    col[3][m] = __byte_perm(ab_hi, cd_hi, 0x7632);
-  }
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int c = 4 * w + q;
-    if (c < v.n_cols)
-      *reinterpret_cast<uint4*>(v.out_t + c * v.pitch_t + r) =
-          make_uint4(col[q][0], col[q][1], col[q][2], col[q][3]);
-  }
-}
-
-// Phase 2, element by element (any shape); consecutive threads take consecutive rows.
-template <typename InT>
-__device__ __forceinline__ void write_tile_cols_scalar(const TileView<InT>& v, const uint32_t* tile) {
-  const uint8_t* tile_bytes = reinterpret_cast<const uint8_t*>(tile);
-  for (int k = threadIdx.x; k < kTile * kTile; k += kThreads) {
-    const int c = k / kTile, r = k % kTile;
-    if (r < v.n_rows && c < v.n_cols) v.out_t[c * v.pitch_t + r] = tile_bytes[tile_byte(r, c)];
   }
 }
 

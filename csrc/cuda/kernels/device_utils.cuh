@@ -39,20 +39,27 @@ __device__ __forceinline__ uint8_t fp8_nan_byte(InT x, float scale) {
   return static_cast<uint8_t>((sign << 7) | 0x7Fu);
 }
 
-// Saturating cast of (x0 * scale, x1 * scale), x0 in the low byte: clamp to +-fp8_max, then
+// Saturating cast of (x0 * scale0, x1 * scale1), x0 in the low byte: clamp to +-fp8_max, then
 // round to nearest even in hardware (cvt.rn.satfinite). The clamp turns NaN into fp8_max, so NaN
 // lanes are put back afterwards. Also folds |x0|, |x1| into amax (NaN propagating).
 template <Fp8Format F, typename InT>
-__device__ __forceinline__ uint16_t cast_pair(InT x0, InT x1, float scale, float& amax) {
+__device__ __forceinline__ uint16_t cast_pair(InT x0, InT x1, float scale0, float scale1,
+                                              float& amax) {
   constexpr float kMax = F == Fp8Format::E4M3 ? kE4M3Max : kE5M2Max;
   const float a = to_float(x0), b = to_float(x1);
   amax = nan_max(nan_max(amax, fabsf(a)), fabsf(b));
-  const float pa = a * scale, pb = b * scale;
+  const float pa = a * scale0, pb = b * scale1;
   const float2 clamped = make_float2(fminf(fmaxf(pa, -kMax), kMax), fminf(fmaxf(pb, -kMax), kMax));
   uint16_t pair = __nv_cvt_float2_to_fp8x2(clamped, __NV_SATFINITE, interpretation<F>());
-  if (pa != pa) pair = static_cast<uint16_t>((pair & 0xFF00u) | fp8_nan_byte(x0, scale));
-  if (pb != pb) pair = static_cast<uint16_t>((pair & 0x00FFu) | (fp8_nan_byte(x1, scale) << 8));
+  if (pa != pa) pair = static_cast<uint16_t>((pair & 0xFF00u) | fp8_nan_byte(x0, scale0));
+  if (pb != pb) pair = static_cast<uint16_t>((pair & 0x00FFu) | (fp8_nan_byte(x1, scale1) << 8));
   return pair;
+}
+
+// Both elements with one scale.
+template <Fp8Format F, typename InT>
+__device__ __forceinline__ uint16_t cast_pair(InT x0, InT x1, float scale, float& amax) {
+  return cast_pair<F>(x0, x1, scale, scale, amax);
 }
 
 template <Fp8Format F, typename InT>
@@ -72,6 +79,17 @@ __device__ __forceinline__ uint2 cast_pack8(const Pack8<InT>& pack, float scale,
   uint32_t pairs[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) pairs[j] = cast_pair<F>(pack.v[2 * j], pack.v[2 * j + 1], scale, amax);
+  return make_uint2(pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16));
+}
+
+// The same with a scale per element (element j times scales[j]).
+template <Fp8Format F, typename InT>
+__device__ __forceinline__ uint2 cast_pack8(const Pack8<InT>& pack, const float (&scales)[8],
+                                            float& amax) {
+  uint32_t pairs[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    pairs[j] = cast_pair<F>(pack.v[2 * j], pack.v[2 * j + 1], scales[2 * j], scales[2 * j + 1], amax);
   return make_uint2(pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16));
 }
 
