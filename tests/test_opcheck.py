@@ -70,6 +70,9 @@ def op_cases(gen, device):
         ("fp8_operand_stats_blocks", OPS.fp8_operand_stats.default,
          (randn(gen, 32, 48, device=device), a, rand_positive(gen, 1, 2).to(device), 448.0, 32,
           32), WITHOUT_SCHEMA),
+        # The operators of Python making (ops/__init__.py) that compiled graphs call
+        ("record_amax", OPS.record_amax.default, (hs[0], scalar(0.5, device), 2), None),
+        ("scale_inverse", OPS.scale_inverse.default, (rand_positive(gen, 2).to(device),), None),
     ]
 
 
@@ -84,6 +87,27 @@ def test_opcheck(device, gen, case):
         torch.library.opcheck(op, args)
     else:
         torch.library.opcheck(op, args, test_utils=test_utils)
+
+
+@pytest.mark.parametrize("op", ["record_amax", "scale_inverse"])
+def test_python_made_operators_run_without_python_wrappers(op):
+    """record_amax and scale_inverse run at every step of a compiled FP8 layer, three times
+    each in a delayed-scaling Linear's: their kernels are called by the dispatcher directly,
+    with no Python Autograd or ADInplaceOrView kernel around them (torch.library.custom_op's,
+    which cost several times the kernel's own host time; nothing they take has a gradient)."""
+    name = f"transformer_fp8::{op}"
+    wrapped = [key for key in ("Autograd", "ADInplaceOrView")
+               if torch._C._dispatch_has_kernel_for_dispatch_key(name, key)]
+    assert not wrapped, f"{name} has kernels for {wrapped}"
+
+
+def test_record_amax_bumps_the_history_version():
+    """Autograd's version check sees the write (as a compiled backward that saved the
+    history would)."""
+    history = torch.zeros(4, 3)
+    version = history._version
+    OPS.record_amax.default(history, scalar(2.0), 1)
+    assert history._version > version and history[0].tolist() == [0.0, 2.0, 0.0]
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)

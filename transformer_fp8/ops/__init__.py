@@ -191,17 +191,42 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
                 old.copy_(new)
 
 
-@torch.library.custom_op("transformer_fp8::record_amax", mutates_args=("history",))
-def _record_amax_op(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
+# record_amax and scale_inverse are operators of Python making that compiled graphs call at
+# every step: a compiled delayed-scaling Linear calls each three times a step (input, weight,
+# grad_output), a current-scaling one scale_inverse three times. They are defined with
+# torch.library.Library rather than torch.library.custom_op, whose Python autograd and
+# ADInplaceOrView wrappers around each call cost several times its kernel (of a compiled
+# Linear step's host time on the CPU: 16% went to them); here the dispatcher calls the kernel
+# itself. Nothing they take has a gradient (module buffers, a scale, a scratch amax slot):
+# torch's autograd fallback passes them through. record_amax's in-place write bumps the
+# history's version counter, as custom_op's wrapper did.
+_LIB = torch.library.Library("transformer_fp8", "FRAGMENT")
+_PT2 = (torch.Tag.pt2_compliant_tag,)
+_LIB.define("record_amax(Tensor(a0!) history, Tensor amax, SymInt column) -> ()", tags=_PT2)
+_LIB.define("scale_inverse(Tensor scale) -> Tensor", tags=_PT2)
+
+
+def _record_amax_kernel(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
     _check_record_amax(history, amax, column)
-    slot = history[0, column:column + 1]
-    slot.copy_(torch.maximum(slot, amax.reshape(1)))
+    slot = history[0].narrow(0, column, 1)
+    if amax.dim() > 1:  # (a [1] or 0-dim amax broadcasts to the slot as it is)
+        amax = amax.reshape(1)
+    torch.maximum(slot, amax, out=slot)  # (NaN propagates, as x.abs().amax())
 
 
-@_record_amax_op.register_fake
+_LIB.impl("record_amax", _record_amax_kernel, "CompositeExplicitAutograd")
+_LIB.impl("scale_inverse", torch.reciprocal, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("transformer_fp8::record_amax", lib=_LIB)
 def _record_amax_fake(history, amax, column):
     _check_record_amax(history, amax, column)
     return None
+
+
+@torch.library.register_fake("transformer_fp8::scale_inverse", lib=_LIB)
+def _scale_inverse_fake(scale):
+    return torch.empty_like(scale)
 
 
 def record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
@@ -210,7 +235,7 @@ def record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
     if isinstance(column, bool) or not isinstance(column, int):
         raise TypeError(f"record_amax: 'column' must be an int, got {type(column).__name__}")
     _check_record_amax(history, amax, column)  # (before the dispatcher reads column as int64)
-    _record_amax_op(history, amax, column)
+    _ops.record_amax.default(history, amax, column)
 
 
 def _check_record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -> None:
@@ -228,16 +253,6 @@ def _check_record_amax(history: torch.Tensor, amax: torch.Tensor, column: int) -
                          f"({history.device}), got {amax.device}")
 
 
-@torch.library.custom_op("transformer_fp8::scale_inverse", mutates_args=())
-def _scale_inverse(scale: torch.Tensor) -> torch.Tensor:
-    return torch.reciprocal(scale)
-
-
-@_scale_inverse.register_fake
-def _scale_inverse_fake(scale):
-    return torch.empty_like(scale)
-
-
 def scale_inverse(scale: torch.Tensor) -> torch.Tensor:
     """``1 / scale`` rounded to nearest, as a new tensor: the scale_inv a cast's GEMM operand
     takes, the bits the update and the C++ steps write (csrc's scale_invs_of).
@@ -250,7 +265,7 @@ def scale_inverse(scale: torch.Tensor) -> torch.Tensor:
     would give the backward the new scale (an opaque operator is neither recomputed nor
     elided)."""
     if _is_compiling():
-        return _scale_inverse(scale)
+        return _ops.scale_inverse.default(scale)
     return scale.reciprocal()
 
 
