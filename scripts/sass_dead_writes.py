@@ -56,6 +56,8 @@ def reads_and_writes(text: str) -> tuple[list[int], list[int], bool]:
     operands = body[len(op):].split(",")
     if op.startswith(NO_DEST):
         reads = registers(body[len(op):])
+        if op.startswith("DSETP"):  # FP64 operands are pairs
+            reads += [r + 1 for r in reads]
         width = 4 if ".128" in op else 2 if ".64" in op else 1
         if op.startswith(("STG", "STS", "ST.", "RED", "ATOM")) and width > 1:
             data = registers(operands[-1])[:1]  # the data operand is a pair or a quad
@@ -66,6 +68,9 @@ def reads_and_writes(text: str) -> tuple[list[int], list[int], bool]:
     if op.startswith("IMAD.WIDE"):  # its addend is a register pair
         reads += [r + 1 for r in registers(operands[-1])]
     if op.startswith(("DADD", "DMUL", "DFMA")):  # FP64 operands are pairs
+        reads += [r + 1 for r in reads]
+    elif op.startswith(("F2F.", "F2I.")) and op.endswith(".F64"):
+        # a conversion from FP64 (F2F.F32.F64 R21, R20) reads the pair R20:R21
         reads += [r + 1 for r in reads]
     return reads, written, predicated
 
