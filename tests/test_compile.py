@@ -495,3 +495,23 @@ def test_compiled_graphs_leave_scale_inverses_to_an_exact_operator(recipe):
     found = [f"{n.target} ({n.name})" for gm in graphs for n in gm.graph.nodes
              if n.op == "call_function" and n.target in divisions]
     assert not found, f"divisions in the compiled graphs: {found}"
+
+
+def test_compiled_forward_casts_write_their_amaxes_in_place():
+    """Under DelayedScaling a compiled forward's casts write their slots of the amax history
+    themselves, as eagerly (a mutation of a graph input, which inductor makes in place): no
+    record_amax in the forward graph, nor the zeroed scratch slot it folded in (an operator
+    call and a kernel at every step). The backward's grad_output casts still record through
+    it, one per layer (a traced backward's mutated view of a module buffer is more than
+    AOTAutograd partitions). Bit-identical to eager."""
+    backend, graphs = _aten_graphs_backend()
+    _, got, expected = compiled_and_eager_runs(DelayedScaling(amax_history_len=4), "cpu", backend)
+    assert_bit_identical(got, expected)
+
+    def is_backward(gm):
+        return any(n.op == "placeholder" and n.name.startswith("tangents")
+                   for n in gm.graph.nodes)
+
+    records = {("backward" if is_backward(gm) else "forward"):
+               gm.code.count("transformer_fp8.record_amax") for gm in graphs}
+    assert records == {"forward": 0, "backward": 2}, records

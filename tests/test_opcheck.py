@@ -91,10 +91,11 @@ def test_opcheck(device, gen, case):
 
 @pytest.mark.parametrize("op", ["record_amax", "scale_inverse"])
 def test_python_made_operators_run_without_python_wrappers(op):
-    """record_amax and scale_inverse run at every step of a compiled FP8 layer, three times
-    each in a delayed-scaling Linear's: their kernels are called by the dispatcher directly,
-    with no Python Autograd or ADInplaceOrView kernel around them (torch.library.custom_op's,
-    which cost several times the kernel's own host time; nothing they take has a gradient)."""
+    """record_amax and scale_inverse run at every step of a compiled FP8 layer (a
+    delayed-scaling Linear's: scale_inverse three times, record_amax once): their kernels are
+    called by the dispatcher directly, with no Python Autograd or ADInplaceOrView kernel around
+    them (torch.library.custom_op's, which cost several times the kernel's own host time;
+    nothing they take has a gradient)."""
     name = f"transformer_fp8::{op}"
     wrapped = [key for key in ("Autograd", "ADInplaceOrView")
                if torch._C._dispatch_has_kernel_for_dispatch_key(name, key)]

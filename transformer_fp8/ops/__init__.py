@@ -192,11 +192,13 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
 
 
 # record_amax and scale_inverse are operators of Python making that compiled graphs call at
-# every step: a compiled delayed-scaling Linear calls each three times a step (input, weight,
-# grad_output), a current-scaling one scale_inverse three times. They are defined with
+# every step: scale_inverse at each delayed or current-scaling cast (three in a Linear step),
+# record_amax at each delayed-scaling cast in a backward (the forward's write the history in
+# place: quantizer.py's TensorQuantizer._run). They are defined with
 # torch.library.Library rather than torch.library.custom_op, whose Python autograd and
-# ADInplaceOrView wrappers around each call cost several times its kernel (of a compiled
-# Linear step's host time on the CPU: 16% went to them); here the dispatcher calls the kernel
+# ADInplaceOrView wrappers around each call cost several times its kernel (a fifth of a
+# compiled delayed-scaling Linear step's host instructions went to them:
+# benchmarks/results/2026-11-27-cpu-compiled-host); here the dispatcher calls the kernel
 # itself. Nothing they take has a gradient (module buffers, a scale, a scratch amax slot):
 # torch's autograd fallback passes them through. record_amax's in-place write bumps the
 # history's version counter, as custom_op's wrapper did.

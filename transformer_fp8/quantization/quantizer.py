@@ -111,21 +111,24 @@ class TensorQuantizer(Quantizer):
     cache_key = ("tensor",)
 
     def __init__(self, dtype, scale=None, scale_inv=None, amax_slot=None, group=None,
-                 fixed=False, history=None, column=0):
+                 fixed=False, history=None, column=0, in_forward=False):
         self.dtype = dtype
         self.scale, self.scale_inv, self.amax_slot = scale, scale_inv, amax_slot
         self.group = group
         self.fixed = fixed
         self.history, self.column = history, column  # amax_slot is history[0, column]
+        self.in_forward = in_forward  # casts in forward passes only (an input's, a weight's)
         self.fuses_cast = not self.is_current  # current scaling needs the amax first
 
     @classmethod
-    def delayed(cls, dtype, history, scale, scale_inv, column, record: bool = True):
+    def delayed(cls, dtype, history, scale, scale_inv, column, record: bool = True,
+                in_forward: bool = False):
         """The stored scale; the amax goes to the history's row 0 in the same pass (unless not
-        ``record``: a torch.export trace, whose program has no update to give it to)."""
+        ``record``: a torch.export trace, whose program has no update to give it to).
+        ``in_forward``: the role casts in forward passes only (input, weight)."""
         amax_slot = history[0, column:column + 1] if record else None
         return cls(dtype, scale[column:column + 1], scale_inv[column:column + 1], amax_slot,
-                   history=history, column=column)
+                   history=history, column=column, in_forward=in_forward)
 
     @classmethod
     def current(cls, dtype, group=None):
@@ -168,11 +171,15 @@ class TensorQuantizer(Quantizer):
 
     def _run(self, kernel: Callable, scale, amax_slot):
         """kernel(scale, amax_slot) -> results, with the amax recorded into the history."""
-        traced_amax = amax_slot is not None and torch.compiler.is_compiling()
+        traced_amax = (amax_slot is not None and not self.in_forward
+                       and torch.compiler.is_compiling())
         if traced_amax:
-            # Under torch.compile the amax goes to a fresh tensor and an operator that declares
-            # its mutation folds it into the history (a mutated view of a module buffer, made in
-            # a traced backward, is more than AOTAutograd can partition). Same max, same bits.
+            # Under torch.compile a backward cast's amax goes to a fresh tensor and an operator
+            # that declares its mutation folds it into the history (a mutated view of a module
+            # buffer, made in a traced backward, is more than AOTAutograd can partition). Same
+            # max, same bits. A forward cast writes its slot of the history as eagerly: a
+            # mutation of a graph input, which inductor makes in place in the kernel's call
+            # (no scratch slot to zero, no record_amax call at every step).
             amax_slot = torch.zeros(1, dtype=torch.float32, device=scale.device)
         results = kernel(scale, amax_slot)
         if traced_amax:

@@ -69,9 +69,10 @@ def delayed_quantizers(fp8_state, fmt: Format, compiling: Optional[bool] = None,
     fwd_h, fwd_s, fwd_si, bwd_h, bwd_s, bwd_si = buffers
 
     def make():
-        return [(TensorQuantizer.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, 2 * gemm, record),
+        return [(TensorQuantizer.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, 2 * gemm, record,
+                                         in_forward=True),
                  TensorQuantizer.delayed(fmt.fwd_dtype, fwd_h, fwd_s, fwd_si, 2 * gemm + 1,
-                                         record),
+                                         record, in_forward=True),
                  TensorQuantizer.delayed(fmt.bwd_dtype, bwd_h, bwd_s, bwd_si, gemm, record))
                 for gemm in range(fp8_state._num_gemms)]
 
