@@ -6,11 +6,10 @@ are Transformer Engine's:
   * layouts "sbhd" (query [s, b, h, d], key/value [s_kv, b, g, d]) and "bshd"; output
     [s, b, h * d] (or [b, s, h * d]);
   * GQA: g = num_gqa_groups key/value heads, query head i reads group i // (h / g);
-  * attention_mask is boolean with True = masked out (the opposite of SDPA's attn_mask):
-    "padding" takes [b, 1, 1, s] (a tuple (query mask, key/value mask) when s_q != s_kv),
-    "arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with "causal" or "no_mask" a
-    mask is ignored, as in Transformer Engine's fused backends (its unfused float32 path ORs it
-    into the causal mask);
+  * attention_mask is boolean with True = masked out (attention_masks.py): "padding" takes
+    [b, 1, 1, s] per side, "arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with
+    "causal" or "no_mask" a mask is ignored, as in Transformer Engine's fused backends (its
+    unfused float32 path ORs it into the causal mask);
   * query rows that may attend to nothing (padded queries) give zeros, not NaN.
 Rotary embeddings: RotaryPositionEmbedding(dim)(max_seq_len) is the angle tensor [s, 1, 1, d];
 apply_rotary_pos_emb applies it to the first d features of q or k with the non-interleaved
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import te_checkpoint
+from .attention_masks import allowed_mask
 from .te_args import check_positive, check_te_options as check_unsupported
 from .torchscript import refuse_torchscript
 
@@ -251,8 +251,9 @@ class DotProductAttention(torch.nn.Module):
                                     self.attn_mask_type if attn_mask_type is None
                                     else attn_mask_type)
         q, k, v = self._to_bhsd(query_layer, key_layer, value_layer, fmt)
-        allowed, is_causal = self._allowed(mask_type, attention_mask, q.shape[0], q.shape[2],
-                                           k.shape[2], q.device)
+        allowed, is_causal = allowed_mask(mask_type, attention_mask, q.shape[0],
+                                          self.num_attention_heads, q.shape[2], k.shape[2],
+                                          q.device)
         dropout = self.attention_dropout if self.training else 0.0
         if checkpoint_core_attention and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self._sdpa, q, k, v, allowed, is_causal,
@@ -300,61 +301,6 @@ class DotProductAttention(torch.nn.Module):
                             f"dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
         perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
         return q.permute(perm), k.permute(perm), v.permute(perm)
-
-    def _allowed(self, mask_type, mask, batch, seq_q, seq_kv, device):
-        """(SDPA's boolean mask, True = may attend, broadcastable to [b, h, s_q, s_kv], or None;
-        is_causal). Causal is top-left aligned (query i sees keys 0..i)."""
-        owner = "DotProductAttention"
-        if mask_type in ("no_mask", "causal"):
-            # These types take no mask; one passed anyway is ignored, as Transformer Engine
-            # ignores it (model code often passes its padding mask along regardless).
-            return None, mask_type == "causal"
-        if mask is None:
-            raise ValueError(f"{owner}: attn_mask_type {mask_type!r} needs an attention_mask "
-                             "(boolean, True = masked out), got None")
-        if mask_type == "arbitrary":
-            self._check_bool(mask, "attention_mask")
-            # Broadcasting one way only: each of the mask's last (up to 4) dims is 1 or the
-            # attention's own (a batch-3 mask on a batch-1 input is refused here).
-            full = [batch, self.num_attention_heads, seq_q, seq_kv]
-            if mask.dim() > 4 or any(m not in (1, f) for m, f in
-                                     zip(reversed(mask.shape), reversed(full))):
-                raise ValueError(f"{owner}: an 'arbitrary' attention_mask must broadcast to "
-                                 f"[b, h, s_q, s_kv] = {full}, got shape "
-                                 f"{tuple(mask.shape)}")
-            allowed = ~mask.to(device)
-        else:  # padding, padding_causal: [b, 1, 1, s] per side, True = a padding token
-            if isinstance(mask, (tuple, list)):
-                if len(mask) != 2:
-                    raise ValueError(f"{owner}: a padding attention_mask tuple must be (query "
-                                     f"mask, key/value mask), got {len(mask)} tensors")
-                q_pad, kv_pad = mask
-            elif seq_q == seq_kv:
-                q_pad = kv_pad = mask
-            else:
-                raise ValueError(f"{owner}: with s_q ({seq_q}) != s_kv ({seq_kv}) a padding "
-                                 "attention_mask must be a tuple (query mask [b, 1, 1, s_q], "
-                                 "key/value mask [b, 1, 1, s_kv])")
-            for name, m, s in (("query", q_pad, seq_q), ("key/value", kv_pad, seq_kv)):
-                self._check_bool(m, f"attention_mask ({name})")
-                if tuple(m.shape) != (batch, 1, 1, s):
-                    raise ValueError(f"{owner}: a padding attention_mask ({name}) must have "
-                                     f"shape [b, 1, 1, s] = [{batch}, 1, 1, {s}], got "
-                                     f"{tuple(m.shape)}")
-            q_ok = ~q_pad.to(device).reshape(batch, 1, seq_q, 1)
-            kv_ok = ~kv_pad.to(device).reshape(batch, 1, 1, seq_kv)
-            allowed = q_ok & kv_ok
-        if mask_type == "padding_causal":
-            allowed = allowed & torch.ones(seq_q, seq_kv, dtype=torch.bool,
-                                           device=device).tril()
-        return allowed, False
-
-    @staticmethod
-    def _check_bool(mask, name):
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise TypeError(f"DotProductAttention: {name} must be a bool tensor (True = masked "
-                            f"out), got {got}")
 
     def _sdpa(self, q, k, v, allowed, is_causal, dropout):
         groups = self.num_attention_heads // self.num_gqa_groups
