@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from . import te_checkpoint
-from .attention_masks import allowed_mask
+from .attention_masks import allowed_mask, check_window_size, resolve_window
+from .attention_sink import check_softmax_type, with_sink
 from .te_args import check_positive, check_te_options as check_unsupported
 from .torchscript import refuse_torchscript
 
@@ -146,7 +147,7 @@ _FORWARD_DEFAULTS = {"cu_seqlens_q": None, "cu_seqlens_kv": None, "cu_seqlens_q_
                      "cu_seqlens_kv_padded": None, "max_seqlen_q": None, "max_seqlen_kv": None,
                      "core_attention_bias_type": "no_bias", "core_attention_bias": None,
                      "alibi_slopes": None, "inference_params": None, "fast_zero_fill": True,
-                     "window_size": None, "bottom_right_diagonal": None,
+                     "bottom_right_diagonal": None,
                      "pad_between_seqs": None, "fp8_output": False, "bf16_backward": False,
                      "num_splits": 1, "score_mod": None, "score_mod_bprop": None,
                      "score_mod_tensors": None, "score_mod_bprop_tensors": None,
@@ -157,11 +158,14 @@ class DotProductAttention(torch.nn.Module):
     """Transformer Engine's DotProductAttention, in high precision (inside fp8_autocast too).
 
     forward(query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
-    attn_mask_type=None, checkpoint_core_attention=False) -> [s, b, h * d] ("sbhd") or
-    [b, s, h * d] ("bshd"). See the module docstring for layouts, GQA and masks. Dropout on the
-    attention probabilities while training (attention_dropout). softmax_scale defaults to
-    1 / sqrt(kv_channels). Tensor/sequence/context parallel options are accepted only at their
-    defaults.
+    attn_mask_type=None, window_size=None, checkpoint_core_attention=False) -> [s, b, h * d]
+    ("sbhd") or [b, s, h * d] ("bshd"). See the module docstring for layouts, GQA and masks.
+    Dropout on the attention probabilities while training (attention_dropout). softmax_scale
+    defaults to 1 / sqrt(kv_channels). window_size: a sliding window (attention_masks.py), the
+    constructor's unless forward gives one. softmax_type: "vanilla", "off-by-one" or
+    "learnable" (attention sinks, attention_sink.py; "learnable" has the Parameter
+    softmax_offset [h], float32, on device). Tensor/sequence/context parallel options are
+    accepted only at their defaults.
     """
 
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
@@ -174,7 +178,7 @@ class DotProductAttention(torch.nn.Module):
                  layer_number: Optional[int] = None, attention_type: str = "self",
                  cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
                  softmax_scale: Optional[float] = None, softmax_type: str = "vanilla",
-                 return_max_logit: bool = False, name=None):
+                 return_max_logit: bool = False, name=None, *, device=None):
         super().__init__()
         owner = "DotProductAttention"
         for option, value in (("cp_group", cp_group), ("cp_global_ranks", cp_global_ranks),
@@ -188,11 +192,10 @@ class DotProductAttention(torch.nn.Module):
         if return_max_logit:
             raise ValueError(f"{owner}: return_max_logit=True is not supported; leave it at "
                              "False")
-        check_unsupported(owner, dict(window_size=window_size,
-                                      bottom_right_diagonal=bottom_right_diagonal,
+        check_unsupported(owner, dict(bottom_right_diagonal=bottom_right_diagonal,
                                       sequence_parallel=sequence_parallel, tp_size=tp_size,
                                       get_rng_state_tracker=get_rng_state_tracker,
-                                      tp_group=tp_group, softmax_type=softmax_type, name=name))
+                                      tp_group=tp_group, name=name))
         self.num_attention_heads = check_positive(owner, "num_attention_heads",
                                                   num_attention_heads)
         self.kv_channels = check_positive(owner, "kv_channels", kv_channels)
@@ -221,6 +224,11 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"{owner}: softmax_scale must be a number > 0, got "
                              f"{softmax_scale!r}")
         self.softmax_scale = float(softmax_scale)
+        self.window_size = check_window_size(owner, window_size)
+        self.softmax_type = check_softmax_type(owner, softmax_type)
+        if softmax_type == "learnable":  # Transformer Engine's name, shape and start: zeros
+            self.softmax_offset = torch.nn.Parameter(
+                torch.zeros(num_attention_heads, dtype=torch.float32, device=device))
 
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor,
                 value_layer: torch.Tensor,
@@ -234,15 +242,13 @@ class DotProductAttention(torch.nn.Module):
         named = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                      cu_seqlens_q_padded=cu_seqlens_q_padded,
                      cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q,
-                     max_seqlen_kv=max_seqlen_kv, window_size=window_size,
-                     bottom_right_diagonal=bottom_right_diagonal)
+                     max_seqlen_kv=max_seqlen_kv, bottom_right_diagonal=bottom_right_diagonal)
         for name, value in {**named, **unsupported}.items():
             if name not in _FORWARD_DEFAULTS:
                 raise TypeError(f"{owner}.forward() got an unexpected keyword argument {name!r}")
             if name == "qkv_interleave_dim" and unsupported.get("qkv_layer") is None:
                 continue  # only read with a packed qkv_layer
-            if value is not None and value != _FORWARD_DEFAULTS[name] and not (
-                    name == "window_size" and value in ((-1, -1), (-1, 0))):
+            if value is not None and value != _FORWARD_DEFAULTS[name]:
                 raise ValueError(f"{owner}.forward: {name}={value!r} is not supported; leave "
                                  f"it at {_FORWARD_DEFAULTS[name]!r}")
         fmt = check_qkv_format(owner, "qkv_format",
@@ -250,10 +256,12 @@ class DotProductAttention(torch.nn.Module):
         mask_type = check_mask_type(owner, "attn_mask_type",
                                     self.attn_mask_type if attn_mask_type is None
                                     else attn_mask_type)
+        window = resolve_window(owner, mask_type,
+                                self.window_size if window_size is None else window_size)
         q, k, v = self._to_bhsd(query_layer, key_layer, value_layer, fmt)
         allowed, is_causal = allowed_mask(mask_type, attention_mask, q.shape[0],
                                           self.num_attention_heads, q.shape[2], k.shape[2],
-                                          q.device)
+                                          q.device, window)
         dropout = self.attention_dropout if self.training else 0.0
         if checkpoint_core_attention and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self._sdpa, q, k, v, allowed, is_causal,
@@ -303,6 +311,17 @@ class DotProductAttention(torch.nn.Module):
         return q.permute(perm), k.permute(perm), v.permute(perm)
 
     def _sdpa(self, q, k, v, allowed, is_causal, dropout):
+        if self.softmax_type != "vanilla":
+            alpha = (self.softmax_offset if self.softmax_type == "learnable"
+                     else q.new_zeros(self.num_attention_heads, dtype=torch.float32))
+            q, k, v, allowed, is_causal, rows = with_sink(q, k, v, allowed, is_causal, alpha,
+                                                          self.softmax_scale)
+            # (No query row is left without a key: the sink takes every row's mass.)
+            out = self._sdpa_vanilla(q, k, v, allowed, is_causal, dropout)
+            return out[:, :, rows:, :self.kv_channels]
+        return self._sdpa_vanilla(q, k, v, allowed, is_causal, dropout)
+
+    def _sdpa_vanilla(self, q, k, v, allowed, is_causal, dropout):
         groups = self.num_attention_heads // self.num_gqa_groups
         gqa = {}
         if groups > 1:
