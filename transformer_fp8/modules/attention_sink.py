@@ -30,20 +30,22 @@ def with_sink(q, k, v, allowed, is_causal, alpha, scale):
     allowed', is_causal, rows): keep SDPA's output [:, :, rows:, :d].
 
     The head dimension grows by 8 (a multiple of 8 still, and the same for q, k and v, as the
-    fused kernels want it; the values' 8 are zeros): the queries
-    carry alpha_h / scale in two components, a high part in q's dtype and the remainder (the
-    sink's score keeps float32 accuracy with bfloat16 inputs), the sink key ones there, every
-    other key zeros. Causal (top-left): the sink goes first and one zero query in front, so
-    that query i + 1 sees the sink and keys 0..i with SDPA's own causal kernels."""
+    fused kernels want it; the values' 8 are zeros): the queries carry alpha_h / scale in
+    three components of q's dtype, each the remainder of the ones before (the sink's score,
+    accumulated in float32, keeps float32 accuracy with bfloat16 inputs), the sink key ones
+    there, every other key zeros. Causal (top-left): the sink goes first and one zero query in
+    front, so that query i + 1 sees the sink and keys 0..i with SDPA's own causal kernels."""
     b, h, s_q, d = q.shape
     g = k.shape[1]
     target = (alpha.float() / scale).view(1, h, 1, 1).expand(b, h, s_q, 1)
-    high = target.to(q.dtype)
-    low = (target - high.float()).to(q.dtype)  # (its gradient to alpha cancels: counted once)
-    q = torch.cat((q, high, low, q.new_zeros(b, h, s_q, 6)), dim=-1)
+    parts, rest = [], target
+    for _ in range(3):  # (the gradient reaches alpha through the first part only, once)
+        parts.append(rest.to(q.dtype))
+        rest = rest - parts[-1].float()
+    q = torch.cat((q, *parts, q.new_zeros(b, h, s_q, 5)), dim=-1)
     k, v = (torch.cat((t, t.new_zeros(b, g, t.shape[2], 8)), dim=-1) for t in (k, v))
     sink_key = k.new_zeros(b, g, 1, d + 8)
-    sink_key[..., d:d + 2] = 1.0
+    sink_key[..., d:d + 3] = 1.0
     sink_value = v.new_zeros(b, g, 1, d + 8)
     if is_causal:
         q = torch.cat((q.new_zeros(b, h, 1, d + 8), q), dim=2)
