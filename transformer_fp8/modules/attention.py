@@ -6,11 +6,10 @@ are Transformer Engine's:
   * layouts "sbhd" (query [s, b, h, d], key/value [s_kv, b, g, d]) and "bshd"; output
     [s, b, h * d] (or [b, s, h * d]);
   * GQA: g = num_gqa_groups key/value heads, query head i reads group i // (h / g);
-  * attention_mask is boolean with True = masked out (the opposite of SDPA's attn_mask):
-    "padding" takes [b, 1, 1, s] (a tuple (query mask, key/value mask) when s_q != s_kv),
-    "arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with "causal" or "no_mask" a
-    mask is ignored, as in Transformer Engine's fused backends (its unfused float32 path ORs it
-    into the causal mask);
+  * attention_mask is boolean with True = masked out (attention_masks.py): "padding" takes
+    [b, 1, 1, s] per side, "arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with
+    "causal" or "no_mask" a mask is ignored, as in Transformer Engine's fused backends (its
+    unfused float32 path ORs it into the causal mask);
   * query rows that may attend to nothing (padded queries) give zeros, not NaN.
 Rotary embeddings: RotaryPositionEmbedding(dim)(max_seq_len) is the angle tensor [s, 1, 1, d];
 apply_rotary_pos_emb applies it to the first d features of q or k with the non-interleaved
@@ -25,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from . import te_checkpoint
+from .attention_masks import allowed_mask, check_window_size, resolve_window
+from .attention_sink import check_softmax_type, with_sink
 from .te_args import check_positive, check_te_options as check_unsupported
 from .torchscript import refuse_torchscript
 
@@ -146,7 +147,7 @@ _FORWARD_DEFAULTS = {"cu_seqlens_q": None, "cu_seqlens_kv": None, "cu_seqlens_q_
                      "cu_seqlens_kv_padded": None, "max_seqlen_q": None, "max_seqlen_kv": None,
                      "core_attention_bias_type": "no_bias", "core_attention_bias": None,
                      "alibi_slopes": None, "inference_params": None, "fast_zero_fill": True,
-                     "window_size": None, "bottom_right_diagonal": None,
+                     "bottom_right_diagonal": None,
                      "pad_between_seqs": None, "fp8_output": False, "bf16_backward": False,
                      "num_splits": 1, "score_mod": None, "score_mod_bprop": None,
                      "score_mod_tensors": None, "score_mod_bprop_tensors": None,
@@ -157,11 +158,14 @@ class DotProductAttention(torch.nn.Module):
     """Transformer Engine's DotProductAttention, in high precision (inside fp8_autocast too).
 
     forward(query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
-    attn_mask_type=None, checkpoint_core_attention=False) -> [s, b, h * d] ("sbhd") or
-    [b, s, h * d] ("bshd"). See the module docstring for layouts, GQA and masks. Dropout on the
-    attention probabilities while training (attention_dropout). softmax_scale defaults to
-    1 / sqrt(kv_channels). Tensor/sequence/context parallel options are accepted only at their
-    defaults.
+    attn_mask_type=None, window_size=None, checkpoint_core_attention=False) -> [s, b, h * d]
+    ("sbhd") or [b, s, h * d] ("bshd"). See the module docstring for layouts, GQA and masks.
+    Dropout on the attention probabilities while training (attention_dropout). softmax_scale
+    defaults to 1 / sqrt(kv_channels). window_size: a sliding window (attention_masks.py), the
+    constructor's unless forward gives one. softmax_type: "vanilla", "off-by-one" or
+    "learnable" (attention sinks, attention_sink.py; "learnable" has the Parameter
+    softmax_offset [h], float32, on device). Tensor/sequence/context parallel options are
+    accepted only at their defaults.
     """
 
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
@@ -174,7 +178,7 @@ class DotProductAttention(torch.nn.Module):
                  layer_number: Optional[int] = None, attention_type: str = "self",
                  cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
                  softmax_scale: Optional[float] = None, softmax_type: str = "vanilla",
-                 return_max_logit: bool = False, name=None):
+                 return_max_logit: bool = False, name=None, *, device=None):
         super().__init__()
         owner = "DotProductAttention"
         for option, value in (("cp_group", cp_group), ("cp_global_ranks", cp_global_ranks),
@@ -188,11 +192,10 @@ class DotProductAttention(torch.nn.Module):
         if return_max_logit:
             raise ValueError(f"{owner}: return_max_logit=True is not supported; leave it at "
                              "False")
-        check_unsupported(owner, dict(window_size=window_size,
-                                      bottom_right_diagonal=bottom_right_diagonal,
+        check_unsupported(owner, dict(bottom_right_diagonal=bottom_right_diagonal,
                                       sequence_parallel=sequence_parallel, tp_size=tp_size,
                                       get_rng_state_tracker=get_rng_state_tracker,
-                                      tp_group=tp_group, softmax_type=softmax_type, name=name))
+                                      tp_group=tp_group, name=name))
         self.num_attention_heads = check_positive(owner, "num_attention_heads",
                                                   num_attention_heads)
         self.kv_channels = check_positive(owner, "kv_channels", kv_channels)
@@ -221,6 +224,11 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"{owner}: softmax_scale must be a number > 0, got "
                              f"{softmax_scale!r}")
         self.softmax_scale = float(softmax_scale)
+        self.window_size = check_window_size(owner, window_size)
+        self.softmax_type = check_softmax_type(owner, softmax_type)
+        if softmax_type == "learnable":  # Transformer Engine's name, shape and start: zeros
+            self.softmax_offset = torch.nn.Parameter(
+                torch.zeros(num_attention_heads, dtype=torch.float32, device=device))
 
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor,
                 value_layer: torch.Tensor,
@@ -234,15 +242,13 @@ class DotProductAttention(torch.nn.Module):
         named = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                      cu_seqlens_q_padded=cu_seqlens_q_padded,
                      cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q,
-                     max_seqlen_kv=max_seqlen_kv, window_size=window_size,
-                     bottom_right_diagonal=bottom_right_diagonal)
+                     max_seqlen_kv=max_seqlen_kv, bottom_right_diagonal=bottom_right_diagonal)
         for name, value in {**named, **unsupported}.items():
             if name not in _FORWARD_DEFAULTS:
                 raise TypeError(f"{owner}.forward() got an unexpected keyword argument {name!r}")
             if name == "qkv_interleave_dim" and unsupported.get("qkv_layer") is None:
                 continue  # only read with a packed qkv_layer
-            if value is not None and value != _FORWARD_DEFAULTS[name] and not (
-                    name == "window_size" and value in ((-1, -1), (-1, 0))):
+            if value is not None and value != _FORWARD_DEFAULTS[name]:
                 raise ValueError(f"{owner}.forward: {name}={value!r} is not supported; leave "
                                  f"it at {_FORWARD_DEFAULTS[name]!r}")
         fmt = check_qkv_format(owner, "qkv_format",
@@ -250,9 +256,12 @@ class DotProductAttention(torch.nn.Module):
         mask_type = check_mask_type(owner, "attn_mask_type",
                                     self.attn_mask_type if attn_mask_type is None
                                     else attn_mask_type)
+        window = resolve_window(owner, mask_type,
+                                self.window_size if window_size is None else window_size)
         q, k, v = self._to_bhsd(query_layer, key_layer, value_layer, fmt)
-        allowed, is_causal = self._allowed(mask_type, attention_mask, q.shape[0], q.shape[2],
-                                           k.shape[2], q.device)
+        allowed, is_causal = allowed_mask(mask_type, attention_mask, q.shape[0],
+                                          self.num_attention_heads, q.shape[2], k.shape[2],
+                                          q.device, window)
         dropout = self.attention_dropout if self.training else 0.0
         if checkpoint_core_attention and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self._sdpa, q, k, v, allowed, is_causal,
@@ -301,62 +310,18 @@ class DotProductAttention(torch.nn.Module):
         perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
         return q.permute(perm), k.permute(perm), v.permute(perm)
 
-    def _allowed(self, mask_type, mask, batch, seq_q, seq_kv, device):
-        """(SDPA's boolean mask, True = may attend, broadcastable to [b, h, s_q, s_kv], or None;
-        is_causal). Causal is top-left aligned (query i sees keys 0..i)."""
-        owner = "DotProductAttention"
-        if mask_type in ("no_mask", "causal"):
-            # These types take no mask; one passed anyway is ignored, as Transformer Engine
-            # ignores it (model code often passes its padding mask along regardless).
-            return None, mask_type == "causal"
-        if mask is None:
-            raise ValueError(f"{owner}: attn_mask_type {mask_type!r} needs an attention_mask "
-                             "(boolean, True = masked out), got None")
-        if mask_type == "arbitrary":
-            self._check_bool(mask, "attention_mask")
-            # Broadcasting one way only: each of the mask's last (up to 4) dims is 1 or the
-            # attention's own (a batch-3 mask on a batch-1 input is refused here).
-            full = [batch, self.num_attention_heads, seq_q, seq_kv]
-            if mask.dim() > 4 or any(m not in (1, f) for m, f in
-                                     zip(reversed(mask.shape), reversed(full))):
-                raise ValueError(f"{owner}: an 'arbitrary' attention_mask must broadcast to "
-                                 f"[b, h, s_q, s_kv] = {full}, got shape "
-                                 f"{tuple(mask.shape)}")
-            allowed = ~mask.to(device)
-        else:  # padding, padding_causal: [b, 1, 1, s] per side, True = a padding token
-            if isinstance(mask, (tuple, list)):
-                if len(mask) != 2:
-                    raise ValueError(f"{owner}: a padding attention_mask tuple must be (query "
-                                     f"mask, key/value mask), got {len(mask)} tensors")
-                q_pad, kv_pad = mask
-            elif seq_q == seq_kv:
-                q_pad = kv_pad = mask
-            else:
-                raise ValueError(f"{owner}: with s_q ({seq_q}) != s_kv ({seq_kv}) a padding "
-                                 "attention_mask must be a tuple (query mask [b, 1, 1, s_q], "
-                                 "key/value mask [b, 1, 1, s_kv])")
-            for name, m, s in (("query", q_pad, seq_q), ("key/value", kv_pad, seq_kv)):
-                self._check_bool(m, f"attention_mask ({name})")
-                if tuple(m.shape) != (batch, 1, 1, s):
-                    raise ValueError(f"{owner}: a padding attention_mask ({name}) must have "
-                                     f"shape [b, 1, 1, s] = [{batch}, 1, 1, {s}], got "
-                                     f"{tuple(m.shape)}")
-            q_ok = ~q_pad.to(device).reshape(batch, 1, seq_q, 1)
-            kv_ok = ~kv_pad.to(device).reshape(batch, 1, 1, seq_kv)
-            allowed = q_ok & kv_ok
-        if mask_type == "padding_causal":
-            allowed = allowed & torch.ones(seq_q, seq_kv, dtype=torch.bool,
-                                           device=device).tril()
-        return allowed, False
-
-    @staticmethod
-    def _check_bool(mask, name):
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise TypeError(f"DotProductAttention: {name} must be a bool tensor (True = masked "
-                            f"out), got {got}")
-
     def _sdpa(self, q, k, v, allowed, is_causal, dropout):
+        if self.softmax_type != "vanilla":
+            alpha = (self.softmax_offset if self.softmax_type == "learnable"
+                     else q.new_zeros(self.num_attention_heads, dtype=torch.float32))
+            q, k, v, allowed, is_causal, rows = with_sink(q, k, v, allowed, is_causal, alpha,
+                                                          self.softmax_scale)
+            # (No query row is left without a key: the sink takes every row's mass.)
+            out = self._sdpa_vanilla(q, k, v, allowed, is_causal, dropout)
+            return out[:, :, rows:, :self.kv_channels]
+        return self._sdpa_vanilla(q, k, v, allowed, is_causal, dropout)
+
+    def _sdpa_vanilla(self, q, k, v, allowed, is_causal, dropout):
         groups = self.num_attention_heads // self.num_gqa_groups
         gqa = {}
         if groups > 1:

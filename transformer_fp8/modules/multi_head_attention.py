@@ -3,7 +3,8 @@
     qkv (Linear) or, with input_layernorm=True, layernorm_qkv (LayerNormLinear):
         hidden -> (h + 2g) * d; Parameters query_weight, key_weight, value_weight (and
         *_bias) by default, one weight (and bias) with fuse_qkv_params=True
-    core_attention: DotProductAttention (high precision)
+    q_norm, k_norm: with qk_norm_type, norms over the head dimension (qk_norm.py)
+    core_attention: DotProductAttention (high precision; window_size, softmax_type)
     proj: Linear, h * d -> hidden
 
 QKV layout of the projection's output: with fuse_qkv_params and qkv_weight_interleaved
@@ -21,6 +22,7 @@ from .attention import DotProductAttention, apply_rotary_pos_emb
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from ..quantization.recipe import Recipe
+from .qk_norm import qk_norm_modules
 from .te_args import check_positive, check_te_options, one_dtype, te_default_init, \
     te_only_arguments
 from .torchscript import refuse_torchscript
@@ -37,7 +39,10 @@ class MultiheadAttention(torch.nn.Module):
     window_size=None, bottom_right_diagonal=None, is_first_microbatch=None,
     checkpoint_core_attention=False, inference_params=None, rotary_pos_emb=None, ...) returns
     out [s, b, hidden] (or [b, s, hidden] with qkv_format "bshd"), then proj's bias if
-    return_bias, then the norm's output if return_layernorm_output.
+    return_bias, then the norm's output if return_layernorm_output. qk_norm_type ("RMSNorm",
+    "LayerNorm", "L2Normalization") normalises each query and key head after the rotary
+    embedding (before it with qk_norm_before_rope); window_size and softmax_type are
+    DotProductAttention's.
     Not supported (refused): attention_type="cross", encoder_output, and the options te_args
     lists at other values than their defaults.
     """
@@ -82,8 +87,11 @@ class MultiheadAttention(torch.nn.Module):
         core_attention = DotProductAttention(
             heads, kv_channels, num_gqa_groups=num_gqa_groups,
             attention_dropout=attention_dropout, qkv_format=qkv_format,
-            attn_mask_type=attn_mask_type, layer_number=layer_number,
-            softmax_scale=softmax_scale)
+            attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
+            softmax_scale=softmax_scale, softmax_type=softmax_type, device=device)
+        self.q_norm, self.k_norm = qk_norm_modules(owner, qk_norm_type, qk_norm_eps, kv_channels,
+                                                   dtype, device)
+        self.qk_norm_before_rope = bool(qk_norm_before_rope)
         self.num_attention_heads, self.kv_channels = heads, kv_channels
         self.num_gqa_groups = groups = core_attention.num_gqa_groups
         self.qkv_format = core_attention.qkv_format
@@ -138,12 +146,16 @@ class MultiheadAttention(torch.nn.Module):
         else:
             mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
         q, k, v = self.split_qkv(mixed)
+        if self.q_norm is not None and self.qk_norm_before_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary_pos_emb is not None:
             # One tensor for both, or (query angles, key angles) as Transformer Engine takes.
             q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list))
                                 else (rotary_pos_emb, rotary_pos_emb))
             q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format)
             k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format)
+        if self.q_norm is not None and not self.qk_norm_before_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         context = self.core_attention(q, k, v, attention_mask=attention_mask,
                                       attn_mask_type=attn_mask_type, window_size=window_size,
                                       bottom_right_diagonal=bottom_right_diagonal,

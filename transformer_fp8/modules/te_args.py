@@ -39,14 +39,10 @@ TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
                    "transformer_fp8.checkpoint around the module"),
     "activation_params": ((None,), "no parametrised activation (clamped_swiglu)"),
     # attention
-    "window_size": ((None, (-1, -1), (-1, 0)), "no sliding-window attention"),
     "bottom_right_diagonal": ((None,), "causal masks are aligned top-left. Given "
                               "positionally? The argument order is Transformer Engine 2.12's; "
                               "before 2.12 is_first_microbatch, encoder_output or "
                               "sequence_parallel stood here: pass such arguments by keyword"),
-    "qk_norm_type": ((None,), "no query/key normalisation"),
-    "qk_norm_before_rope": ((False,), "no query/key normalisation"),
-    "softmax_type": (("vanilla",), "only the standard softmax"),
     "rotary_pos_interleaved": ((False,), "rotary embeddings rotate halves, not pairs"),
     # TransformerLayer
     "drop_path_rate": ((0.0, 0), "no stochastic depth"),
@@ -57,8 +53,8 @@ TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
 }
 
 # Accepted with any value, unused: a debugging label, sizes Transformer Engine uses for
-# sequence parallelism only, the eps of a query/key norm that is off.
-TE_IGNORED = frozenset({"name", "seq_length", "micro_batch_size", "qk_norm_eps"})
+# sequence parallelism only.
+TE_IGNORED = frozenset({"name", "seq_length", "micro_batch_size"})
 
 
 def check_te_options(owner: str, options: dict) -> None:

@@ -1,0 +1,78 @@
+"""Float64 references for attention with Transformer Engine's options (tests only): an
+explicit masked softmax with an optional sink, and the masks (causal, padding, sliding
+windows) written from Transformer Engine's definitions."""
+from __future__ import annotations
+
+import torch
+
+
+def window_blocked(s_q, s_kv, window, mask_type, q_pad=None, kv_pad=None):
+    """True where the window masks key j for query i, from Transformer Engine's definition:
+    i attends [i + shift - left, i + shift + right], shift 0 for causal types (top-left),
+    s_kv - s_q otherwise, each sequence's unpadded lengths with "padding". [b|1, 1, s_q, s_kv]"""
+    left, right = window
+    rows = []
+    for b in range(q_pad.shape[0] if mask_type == "padding" else 1):
+        if "causal" in mask_type:
+            shift = 0
+        elif mask_type == "padding":
+            shift = int((~kv_pad[b]).sum()) - int((~q_pad[b]).sum())
+        else:
+            shift = s_kv - s_q
+        rows.append([[not (i + shift - left <= j <= i + shift + right) for j in range(s_kv)]
+                     for i in range(s_q)])
+    return torch.tensor(rows, dtype=torch.bool).unsqueeze(1)
+
+
+def blocked_mask(mask_type, s_q, s_kv, pads=None, window=None):
+    """Everything masked out (True) for these mask type, padding masks and window."""
+    blocked = torch.zeros(1, 1, s_q, s_kv, dtype=torch.bool)
+    if "causal" in mask_type:
+        blocked = blocked | torch.ones(s_q, s_kv, dtype=torch.bool).triu(1)
+    if "padding" in mask_type:
+        q_pad, kv_pad = pads
+        blocked = blocked | q_pad.cpu().transpose(-1, -2) | kv_pad.cpu()
+    if window is not None:
+        q_pad, kv_pad = pads if pads is not None else (None, None)
+        blocked = blocked | window_blocked(s_q, s_kv, window, mask_type,
+                                           None if q_pad is None else q_pad.cpu(),
+                                           None if kv_pad is None else kv_pad.cpu())
+    return blocked
+
+
+def attention_ref(q, k, v, blocked, alpha=None, scale=None, fmt="sbhd"):
+    """softmax(q k^T * scale) v in float64 with its gradients (q, k, v, alpha: float64
+    tensors that may require grad). q [s, b, h, d] ("bshd": [b, s, h, d]), k, v with g heads
+    (GQA: repeated); blocked: True = masked out, broadcastable to [b, h, s_q, s_kv]; alpha [h]:
+    exp(alpha_h) joins each denominator (the sink). A row with no key left and no sink gives
+    zeros. Returns [s, b, h * d] (or [b, s, h * d])."""
+    perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
+    q, k, v = (t.permute(perm) for t in (q, k, v))
+    h, g = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    blocked = blocked.to(scores.device)
+    scores = scores.masked_fill(blocked, 0.0)
+    top = scores.detach().amax(dim=-1, keepdim=True)  # (any constant: only for range)
+    if alpha is not None:
+        top = torch.maximum(top, alpha.detach().view(1, h, 1, 1))
+    e = torch.exp(scores - top).masked_fill(blocked, 0.0)
+    denominator = e.sum(dim=-1, keepdim=True)
+    if alpha is not None:
+        denominator = denominator + torch.exp(alpha.view(1, h, 1, 1) - top)
+    out = (e / denominator.clamp_min(1e-300)) @ v
+    b, _, s, d = out.shape
+    if fmt == "sbhd":
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+    return out.transpose(1, 2).reshape(b, s, h * d)
+
+
+def leaf64(t):
+    return t.detach().double().requires_grad_(True)
+
+
+def padding(gen, b, s, device):
+    """[b, 1, 1, s], True = padding at the end of each sequence (the first sequence whole)."""
+    lengths = [s] + [int(x) for x in torch.randint(2, s, (b - 1,), generator=gen)]
+    return torch.tensor([[j >= n for j in range(s)] for n in lengths],
+                        device=device).view(b, 1, 1, s)
