@@ -1,5 +1,5 @@
 """The steps of delayed scaling kept from one training step to the next (quantization/
-autocast.py's kept_steps, amax_step.AmaxStep): a state belongs to one step at most and moves
+autocast_steps.py's kept_steps, amax_step.AmaxStep): a state belongs to one step at most and moves
 with the recipe it runs under; a freed layer's state leaves its step; and the backward step's
 BackwardOnce (csrc/step_ops.h), which lets only the first node of a backward pass call into
 Python, is cleared after every pass, including one that failed, whose amaxes are discarded. The

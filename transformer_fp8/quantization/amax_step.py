@@ -135,7 +135,7 @@ class AmaxStep:
     update leaves a column with no recorded amax untouched).
 
     fp8_autocast keeps one step per (recipe, group) and thread from one training step to the
-    next (autocast.py): a state, once added, stays covered until it is added to another step
+    next (autocast_steps.py): a state, once added, stays covered until it is added to another step
     (a state belongs to one step at most: ``state.step``) or its module is freed. Covering a
     state that recorded nothing this time changes no number (its columns are left untouched),
     and the step's plan (UpdatePlan) is made once, not at every step: adding a state it holds

@@ -1,0 +1,127 @@
+"""An FP8 state saved to and loaded from a state_dict: the state_dict half of Fp8State
+(state.py), which inherits it and whose methods it calls (reset_fp8_state, _bind_scaling_states,
+_await_recipe, _fp8_state_to_local). A loaded state is checked first (state_validation.py); a
+failed load puts back the state as it was; a checkpoint without FP8 state leaves a fresh one.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .._dtensor import is_dtensor
+from . import backward_step
+from .state_layout import FP8_FLOAT_STATE, FP8_STATE_KEYS, HISTORIES
+from .state_materialisation import fresh_state_off_meta
+from .state_validation import assigned_state_made_usable, fp8_state_error
+from .transforms import outside_inference_mode
+
+
+class Fp8StateLoading:
+    """Fp8State's saving and loading (torch.nn.Module's _save_to_state_dict and
+    _load_from_state_dict, which it overrides): put before the torch.nn base class through
+    Fp8State."""
+
+    def note_saved_recipe(self) -> None:
+        """After a load: the recipe record the loaded state was saved under (see
+        _saved_recipe_code), read once on the host."""
+        self._fp8_state_to_local()  # (a DTensor's values: its local tensor's)
+        fields = self.fp8_recipe_fields
+        saved = None if fields.is_meta else fields.tolist()
+        self._saved_recipe_code = saved if saved is not None and saved[0] >= 0 else None
+        self._saved_histories = None
+        self._te_pending_update = ()  # (te_checkpoint.apply_extra_state sets it after)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # A backward update held back by reentrant checkpointing (see backward_step.BackwardStep)
+        # runs first, so that a checkpoint holds the state a run without it would hold.
+        backward_step.discard_failed_backward_passes()
+        if backward_step.has_pending_backward_updates():
+            backward_step.flush_pending_backward_updates()
+        self._fp8_state_to_local()
+        if self._buffers["fp8_fwd_scale"].is_meta:
+            fresh_state_off_meta(self)  # (real parameters: a fresh state, not meta tensors)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if self._buffers["fp8_fwd_scale"].is_meta:
+            fresh_state_off_meta(self)  # (real parameters: the state loads into real buffers)
+        self.__dict__["_fp8_loading"] = True  # (assign=True's setattr: see _set_state_buffer)
+        try:
+            with outside_inference_mode():  # (a resized history must stay writable)
+                self._load_fp8_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        finally:
+            del self.__dict__["_fp8_loading"]
+
+    def _load_fp8_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                             unexpected_keys, error_msgs):
+        if not (any(prefix + name in state_dict
+                    for name in itertools.chain(self._parameters, self._buffers))
+                or ("parametrizations" in self._modules  # (a parametrized weight's own keys)
+                    and any(k.startswith(prefix + "parametrizations.") for k in state_dict))):
+            # Nothing of this module (strict=False: a LoRA adapter, another module's weights):
+            # it stays as it is, FP8 state included (its scales were reset to 1).
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+            return
+        # A history of another length loads as it is. A checkpoint with no FP8 key at all (a
+        # plain high-precision one) loads with strict=True and leaves a fresh FP8 state; one
+        # with only some FP8 keys is reported as incomplete.
+        self._fp8_state_to_local()
+        distributed = [prefix + k for k in FP8_STATE_KEYS
+                       if is_dtensor(state_dict.get(prefix + k))]
+        if distributed:
+            # Replicated DTensors (set_model_state_dict distributes the entries as the model's
+            # buffers were after parallelize_module): their local values, as the buffers now.
+            state_dict = dict(state_dict)
+            for key in distributed:
+                state_dict[key] = state_dict[key].to_local()
+        present = [k for k in FP8_STATE_KEYS if prefix + k in state_dict]
+        error = fp8_state_error(self, state_dict, prefix)
+        if error is not None:
+            error_msgs.append(error)  # load_state_dict raises; nothing of this module is loaded
+            return
+        # What the FP8 state was, put back if any of this module's entries fails to load (a
+        # history re-sized for the checkpoint was left uninitialised, a scale loaded without
+        # its scale_inv). (Parameters load as torch loads them.)
+        saved = [(key, self._buffers[key], self._buffers[key].data,
+                  self._buffers[key].detach().clone()) for key in FP8_STATE_KEYS]
+        for key in HISTORIES:
+            incoming, history = state_dict.get(prefix + key), getattr(self, key)
+            if (isinstance(incoming, torch.Tensor) and incoming.dim() == 2
+                    and incoming.shape[0] != history.shape[0]
+                    and incoming.shape[1] == history.shape[1]):
+                history.data = history.new_empty(incoming.shape)
+        errors_before = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if len(error_msgs) > errors_before:
+            with torch.no_grad():
+                for key, buffer, data, values in saved:
+                    self._buffers[key] = buffer
+                    if buffer.shape != data.shape:
+                        buffer.data = data
+                    buffer.copy_(values)
+            if not present:  # (a checkpoint without FP8 state is complete: not "missing")
+                for key in FP8_STATE_KEYS:
+                    if prefix + key in missing_keys:
+                        missing_keys.remove(prefix + key)
+            return  # load_state_dict raises
+        assigned_state_made_usable(self, FP8_STATE_KEYS, FP8_FLOAT_STATE)
+        if not present:
+            # A fresh state, the one the module was built with (its recipe kept, as a
+            # directly built module's: reset_fp8_state).
+            self.reset_fp8_state()
+            for key in FP8_STATE_KEYS:
+                if prefix + key in missing_keys:
+                    missing_keys.remove(prefix + key)
+            return
+        self.note_saved_recipe()
+        self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
+        self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
+        self._await_recipe()
+        self._weight_cache = [None] * self._num_gemms
+        self._delayed_cast_cache = None
+        self._fused_step_cache = None
