@@ -395,6 +395,14 @@ def _norm_frozen(layer):
     return layer
 
 
+def _split_qkv_only():
+    """Attention whose only weights that take a gradient are its query, key and value parts
+    (fuse_qkv_params=False: one Linear with parameters_split)."""
+    layer = tfp8.MultiheadAttention(32, 2, fuse_qkv_params=False, input_layernorm=False)
+    layer.proj.weight.requires_grad_(False)
+    return layer
+
+
 _PENALTY_CASES = {  # name: (the layer, its call)
     "Linear": (lambda: tfp8.Linear(32, 16), lambda layer, x: layer(x)),
     "GroupedLinear": (lambda: tfp8.GroupedLinear(2, 32, 16), lambda layer, x: layer(x, [8, 8])),
@@ -404,7 +412,19 @@ _PENALTY_CASES = {  # name: (the layer, its call)
                                     lambda layer, x: layer(2 * x)),
     "LayerNormMLP_norm_frozen": (lambda: _norm_frozen(tfp8.LayerNormMLP(32, 64)),
                                  lambda layer, x: layer(2 * x)),
+    # A weight joined in the graph from its parameters_split parts: the joined weight is an
+    # intermediate, which requires no grad at run time.
+    "Linear_split": (lambda: tfp8.Linear(32, 32, parameters_split={"a": 16, "b": 16}),
+                     lambda layer, x: layer(x)),
+    "LayerNormLinear_split_norm_frozen": (
+        lambda: _norm_frozen(tfp8.LayerNormLinear(32, 32, parameters_split={"a": 16, "b": 16})),
+        lambda layer, x: layer(2 * x)),
+    "MultiheadAttention_split_proj_frozen": (_split_qkv_only, lambda layer, x:
+                                             layer(x.view(4, 4, 32))),
 }
+# torch's attention takes another backward under create_graph=True (its gradients differ from
+# create_graph=False's in high precision and eager too): no bit-for-bit comparison there.
+_OTHER_BACKWARD_UNDER_CREATE_GRAPH = {"MultiheadAttention_split_proj_frozen"}
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
@@ -436,6 +456,8 @@ def test_gradient_penalty_through_a_compiled_fp8_layer_is_refused(name, recipe, 
     assert gx.requires_grad
     with pytest.raises(RuntimeError, match="does not currently support double backward"):
         (y.square().mean() + 0.1 * gx.square().sum()).backward()
+    if name in _OTHER_BACKWARD_UNDER_CREATE_GRAPH:
+        return
 
     grads = []
     for create_graph in (True, False):
@@ -446,20 +468,6 @@ def test_gradient_penalty_through_a_compiled_fp8_layer_is_refused(name, recipe, 
         grads.append([p.grad.detach().clone() for p in layer.parameters() if p.requires_grad])
     for got, expected in zip(*grads):
         assert torch.equal(got, expected), "create_graph=True changes a gradient"
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known limitation: a weight "
-                   "joined in the graph from its parameters_split parts is an intermediate, "
-                   "which requires no grad at run time: the penalty is not refused")
-def test_gradient_penalty_through_a_compiled_split_weight_is_refused():
-    layer = tfp8.Linear(32, 32, parameters_split={"a": 16, "b": 16})
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, backend="aot_eager")
-    x = torch.randn(16, 32, requires_grad=True)
-    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
-        y = compiled(x)
-    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
-    assert gx.requires_grad
 
 
 def _aten_graphs_backend():

@@ -45,7 +45,10 @@ def cast_norm_output(plan, norm, x, ln_weight, ln_bias, with_transpose, return_h
 
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, plan, norm, return_ln_out):
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, plan, norm, return_ln_out,
+                hold_weight=True):
+        # hold_weight=False: a weight joined from its parts, whose join holds one under
+        # torch.compile (once_differentiable.py).
         needs_norm_grad = any(ctx.needs_input_grad[:3])
         needs_weight_grad = ctx.needs_input_grad[3]
         out_features, in_features = weight.shape
@@ -58,7 +61,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                         bias=None if bias is None else bias.to(plan.out_dtype), fast_accum=True)
         # Backward keeps the input (for the norm's backward) and the FP8 copies only.
         save_for_backward(ctx, x, ln_weight, ln_q.data_t, ln_q.scale_inv_t, w_q.data_t,
-                          w_q.scale_inv_t, *stats, weights=(weight,) if needs_weight_grad else ())
+                          w_q.scale_inv_t, *stats,
+                          weights=(weight,) if needs_weight_grad and hold_weight else ())
         ctx.plan, ctx.norm = plan, norm
         ctx.rows, ctx.lead_shape = x.shape[0], inp.shape[:-1]
         ctx.in_features, ctx.out_features = in_features, out_features
@@ -100,7 +104,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[2]:
             grad_ln_bias = None  # (a LayerNorm without bias, or a frozen one)
         return (grad_inp, grad_ln_weight, grad_ln_bias, grad_weight, grad_bias,
-                None, None, None)
+                None, None, None, None)
 
 
 class LayerNormLinear(NormFirstModule):
@@ -181,7 +185,8 @@ class LayerNormLinear(NormFirstModule):
     def _fp8_apply(self, inp, plans):
         return _LayerNormLinearFunction.apply(
             inp, self.layer_norm_weight, self.layer_norm_bias, self._param("weight"),
-            self._gemm_bias(), plans[0], self._norm_step, self.return_layernorm_output)
+            self._gemm_bias(), plans[0], self._norm_step, self.return_layernorm_output,
+            self._weight_held("weight"))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

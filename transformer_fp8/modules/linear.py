@@ -35,9 +35,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
     its role (any recipe)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, plan, add_bias=True):
+    def forward(ctx, inp, weight, bias, plan, add_bias=True, hold_weight=True):
         # add_bias=False: bias only takes its gradient (tensor_parallel.py's rowwise ranks but
-        # the first, whose partial sums must not each hold it).
+        # the first, whose partial sums must not each hold it). hold_weight=False: a weight
+        # joined from its parts, whose join holds one under torch.compile.
         needs_input_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         out_features, in_features = weight.shape
         inp_2d = inp.reshape(-1, in_features)
@@ -55,7 +56,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # Backward needs only the FP8 transposes: the high-precision input is not kept (under
         # torch.compile a reference to the weight too: once_differentiable.py).
         save_for_backward(ctx, x_q.data_t, x_q.scale_inv_t, w_q.data_t, w_q.scale_inv_t,
-                          weights=(weight,) if needs_weight_grad else ())
+                          weights=(weight,) if needs_weight_grad and hold_weight else ())
         ctx.plan = plan
         ctx.rows, ctx.lead_shape = inp_2d.shape[0], inp.shape[:-1]
         ctx.in_features, ctx.out_features = in_features, out_features
@@ -84,7 +85,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                                     ctx.weight_dtype)
         if needs_bias_grad and grad_bias.dtype != ctx.bias_dtype:
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        return grad_inp, grad_weight, grad_bias, None, None
+        return grad_inp, grad_weight, grad_bias, None, None, None
 
 
 def _unpad(out: torch.Tensor, rows: int, lead_shape, features: int) -> torch.Tensor:
@@ -231,7 +232,8 @@ class LinearLayer(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         weight, bias = self.weight_nk(routed=True), self._gemm_bias()
         if is_dtensor(weight):  # tensor parallelism: the GEMMs on the local shards
             return sharded_linear(_Fp8LinearFunction.apply, self, inp, weight, bias, plans[0])
-        return _Fp8LinearFunction.apply(inp, weight, bias, plans[0])
+        return _Fp8LinearFunction.apply(inp, weight, bias, plans[0], True,
+                                        self._weight_held("weight"))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -16,7 +16,11 @@ backward"), but only where one of the tensors it saved for backward requires gra
 copies, which do not: a penalty through a compiled Linear came back as a constant. So under
 torch.compile the forward also saves the weights that take a gradient (``save_for_backward``:
 a reference, no copy), and the backward reads them (``_hold``), which makes AOTAutograd keep
-them for backward: differentiating the gradients raises its error.
+them for backward: differentiating the gradients raises its error. A weight joined from its
+parts (parameters_split) is no such tensor (computed in the compiled forward, it requires no
+grad at run time): under torch.compile it is joined by ``joined_weight``, whose backward holds
+one of the parts instead (a Parameter), and the FP8 forward does not hold the joined weight
+(``hold_weight=False``: it would keep a high-precision copy of it for backward).
 """
 from __future__ import annotations
 
@@ -48,6 +52,31 @@ def _hold(held, grad: torch.Tensor) -> None:
     index = grad.narrow(0, 0, 0).reshape(-1).long()
     for tensor in held:
         torch.ops.aten._assert_tensor_metadata(tensor.index_select(0, index))
+
+
+class _JoinedWeight(torch.autograd.Function):
+    """torch.cat(parts) (rows), whose backward holds the first part that takes a gradient."""
+
+    @staticmethod
+    def forward(ctx, *parts):
+        ctx.rows, ctx.dtypes = [p.shape[0] for p in parts], [p.dtype for p in parts]
+        ctx.save_for_backward(*[p for p, needs in zip(parts, ctx.needs_input_grad) if needs][:1])
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _hold(ctx.saved_tensors, grad)
+        # torch.cat's backward: each part's rows, in its dtype
+        return tuple(g if g.dtype == dtype else g.to(dtype)
+                     for g, dtype in zip(grad.split(ctx.rows, dim=0), ctx.dtypes))
+
+
+def joined_weight(parts) -> torch.Tensor:
+    """torch.cat(parts, dim=0) for a weight split into parts (parameters_split); under
+    torch.compile with a backward that holds one of them (see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return _JoinedWeight.apply(*parts)
+    return torch.cat(parts, dim=0)
 
 
 def once_differentiable(what: str):

@@ -25,6 +25,7 @@ from ..quantization.torch_autocast import autocast_dtype
 from .fp8_primary_weights import SCALE_INV_SUFFIX
 
 from . import wgrad
+from .once_differentiable import joined_weight
 
 
 def split_sizes(owner: str, parameters_split, out_features: int) -> Optional[list]:
@@ -137,6 +138,11 @@ class TeModuleMixin:
     def _parameters_of(self, logical: str) -> list:
         return [getattr(self, name) for name in self._parts.get(logical, [logical])]
 
+    def _weight_held(self, logical: str) -> bool:
+        """Whether the FP8 forward holds weight ``logical`` under torch.compile: not when it
+        is joined from parts, whose join holds one (once_differentiable.py)."""
+        return len(self._parts.get(logical, [logical])) == 1
+
     def _param(self, logical: str, routed: bool = True) -> Optional[torch.Tensor]:
         """The tensor the computation uses for ``logical`` (None for an absent bias)."""
         names = self._parts.get(logical)
@@ -161,12 +167,14 @@ class TeModuleMixin:
         if len(params) == 1:
             return params[0]
         device_type = params[0].device.type
+        # (a weight's join holds a part under torch.compile: once_differentiable.py)
+        join = torch.cat if "bias" in logical else joined_weight
         if autocast_dtype(device_type) is None:
-            return torch.cat(params, dim=0)
+            return join(params)
         # Joined as they are, as one Parameter would be (the GEMM casts): torch.autocast's cat
         # promotes, which raises for bfloat16 parts under float16 autocast and vice versa.
         with torch.autocast(device_type, enabled=False):
-            return torch.cat(params, dim=0)
+            return join(params)
 
     def _returned_bias(self, logical: str, like: torch.Tensor) -> Optional[torch.Tensor]:
         """The bias that return_bias returns (not added to the output): in the output's
