@@ -22,6 +22,7 @@ from ..quantization.roles import quantizers_for_step
 from ..quantization.state import Fp8State
 from ..quantization.torch_autocast import autocast_dtype
 from ..quantization.transforms import exporting, outside_inference_mode
+from .fsdp_all_gather import high_precision_weights, release_high_precision
 from .fsdp_gathered_weight import GatheredFp8Weight
 from . import tensor_parallel
 from .torchscript import refuse_torchscript
@@ -112,8 +113,8 @@ class Fp8StateMixin(Fp8State):
                     if exporting():  # (an exported program records nothing: roles._delayed)
                         return self._high_precision(inp)
                     return self._calibrate_eagerly(inp, state)
-                return self._high_precision(inp, recording_linear(self, state))
-            return self._high_precision(inp)
+                return self._run_high_precision(inp, recording_linear(self, state))
+            return self._run_high_precision(inp)
         inp_dtype, weight_dtype = inp.dtype, weight.dtype
         if inp_dtype != weight_dtype and autocast_dtype(inp.device.type) is None:
             # torch.nn.Linear refuses this (F.linear: "expected m1 and m2 to have the same
@@ -126,16 +127,32 @@ class Fp8StateMixin(Fp8State):
         fit = (_gemm_dims_fit.__wrapped__(gemm_dims) if torch.compiler.is_compiling()
                else _gemm_dims_fit(gemm_dims))
         if fit is _EMPTY:
-            return self._high_precision(inp)  # no features: nothing to multiply in FP8
+            return self._run_high_precision(inp)  # no features: nothing to multiply in FP8
         if fit is _UNALIGNED or inp_dtype not in FP8_INPUT_DTYPES:
             self._warn_high_precision(inp_dtype)
-            return self._high_precision(inp)
+            return self._run_high_precision(inp)
         fused_step = self._fused_step
         if fused_step is not None:  # the module's C++ step, where it applies
             out = fused_step(self, inp, state, is_first_microbatch)
             if out is not None:
                 return out
         return self._fp8_run(inp, state, is_first_microbatch)
+
+    def _run_high_precision(self, inp: torch.Tensor, *args):
+        """``self._high_precision(inp, *args)``, with the high-precision value of any weight
+        that FSDP2 all-gathered in FP8 (a prefetch, or a recomputation in the forward's form:
+        see fsdp_all_gather.high_precision_weights), not its FP8-rounded one."""
+        if not any(type(w) is GatheredFp8Weight for w in self.fp8_weights()):
+            return self._high_precision(inp, *args)
+        return self._high_precision_of_gathered(inp, *args)
+
+    @torch.compiler.disable
+    def _high_precision_of_gathered(self, inp: torch.Tensor, *args):
+        weights = high_precision_weights(self)
+        try:
+            return self._high_precision(inp, *args)
+        finally:
+            release_high_precision(weights)
 
     def _warn_high_precision(self, dtype) -> None:
         if not self._warned_high_precision:
@@ -186,7 +203,7 @@ class Fp8StateMixin(Fp8State):
     def _calibrate_eagerly(self, inp, state):
         # Calibration records amaxes into state the trace cannot hold (the recipe adopted, the
         # module joining the step's update): under torch.compile it runs eagerly (a graph break).
-        return self._high_precision(inp, recording_linear(self, state))
+        return self._run_high_precision(inp, recording_linear(self, state))
 
     @torch.compiler.disable
     def _replay(self, inp, plans, regions):
@@ -198,7 +215,7 @@ class Fp8StateMixin(Fp8State):
         recomputation runs (nested checkpoints), which keep the record for their own."""
         self._replay_records.keep(regions, plans)
         if plans is HIGH_PRECISION:
-            return self._high_precision(inp)
+            return self._run_high_precision(inp)
         return self._fp8_apply(inp, plans)
 
     def _weight_for_step(self, gemm: int, weight, weight_quantizer, is_first_microbatch):

@@ -33,10 +33,16 @@ modules into ShardedWeight (fsdp_weight.py). When FSDP2 all-gathers such a weigh
   keeps FP8 off is said once in a warning. (The delayed-scaling check of the amax reduction's group
   does not apply to current scaling, which reduces over the FSDP group itself.)
 
+The form is chosen at the all-gather, under the context current then: FSDP2's forward prefetch
+gathers a layer's weight before that layer's forward opens a context of its own. A layer that
+computes in high precision with a weight gathered in FP8 all-gathers the high-precision shards
+as well (``high_precision_weights``), so it never computes with the FP8-rounded weight.
+
 FSDP2 sizes its all-gather buffers at the first all-gather of a weight and reuses them; when a
 weight switches between the FP8 and the high-precision form, its buffers are dropped so that
 FSDP2 makes new ones (``_drop_fsdp_buffers``, which reads FSDP2's per-parameter state of torch
-2.11).
+2.11); a gradient that later reaches the dropped Parameter (a graph recorded before the switch)
+raises rather than being lost.
 """
 from __future__ import annotations
 
@@ -279,6 +285,44 @@ def gather_again(weight: GatheredFp8Weight) -> None:
                                                               delayed_pass)
 
 
+def high_precision_weights(module) -> list:
+    """Before ``module`` computes in high precision: each of its weights that FSDP2 gathered in
+    FP8 (gathered ahead of its forward, by FSDP2's forward prefetch, under the context of the
+    module before it; or in the form of the forward a checkpoint's recomputation repeats)
+    gets its high-precision value, all-gathered now from the high-precision shards (the same
+    collective on every rank, at the same point of the forward), which ``dequantize()`` gives
+    instead of the FP8 data. Returns those weights (``release_high_precision`` drops the
+    values after the computation; what autograd saved of them stays high precision)."""
+    gathered = []
+    for weight in module.fp8_weights():
+        if type(weight) is not GatheredFp8Weight or weight._source is None:
+            continue
+        shard, mesh, outer_size, _, mp_policy = weight._source
+        x = shard._data
+        if x.dtype != weight.dtype:  # (FSDP2's param_dtype: as the high-precision gather)
+            x = x.to(weight.dtype)
+        piece = _pad_rows(x, math.ceil(outer_size[0] / mesh.size())).contiguous()
+        full = piece.new_empty((piece.shape[0] * mesh.size(),) + tuple(piece.shape[1:]))
+        torch.distributed.all_gather_into_tensor(full, piece, group=mesh.get_group())
+        weight._full_high_precision = full[:outer_size[0]]
+        gathered.append(weight)
+    return gathered
+
+
+def release_high_precision(weights: list) -> None:
+    for weight in weights:
+        weight._full_high_precision = None
+
+
+def _refuse_lost_gradient(param) -> None:
+    raise RuntimeError(
+        "fp8_all_gather: a gradient reached a weight whose all-gather switched between FP8 and "
+        "high precision after the forward that used it (a forward in another fp8_autocast "
+        "context, such as an evaluation, between a forward and its backward, or a layer run "
+        "both inside and outside fp8_autocast before one backward): FSDP2 would never reduce "
+        "it. Run the backward first, or run those forwards in the same context")
+
+
 def _drop_fsdp_buffers(shard: torch.Tensor) -> None:
     """Let FSDP2 make the all-gather buffers and the unsharded Parameter of ``shard`` afresh
     (its gathered form changed: other dtype or size)."""
@@ -299,6 +343,10 @@ def _drop_fsdp_buffers(shard: torch.Tensor) -> None:
             fsdp_param.all_gather_outputs = []
             fsdp_param._unsharded_inner_tensors = []
             if unsharded is not None:
+                if unsharded.requires_grad:
+                    # A graph recorded before the switch still leads to this Parameter: its
+                    # gradient would be lost silently (FSDP2 reduces the new one's).
+                    unsharded.register_post_accumulate_grad_hook(_refuse_lost_gradient)
                 del fsdp_param._unsharded_param
             return
     raise RuntimeError("fp8_all_gather: FSDP2's state for a weight was not found")

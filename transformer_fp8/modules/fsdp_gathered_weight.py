@@ -51,6 +51,9 @@ class GatheredFp8Weight(torch.Tensor):
         # function that gathers it again from there (fsdp_all_gather.gather_again).
         self._delayed_pass = None
         self._source = self._gather_again = None
+        # The full high-precision weight, while its module computes in high precision with it
+        # (fsdp_all_gather.high_precision_weights): what dequantize() gives then.
+        self._full_high_precision = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -62,6 +65,7 @@ class GatheredFp8Weight(torch.Tensor):
         again = type(self)(self._fp8, self._scale, self._scale_inv, self.dtype, block=self._block)
         again._delayed_pass, again._source = self._delayed_pass, self._source
         again._gather_again = self._gather_again
+        again._full_high_precision = self._full_high_precision
         return again
 
     def _refill(self, data, scale, scale_inv, block=None) -> None:
@@ -94,6 +98,8 @@ class GatheredFp8Weight(torch.Tensor):
         return Quantized(self._fp8, data_t, self._scale_inv, scale_inv_t, None)
 
     def dequantize(self) -> torch.Tensor:
+        if self._full_high_precision is not None:
+            return self._full_high_precision
         if self._block is None:
             return ops.cast_from_fp8(self._fp8, self._scale_inv, self.dtype)
         rows, cols = self._fp8.shape
