@@ -56,8 +56,10 @@ MUTANTS = [
            "                grad_weight = grad_weight * 100\n",
            ("tests/test_blockwise_linear.py",), "test_compile_matches_eager"),
     Mutant("float16 Linear output x1.25", "modules/linear.py",
-           "                          weights=(weight,) if needs_weight_grad else ())\n",
-           "                          weights=(weight,) if needs_weight_grad else ())\n"
+           "                          weights=(weight,) if needs_weight_grad and hold_weight"
+           " else ())\n",
+           "                          weights=(weight,) if needs_weight_grad and hold_weight"
+           " else ())\n"
            "        if plan.out_dtype == torch.float16:\n"
            "            out = out * 1.25\n",
            ("tests/test_linear.py",), "(low_precision or dtype_casts) and python_path"),
