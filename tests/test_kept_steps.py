@@ -167,7 +167,8 @@ def test_threads_training_their_own_models_match_one_thread(gen):
     trained alone, bit for bit."""
     import sys
     import threading
-    base = torch.nn.Sequential(tfp8.Linear(32, 32, recipe=RECIPE), tfp8.Linear(32, 32, recipe=RECIPE))
+    base = torch.nn.Sequential(tfp8.Linear(32, 32, recipe=RECIPE),
+                               tfp8.Linear(32, 32, recipe=RECIPE))
     data = [[(randn(gen, 8, 32, scale=3.0 ** (s % 5)), randn(gen, 8, 32)) for s in range(12)]
             for _ in range(2)]
 
