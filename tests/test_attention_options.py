@@ -205,3 +205,25 @@ def test_windows_the_mask_type_cannot_take_are_refused(gen):
         DotProductAttention(H, D, window_size=(-1, 3))(q, k, v)
     with pytest.raises(ValueError, match=r"window_size must be None or a pair"):
         DotProductAttention(H, D)(q, k, v, window_size=[4, 0, 1])
+
+
+def test_learnable_sink_offset_is_reset_after_meta_init():
+    """Built on "meta" and materialised with to_empty(), the offset is uninitialised memory (here
+    NaN, to be sure) until reset_parameters() gives it its start, zeros, as for torch's modules;
+    the layer then computes what a layer built directly computes."""
+    torch.manual_seed(0)
+    built = TransformerLayer(32, 64, 4, softmax_type="learnable", hidden_dropout=0.0,
+                             attention_dropout=0.0)
+    torch.manual_seed(0)
+    layer = TransformerLayer(32, 64, 4, softmax_type="learnable", hidden_dropout=0.0,
+                             attention_dropout=0.0, device="meta")
+    layer.to_empty(device="cpu")
+    offset = layer.self_attention.core_attention.softmax_offset
+    with torch.no_grad():
+        offset.fill_(float("nan"))
+    layer.self_attention.core_attention.reset_parameters()
+    assert torch.equal(offset, torch.zeros(4))
+    layer.load_state_dict({k: v for k, v in built.state_dict().items()
+                           if not k.endswith("softmax_offset")}, strict=False)
+    x = torch.randn(6, 2, 32)
+    assert torch.equal(layer(x), built(x))

@@ -230,6 +230,13 @@ class DotProductAttention(torch.nn.Module):
             self.softmax_offset = torch.nn.Parameter(
                 torch.zeros(num_attention_heads, dtype=torch.float32, device=device))
 
+    def reset_parameters(self) -> None:
+        """The learnable sink's offset back to its start, zeros (a module materialised from
+        "meta" by to_empty() holds uninitialised memory until this runs, as torch's do)."""
+        if self.softmax_type == "learnable":
+            with torch.no_grad():
+                self.softmax_offset.zero_()
+
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor,
                 value_layer: torch.Tensor,
                 attention_mask: Union[torch.Tensor, tuple, None] = None,
