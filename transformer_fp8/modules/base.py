@@ -142,7 +142,9 @@ class Fp8StateMixin(Fp8State):
         """``self._high_precision(inp, *args)``, with the high-precision value of any weight
         that FSDP2 all-gathered in FP8 (a prefetch, or a recomputation in the forward's form:
         see fsdp_all_gather.high_precision_weights), not its FP8-rounded one."""
-        if not any(type(w) is GatheredFp8Weight for w in self.fp8_weights()):
+        # (the module's own Parameters, where FSDP2 puts what it gathered: fp8_weights() would
+        # join a parameters_split weight, which FSDP2's FP8 all-gather refuses anyway)
+        if not any(type(w) is GatheredFp8Weight for w in self._parameters.values()):
             return self._high_precision(inp, *args)
         return self._high_precision_of_gathered(inp, *args)
 

@@ -141,7 +141,7 @@ class TeModuleMixin:
     def _weight_held(self, logical: str) -> bool:
         """Whether the FP8 forward holds weight ``logical`` under torch.compile: not when it
         is joined from parts, whose join holds one (once_differentiable.py)."""
-        return len(self._parts.get(logical, [logical])) == 1
+        return len(self._parts.get(logical, ())) <= 1
 
     def _param(self, logical: str, routed: bool = True) -> Optional[torch.Tensor]:
         """The tensor the computation uses for ``logical`` (None for an absent bias)."""
