@@ -745,3 +745,28 @@ def test_split_weights_under_the_other_16_bit_torch_autocast(kind, params_dtype,
     assert outs[0].dtype == autocast_dtype and torch.isfinite(outs[0]).all()
     if fused is not None:
         assert_bitwise_equal(outs[0], outs[1], kind)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear"])
+def test_split_weight_is_joined_once_per_forward(kind, recipe):
+    """A parameters_split weight is joined (a copy of the whole weight) once per FP8 forward, for
+    its GEMM, and its bias once: the forward's dispatch, which reads the weight's dtype and type
+    only, joined the weight a second time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCat(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.joins = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.joins += func is torch.ops.aten.cat.default
+            return func(*args, **(kwargs or {}))
+
+    cls = tfp8.Linear if kind == "Linear" else tfp8.LayerNormLinear
+    layer = cls(32, 48, parameters_split={"q": 16, "k": 16, "v": 16})
+    x = torch.randn(8, 32)
+    with fp8_autocast(fp8_recipe=recipe), CountCat() as counted:
+        layer(x)
+    assert counted.joins == 2, "the weight and the bias, once each"

@@ -93,7 +93,7 @@ class Fp8StateMixin(Fp8State):
         state = stack[-1] if stack else None
         if self._fp8_override is not None and state is not None:
             state = self._fp8_override.state_for(state)  # None: high precision
-        weight = self.fp8_weights()[0]
+        weight = self._weight_for_checks()
         # tensor parallelism (tensor_parallel.py)
         sharded = type(weight) not in _PLAIN_TENSORS and is_dtensor(weight)
         if sharded:
@@ -137,6 +137,11 @@ class Fp8StateMixin(Fp8State):
             if out is not None:
                 return out
         return self._fp8_run(inp, state, is_first_microbatch)
+
+    def _weight_for_checks(self) -> torch.Tensor:
+        """The (first) weight, for what the dispatch and the roles read of it: its dtype,
+        whether it is a DTensor."""
+        return self.fp8_weights()[0]
 
     def _run_high_precision(self, inp: torch.Tensor, *args):
         """``self._high_precision(inp, *args)``, with the high-precision value of any weight
@@ -183,12 +188,14 @@ class Fp8StateMixin(Fp8State):
         if self._fp8_override is not None:  # debug.override(..., gemms=...)
             quantizers = self._fp8_override.wrap_quantizers(quantizers)
         out_dtype = autocast_dtype(inp.device.type) or inp.dtype
+        # (the weights only where a cast is kept: a parameters_split weight is joined, a copy)
+        weights = self.fp8_weights() if is_first_microbatch is not None else None
         plans = tuple(
             Fp8Plan(input_q, weight_q, grad_q,
-                    self._weight_for_step(gemm, weight, weight_q, is_first_microbatch),
+                    self._weight_for_step(gemm, weights and weights[gemm], weight_q,
+                                          is_first_microbatch),
                     backward_step, out_dtype)
-            for gemm, (weight, (input_q, weight_q, grad_q))
-            in enumerate(zip(self.fp8_weights(), quantizers)))
+            for gemm, (input_q, weight_q, grad_q) in enumerate(quantizers))
         out = self._fp8_apply(inp, plans, *args)
         regions = checkpoint_stack.regions_to_keep()
         if regions:

@@ -138,6 +138,13 @@ class TeModuleMixin:
     def _parameters_of(self, logical: str) -> list:
         return [getattr(self, name) for name in self._parts.get(logical, [logical])]
 
+    def _weight_for_checks(self) -> torch.Tensor:
+        """base.py's dispatch and the roles read the weight's dtype and type only: the first
+        Parameter of a parameters_split weight will do (the parts share both), so no join (a
+        copy of the whole weight) is made for them; the GEMM joins them once."""
+        names = self._parts.get("weight")
+        return getattr(self, names[0]) if names else self.fp8_weights()[0]
+
     def _weight_held(self, logical: str) -> bool:
         """Whether the FP8 forward holds weight ``logical`` under torch.compile: not when it
         is joined from parts, whose join holds one (once_differentiable.py)."""

@@ -101,7 +101,7 @@ def _current(recipe: Float8CurrentScaling, fp8_state, autocast_state):
     each replica's scales, and a cast one replica ran alone waited for the others), so every
     shard is cast as the whole tensor would be."""
     fmt, group = recipe.fp8_format, None
-    weight = fp8_state.fp8_weights()[0]
+    weight = fp8_state._weight_for_checks()
     if is_dtensor(weight):
         group = autocast_state.group or weight.device_mesh.get_group()
     return [tuple(TensorQuantizer.current(dtype, group)
