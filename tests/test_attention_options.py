@@ -13,9 +13,9 @@ import torch
 from attention_reference import attention_ref, blocked_mask, leaf64, padding, window_blocked
 from conftest import randn, sqnr
 
-from transformer_fp8.modules.attention import DotProductAttention
-from transformer_fp8.modules.attention_sink import with_sink
-from transformer_fp8.modules.multi_head_attention import MultiheadAttention
+from transformer_fp8.modules.attention.dot_product import DotProductAttention
+from transformer_fp8.modules.attention.sink import with_sink
+from transformer_fp8.modules.attention.multi_head_attention import MultiheadAttention
 from transformer_fp8.modules.transformer_layer import TransformerLayer
 
 H, D = 4, 16

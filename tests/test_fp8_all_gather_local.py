@@ -12,8 +12,8 @@ from integration_compare import assert_bit_identical, step_batches, train
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import ops
-from transformer_fp8.modules.fsdp_gathered_weight import GatheredFp8Weight
-from transformer_fp8.modules.fsdp_weight import ShardedWeight
+from transformer_fp8.modules.fsdp.gathered_weight import GatheredFp8Weight
+from transformer_fp8.modules.fsdp.weight import ShardedWeight
 
 RECIPE = tfp8.DelayedScaling(amax_history_len=8, amax_compute_algo="most_recent")
 
@@ -112,7 +112,7 @@ def test_convert_gathers_a_transposed_weight_in_high_precision_with_a_warning():
 
 
 def test_block_gathered_operand_is_the_block_cast_of_the_weight_and_its_transpose():
-    from transformer_fp8.modules.fsdp_gathered_weight import block_scales_laid_out
+    from transformer_fp8.modules.fsdp.gathered_weight import block_scales_laid_out
     from transformer_fp8.quantization.blockwise import BlockQuantizer
     from transformer_fp8.reference import dequantize_blockwise_reference
     torch.manual_seed(3)

@@ -22,8 +22,8 @@ from multiprocess import WORLD, run_ranks
 from test_dcp import _full
 
 import transformer_fp8 as tfp8
-from transformer_fp8.modules.fsdp_gathered_weight import GatheredFp8Weight
-from transformer_fp8.modules.fsdp_weight import ShardedWeight
+from transformer_fp8.modules.fsdp.gathered_weight import GatheredFp8Weight
+from transformer_fp8.modules.fsdp.weight import ShardedWeight
 
 # "most_recent": every step's scales follow that step's amaxes (the weights' too, as SGD moves
 # them), so a scale from the wrong step or rank shows.

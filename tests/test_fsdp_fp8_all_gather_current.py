@@ -28,8 +28,8 @@ from test_fsdp_fp8_all_gather import (
 )
 
 import transformer_fp8 as tfp8
-from transformer_fp8.modules import fsdp_current_scale
-from transformer_fp8.modules.fsdp_gathered_weight import GatheredFp8Weight
+from transformer_fp8.modules.fsdp import current_scale as fsdp_current_scale
+from transformer_fp8.modules.fsdp.gathered_weight import GatheredFp8Weight
 from transformer_fp8.quantization.quantizer import TensorQuantizer
 
 CURRENT = tfp8.Float8CurrentScaling()

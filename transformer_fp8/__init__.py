@@ -11,16 +11,15 @@ from .cpu_offload import get_cpu_offload_context
 from .integrations.convert import Conv1D, ConversionSummary, convert_to_fp8
 from .integrations.cuda_graphs import make_graphed_callables
 from .integrations.pretrained import load_fp8_state
-from .modules.attention import DotProductAttention, RotaryPositionEmbedding
-from .modules.fsdp_enable import enable_fp8_all_gather
+from .modules.attention import DotProductAttention, MultiheadAttention, RotaryPositionEmbedding
 from .modules.fp8_padding import Fp8Padding, Fp8Unpadding
+from .modules.fsdp import enable_fp8_all_gather
 from .modules.grouped_linear import GroupedLinear
 from .modules.layernorm_linear import LayerNormLinear
 from .modules.layernorm_mlp import LayerNormMLP
 from .modules.linear import Linear, strip_fp8_state
-from .modules.moe_chunk_sort import moe_sort_chunks_by_index, moe_sort_chunks_by_index_with_probs
-from .modules.moe_permutation import moe_permute, moe_permute_with_probs, moe_unpermute
-from .modules.multi_head_attention import MultiheadAttention
+from .modules.moe import (moe_permute, moe_permute_with_probs, moe_sort_chunks_by_index,
+                          moe_sort_chunks_by_index_with_probs, moe_unpermute)
 from .modules.normalization import LayerNorm, RMSNorm
 from .modules.transformer_layer import TransformerLayer
 from .ops import blockwise as blockwise_ops

@@ -16,7 +16,7 @@ import torch
 from ..quantization import model_init
 from ..quantization.quantizer import ALIGN
 from ..quantization.history import history_len_for
-from ..modules.fsdp_enable import enable_fp8_all_gather
+from ..modules.fsdp.enable import enable_fp8_all_gather
 from ..modules.linear import Linear, LinearLayer
 from ..quantization.recipe import Recipe
 
@@ -151,7 +151,7 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     its final shapes from the start (see Linear); the module's FP8 layers that were FP8 already
     (converted before, Transformer Engine's modules) are sized for it too. fp8_all_gather:
     under FSDP2's fully_shard the converted Linear layers' weights are all-gathered in FP8
-    (modules/fsdp_all_gather.py; their weight Parameters become ShardedWeight, the same
+    (modules/fsdp/all_gather.py; their weight Parameters become ShardedWeight, the same
     objects); call it before fully_shard. Conv1D weights, stored transposed, are gathered in
     high precision.
 

@@ -22,8 +22,8 @@ from ..quantization.roles import quantizers_for_step
 from ..quantization.state import Fp8State
 from ..quantization.torch_autocast import autocast_dtype
 from ..quantization.transforms import exporting, outside_inference_mode
-from .fsdp_all_gather import high_precision_weights, release_high_precision
-from .fsdp_gathered_weight import GatheredFp8Weight
+from .fsdp.all_gather import high_precision_weights, release_high_precision
+from .fsdp.gathered_weight import GatheredFp8Weight
 from . import tensor_parallel
 from .torchscript import refuse_torchscript
 

@@ -27,8 +27,8 @@ import torch
 from ..quantization import model_init
 from ..quantization.fp8_weight import Fp8Weight, WeightCast
 from ..quantization.recipe import DelayedScaling, Float8CurrentScaling
-from .fsdp_enable import _weight_parameter_names
-from .fsdp_weight import ShardedWeight
+from .fsdp.enable import _weight_parameter_names
+from .fsdp.weight import ShardedWeight
 
 SCALE_INV_SUFFIX = "_fp8_scale_inv"  # state_dict key of an FP8 weight's scale_inv
 

@@ -22,7 +22,7 @@ from ..quantization.history import history_len_for
 from ..quantization.state_layout import FP8_STATE_KEYS
 from .base import Fp8StateMixin
 from .fp8_primary_weights import SCALE_INV_SUFFIX, make_fp8_primary_weights
-from .fsdp_enable import check_fp8_all_gather, enable_fp8_all_gather
+from .fsdp.enable import check_fp8_all_gather, enable_fp8_all_gather
 from .linear_fused_step import fused_linear_step, ticketed_linear_step
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes
@@ -257,7 +257,7 @@ class Linear(LinearLayer, torch.nn.Linear):
     delay_wgrad_compute (wgrad.py); its parallelism options are accepted at their defaults
     (te_args.py). recipe: the recipe the layer will train with, which sizes its amax histories
     now rather than at the first FP8 forward. fp8_all_gather: under FSDP2's fully_shard the
-    weight is all-gathered in FP8 (fsdp_all_gather.py; not with parameters_split,
+    weight is all-gathered in FP8 (fsdp/all_gather.py; not with parameters_split,
     fuse_wgrad_accumulation or delay_wgrad_compute). Tensor parallelism: parallelize_module's
     ColwiseParallel and RowwiseParallel (tensor_parallel.py).
     """

@@ -19,9 +19,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .attention import check_mask_type, check_qkv_format
+from .attention.dot_product import check_mask_type, check_qkv_format
 from .layernorm_mlp import LayerNormMLP
-from .multi_head_attention import MultiheadAttention
+from .attention.multi_head_attention import MultiheadAttention
 from ..quantization.recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
                       te_only_arguments)

@@ -324,7 +324,7 @@ RECIPE_TYPES = (DelayedScaling, Float8CurrentScaling) + BLOCK_RECIPES
 GRAPHABLE_RECIPES = (DelayedScaling, Float8CurrentScaling)
 # The recipes under which FSDP2 all-gathers weight shards cast to FP8 (the delayed scale, the
 # current scale of the full weight's amax agreed by the ranks, or 128x128 blocks quantised
-# where they lie: modules/fsdp_all_gather.py).
+# where they lie: modules/fsdp/all_gather.py).
 FP8_ALL_GATHER_RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)
 # The recipes with no amax history or scale in the module state.
 STATELESS_RECIPES = (Float8CurrentScaling,) + BLOCK_RECIPES

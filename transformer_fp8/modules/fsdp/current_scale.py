@@ -1,4 +1,4 @@
-"""Float8CurrentScaling weight scales for the FP8 all-gather under FSDP2 (fsdp_all_gather.py).
+"""Float8CurrentScaling weight scales for the FP8 all-gather under FSDP2 (fsdp/all_gather.py).
 
 Current scaling casts a weight with the scale of the FULL weight's amax, which no rank holds
 alone. At the first FP8 all-gather of a step (one outermost fp8_autocast, autocast.
@@ -8,7 +8,7 @@ each full weight's amax (the max of the shards' maxima is exactly the full weigh
 scale is then computed from its amax as TensorQuantizer.current computes it, so each shard is
 cast exactly as the full weight would be: the gathered FP8 weight equals, bit for bit, the cast
 of the full weight. The amaxes are kept for the rest of the step (the later layers' all-gathers
-need no collective; the backward's re-gathers repeat the forward's form, fsdp_all_gather.py).
+need no collective; the backward's re-gathers repeat the forward's form, fsdp/all_gather.py).
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from typing import Optional
 
 import torch
 
-from .. import ops
-from .._dtensor import group_ranks
-from ..quantization import autocast as _autocast
-from ..quantization.amax_step import all_reduce_max
+from ... import ops
+from ..._dtensor import group_ranks
+from ...quantization import autocast as _autocast
+from ...quantization.amax_step import all_reduce_max
 
 
 class _StepAmaxes:

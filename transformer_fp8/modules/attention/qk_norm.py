@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .normalization import LayerNorm, RMSNorm, check_eps
-from .torchscript import refuse_torchscript
+from ..normalization import LayerNorm, RMSNorm, check_eps
+from ..torchscript import refuse_torchscript
 
 QK_NORM_TYPES = ("L2Normalization", "RMSNorm", "LayerNorm")
 
@@ -32,7 +32,7 @@ class L2Normalization(torch.nn.Module):
         return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
-        from . import te_checkpoint
+        from .. import te_checkpoint
         super()._load_from_state_dict(state_dict, prefix, *args)
         te_checkpoint.drop_extra_state(state_dict, prefix, args[3], "L2Normalization")
 

@@ -51,7 +51,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .moe_checks import (_accumulation_dtype, _as_int, _check_activation, _check_int_tensor,
+from .checks import (_accumulation_dtype, _as_int, _check_activation, _check_int_tensor,
                          _check_map_type, _described, _fail)
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute"]

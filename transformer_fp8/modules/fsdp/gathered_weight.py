@@ -1,4 +1,4 @@
-"""The full weight as FSDP2 all-gathered it in FP8 (fsdp_all_gather.py): ``GatheredFp8Weight``
+"""The full weight as FSDP2 all-gathered it in FP8 (fsdp/all_gather.py): ``GatheredFp8Weight``
 holds the FP8 data and the scale it was cast with. The module's GEMMs take it as their weight
 operand as it is (``fp8_operand``); any other use sees its dequantised value.
 """
@@ -9,10 +9,10 @@ from typing import Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from .. import ops
-from ..ops.blockwise import BLOCK, scale_shape_and_strides
-from ..quantization.autocast import forward_pass_id
-from ..quantization.quantizer import Quantized, TensorQuantizer
+from ... import ops
+from ...ops.blockwise import BLOCK, scale_shape_and_strides
+from ...quantization.autocast import forward_pass_id
+from ...quantization.quantizer import Quantized, TensorQuantizer
 
 aten = torch.ops.aten
 

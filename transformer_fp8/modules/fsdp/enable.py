@@ -1,13 +1,13 @@
 """Turning the FP8 weight all-gather under FSDP2 on: ``enable_fp8_all_gather(model)`` makes the
-GEMM weights of the model's FP8 modules ShardedWeights (fsdp_weight.py), whose all-gathers
-fsdp_all_gather.py runs; their state_dict holds the plain high-precision weights.
+GEMM weights of the model's FP8 modules ShardedWeights (fsdp/weight.py), whose all-gathers
+fsdp/all_gather.py runs; their state_dict holds the plain high-precision weights.
 """
 from __future__ import annotations
 
 import torch
 
-from .base import Fp8StateMixin
-from .fsdp_weight import ShardedWeight
+from ..base import Fp8StateMixin
+from .weight import ShardedWeight
 
 
 def _plain_weights_in_state_dict(module, state_dict, prefix, local_metadata) -> None:

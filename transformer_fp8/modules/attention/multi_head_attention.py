@@ -3,7 +3,7 @@
     qkv (Linear) or, with input_layernorm=True, layernorm_qkv (LayerNormLinear):
         hidden -> (h + 2g) * d; Parameters query_weight, key_weight, value_weight (and
         *_bias) by default, one weight (and bias) with fuse_qkv_params=True
-    q_norm, k_norm: with qk_norm_type, norms over the head dimension (qk_norm.py)
+    q_norm, k_norm: with qk_norm_type, norms over the head dimension (attention/qk_norm.py)
     core_attention: DotProductAttention (high precision; window_size, softmax_type)
     proj: Linear, h * d -> hidden
 
@@ -18,14 +18,14 @@ from typing import Callable, Optional
 
 import torch
 
-from .attention import DotProductAttention, apply_rotary_pos_emb
-from .layernorm_linear import LayerNormLinear
-from .linear import Linear
-from ..quantization.recipe import Recipe
+from .dot_product import DotProductAttention, apply_rotary_pos_emb
+from ..layernorm_linear import LayerNormLinear
+from ..linear import Linear
+from ...quantization.recipe import Recipe
 from .qk_norm import qk_norm_modules
-from .te_args import check_positive, check_te_options, one_dtype, te_default_init, \
+from ..te_args import check_positive, check_te_options, one_dtype, te_default_init, \
     te_only_arguments
-from .torchscript import refuse_torchscript
+from ..torchscript import refuse_torchscript
 
 
 class MultiheadAttention(torch.nn.Module):

@@ -4,17 +4,17 @@
 Parameter (every operation runs on the wrapped tensor; the layout-keeping ones return the wrapper
 again, so each rank's shard is a ShardedWeight) and, because it defines
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, asks it what to all-gather and how to
-rebuild the full weight from what arrived (fsdp_all_gather.py decides: the shard cast to FP8,
-1 byte per element, or the high-precision shard; fsdp_gathered_weight.py holds what an FP8
-all-gather rebuilds). enable_fp8_all_gather (fsdp_enable.py) makes the weights ShardedWeights.
+rebuild the full weight from what arrived (fsdp/all_gather.py decides: the shard cast to FP8,
+1 byte per element, or the high-precision shard; fsdp/gathered_weight.py holds what an FP8
+all-gather rebuilds). enable_fp8_all_gather (fsdp/enable.py) makes the weights ShardedWeights.
 """
 from __future__ import annotations
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .fsdp_all_gather import all_gather_inputs, gathered_weight
-from .fsdp_gathered_weight import _wrapper
+from .all_gather import all_gather_inputs, gathered_weight
+from .gathered_weight import _wrapper
 
 aten = torch.ops.aten
 

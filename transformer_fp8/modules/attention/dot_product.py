@@ -6,7 +6,7 @@ are Transformer Engine's:
   * layouts "sbhd" (query [s, b, h, d], key/value [s_kv, b, g, d]) and "bshd"; output
     [s, b, h * d] (or [b, s, h * d]);
   * GQA: g = num_gqa_groups key/value heads, query head i reads group i // (h / g);
-  * attention_mask is boolean with True = masked out (attention_masks.py): "padding" takes
+  * attention_mask is boolean with True = masked out (attention/masks.py): "padding" takes
     [b, 1, 1, s] per side, "arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with
     "causal" or "no_mask" a mask is ignored, as in Transformer Engine's fused backends (its
     unfused float32 path ORs it into the causal mask);
@@ -23,11 +23,11 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from . import te_checkpoint
-from .attention_masks import allowed_mask, check_window_size, resolve_window
-from .attention_sink import check_softmax_type, with_sink
-from .te_args import check_positive, check_te_options as check_unsupported
-from .torchscript import refuse_torchscript
+from .. import te_checkpoint
+from .masks import allowed_mask, check_window_size, resolve_window
+from .sink import check_softmax_type, with_sink
+from ..te_args import check_positive, check_te_options as check_unsupported
+from ..torchscript import refuse_torchscript
 
 QKV_FORMATS = ("sbhd", "bshd")
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal", "arbitrary")
@@ -161,9 +161,9 @@ class DotProductAttention(torch.nn.Module):
     attn_mask_type=None, window_size=None, checkpoint_core_attention=False) -> [s, b, h * d]
     ("sbhd") or [b, s, h * d] ("bshd"). See the module docstring for layouts, GQA and masks.
     Dropout on the attention probabilities while training (attention_dropout). softmax_scale
-    defaults to 1 / sqrt(kv_channels). window_size: a sliding window (attention_masks.py), the
+    defaults to 1 / sqrt(kv_channels). window_size: a sliding window (attention/masks.py), the
     constructor's unless forward gives one. softmax_type: "vanilla", "off-by-one" or
-    "learnable" (attention sinks, attention_sink.py; "learnable" has the Parameter
+    "learnable" (attention sinks, attention/sink.py; "learnable" has the Parameter
     softmax_offset [h], float32, on device). Tensor/sequence/context parallel options are
     accepted only at their defaults.
     """

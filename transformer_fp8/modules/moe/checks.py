@@ -1,4 +1,4 @@
-"""Argument checks of the MoE permutation functions (moe_permutation.py, moe_chunk_sort.py):
+"""Argument checks of the MoE permutation functions (moe/permutation.py, moe/chunk_sort.py):
 errors that name the function, the argument, what was expected and what was given."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import operator
 
 import torch
 
-from ..quantization.fp8_weight import Fp8Weight
-from .fsdp_gathered_weight import GatheredFp8Weight
+from ...quantization.fp8_weight import Fp8Weight
+from ..fsdp.gathered_weight import GatheredFp8Weight
 
 MAP_TYPES = ("mask", "index")
 

@@ -7,8 +7,8 @@ from typing import Tuple
 
 import torch
 
-from .moe_checks import _check_activation, _check_int_tensor, _described, _fail
-from .moe_permutation import _SortRows
+from .checks import _check_activation, _check_int_tensor, _described, _fail
+from .permutation import _SortRows
 
 __all__ = ["moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]
 

@@ -1,7 +1,7 @@
 """FP8 weight all-gather under FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-``enable_fp8_all_gather(model)`` (fsdp_enable.py) turns the GEMM weights of the model's FP8
-modules into ShardedWeight (fsdp_weight.py). When FSDP2 all-gathers such a weight:
+``enable_fp8_all_gather(model)`` (fsdp/enable.py) turns the GEMM weights of the model's FP8
+modules into ShardedWeight (fsdp/weight.py). When FSDP2 all-gathers such a weight:
 
 * in the forward, inside an enabled fp8_autocast with DelayedScaling: each rank casts its shard
   with the module's current weight scale (the same on every rank: the scales are the result of
@@ -13,12 +13,12 @@ modules into ShardedWeight (fsdp_weight.py). When FSDP2 all-gathers such a weigh
 * in the forward, inside an enabled fp8_autocast with Float8CurrentScaling: each rank casts its
   shard with the scale of the full weight's amax. The first FP8 all-gather of a step takes the
   amax of every weight shard of the FSDP group and all-reduces them (MAX) in ONE collective
-  (fsdp_current_scale.py); the scale follows TensorQuantizer.current's rule, so the gathered
+  (fsdp/current_scale.py); the scale follows TensorQuantizer.current's rule, so the gathered
   data is bit for bit TensorQuantizer.current's cast of the full weight.
 * in the forward, inside an enabled fp8_autocast with Float8BlockScaling and 128x128 weight
   blocks (w_block_scaling_dim=2), where FSDP2's row shards hold whole 128-row blocks: each rank
   quantises its shard's blocks, and the FP8 data travels with the blocks' scale_invs
-  (fsdp_block_gather.py); what arrives is bit for bit the block cast of the full weight.
+  (fsdp/block_gather.py); what arrives is bit for bit the block cast of the full weight.
 * in the backward (FSDP2 gathers again where it resharded after forward): the forward's form,
   with the forward's scale and no amax recorded, so the backward sees the forward's weight.
 * a weight FSDP2 left gathered from an earlier forward pass (it reshards neither the root
@@ -52,27 +52,27 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import ops
-from .._dtensor import group_ranks
-from ..ops.blockwise import BLOCK
-from ..quantization import autocast as _autocast
-from ..quantization.blockwise import BlockQuantizer
-from ..quantization.quantizer import ALIGN
-from ..quantization.recipe import (
+from ... import ops
+from ..._dtensor import group_ranks
+from ...ops.blockwise import BLOCK
+from ...quantization import autocast as _autocast
+from ...quantization.blockwise import BlockQuantizer
+from ...quantization.quantizer import ALIGN
+from ...quantization.recipe import (
     FP8_ALL_GATHER_RECIPES,
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
     Format,
 )
-from ..quantization.roles import delayed_quantizers
-from .fsdp_block_gather import (
+from ...quantization.roles import delayed_quantizers
+from .block_gather import (
     block_shard_inputs,
     gathered_block_weight,
     shards_hold_whole_blocks,
 )
-from .fsdp_current_scale import current_weight_scale
-from .fsdp_gathered_weight import GatheredFp8Weight
+from .current_scale import current_weight_scale
+from .gathered_weight import GatheredFp8Weight
 
 
 class GatherForm(NamedTuple):
@@ -158,7 +158,7 @@ def _cast_shard(shard: torch.Tensor, x: torch.Tensor, module, form: GatherForm,
                 mesh) -> tuple:
     """(x, the shard in the all-gather's dtype, cast to FP8; the form with the scale used).
     Without a scale yet (the forward's gather): under Float8CurrentScaling the scale of the full
-    weight's amax (agreed by all ranks, fsdp_current_scale.py); under DelayedScaling the
+    weight's amax (agreed by all ranks, fsdp/current_scale.py); under DelayedScaling the
     module's delayed weight scale, the shard's amax recorded into the weight's history slot.
     With one (the backward's): that scale, nothing recorded."""
     if form.scale is not None:

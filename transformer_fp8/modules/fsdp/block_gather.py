@@ -1,5 +1,5 @@
 """The FP8 all-gather of a weight under 128x128 block scaling (Float8BlockScaling with
-w_block_scaling_dim=2) under FSDP2 (fsdp_all_gather.py).
+w_block_scaling_dim=2) under FSDP2 (fsdp/all_gather.py).
 
 FSDP2 cuts a weight [rows, cols] into row shards of ceil(rows / ranks) rows. Where that is a
 multiple of 128, every 128x128 block of the weight lies in one rank's shard, so each rank
@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from ..ops.blockwise import BLOCK
-from ..quantization.blockwise import BlockQuantizer
-from .fsdp_gathered_weight import block_scales_laid_out
+from ...ops.blockwise import BLOCK
+from ...quantization.blockwise import BlockQuantizer
+from .gathered_weight import block_scales_laid_out
 
 
 def shards_hold_whole_blocks(rows: int, ranks: int) -> bool:
