@@ -8,6 +8,7 @@ from .availability import (build_info, get_default_recipe, get_device_compute_ca
                            is_bf16_available, is_fp8_available, is_fp8_block_scaling_available,
                            is_mxfp8_available, is_nvfp4_available)
 from .cpu_offload import get_cpu_offload_context
+from .cross_entropy import parallel_cross_entropy
 from .integrations.convert import Conv1D, ConversionSummary, convert_to_fp8
 from .integrations.cuda_graphs import make_graphed_callables
 from .integrations.pretrained import load_fp8_state
@@ -48,5 +49,5 @@ __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention
            "is_mxfp8_available", "is_nvfp4_available", "load_fp8_state",
            "make_graphed_callables", "moe_permute", "moe_permute_with_probs",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "moe_unpermute",
-           "ops", "optimizers",
+           "ops", "optimizers", "parallel_cross_entropy",
            "quantized_model_init", "recipe", "strip_fp8_state"]
