@@ -155,3 +155,17 @@ def test_vocabulary_split_across_ranks_matches_the_whole(tmp_path):
             torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(grad.double(), want_grad.chunk(WORLD, -1)[rank],
                                        rtol=1e-5, atol=1e-7)
+
+
+def test_compiles_in_one_graph_bit_identical_to_eager():
+    logits, target = _case((2, 3, 11), torch.float32, "cpu", 0.3, seed=5)
+    results = []
+    torch._dynamo.reset()
+    compiled = torch.compile(tfp8.parallel_cross_entropy, backend="aot_eager", fullgraph=True)
+    for fn in (tfp8.parallel_cross_entropy, compiled):
+        x = logits.clone().requires_grad_()
+        loss = fn(x, target, 0.1, True)
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    for got, want in zip(results[1], results[0]):
+        assert torch.equal(got, want)
