@@ -17,7 +17,7 @@ import torch
 
 # What adopting a recipe may change besides the histories and the recipe record.
 _ATTRIBUTES = ("_recipe_code", "_saved_recipe_code", "_saved_histories", "_built_for_stateless",
-               "_adopted_recipe", "_te_pending_update")
+               "_adopted_recipe", "_te_pending_update", "_scale_codes")
 _SCALES = ("fp8_fwd_scale", "fp8_fwd_scale_inv", "fp8_bwd_scale", "fp8_bwd_scale_inv")
 
 
@@ -33,9 +33,10 @@ _LOCAL = _Adoptions()
 THREAD_LOCAL = _LOCAL  # (fp8_autocast pushes a frame, None, at each outermost entry)
 
 
-def note(module, history_names) -> None:
+def note(module, history_names, scales: bool = False) -> None:
     """``module`` (an Fp8State) is about to adopt a recipe: keep what it holds now (the history
-    tensors themselves: a resize puts new ones in their place)."""
+    tensors themselves: a resize puts new ones in their place; the scales too where ``scales``:
+    the adoption rescales them, recipe_switch.py)."""
     frames = _LOCAL.frames
     if frames:
         if frames[-1] is None:
@@ -43,7 +44,7 @@ def note(module, history_names) -> None:
         snapshot = {"histories": {name: getattr(module, name).data for name in history_names},
                     "fields": module.fp8_recipe_fields.detach().clone(),
                     "attributes": {name: module.__dict__.get(name) for name in _ATTRIBUTES}}
-        if module.__dict__.get("_te_pending_update"):
+        if module.__dict__.get("_te_pending_update") or scales:
             # (The update a loaded checkpoint owes runs in place when the module first runs,
             # after this adoption: undone with it, it runs again at the next step.)
             snapshot["histories"] = {name: data.clone()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from . import recipe_switch
+from .history import recipe_code
 from .recipe import DelayedScaling
 
 
@@ -31,4 +33,5 @@ def run_owed_update(module, recipe: DelayedScaling) -> None:
             [fmt.max_fwd if role == "fwd" else fmt.max_bwd for role in roles],
             recipe.margin, recipe.amax_compute_algo, recipe.scaling_factor_compute_algo,
             recipe)
+    recipe_switch.note_made_for(module, recipe_code(recipe), roles)
     module._te_pending_update = ()

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from .._dtensor import is_dtensor
-from . import adoption_undo, amax_step
+from . import adoption_undo, amax_step, recipe_switch
 from . import replay
 from . import scaling_state
 from .scaling_state import ScalingState
@@ -182,6 +182,7 @@ class Fp8State(Fp8StateLoading):
             self.fp8_recipe_fields.fill_(-1)
         self._recipe_code = self._saved_recipe_code = self._saved_histories = None
         self.__dict__.pop("_adopted_recipe", None)
+        self.__dict__.pop("_scale_codes", None)
         self.__dict__.pop("_fp8_fresh_off_meta", None)
         self._te_pending_update = ()
         self._weight_cache = [None] * self._num_gemms
@@ -291,12 +292,19 @@ class Fp8State(Fp8StateLoading):
             self._adopt_new_recipe(recipe, running)
 
     def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
-        if not torch.compiler.is_compiling():  # (undone if the step fails: adoption_undo.py)
-            adoption_undo.note(self, HISTORIES)
-        if running and getattr(self, "_built_for_stateless", False):
-            self._built_for_stateless = False  # (it trains under this one now)
         code = recipe_code(recipe)
         compiling = torch.compiler.is_compiling()
+        # (the directions this forward casts with: backward too where a backward may follow)
+        directions = recipe_switch.directions_in_use() if running else ()
+        rescaling = recipe_switch.needs_rescale(self, code, directions)
+        if rescaling and compiling:
+            raise RuntimeError(
+                f"{type(self).__name__}: under torch.compile the scales cannot be carried over "
+                "to a recipe of another fp8_format; run one step eagerly under it first")
+        if not compiling:  # (undone if the step fails: adoption_undo.py)
+            adoption_undo.note(self, HISTORIES, scales=rescaling)
+        if running and getattr(self, "_built_for_stateless", False):
+            self._built_for_stateless = False  # (it trains under this one now)
         if not compiling:  # (before anything is written)
             refuse_functorch_transform(f"{type(self).__name__}'s FP8 state set up for a recipe")
         restored = None
@@ -313,10 +321,17 @@ class Fp8State(Fp8StateLoading):
             for name, history in zip(HISTORIES, restored):
                 getattr(self, name).data = history
             self._delayed_cast_cache = self._fused_step_cache = None
+        if running and not compiling:
+            if rescaling:  # (the scales made for another format: recipe_switch.py)
+                self._fp8_state_to_local()
+                recipe_switch.rescale(self, code, directions)
+            recipe_switch.note_made_for(self, code, directions)
         if code == self._recipe_code:
             if restored is not None:
                 self._bind_scaling_states()
-            if running and not compiling:  # (a traced forward writes no Python state)
+            if running and not compiling and not recipe_switch.needs_rescale(self, code):
+                # (a traced forward writes no Python state; a backward scale still to be
+                # rescaled keeps the adoption running until a training forward does it)
                 self.__dict__["_adopted_recipe"] = (recipe, self._recipe_code)
             return
         self._fp8_state_to_local()

@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from .._dtensor import is_dtensor
-from . import backward_step
+from . import backward_step, recipe_switch
 from .state_layout import FP8_FLOAT_STATE, FP8_STATE_KEYS, HISTORIES
 from .state_materialisation import fresh_state_off_meta
 from .state_validation import assigned_state_made_usable, fp8_state_error
@@ -29,6 +29,7 @@ class Fp8StateLoading:
         fields = self.fp8_recipe_fields
         saved = None if fields.is_meta else fields.tolist()
         self._saved_recipe_code = saved if saved is not None and saved[0] >= 0 else None
+        recipe_switch.note_made_for(self, self._saved_recipe_code)
         self._saved_histories = None
         self._te_pending_update = ()  # (te_checkpoint.apply_extra_state sets it after)
 

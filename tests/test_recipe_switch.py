@@ -1,0 +1,164 @@
+"""A delayed-scaling state carried over to a recipe of another fp8_format
+(quantization/recipe_switch.py): the scales made for the old format are rescaled to the new one
+when the module first runs under it, so the first step does not cast with a scale made for
+another format (HYBRID -> E4M3 left grad_output's E5M2 scale, 128x too large: the first backward
+saturated, gradients 0.977 off, silently)."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import transformer_fp8 as tfp8
+from transformer_fp8 import DelayedScaling, Format
+
+HYBRID = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
+E4M3 = DelayedScaling(fp8_format=Format.E4M3, amax_history_len=4)
+E4M3_MARGIN2 = DelayedScaling(fp8_format=Format.E4M3, amax_history_len=4, margin=2)
+
+
+def _data(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(64, 32, generator=gen), torch.randn(64, 48, generator=gen)
+
+
+def _trained(recipe, steps=3, module=None):
+    torch.manual_seed(0)
+    layer = module if module is not None else tfp8.Linear(32, 48)
+    x, g = _data()
+    for _ in range(steps):
+        with tfp8.fp8_autocast(fp8_recipe=recipe):
+            layer(x).backward(g)
+        layer.weight.grad = layer.bias.grad = None
+    return layer
+
+
+def _step_error(layer, recipe):
+    """Relative errors of one FP8 step's input and weight gradients against high precision."""
+    x, g = _data()
+    xi = x.clone().requires_grad_()
+    with tfp8.fp8_autocast(fp8_recipe=recipe):
+        layer(xi).backward(g)
+    fp8 = (xi.grad, layer.weight.grad)
+    reference = copy.deepcopy(layer)
+    reference.weight.grad = None
+    xr = x.clone().requires_grad_()
+    reference(xr).backward(g)
+    layer.weight.grad = layer.bias.grad = None
+    return [((a - b).norm() / b.norm()).item() for a, b in zip(fp8, (xr.grad,
+                                                                     reference.weight.grad))]
+
+
+def _scales(layer):
+    return {name: getattr(layer, name).clone() for name in
+            ("fp8_fwd_scale", "fp8_fwd_scale_inv", "fp8_bwd_scale", "fp8_bwd_scale_inv")}
+
+
+@pytest.mark.parametrize("old,new,fwd_factor,bwd_factor", [
+    (HYBRID, E4M3, 1.0, 2.0 ** -7),        # grad_output: E5M2 max 57344 -> E4M3 max 448
+    (E4M3, HYBRID, 1.0, 2.0 ** 7),
+    (E4M3, E4M3_MARGIN2, 1.0, 1.0),  # a margin takes effect at the next update (no clipping)
+])
+def test_switch_in_process_rescales_the_scales(old, new, fwd_factor, bwd_factor):
+    layer = _trained(old)
+    before = _scales(layer)
+    hooked = {}
+    x, g = _data()
+    with tfp8.fp8_autocast(fp8_recipe=new):
+        out = layer(x)
+        hooked.update(_scales(layer))  # after the adoption, before this step's update
+    out.backward(g)
+    factors = {"fp8_fwd_scale": fwd_factor, "fp8_bwd_scale": bwd_factor}
+    for name, factor in factors.items():
+        assert torch.equal(hooked[name], before[name] * factor), name
+        assert torch.equal(hooked[name + "_inv"], hooked[name].reciprocal()), name
+
+
+def test_first_step_after_hybrid_to_e4m3_is_not_saturated():
+    layer = _trained(HYBRID)
+    first = _step_error(layer, E4M3)
+    control = _step_error(_trained(E4M3), E4M3)
+    assert max(first) < 0.1, first  # 0.977 before the rescale
+    assert max(first) < 2 * max(control) + 0.01
+
+
+def test_checkpoint_saved_under_hybrid_resumed_under_e4m3():
+    saved = _trained(HYBRID)
+    buffer = io.BytesIO()
+    torch.save(saved.state_dict(), buffer)
+    buffer.seek(0)
+    torch.manual_seed(1)
+    resumed = tfp8.Linear(32, 48)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    errors = _step_error(resumed, E4M3)
+    assert max(errors) < 0.1, errors
+
+
+def test_a_column_without_amax_keeps_its_scale():
+    """Training forwards under HYBRID and no backward: the backward history is empty and its
+    scale (1, as built) is not rescaled; the forward's (E4M3 in both formats) are unchanged."""
+    torch.manual_seed(0)
+    layer = tfp8.Linear(32, 48)
+    x, _ = _data()
+    for _ in range(2):
+        with tfp8.fp8_autocast(fp8_recipe=HYBRID):
+            layer(x)
+    before = _scales(layer)
+    assert (before["fp8_fwd_scale"] != 1).all() and (before["fp8_bwd_scale"] == 1).all()
+    assert (layer.fp8_bwd_amax_history == 0).all()
+    with tfp8.fp8_autocast(fp8_recipe=E4M3):
+        layer(x)
+        after = _scales(layer)
+    for name in before:
+        assert torch.equal(after[name], before[name]), name
+
+
+def test_loaded_state_run_under_its_own_recipe_nested_in_another_is_not_rescaled():
+    """An outer context under E4M3 adopts a loaded HYBRID state without running it; the module
+    then runs under its own recipe (nested HYBRID): its scales are the loaded ones."""
+    saved = _trained(HYBRID)
+    state = copy.deepcopy(saved.state_dict())
+    resumed = tfp8.Linear(32, 48)
+    resumed.load_state_dict(state)
+    x, g = _data()
+    with tfp8.fp8_autocast(fp8_recipe=E4M3):
+        with tfp8.fp8_autocast(fp8_recipe=HYBRID):
+            resumed(x)
+            scales = _scales(resumed)
+    for name in scales:
+        assert torch.equal(scales[name], state[name]), name
+
+
+def test_a_failed_step_leaves_the_scales_as_they_were():
+    layer = _trained(HYBRID)
+    before = copy.deepcopy(layer.state_dict())
+    x, g = _data()
+    with pytest.raises(ValueError, match="planted"):
+        with tfp8.fp8_autocast(fp8_recipe=E4M3):
+            layer(x)
+            raise ValueError("planted")
+    for name, value in layer.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    # and the next step under HYBRID is the step the module would have made without the try
+    twin = _trained(HYBRID)
+    for module in (layer, twin):
+        with tfp8.fp8_autocast(fp8_recipe=HYBRID):
+            module(x).backward(g)
+    assert torch.equal(layer.weight.grad, twin.weight.grad)
+    for name, value in layer.state_dict().items():
+        assert torch.equal(value, twin.state_dict()[name]), name
+
+
+def test_under_torch_compile_a_switch_is_refused_with_the_state_unchanged():
+    layer = _trained(HYBRID)
+    before = copy.deepcopy(layer.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x, _ = _data()
+    with pytest.raises(Exception, match="another fp8_format"):
+        with tfp8.fp8_autocast(fp8_recipe=E4M3):
+            compiled(x)
+    for name, value in layer.state_dict().items():
+        assert torch.equal(value, before[name]), name
