@@ -15,6 +15,7 @@ from .modules.attention import DotProductAttention, RotaryPositionEmbedding
 from .modules.fsdp_enable import enable_fp8_all_gather
 from .modules.fp8_padding import Fp8Padding, Fp8Unpadding
 from .modules.grouped_linear import GroupedLinear
+from .modules.inference import InferenceParams
 from .modules.layernorm_linear import LayerNormLinear
 from .modules.layernorm_mlp import LayerNormMLP
 from .modules.linear import Linear, strip_fp8_state
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention",
            "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format",
-           "Fp8Padding", "Fp8Unpadding", "GroupedLinear",
+           "Fp8Padding", "Fp8Unpadding", "GroupedLinear", "InferenceParams",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
            "build_info", "checkpoint", "convert_to_fp8", "debug", "enable_fp8_all_gather",
