@@ -115,24 +115,24 @@ def test_greedy_decoding_with_the_cache_is_recomputation(gen, device, fmt, windo
 
 
 def test_sequences_finish_and_join(gen, device):
-    """A sequence left out of step_dict is finished (its row reused); a new id starts at 0,
-    in any row order."""
+    """A sequence left out of step_dict is finished (its row reused); a new id starts at 0;
+    the rows follow step_dict's order (the cache's rows move with them)."""
     model = build(gen, "bshd", device)
     a, b, c = prompts_of(gen, [4, 6, 5], device)
     params = new_params(2, device)
     with torch.no_grad():
         decode_with_cache(model, [a, b], 3, params, ids=["a", "b"])
-        # "a" finishes; "c" joins in front of "b", which goes on from its cached tokens.
-        params.pre_step(OrderedDict([("c", len(c)), ("b", 1)]))
+        # "a" finishes; "b" (row 1 so far) goes on in row 0, "c" joins in row 1.
+        params.pre_step(OrderedDict([("b", 1), ("c", len(c))]))
         nxt_b = torch.tensor([7], device=device)
-        batch = torch.stack((c, torch.cat((nxt_b, c.new_zeros(len(c) - 1)))))
+        batch = torch.stack((torch.cat((nxt_b, c.new_zeros(len(c) - 1))), c))
         out = model(batch, inference_params=params)
-        assert dict(params.sequences) == {"c": 5, "b": 6 + 3 + 1}
-        ref_c = model(c.view(1, -1))[0, -1]
+        assert dict(params.sequences) == {"b": 6 + 3 + 1, "c": 5}
         b_tokens = decode_recomputing(model, b, 3)[0]
         ref_b = model(torch.cat((b, b_tokens, nxt_b)).view(1, -1))[0, -1]
-    torch.testing.assert_close(out[0, len(c) - 1], ref_c, **TOL)
-    torch.testing.assert_close(out[1, 0], ref_b, **TOL)
+        ref_c = model(c.view(1, -1))[0, -1]
+    torch.testing.assert_close(out[0, 0], ref_b, **TOL)
+    torch.testing.assert_close(out[1, len(c) - 1], ref_c, **TOL)
 
 
 def test_chunked_prefill_equals_one_prefill(gen, device):
@@ -247,6 +247,11 @@ def test_step_refuses_inputs_that_do_not_fit(gen, device):
     model = build(gen, "sbhd", device)
     params = new_params(2, device)
     tokens = torch.randint(VOCAB, (3, 5), generator=gen).to(device)
+    params.pre_step({0: 5, 1: 5})
+    with pytest.raises(RuntimeError, match=r"the KV cache is for inference: run the forward "
+                                           r"under torch.no_grad\(\)"):
+        model(tokens[:2], inference_params=params)
+    params.reset()
     with torch.no_grad():
         with pytest.raises(RuntimeError, match=r"call inference_params.pre_step\(step_dict\)"):
             model(tokens, inference_params=params)

@@ -12,7 +12,7 @@ starts at length 0 (the prefill: its prompt), a known one grows by step_length (
 layer_number) writes its new keys and values after the cached ones (step) and attends to the
 whole sequence with a bottom-right causal diagonal: the new tokens are the last ones. Rotary
 embeddings then start at each sequence's cached length. The output token of sequence i is the
-row at step_length - 1 of its inputs.
+row at step_length - 1 of its inputs. Under torch.no_grad() or torch.inference_mode() only.
 
 Memory per layer: k and v caches [max_batch_size, max_sequence_length, num_heads_kv, head_dim]
 in dtype, zeros at first, on the device of the first keys stepped in (or allocate_memory's).
@@ -192,6 +192,10 @@ class InferenceParams:
             raise RuntimeError(f"{owner}: layer_number {layer_number!r} was stepped twice "
                                "since the last pre_step: call pre_step before each forward, "
                                "and give every attention layer its own layer_number")
+        if torch.is_grad_enabled() and (new_k.requires_grad or new_v.requires_grad):
+            # The cache would chain every step's autograd graph (and keep it alive).
+            raise RuntimeError(f"{owner}: the KV cache is for inference: run the forward "
+                               "under torch.no_grad() or torch.inference_mode()")
         if qkv_format == "sbhd":
             new_k, new_v = new_k.transpose(0, 1), new_v.transpose(0, 1)
         self._check_new(owner, layer_number, new_k, new_v)
