@@ -1,42 +1,52 @@
 """Float64 references for attention with Transformer Engine's options (tests only): an
-explicit masked softmax with an optional sink, and the masks (causal, padding, sliding
-windows) written from Transformer Engine's definitions."""
+explicit masked softmax with an optional sink, and the masks (causal top-left and
+bottom-right, padding, sliding windows, bottom_right_diagonal) written from Transformer
+Engine's definitions."""
 from __future__ import annotations
 
 import torch
 
 
-def window_blocked(s_q, s_kv, window, mask_type, q_pad=None, kv_pad=None):
-    """True where the window masks key j for query i, from Transformer Engine's definition:
-    i attends [i + shift - left, i + shift + right], shift 0 for causal types (top-left),
-    s_kv - s_q otherwise, each sequence's unpadded lengths with "padding". [b|1, 1, s_q, s_kv]"""
+def diagonal_shift(mask_type, s_q, s_kv, bottom_right=None, q_pad=None, kv_pad=None, b=0):
+    """Where query i's diagonal meets the keys, from Transformer Engine's definitions: key
+    i + shift. Top-left (0) for "causal" and "padding_causal" and, with bottom_right False,
+    the others; bottom-right otherwise: s_kv - s_q, with a "padding" type sequence b's
+    unpadded lengths."""
+    if mask_type in ("causal", "padding_causal"):
+        return 0
+    if not mask_type.endswith("_bottom_right") and bottom_right is False:
+        return 0
+    if "padding" in mask_type:
+        return int((~kv_pad[b]).sum()) - int((~q_pad[b]).sum())
+    return s_kv - s_q
+
+
+def window_blocked(s_q, s_kv, window, mask_type, q_pad=None, kv_pad=None, bottom_right=None):
+    """True where the window (left, right) masks key j for query i: i attends
+    [i + shift - left, i + shift + right] (diagonal_shift), left -1 unbounded.
+    [b|1, 1, s_q, s_kv]"""
     left, right = window
     rows = []
-    for b in range(q_pad.shape[0] if mask_type == "padding" else 1):
-        if "causal" in mask_type:
-            shift = 0
-        elif mask_type == "padding":
-            shift = int((~kv_pad[b]).sum()) - int((~q_pad[b]).sum())
-        else:
-            shift = s_kv - s_q
-        rows.append([[not (i + shift - left <= j <= i + shift + right) for j in range(s_kv)]
-                     for i in range(s_q)])
+    for b in range(q_pad.shape[0] if "padding" in mask_type and q_pad is not None else 1):
+        shift = diagonal_shift(mask_type, s_q, s_kv, bottom_right, q_pad, kv_pad, b)
+        rows.append([[not ((left < 0 or i + shift - left <= j) and j <= i + shift + right)
+                      for j in range(s_kv)] for i in range(s_q)])
     return torch.tensor(rows, dtype=torch.bool).unsqueeze(1)
 
 
-def blocked_mask(mask_type, s_q, s_kv, pads=None, window=None):
-    """Everything masked out (True) for these mask type, padding masks and window."""
+def blocked_mask(mask_type, s_q, s_kv, pads=None, window=None, bottom_right=None):
+    """Everything masked out (True) for these mask type, padding masks, window and diagonal
+    alignment (bottom_right: bottom_right_diagonal, None as Transformer Engine's default)."""
+    q_pad, kv_pad = (p.cpu() for p in pads) if pads is not None else (None, None)
     blocked = torch.zeros(1, 1, s_q, s_kv, dtype=torch.bool)
-    if "causal" in mask_type:
-        blocked = blocked | torch.ones(s_q, s_kv, dtype=torch.bool).triu(1)
+    if "causal" in mask_type:  # the window (-1, 0) on the type's own diagonal
+        blocked = blocked | window_blocked(s_q, s_kv, (-1, 0), mask_type, q_pad, kv_pad,
+                                           bottom_right)
     if "padding" in mask_type:
-        q_pad, kv_pad = pads
-        blocked = blocked | q_pad.cpu().transpose(-1, -2) | kv_pad.cpu()
+        blocked = blocked | q_pad.transpose(-1, -2) | kv_pad
     if window is not None:
-        q_pad, kv_pad = pads if pads is not None else (None, None)
-        blocked = blocked | window_blocked(s_q, s_kv, window, mask_type,
-                                           None if q_pad is None else q_pad.cpu(),
-                                           None if kv_pad is None else kv_pad.cpu())
+        blocked = blocked | window_blocked(s_q, s_kv, window, mask_type, q_pad, kv_pad,
+                                           bottom_right)
     return blocked
 
 

@@ -17,7 +17,7 @@ from attention_reference import attention_ref, blocked_mask, padding
 from conftest import randn, sqnr
 
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
-from transformer_fp8.modules.attention.dot_product import RotaryPositionEmbedding, apply_rotary_pos_emb
+from transformer_fp8.modules.attention import RotaryPositionEmbedding, apply_rotary_pos_emb
 from transformer_fp8.modules.attention.multi_head_attention import MultiheadAttention
 from transformer_fp8.modules.transformer_layer import TransformerLayer
 

@@ -335,15 +335,14 @@ TE_DEFAULT_ONLY = {
                           parallel_mode=None, ub_overlap_rs=False, ub_overlap_ag=False,
                           ub_name=None, save_original_input=False, single_grouped_weight=False,
                           single_grouped_bias=False, name=None, use_grouped_tensor=None),
-    "MultiheadAttention": dict(bottom_right_diagonal=None, tp_group=None,
+    "MultiheadAttention": dict(tp_group=None,
                                tp_size=1, get_rng_state_tracker=None, sequence_parallel=False,
                                set_parallel_mode=False, rotary_pos_interleaved=False,
                                ub_overlap_ag=False, ub_overlap_rs=False,
                                ub_overlap_rs_dgrad=False, ub_bulk_dgrad=False,
                                ub_bulk_wgrad=False, name=None, seq_length=None,
                                micro_batch_size=None),
-    "TransformerLayer": dict(bottom_right_diagonal=None,
-                             enc_dec_attn_mask_type="no_mask",
+    "TransformerLayer": dict(enc_dec_attn_mask_type="no_mask",
                              enc_dec_bottom_right_diagonal=None, enc_dec_window_size=None,
                              tp_group=None, tp_size=1, get_rng_state_tracker=None,
                              seq_length=None, micro_batch_size=None, sequence_parallel=False,
@@ -352,8 +351,7 @@ TE_DEFAULT_ONLY = {
                              ub_tp_comm_overlap=False, ub_overlap_ag=True, ub_overlap_rs=True,
                              ub_overlap_rs_dgrad=False, ub_bulk_dgrad=True, ub_bulk_wgrad=True,
                              activation_params=None, name=None),
-    "DotProductAttention": dict(bottom_right_diagonal=None,
-                                sequence_parallel=False, tp_size=1, get_rng_state_tracker=None,
+    "DotProductAttention": dict(sequence_parallel=False, tp_size=1, get_rng_state_tracker=None,
                                 tp_group=None, cp_group=None, cp_global_ranks=None,
                                 cp_stream=None, cp_comm_type="p2p", return_max_logit=False,
                                 name=None),
@@ -365,7 +363,6 @@ SIZES = {"Linear": (32, 32), "LayerNormLinear": (32, 32), "LayerNormMLP": (32, 6
          "LayerNorm": (32,), "RMSNorm": (32,)}
 # One non-default value per refused argument, for the refusal check.
 NON_DEFAULT = {"activation_params": {"limit": 7.0}, "checkpoint": True,
-               "bottom_right_diagonal": True,
                "delay_wgrad_compute": None, "single_grouped_weight": True}
 
 

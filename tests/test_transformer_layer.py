@@ -22,8 +22,8 @@ from integration_compare import assert_bit_identical, step_batches, train
 
 from transformer_fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
 from transformer_fp8.modules.activations import activation_hp
-from transformer_fp8.modules.attention.dot_product import (DotProductAttention, RotaryPositionEmbedding,
-                                       apply_rotary_pos_emb)
+from transformer_fp8.modules.attention import (DotProductAttention, RotaryPositionEmbedding,
+                                              apply_rotary_pos_emb)
 from transformer_fp8.modules.transformer_layer import TransformerLayer
 
 # Every test runs with the modules' C++ steps and with the Python path they replace.

@@ -12,7 +12,8 @@ from .cross_entropy import parallel_cross_entropy
 from .integrations.convert import Conv1D, ConversionSummary, convert_to_fp8
 from .integrations.cuda_graphs import make_graphed_callables
 from .integrations.pretrained import load_fp8_state
-from .modules.attention import DotProductAttention, MultiheadAttention, RotaryPositionEmbedding
+from .modules.attention import (DotProductAttention, InferenceParams, MultiheadAttention,
+                                RotaryPositionEmbedding)
 from .modules.fp8_padding import Fp8Padding, Fp8Unpadding
 from .modules.fsdp import enable_fp8_all_gather
 from .modules.grouped_linear import GroupedLinear
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention",
            "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format",
-           "Fp8Padding", "Fp8Unpadding", "GroupedLinear",
+           "Fp8Padding", "Fp8Unpadding", "GroupedLinear", "InferenceParams",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
            "build_info", "checkpoint", "convert_to_fp8", "debug", "enable_fp8_all_gather",

@@ -39,10 +39,6 @@ TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
                    "transformer_fp8.checkpoint around the module"),
     "activation_params": ((None,), "no parametrised activation (clamped_swiglu)"),
     # attention
-    "bottom_right_diagonal": ((None,), "causal masks are aligned top-left. Given "
-                              "positionally? The argument order is Transformer Engine 2.12's; "
-                              "before 2.12 is_first_microbatch, encoder_output or "
-                              "sequence_parallel stood here: pass such arguments by keyword"),
     "rotary_pos_interleaved": ((False,), "rotary embeddings rotate halves, not pairs"),
     # TransformerLayer
     "drop_path_rate": ((0.0, 0), "no stochastic depth"),

@@ -58,8 +58,10 @@ class TransformerLayer(torch.nn.Module):
     Weights are initialised as Transformer Engine does: init_method for the QKV projection and
     fc1, output_layer_init_method for proj and fc2 (both default normal(0, 0.023)), biases
     zero. params_dtype (or dtype), device and recipe reach every submodule.
-    window_size, softmax_type and qk_norm_type / qk_norm_eps / qk_norm_before_rope reach the
-    self-attention (MultiheadAttention), as in Transformer Engine.
+    window_size, bottom_right_diagonal, softmax_type and qk_norm_type / qk_norm_eps /
+    qk_norm_before_rope reach the self-attention (MultiheadAttention), as in Transformer Engine;
+    so does forward's inference_params (KV-cache generation, attention/inference.py; give each
+    layer of a stack its own layer_number, the key of its cache).
     Not supported (refused with a ValueError): layer_type="decoder" (cross-attention),
     output_layernorm=True (post-norm), and tensor/sequence/context parallelism.
     """
@@ -138,6 +140,7 @@ class TransformerLayer(torch.nn.Module):
             attn_mask_type=self.self_attn_mask_type, num_gqa_groups=num_gqa_groups,
             fuse_qkv_params=fuse_qkv_params, qkv_weight_interleaved=qkv_weight_interleaved,
             qkv_format=fmt, softmax_scale=softmax_scale, window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal,
             softmax_type=softmax_type, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
             qk_norm_before_rope=qk_norm_before_rope, **common)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon,

@@ -1,4 +1,4 @@
-"""Transformer Engine's DotProductAttention and RotaryPositionEmbedding, in high precision.
+"""Transformer Engine's DotProductAttention, in high precision.
 
 DotProductAttention is softmax(q k^T * scale + mask) v on torch's scaled_dot_product_attention:
 no FP8 (attention is not a GEMM with weights; FP8 attention is out of scope). Its conventions
@@ -6,14 +6,17 @@ are Transformer Engine's:
   * layouts "sbhd" (query [s, b, h, d], key/value [s_kv, b, g, d]) and "bshd"; output
     [s, b, h * d] (or [b, s, h * d]);
   * GQA: g = num_gqa_groups key/value heads, query head i reads group i // (h / g);
-  * attention_mask is boolean with True = masked out (attention/masks.py): "padding" takes
-    [b, 1, 1, s] per side, "arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with
-    "causal" or "no_mask" a mask is ignored, as in Transformer Engine's fused backends (its
-    unfused float32 path ORs it into the causal mask);
-  * query rows that may attend to nothing (padded queries) give zeros, not NaN.
-Rotary embeddings: RotaryPositionEmbedding(dim)(max_seq_len) is the angle tensor [s, 1, 1, d];
-apply_rotary_pos_emb applies it to the first d features of q or k with the non-interleaved
-rotate-half convention t * cos + rotate_half(t) * sin.
+  * attention_mask is boolean with True = masked out (masks.py): the "padding"
+    types take [b, 1, 1, s] per side, "arbitrary" anything broadcastable to [b, h, s_q, s_kv];
+    with "no_mask" or a causal type without "padding" a mask is ignored, as in Transformer
+    Engine's fused backends (its unfused float32 path ORs it into the causal mask);
+  * causal masks: "causal" / "padding_causal" top-left (query i sees keys 0..i),
+    "causal_bottom_right" / "padding_causal_bottom_right" bottom-right (query i sees keys
+    0..i + s_kv - s_q); bottom_right_diagonal aligns the sliding window of the other types;
+  * query rows that may attend to nothing (padded queries) give zeros, not NaN;
+  * inference_params (an InferenceParams, inference.py): the keys and values join its KV cache
+    and the queries attend to the whole cached sequence (bottom-right causal).
+RotaryPositionEmbedding and apply_rotary_pos_emb live in rotary.py (imported here too).
 """
 from __future__ import annotations
 
@@ -24,121 +27,24 @@ import torch
 import torch.nn.functional as F
 
 from .. import te_checkpoint
-from .masks import allowed_mask, check_window_size, resolve_window
-from .sink import check_softmax_type, with_sink
 from ..te_args import check_positive, check_te_options as check_unsupported
 from ..torchscript import refuse_torchscript
+from .inference import kv_cache_step
+from .masks import allowed_mask, check_window_size, resolve_bottom_right, resolve_window
+from .rotary import RotaryPositionEmbedding, apply_rotary_pos_emb, check_qkv_format  # noqa: F401
+from .sink import check_softmax_type, with_sink
 
-QKV_FORMATS = ("sbhd", "bshd")
-MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal", "arbitrary")
+MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal", "causal_bottom_right",
+              "padding_causal_bottom_right", "arbitrary")
 
 # SDPA grew enable_gqa in torch 2.5; before that the key/value heads are repeated.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-def check_qkv_format(owner: str, name: str, value) -> str:
-    if value not in QKV_FORMATS:
-        extra = " ('thd', packed sequences, is not supported)" if value == "thd" else ""
-        raise ValueError(f"{owner}: {name} must be one of {QKV_FORMATS}, got {value!r}{extra}")
-    return value
 
 
 def check_mask_type(owner: str, name: str, value) -> str:
     if value not in MASK_TYPES:
         raise ValueError(f"{owner}: {name} must be one of {MASK_TYPES}, got {value!r}")
     return value
-
-
-# ---- rotary position embeddings ------------------------------------------------------------
-
-class RotaryPositionEmbedding(torch.nn.Module):
-    """Transformer Engine's RotaryPositionEmbedding: forward(max_seq_len, offset=0) returns the
-    float32 angles [max_seq_len, 1, 1, dim'] (dim' = int(dim * rotary_percent)), position p and
-    feature j holding p * base^(-2 (j mod dim'/2) / dim'): the frequencies repeated, not
-    interleaved. seq_len_interpolation_factor with pretrained_max_position_embeddings divides
-    the positions (position interpolation): by the factor, or by max_seq_len / pretrained when
-    max_seq_len exceeds pretrained * factor.
-    The inverse frequencies are a buffer, inv_freq (in the state_dict, as Transformer Engine
-    keeps it)."""
-
-    __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
-
-    def __init__(self, dim: int, rotary_percent: float = 1.0,
-                 seq_len_interpolation_factor: Optional[int] = None,
-                 pretrained_max_position_embeddings: Optional[int] = None,
-                 rotary_base: float = 10000.0, interleaved: bool = False):
-        super().__init__()
-        check_positive("RotaryPositionEmbedding", "dim", dim)
-        if isinstance(rotary_percent, bool) or not isinstance(rotary_percent, (int, float)) \
-                or not 0 < rotary_percent <= 1:
-            raise ValueError("RotaryPositionEmbedding: rotary_percent must be in (0, 1], got "
-                             f"{rotary_percent!r}")
-        if interleaved:
-            raise ValueError("RotaryPositionEmbedding: interleaved=True is not supported; "
-                             "only the rotate-half (non-interleaved) convention")
-        if not isinstance(rotary_base, (int, float)) or not rotary_base > 0:
-            raise ValueError("RotaryPositionEmbedding: rotary_base must be a number > 0, got "
-                             f"{rotary_base!r}")
-        rot_dim = int(dim * rotary_percent) if rotary_percent < 1 else dim
-        if rot_dim < 2 or rot_dim % 2:
-            raise ValueError("RotaryPositionEmbedding: the rotary dimension (dim * "
-                             f"rotary_percent = {rot_dim}) must be even and >= 2")
-        self.dim = rot_dim
-        self.rotary_base = float(rotary_base)
-        self.seq_len_interpolation_factor = seq_len_interpolation_factor
-        self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
-        exponents = torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim
-        self.register_buffer("inv_freq", 1.0 / (self.rotary_base ** exponents))
-
-    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        check_positive("RotaryPositionEmbedding", "max_seq_len", max_seq_len)
-        inv_freq = self.inv_freq.float()
-        positions = torch.arange(max_seq_len, device=inv_freq.device,
-                                 dtype=torch.float32) + offset
-        factor, pretrained = (self.seq_len_interpolation_factor,
-                              self.pretrained_max_position_embeddings)
-        if factor is not None and pretrained is not None:
-            if max_seq_len > pretrained * factor:
-                positions = positions / (max_seq_len / pretrained)
-            else:
-                positions = positions / factor
-        freqs = torch.outer(positions, inv_freq)  # [s, dim / 2]
-        return torch.cat((freqs, freqs), dim=-1).reshape(max_seq_len, 1, 1, self.dim)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, rotary_base={self.rotary_base}"
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor,
-                         tensor_format: str = "sbhd") -> torch.Tensor:
-    """t [s, b, h, d] (or [b, s, h, d] with "bshd") rotated by the angles freqs [s2, 1, 1, d2]
-    (s2 >= s, even d2 <= d): the first d2 features become t * cos + rotate_half(t) * sin, the
-    rest pass through. cos and sin are taken in float32, then cast to t's dtype."""
-    owner = "apply_rotary_pos_emb"
-    check_qkv_format(owner, "tensor_format", tensor_format)
-    if t.dim() != 4:
-        raise ValueError(f"{owner}: t must be 4-D [{', '.join(tensor_format)}], got shape "
-                         f"{tuple(t.shape)}")
-    seq = t.shape[0] if tensor_format == "sbhd" else t.shape[1]
-    if (not isinstance(freqs, torch.Tensor) or freqs.dim() != 4 or freqs.shape[1:3] != (1, 1)
-            or freqs.shape[0] < seq or freqs.shape[3] > t.shape[3] or freqs.shape[3] % 2):
-        got = tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__
-        raise ValueError(f"{owner}: rotary_pos_emb must have shape [s2, 1, 1, d2] with s2 >= "
-                         f"{seq} (the sequence length) and an even d2 <= {t.shape[3]} (the "
-                         f"head size), got {got}")
-    freqs = freqs[:seq].float()
-    if tensor_format == "bshd":
-        freqs = freqs.transpose(0, 1)  # [1, s, 1, d2]
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
-    rot_dim = freqs.shape[-1]
-    rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
-    rotated = rotated * cos + _rotate_half(rotated) * sin
-    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
 
 
 # ---- dot-product attention -----------------------------------------------------------------
@@ -158,8 +64,13 @@ class DotProductAttention(torch.nn.Module):
     """Transformer Engine's DotProductAttention, in high precision (inside fp8_autocast too).
 
     forward(query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
-    attn_mask_type=None, window_size=None, checkpoint_core_attention=False) -> [s, b, h * d]
-    ("sbhd") or [b, s, h * d] ("bshd"). See the module docstring for layouts, GQA and masks.
+    attn_mask_type=None, window_size=None, bottom_right_diagonal=None,
+    checkpoint_core_attention=False, inference_params=None) -> [s, b, h * d] ("sbhd") or
+    [b, s, h * d] ("bshd"). See the module docstring for layouts, GQA and masks.
+    bottom_right_diagonal (the constructor's unless forward gives one) aligns the window of
+    "no_mask", "padding" and "arbitrary" (None: bottom-right, Transformer Engine's default).
+    inference_params needs layer_number (the key of this layer's cache) and a mask type with
+    "causal" (made bottom-right) or "padding"/"no_mask"; 'arbitrary' is refused.
     Dropout on the attention probabilities while training (attention_dropout). softmax_scale
     defaults to 1 / sqrt(kv_channels). window_size: a sliding window (attention/masks.py), the
     constructor's unless forward gives one. softmax_type: "vanilla", "off-by-one" or
@@ -192,8 +103,7 @@ class DotProductAttention(torch.nn.Module):
         if return_max_logit:
             raise ValueError(f"{owner}: return_max_logit=True is not supported; leave it at "
                              "False")
-        check_unsupported(owner, dict(bottom_right_diagonal=bottom_right_diagonal,
-                                      sequence_parallel=sequence_parallel, tp_size=tp_size,
+        check_unsupported(owner, dict(sequence_parallel=sequence_parallel, tp_size=tp_size,
                                       get_rng_state_tracker=get_rng_state_tracker,
                                       tp_group=tp_group, name=name))
         self.num_attention_heads = check_positive(owner, "num_attention_heads",
@@ -225,6 +135,8 @@ class DotProductAttention(torch.nn.Module):
                              f"{softmax_scale!r}")
         self.softmax_scale = float(softmax_scale)
         self.window_size = check_window_size(owner, window_size)
+        resolve_bottom_right(owner, "no_mask", bottom_right_diagonal)  # (checks the value)
+        self.bottom_right_diagonal = bottom_right_diagonal
         self.softmax_type = check_softmax_type(owner, softmax_type)
         if softmax_type == "learnable":  # Transformer Engine's name, shape and start: zeros
             self.softmax_offset = torch.nn.Parameter(
@@ -249,7 +161,8 @@ class DotProductAttention(torch.nn.Module):
         named = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                      cu_seqlens_q_padded=cu_seqlens_q_padded,
                      cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q,
-                     max_seqlen_kv=max_seqlen_kv, bottom_right_diagonal=bottom_right_diagonal)
+                     max_seqlen_kv=max_seqlen_kv)
+        inference_params = unsupported.pop("inference_params", None)
         for name, value in {**named, **unsupported}.items():
             if name not in _FORWARD_DEFAULTS:
                 raise TypeError(f"{owner}.forward() got an unexpected keyword argument {name!r}")
@@ -265,10 +178,21 @@ class DotProductAttention(torch.nn.Module):
                                     else attn_mask_type)
         window = resolve_window(owner, mask_type,
                                 self.window_size if window_size is None else window_size)
-        q, k, v = self._to_bhsd(query_layer, key_layer, value_layer, fmt)
+        bottom_right = resolve_bottom_right(owner, mask_type, self.bottom_right_diagonal
+                                            if bottom_right_diagonal is None
+                                            else bottom_right_diagonal)
+        cached = inference_params is not None
+        if cached:
+            # The cache holds every earlier token: the queries are the last ones of their
+            # sequences, hence the bottom-right causal diagonal (and padding by lengths).
+            self._to_bhsd(query_layer, key_layer, value_layer, fmt)  # (checks the inputs)
+            key_layer, value_layer, attention_mask, mask_type, bottom_right = kv_cache_step(
+                inference_params, self.layer_number, key_layer, value_layer, fmt, mask_type,
+                bottom_right, query_layer.shape[0 if fmt == "sbhd" else 1])
+        q, k, v = self._to_bhsd(query_layer, key_layer, value_layer, fmt, cached)
         allowed, is_causal = allowed_mask(mask_type, attention_mask, q.shape[0],
                                           self.num_attention_heads, q.shape[2], k.shape[2],
-                                          q.device, window)
+                                          q.device, window, bottom_right)
         dropout = self.attention_dropout if self.training else 0.0
         if checkpoint_core_attention and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self._sdpa, q, k, v, allowed, is_causal,
@@ -282,8 +206,9 @@ class DotProductAttention(torch.nn.Module):
 
     # -- inputs ----------------------------------------------------------------------------
 
-    def _to_bhsd(self, q, k, v, fmt):
-        """Checks the three inputs; returns them as [b, heads, s, d] views."""
+    def _to_bhsd(self, q, k, v, fmt, cached=False):
+        """Checks the three inputs; returns them as [b, heads, s, d] views. cached: k and v
+        come from a KV cache ("bshd", the sequences so far), q in fmt."""
         owner = "DotProductAttention"
         lead = "s, b" if fmt == "sbhd" else "b, s"
         h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
@@ -299,6 +224,9 @@ class DotProductAttention(torch.nn.Module):
                 raise TypeError(f"{owner}: {name} must be a floating-point tensor, got "
                                 f"{t.dtype}")
         batch_dim, seq_dim = (1, 0) if fmt == "sbhd" else (0, 1)
+        if cached:
+            perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
+            return q.permute(perm), k.transpose(1, 2), v.transpose(1, 2)
         if not (q.shape[batch_dim] == k.shape[batch_dim] == v.shape[batch_dim]):
             raise ValueError(f"{owner}: query_layer, key_layer and value_layer must have the "
                              f"same batch size, got shapes {tuple(q.shape)}, {tuple(k.shape)}, "

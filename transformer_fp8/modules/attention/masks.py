@@ -1,17 +1,22 @@
 """Transformer Engine's attention masks for DotProductAttention, as SDPA's boolean mask.
 
 attention_mask is boolean with True = masked out (the opposite of SDPA's attn_mask):
-"padding" takes [b, 1, 1, s] (a tuple (query mask, key/value mask) when s_q != s_kv),
-"arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with "causal" or "no_mask" a mask is
-ignored, as in Transformer Engine's fused backends. Causal masks are top-left aligned (query i
-sees keys 0..i).
+"padding" types take [b, 1, 1, s] (a tuple (query mask, key/value mask) when s_q != s_kv),
+"arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with "no_mask" or a causal type
+without "padding" a mask is ignored, as in Transformer Engine's fused backends.
 
-window_size (left, right), Transformer Engine's sliding window: query i may attend key j when
-shift - left <= j - i <= shift + right, shift 0 with the causal mask types (top-left diagonal)
-and s_kv - s_q with the others (bottom-right; with "padding" each sequence's own lengths,
-padding at the end). (-1, -1) is no window, (-1, 0) the causal one; a causal mask type takes
-(-1, 0) or (>= 0, 0), the others (-1, -1) or (>= 0, >= 0). A value that contradicts the mask
-type is adjusted with a warning, as Transformer Engine does.
+Diagonals. Query i may attend key j when shift - left <= j - i <= shift + right:
+  * causal types have right = 0 (left unbounded unless a window bounds it);
+  * window_size (left, right), Transformer Engine's sliding window ((-1, -1) is no window,
+    (-1, 0) the causal one; a causal type takes (-1, 0) or (>= 0, 0), the others (-1, -1) or
+    (>= 0, >= 0); a value that contradicts the mask type is adjusted with a warning, as
+    Transformer Engine does);
+  * shift: 0 aligns the diagonal top-left ("causal", "padding_causal", and the others with
+    bottom_right_diagonal=False); s_kv - s_q aligns it bottom-right ("*_bottom_right", and
+    the others with bottom_right_diagonal True or None), with the "padding" types each
+    sequence's own lengths (padding at the end).
+bottom_right_diagonal follows Transformer Engine: forced False for "causal" and
+"padding_causal", True for "*_bottom_right"; None means True for the other types.
 """
 from __future__ import annotations
 
@@ -21,23 +26,40 @@ from typing import Optional
 import torch
 
 _OWNER = "DotProductAttention"
+TOP_LEFT_CAUSAL = ("causal", "padding_causal")
 
 
-def allowed_mask(mask_type, mask, batch, heads, seq_q, seq_kv, device, window=None):
+def resolve_bottom_right(owner: str, mask_type: str, bottom_right_diagonal) -> bool:
+    """Whether the diagonal (causal or window) is aligned bottom-right for this mask type."""
+    if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
+        raise ValueError(f"{owner}: bottom_right_diagonal must be None, True or False, got "
+                         f"{bottom_right_diagonal!r}")
+    if mask_type in TOP_LEFT_CAUSAL:
+        return False
+    if mask_type.endswith("_bottom_right") or bottom_right_diagonal is None:
+        return True
+    return bottom_right_diagonal
+
+
+def allowed_mask(mask_type, mask, batch, heads, seq_q, seq_kv, device, window=None,
+                 bottom_right=False):
     """(SDPA's boolean mask, True = may attend, broadcastable to [b, h, s_q, s_kv], or None;
-    is_causal). window: resolve_window's (left, right) or None."""
+    is_causal: SDPA's own top-left causal mask). window: resolve_window's (left, right) or
+    None; bottom_right: resolve_bottom_right's."""
     owner = _OWNER
-    pads = None
-    if mask_type in ("no_mask", "causal"):
+    causal = "causal" in mask_type
+    if window is None and mask_type in ("no_mask", "causal", "causal_bottom_right"):
         # These types take no mask; one passed anyway is ignored, as Transformer Engine
         # ignores it (model code often passes its padding mask along regardless).
-        if window is None:
-            return None, mask_type == "causal"
-        return window_allowed(window, mask_type, seq_q, seq_kv, device), False
-    if mask is None:
-        raise ValueError(f"{owner}: attn_mask_type {mask_type!r} needs an attention_mask "
-                         "(boolean, True = masked out), got None")
+        if not causal or seq_q == 1 and bottom_right:  # (one query sees every key)
+            return None, False
+        if not bottom_right or seq_q == seq_kv:  # SDPA's own causal kernels
+            return None, True
+    pads = allowed = None
     if mask_type == "arbitrary":
+        if mask is None:
+            raise ValueError(f"{owner}: attn_mask_type 'arbitrary' needs an attention_mask "
+                             "(boolean, True = masked out), got None")
         check_bool(mask, "attention_mask")
         # Broadcasting one way only: each of the mask's last (up to 4) dims is 1 or the
         # attention's own (a batch-3 mask on a batch-1 input is refused here).
@@ -47,13 +69,17 @@ def allowed_mask(mask_type, mask, batch, heads, seq_q, seq_kv, device, window=No
             raise ValueError(f"{owner}: an 'arbitrary' attention_mask must broadcast to "
                              f"[b, h, s_q, s_kv] = {full}, got shape {tuple(mask.shape)}")
         allowed = ~mask.to(device)
-    else:  # padding, padding_causal: [b, 1, 1, s] per side, True = a padding token
+    elif "padding" in mask_type:  # [b, 1, 1, s] per side, True = a padding token
+        if mask is None:
+            raise ValueError(f"{owner}: attn_mask_type {mask_type!r} needs an attention_mask "
+                             "(boolean, True = masked out), got None")
         pads = padding_masks(mask, batch, seq_q, seq_kv, device)
         allowed = ~pads[0].reshape(batch, 1, seq_q, 1) & ~pads[1]
-    if mask_type == "padding_causal" and window is None:  # (a causal window holds it)
-        allowed = allowed & torch.ones(seq_q, seq_kv, dtype=torch.bool, device=device).tril()
-    if window is not None:
-        allowed = allowed & window_allowed(window, mask_type, seq_q, seq_kv, device, pads)
+    if causal or window is not None:
+        left, right = window if window is not None else (-1, 0)
+        band = diagonal_band(left, 0 if causal else right, seq_q, seq_kv, device,
+                             bottom_right, pads)
+        allowed = band if allowed is None else allowed & band
     return allowed, False
 
 
@@ -131,18 +157,19 @@ def _adjusted(owner, mask_type, window, expected, used):
                   f"{mask_type!r}, got {window}; using {used}", stacklevel=4)
 
 
-def window_allowed(window, mask_type, seq_q, seq_kv, device, pads=None) -> torch.Tensor:
-    """True where query i may attend key j under the window: [s_q, s_kv], or [b, 1, s_q, s_kv]
-    for the "padding" mask type, whose diagonal ends at each sequence's last real query and
-    key (pads: the query and key/value padding masks, True = padding)."""
-    left, right = window
+def diagonal_band(left, right, seq_q, seq_kv, device, bottom_right, pads=None):
+    """True where query i may attend key j: shift - left <= j - i <= shift + right (left -1:
+    unbounded). shift 0 (top-left) or, bottom-right, s_kv - s_q: [s_q, s_kv]; with padding
+    masks (pads: query and key/value, True = padding) each sequence's real lengths:
+    [b, 1, s_q, s_kv]."""
     offset = (torch.arange(seq_kv, device=device).view(1, seq_kv)
               - torch.arange(seq_q, device=device).view(seq_q, 1))  # j - i
-    if "causal" in mask_type:
+    if not bottom_right:
         shift = 0
-    elif mask_type == "padding":
+    elif pads is not None:
         q_len = (~pads[0]).sum(dim=-1, keepdim=True)  # [b, 1, 1, 1]
         shift = (~pads[1]).sum(dim=-1, keepdim=True) - q_len
     else:
         shift = seq_kv - seq_q
-    return (offset >= shift - left) & (offset <= shift + right)
+    band = offset <= shift + right
+    return band if left < 0 else band & (offset >= shift - left)

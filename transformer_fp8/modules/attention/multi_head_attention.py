@@ -18,10 +18,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .dot_product import DotProductAttention, apply_rotary_pos_emb
+from ...quantization.recipe import Recipe
 from ..layernorm_linear import LayerNormLinear
 from ..linear import Linear
-from ...quantization.recipe import Recipe
+from .dot_product import DotProductAttention, apply_rotary_pos_emb
+from .inference import InferenceParams
 from .qk_norm import qk_norm_modules
 from ..te_args import check_positive, check_te_options, one_dtype, te_default_init, \
     te_only_arguments
@@ -42,7 +43,10 @@ class MultiheadAttention(torch.nn.Module):
     return_bias, then the norm's output if return_layernorm_output. qk_norm_type ("RMSNorm",
     "LayerNorm", "L2Normalization") normalises each query and key head after the rotary
     embedding (before it with qk_norm_before_rope); window_size and softmax_type are
-    DotProductAttention's.
+    DotProductAttention's, and so are attn_mask_type's "*_bottom_right" types and
+    bottom_right_diagonal. inference_params (an InferenceParams, after its pre_step): the keys
+    and values join its cache under layer_number (1 unless given), rotary embeddings start at
+    each sequence's cached length, and the new tokens attend to the whole sequence.
     Not supported (refused): attention_type="cross", encoder_output, and the options te_args
     lists at other values than their defaults.
     """
@@ -84,10 +88,14 @@ class MultiheadAttention(torch.nn.Module):
                 raise ValueError(f"{owner}: hidden_size ({hidden_size}) must be a multiple of "
                                  f"num_attention_heads ({heads}) when kv_channels is not given")
             kv_channels = hidden_size // heads
+        # layer_number keys the KV cache (inference_params): 1 unless given, as Transformer
+        # Engine numbers it.
         core_attention = DotProductAttention(
             heads, kv_channels, num_gqa_groups=num_gqa_groups,
             attention_dropout=attention_dropout, qkv_format=qkv_format,
-            attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
+            attn_mask_type=attn_mask_type, window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal,
+            layer_number=1 if layer_number is None else layer_number,
             softmax_scale=softmax_scale, softmax_type=softmax_type, device=device)
         self.q_norm, self.k_norm = qk_norm_modules(owner, qk_norm_type, qk_norm_eps, kv_channels,
                                                    dtype, device)
@@ -139,6 +147,10 @@ class MultiheadAttention(torch.nn.Module):
         if encoder_output is not None:
             raise ValueError("MultiheadAttention.forward: encoder_output is not supported (no "
                              "cross-attention); leave it at None")
+        if inference_params is not None and not isinstance(inference_params, InferenceParams):
+            raise TypeError("MultiheadAttention.forward: inference_params must be a "
+                            "transformer_fp8.InferenceParams, got "
+                            f"{type(inference_params).__name__}")
         ln_out = None
         if self.input_layernorm:
             out = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
@@ -152,8 +164,11 @@ class MultiheadAttention(torch.nn.Module):
             # One tensor for both, or (query angles, key angles) as Transformer Engine takes.
             q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list))
                                 else (rotary_pos_emb, rotary_pos_emb))
-            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format)
-            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format)
+            # With a KV cache the new tokens start at each sequence's cached length.
+            starts = None if inference_params is None else inference_params.start_positions(
+                "MultiheadAttention", q.shape[1 if self.qkv_format == "sbhd" else 0])
+            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, start_positions=starts)
+            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, start_positions=starts)
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         context = self.core_attention(q, k, v, attention_mask=attention_mask,

@@ -1,0 +1,138 @@
+"""Transformer Engine's RotaryPositionEmbedding and apply_rotary_pos_emb.
+
+RotaryPositionEmbedding(dim)(max_seq_len) is the angle tensor [s, 1, 1, d];
+apply_rotary_pos_emb applies it to the first d features of q or k with the non-interleaved
+rotate-half convention t * cos + rotate_half(t) * sin. With start_positions (KV-cache
+inference) sequence b's token t takes the angles of position start_positions[b] + t.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..te_args import check_positive
+from ..torchscript import refuse_torchscript
+
+QKV_FORMATS = ("sbhd", "bshd")
+
+
+def check_qkv_format(owner: str, name: str, value) -> str:
+    if value not in QKV_FORMATS:
+        extra = " ('thd', packed sequences, is not supported)" if value == "thd" else ""
+        raise ValueError(f"{owner}: {name} must be one of {QKV_FORMATS}, got {value!r}{extra}")
+    return value
+
+class RotaryPositionEmbedding(torch.nn.Module):
+    """Transformer Engine's RotaryPositionEmbedding: forward(max_seq_len, offset=0) returns the
+    float32 angles [max_seq_len, 1, 1, dim'] (dim' = int(dim * rotary_percent)), position p and
+    feature j holding p * base^(-2 (j mod dim'/2) / dim'): the frequencies repeated, not
+    interleaved. seq_len_interpolation_factor with pretrained_max_position_embeddings divides
+    the positions (position interpolation): by the factor, or by max_seq_len / pretrained when
+    max_seq_len exceeds pretrained * factor.
+    The inverse frequencies are a buffer, inv_freq (in the state_dict, as Transformer Engine
+    keeps it)."""
+
+    __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
+
+    def __init__(self, dim: int, rotary_percent: float = 1.0,
+                 seq_len_interpolation_factor: Optional[int] = None,
+                 pretrained_max_position_embeddings: Optional[int] = None,
+                 rotary_base: float = 10000.0, interleaved: bool = False):
+        super().__init__()
+        check_positive("RotaryPositionEmbedding", "dim", dim)
+        if isinstance(rotary_percent, bool) or not isinstance(rotary_percent, (int, float)) \
+                or not 0 < rotary_percent <= 1:
+            raise ValueError("RotaryPositionEmbedding: rotary_percent must be in (0, 1], got "
+                             f"{rotary_percent!r}")
+        if interleaved:
+            raise ValueError("RotaryPositionEmbedding: interleaved=True is not supported; "
+                             "only the rotate-half (non-interleaved) convention")
+        if not isinstance(rotary_base, (int, float)) or not rotary_base > 0:
+            raise ValueError("RotaryPositionEmbedding: rotary_base must be a number > 0, got "
+                             f"{rotary_base!r}")
+        rot_dim = int(dim * rotary_percent) if rotary_percent < 1 else dim
+        if rot_dim < 2 or rot_dim % 2:
+            raise ValueError("RotaryPositionEmbedding: the rotary dimension (dim * "
+                             f"rotary_percent = {rot_dim}) must be even and >= 2")
+        self.dim = rot_dim
+        self.rotary_base = float(rotary_base)
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
+        exponents = torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim
+        self.register_buffer("inv_freq", 1.0 / (self.rotary_base ** exponents))
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        check_positive("RotaryPositionEmbedding", "max_seq_len", max_seq_len)
+        inv_freq = self.inv_freq.float()
+        positions = torch.arange(max_seq_len, device=inv_freq.device,
+                                 dtype=torch.float32) + offset
+        factor, pretrained = (self.seq_len_interpolation_factor,
+                              self.pretrained_max_position_embeddings)
+        if factor is not None and pretrained is not None:
+            if max_seq_len > pretrained * factor:
+                positions = positions / (max_seq_len / pretrained)
+            else:
+                positions = positions / factor
+        freqs = torch.outer(positions, inv_freq)  # [s, dim / 2]
+        return torch.cat((freqs, freqs), dim=-1).reshape(max_seq_len, 1, 1, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, rotary_base={self.rotary_base}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str = "sbhd",
+                         start_positions=None) -> torch.Tensor:
+    """t [s, b, h, d] (or [b, s, h, d] with "bshd") rotated by the angles freqs [s2, 1, 1, d2]
+    (s2 >= s, even d2 <= d): the first d2 features become t * cos + rotate_half(t) * sin, the
+    rest pass through. cos and sin are taken in float32, then cast to t's dtype.
+    start_positions ([b] ints, a tensor or a list): sequence b's token j takes the angles of
+    position start_positions[b] + j (s2 >= max(start_positions) + s; a tensor is read on the
+    host for that check)."""
+    owner = "apply_rotary_pos_emb"
+    check_qkv_format(owner, "tensor_format", tensor_format)
+    if t.dim() != 4:
+        raise ValueError(f"{owner}: t must be 4-D [{', '.join(tensor_format)}], got shape "
+                         f"{tuple(t.shape)}")
+    seq, batch = t.shape[:2] if tensor_format == "sbhd" else t.shape[1::-1]
+    starts = _start_positions(owner, start_positions, batch)
+    needed = seq + (max(starts) if starts else 0)
+    if (not isinstance(freqs, torch.Tensor) or freqs.dim() != 4 or freqs.shape[1:3] != (1, 1)
+            or freqs.shape[0] < needed or freqs.shape[3] > t.shape[3] or freqs.shape[3] % 2):
+        got = tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__
+        what = "the sequence length" + (" plus the largest start position" if starts else "")
+        raise ValueError(f"{owner}: rotary_pos_emb must have shape [s2, 1, 1, d2] with s2 >= "
+                         f"{needed} ({what}) and an even d2 <= {t.shape[3]} (the head size), "
+                         f"got {got}")
+    if starts is None:
+        freqs = freqs[:seq].float()  # [s, 1, 1, d2]
+    else:  # position start_b + j for row b: [s, b, 1, d2]
+        positions = (torch.tensor(starts, device=freqs.device).view(1, batch)
+                     + torch.arange(seq, device=freqs.device).view(seq, 1))
+        freqs = freqs[:, 0].float()[positions]
+    if tensor_format == "bshd":
+        freqs = freqs.transpose(0, 1)  # [1 or b, s, 1, d2]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    rot_dim = freqs.shape[-1]
+    rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
+    rotated = rotated * cos + _rotate_half(rotated) * sin
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+
+
+def _start_positions(owner: str, start_positions, batch: int) -> Optional[list]:
+    """start_positions as a list of batch ints >= 0, or None."""
+    if start_positions is None:
+        return None
+    if isinstance(start_positions, torch.Tensor):
+        start_positions = start_positions.reshape(-1)[:batch].tolist()
+    starts = list(start_positions)
+    if len(starts) != batch or any(isinstance(p, bool) or not isinstance(p, int) or p < 0
+                                   for p in starts):
+        raise ValueError(f"{owner}: start_positions must hold {batch} ints >= 0 (one per "
+                         f"sequence), got {start_positions!r}")
+    return starts
