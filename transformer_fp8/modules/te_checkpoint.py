@@ -15,7 +15,8 @@ The pickle is read with an unpickler that builds tensors (through torch.load wit
 weights_only=True) and dicts only: any class or function it names (Transformer Engine's recipe,
 a user's amax_compute_algo) becomes an inert record of its name and fields; nothing is imported
 or called. Transformer Engine up to 1.5 saved its state with the last step's update still owed
-(_pending_update): the module runs it at its next FP8 forward, before the first cast. Transformer Engine need not be installed.
+(_pending_update): the module runs it at its next FP8 forward, before the first cast.
+Transformer Engine need not be installed.
 Whatever does not map (another recipe's state, a layout with another number of GEMMs, a payload
 this reader does not understand) is ignored with a warning, and the module keeps a fresh FP8
 state, as after loading a high-precision checkpoint.
