@@ -109,7 +109,9 @@ def test_distributed_refusals_and_warning(ranks):
     assert "tp_size=4 does not match tp_group, whose size is 2" in said["tp_size"]
     assert "tp_group has 2 ranks, the layer was built for tp_size=4" in said["set_group"]
     assert said["tp_size_from_group"] == "2"  # tp_size left at 1: the group's size
-    assert "first dimension (the sequence), (3,), is not divisible by the 2" in said["sequence"]
+    assert ("Linear: with sequence_parallel the first dimension is the sequence, split over "
+            "the 2 ranks (row: the output's, the same as the input's); got an input of shape "
+            "(3, 2, 32)") in said["sequence"]
     assert len(said["warnings"]) == 1 and "fp8_group" in said["warnings"][0]
     assert said["late_group_runs"] == "(8, 48)"
 

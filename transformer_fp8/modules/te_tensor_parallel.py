@@ -212,10 +212,11 @@ def forward(layer, inp, is_first_microbatch, fp8_output, fp8_grad):
     if state is not None and (state.enabled or state.calibrating):
         warn_unless_scales_agree(layer, state, group)
     sequence_parallel = options.sequence_parallel
-    if sequence_parallel and inp.dim() < 2:
-        raise ValueError(f"{name}: with sequence_parallel the input's first dimension is the "
-                         f"sequence, split over the ranks; got an input of shape "
-                         f"{tuple(inp.shape)}")
+    if sequence_parallel and (inp.dim() < 2 or (options.mode == "row"
+                                                 and inp.shape[0] % options.size)):
+        raise ValueError(f"{name}: with sequence_parallel the first dimension is the sequence, "
+                         f"split over the {options.size} ranks (row: the output's, the same "
+                         f"as the input's); got an input of shape {tuple(inp.shape)}")
     if options.mode == "column":
         x = (_GatherFirstDim.apply(inp, group) if sequence_parallel
              else _CopyToGroup.apply(inp, group))
