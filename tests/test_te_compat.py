@@ -223,10 +223,11 @@ def test_linear_takes_transformer_engines_arguments():
             torch.testing.assert_close(out + bias, full, rtol=0.1, atol=0.5)
         else:
             assert torch.equal(out, F.linear(x, layer.weight))
-    with pytest.raises(ValueError, match="sequence_parallel=True is not supported"):
-        te.Linear(32, 16, sequence_parallel=True)
-    with pytest.raises(ValueError, match="parallel_mode='column' is not supported"):
-        te.Linear(32, 16, parallel_mode="column")
+    # Tensor parallelism (test_te_tensor_parallel.py): on one rank nothing to shard.
+    assert tuple(te.Linear(32, 16, sequence_parallel=True, parallel_mode="column")
+                 .weight.shape) == (16, 32)
+    with pytest.raises(ValueError, match="parallel_mode must be None, 'column' or 'row'"):
+        te.Linear(32, 16, parallel_mode="diagonal")
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         te.Linear(32, 16, bogus=1)
     with pytest.raises(ValueError, match="fp8_output=True is not supported"):

@@ -65,6 +65,9 @@ class Fp8StateMixin(Fp8State):
     # What the module's next forward needs to run its last C++ step again, or None (set on the
     # instance by the step: linear_fused_step.py's _keep_ticket).
     _fused_ticket = None
+    # Transformer Engine's tensor parallelism (tp_group, parallel_mode: te_tensor_parallel.py),
+    # where the layer communicates; else None.
+    _te_tp = None
 
     # ---- forward -----------------------------------------------------------------------------
 

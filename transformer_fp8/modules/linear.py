@@ -27,6 +27,8 @@ from .linear_fused_step import fused_linear_step, ticketed_linear_step
 from .te_args import check_forward_flags, check_te_options
 from .te_module import TeModuleMixin, split_sizes
 from .tensor_parallel import sharded_linear
+from . import te_tensor_parallel
+from .te_tensor_parallel import TensorParallelMixin
 from .once_differentiable import once_differentiable, save_for_backward, saved_operands
 
 
@@ -93,7 +95,7 @@ def _unpad(out: torch.Tensor, rows: int, lead_shape, features: int) -> torch.Ten
     return function_output(out, rows, (*lead_shape, features))
 
 
-class LinearLayer(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
+class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Module):
     """What an FP8 linear layer is, Linear and Conv1D alike: everything of Linear but its
     torch.nn.Linear base, which Conv1D (its weight stored transposed, [in, out]) must not
     have: code written for nn.Linear (peft's LoRA merge, DoRA) reads an nn.Linear's weight
@@ -114,7 +116,11 @@ class LinearLayer(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
             raise TypeError(f"Linear: argument 'device' must be a device, got the dtype {device} "
                             "(the fourth argument is device, as in torch.nn.Linear; pass the "
                             "dtype as dtype= or params_dtype=)")
+        in_features, out_features, parallel = te_tensor_parallel.configure(
+            "Linear", in_features, out_features, te_options)  # (the local shard's sizes)
         check_te_options("Linear", te_options)
+        te_tensor_parallel.check_combination("Linear", parallel, parameters_split,
+                                             fp8_all_gather)
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
             raise ValueError(f"Linear: 'dtype' ({dtype}) and 'params_dtype' ({params_dtype}) are "
                              "two names for the parameters' dtype and must agree; pass one")
@@ -136,6 +142,7 @@ class LinearLayer(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
             self._init_te_parameters()
         if recipe is None:
             recipe = model_init.init_recipe()  # from quantized_model_init, if any
+        te_tensor_parallel.attach(self, parallel)
         self._register_fp8_state(self.weight_nk().device, history_len_for(recipe))
         self.prepare_fp8_recipe(recipe)
         if fp8_all_gather:
@@ -166,7 +173,9 @@ class LinearLayer(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         return self._param("weight", routed)
 
     def _gemm_bias(self):
-        """The bias the GEMM adds (None with return_bias: it is returned instead)."""
+        """The bias the GEMM adds (None with return_bias: it is returned instead; a
+        row-parallel layer replaces this method by one that gives None: it adds the bias after
+        the ranks' sum, te_tensor_parallel.py)."""
         return None if self.return_bias else self._param("bias")
 
     def _high_precision(self, inp: torch.Tensor, linear=F.linear) -> torch.Tensor:
@@ -208,6 +217,9 @@ class LinearLayer(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
+        if self._te_tp is not None:  # Transformer Engine's tensor parallelism: collectives
+            return te_tensor_parallel.forward(self, inp, is_first_microbatch, fp8_output,
+                                              fp8_grad)
         if self._fused_ticket is not None:  # the C++ step of the last forward, if it holds
             if is_first_microbatch is None and not fp8_output and not fp8_grad:
                 out = ticketed_linear_step(self, inp)
@@ -254,7 +266,9 @@ class Linear(LinearLayer, torch.nn.Linear):
     the weight, bias zeroed; default: nn.Linear's initialisation), return_bias (forward returns
     (out, bias) without adding it), parameters_split (the weight and bias as several Parameters,
     e.g. query_weight / key_weight / value_weight), fuse_wgrad_accumulation and
-    delay_wgrad_compute (wgrad.py); its parallelism options are accepted at their defaults
+    delay_wgrad_compute (wgrad.py); tp_group, tp_size, parallel_mode ("column", "row") and
+    sequence_parallel: Transformer Engine's tensor parallelism, the layer holding its shard
+    (te_tensor_parallel.py); its other parallelism options are accepted at their defaults
     (te_args.py). recipe: the recipe the layer will train with, which sizes its amax histories
     now rather than at the first FP8 forward. fp8_all_gather: under FSDP2's fully_shard the
     weight is all-gathered in FP8 (fsdp/all_gather.py; not with parameters_split,

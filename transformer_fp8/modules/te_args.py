@@ -10,14 +10,18 @@ from __future__ import annotations
 import torch
 
 _PARALLEL = "no tensor, sequence or context parallelism, no communication overlap"
+# Linear takes these four (te_tensor_parallel.py) and never passes them here.
+_TP = ("no tensor or sequence parallelism in this module (transformer_fp8.Linear takes tp_group, "
+       "tp_size, parallel_mode and sequence_parallel)")
 
 # name -> (accepted values, first = Transformer Engine's default; why other values are refused)
 TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
-    # tensor / sequence parallelism and communication overlap
-    "sequence_parallel": ((False, None), _PARALLEL),
-    "tp_group": ((None,), _PARALLEL),
-    "tp_size": ((1,), _PARALLEL),
-    "parallel_mode": ((None,), _PARALLEL),
+    # tensor / sequence parallelism (Linear's own: te_tensor_parallel.py) and communication
+    # overlap
+    "sequence_parallel": ((False, None), _TP),
+    "tp_group": ((None,), _TP),
+    "tp_size": ((1,), _TP),
+    "parallel_mode": ((None,), _TP),
     "set_parallel_mode": ((False,), _PARALLEL),
     "get_rng_state_tracker": ((None,), _PARALLEL),
     "rng_tracker_name": ((None,), _PARALLEL),

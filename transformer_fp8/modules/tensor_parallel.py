@@ -111,11 +111,18 @@ def prepare(module, state, inp) -> None:
     module._fp8_state_to_local()
     if state is None or not (state.enabled or state.calibrating):
         return
-    mesh = module.fp8_weights()[0].device_mesh
-    key = (state.step_key, mesh)
+    warn_unless_scales_agree(module, state, module.fp8_weights()[0].device_mesh)
+
+
+def warn_unless_scales_agree(module, state, ranks) -> None:
+    """Inside an enabled (or calibrating) fp8_autocast: warn once per step key and ``ranks``
+    (a device mesh, or the process group of Transformer Engine's tensor parallelism:
+    te_tensor_parallel.py) where the ranks' per-tensor scales differ."""
+    key = (state.step_key, ranks)
     agree = _SCALES_AGREE.get(key)
     if agree is None:
-        agree = _SCALES_AGREE.setdefault(key, _scales_agree(state, mesh))
+        group = ranks.get_group() if hasattr(ranks, "get_group") else ranks
+        agree = _SCALES_AGREE.setdefault(key, _scales_agree(state, group))
     if not agree and key not in _warned:
         _warned.add(key)
         warnings.warn(
@@ -125,17 +132,17 @@ def prepare(module, state, inp) -> None:
             "rank scales its weight, input and grad_output shards with their own amaxes: the "
             "ranks' FP8 states differ and the results differ from one process's beyond FP8 "
             "rounding. Pass fp8_group=<a group containing the tensor-parallel ranks> and "
-            "reduce_amax=True for scales that are the full tensors'.", stacklevel=5)
+            "reduce_amax=True for scales that are the full tensors'.", stacklevel=6)
 
 
-def _scales_agree(state, mesh) -> bool:
-    """Whether every rank of the mesh casts with the same per-tensor scales."""
+def _scales_agree(state, group) -> bool:
+    """Whether every rank of the process group casts with the same per-tensor scales."""
     recipe = state.recipe
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         return True  # block recipes: every block its own scale, no state
     if isinstance(recipe, DelayedScaling) and not recipe.reduce_amax:
         return False
-    return state.group is None or group_ranks(mesh.get_group()) <= group_ranks(state.group)
+    return state.group is None or group_ranks(group) <= group_ranks(state.group)
 
 
 def sharded_linear(fp8_linear, module, inp, weight, bias, plan: Fp8Plan):

@@ -96,14 +96,18 @@ def _current(recipe: Float8CurrentScaling, fp8_state, autocast_state):
     """Each tensor's own amax, as Transformer Engine's: each rank casts with the amax of what
     it holds (data parallelism, experts that run on some ranks only). A tensor-parallel
     module's shards are parts of one tensor: their amaxes are all-reduced (MAX) across the
-    context's fp8_group, by default the weight's device mesh (the tensor-parallel ranks: not
-    the whole world, whose data-parallel replicas hold other tensors: their amaxes changed
-    each replica's scales, and a cast one replica ran alone waited for the others), so every
-    shard is cast as the whole tensor would be."""
+    context's fp8_group, by default the tensor-parallel ranks (the weight's device mesh, or
+    Transformer Engine's tp_group; not the whole world, whose data-parallel replicas hold
+    other tensors: their amaxes changed each replica's scales, and a cast one replica ran
+    alone waited for the others), so every shard is cast as the whole tensor would be."""
     fmt, group = recipe.fp8_format, None
     weight = fp8_state._weight_for_checks()
     if is_dtensor(weight):
         group = autocast_state.group or weight.device_mesh.get_group()
+    else:  # Transformer Engine's tp_group (modules/te_tensor_parallel.py), if the layer has one
+        te_tp = getattr(fp8_state, "_te_tp", None)
+        if te_tp is not None:
+            group = autocast_state.group or te_tp.group
     return [tuple(TensorQuantizer.current(dtype, group)
                   for dtype in (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype))
             for _ in range(fp8_state._num_gemms)], None
