@@ -85,10 +85,15 @@ class Fp8StateMixin(Fp8State):
         if inp.shape[-1:] != (in_features,):
             raise ValueError(f"{type(self).__name__}: input must have shape "
                              f"[..., {in_features}], got {tuple(inp.shape)}")
-        if self._replay_records.entries:  # (the list: one attribute read on every forward)
-            replay = self._replay_records.for_recomputation()
-            if replay is not None:
-                return self._replay(inp, *replay)
+        if self._replay_records.kept:  # (one attribute read on every forward)
+            if torch.compiler.is_compiling():
+                out = self._replay_if_recomputing(inp)  # (the frame walk runs eagerly)
+                if out is not None:
+                    return out
+            else:
+                replay = self._replay_records.for_recomputation()
+                if replay is not None:
+                    return self._replay(inp, *replay)
         stack = _autocast.LOCAL.stack  # (current_state(), inline: every forward asks)
         state = stack[-1] if stack else None
         if self._fp8_override is not None and state is not None:
@@ -175,13 +180,15 @@ class Fp8StateMixin(Fp8State):
         """The FP8 forward under ``state`` (an active fp8_autocast): a plan per GEMM (the
         recipe's quantizers, see quantization/roles.py), then _fp8_apply; keeps a replay record
         when activation checkpointing will recompute it."""
-        if torch.compiler.is_compiling() and any(
-                isinstance(w, (GatheredFp8Weight, Fp8Weight)) for w in self.fp8_weights()):
-            # A weight all-gathered in FP8 by FSDP2, or an FP8 primary weight (tensor
-            # subclasses), cannot enter a traced autograd.Function (the trace takes the
-            # subclass's inner tensors as inputs: the weight got no gradient): this layer's FP8
-            # step runs eagerly (a graph break).
-            return self._fp8_run_eagerly(inp, state, is_first_microbatch, *args)
+        if torch.compiler.is_compiling():
+            if any(isinstance(w, (GatheredFp8Weight, Fp8Weight)) for w in self.fp8_weights()):
+                # A weight all-gathered in FP8 by FSDP2, or an FP8 primary weight (tensor
+                # subclasses), cannot enter a traced autograd.Function (the trace takes the
+                # subclass's inner tensors as inputs: the weight got no gradient): this layer's
+                # FP8 step runs eagerly (a graph break).
+                return self._fp8_run_eagerly(inp, state, is_first_microbatch, *args)
+            if self._may_run_in_reentrant_checkpoint(inp):
+                return self._fp8_run_keeping_replay(inp, state, is_first_microbatch, *args)
         quantizers, backward_step = quantizers_for_step(state.recipe, self, state)
         if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
             quantizers = _fp8_hooks.observer.wrap_quantizers(self, quantizers)  # debug stats
@@ -204,8 +211,28 @@ class Fp8StateMixin(Fp8State):
             self._replay_records.keep(regions, tuple(plan.for_replay() for plan in plans))
         return out
 
+    def _may_run_in_reentrant_checkpoint(self, inp: torch.Tensor) -> bool:
+        """Whether a traced FP8 forward may be the first forward of a reentrant
+        torch.utils.checkpoint region, which must keep a replay record (its recomputation runs
+        in backward, outside fp8_autocast, after the delayed update: see quantization/replay.py)
+        and so runs eagerly, where the checkpoint's frames can be looked for. Such a forward
+        runs without gradients, on an input that requires them (the region's) or in a module in
+        training mode. Read while tracing: the compiled code guards on grad mode, the module's
+        ``training`` and the input's ``requires_grad``, so the graphs of a training forward
+        (gradients on) and of an evaluation (model.eval() under no_grad) are left as they are."""
+        return (not torch.is_grad_enabled() and (self.training or inp.requires_grad)
+                and not exporting())
+
     @torch.compiler.disable
     def _fp8_run_eagerly(self, inp, state, is_first_microbatch, *args):
+        return self._fp8_run(inp, state, is_first_microbatch, *args)
+
+    @torch.compiler.disable(reason=(
+        "transformer_fp8: an FP8 forward without gradients, in training mode or on an input "
+        "that requires gradients, may be the first forward of a reentrant "
+        "torch.utils.checkpoint, which keeps a replay record for its recomputation: it runs "
+        "eagerly. Call model.eval() for a compiled evaluation under no_grad."))
+    def _fp8_run_keeping_replay(self, inp, state, is_first_microbatch, *args):
         return self._fp8_run(inp, state, is_first_microbatch, *args)
 
     @torch.compiler.disable
@@ -213,6 +240,11 @@ class Fp8StateMixin(Fp8State):
         # Calibration records amaxes into state the trace cannot hold (the recipe adopted, the
         # module joining the step's update): under torch.compile it runs eagerly (a graph break).
         return self._run_high_precision(inp, recording_linear(self, state))
+
+    @torch.compiler.disable
+    def _replay_if_recomputing(self, inp):
+        replay = self._replay_records.for_recomputation()
+        return None if replay is None else self._replay(inp, *replay)
 
     @torch.compiler.disable
     def _replay(self, inp, plans, regions):

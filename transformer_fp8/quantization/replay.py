@@ -75,6 +75,9 @@ class ReplayRecords:
 
     def __init__(self):
         self.entries: list = []
+        # Whether ``entries`` holds any (a bool the forward reads: torch.compile guards on its
+        # value, where it would guard on the list's length and compile again for each length).
+        self.kept = False
 
     def __bool__(self) -> bool:
         """Whether a record waits for its first replay (its region still alive)."""
@@ -83,6 +86,7 @@ class ReplayRecords:
     def drop_freed(self) -> None:
         """Forget the records of regions that have been freed."""
         self.entries = [entry for entry in self.entries if _alive(entry[0])]
+        self.kept = bool(self.entries)
 
     def keep(self, regions, record) -> None:
         """Keep ``record`` for each of ``regions`` (see checkpoint_stack.checkpoint_context)."""
@@ -94,6 +98,7 @@ class ReplayRecords:
             if len(self.entries) >= MAX_RECORDS_PER_LAYER:
                 del self.entries[0]  # a forward whose backward never ran
             self.entries.append([_weak(region), record, _NOT_REPLAYED])
+            self.kept = True
             if hasattr(region, "register_prehook") and "_tfp8_hooked" not in region.__dict__:
                 # A reentrant region (an autograd node): see _before_reentrant_backward.
                 region._tfp8_hooked = True
@@ -117,6 +122,7 @@ class ReplayRecords:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.kept = False
 
 
 def _is_process_group(value) -> bool:
