@@ -187,7 +187,16 @@ class Fp8StateMixin(Fp8State):
                 # subclass's inner tensors as inputs: the weight got no gradient): this layer's
                 # FP8 step runs eagerly (a graph break).
                 return self._fp8_run_eagerly(inp, state, is_first_microbatch, *args)
-            if self._may_run_in_reentrant_checkpoint(inp):
+            if not torch.is_grad_enabled() and (self.training or inp.requires_grad) \
+                    and not exporting():
+                # Maybe the first forward of a reentrant torch.utils.checkpoint region (which
+                # runs without gradients, on the region's input, which requires them, or in a
+                # module in training mode): it must keep a replay record for the
+                # recomputation (in backward, outside fp8_autocast, after the delayed update:
+                # quantization/replay.py), so it runs eagerly, where the checkpoint's frames
+                # can be looked for. Read while tracing: the compiled code guards on grad
+                # mode, ``training`` and ``requires_grad``; the training forward (gradients
+                # on) and an evaluation (model.eval() under no_grad) keep their graphs.
                 return self._fp8_run_keeping_replay(inp, state, is_first_microbatch, *args)
         quantizers, backward_step = quantizers_for_step(state.recipe, self, state)
         if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
@@ -211,18 +220,6 @@ class Fp8StateMixin(Fp8State):
             self._replay_records.keep(regions, tuple(plan.for_replay() for plan in plans))
         return out
 
-    def _may_run_in_reentrant_checkpoint(self, inp: torch.Tensor) -> bool:
-        """Whether a traced FP8 forward may be the first forward of a reentrant
-        torch.utils.checkpoint region, which must keep a replay record (its recomputation runs
-        in backward, outside fp8_autocast, after the delayed update: see quantization/replay.py)
-        and so runs eagerly, where the checkpoint's frames can be looked for. Such a forward
-        runs without gradients, on an input that requires them (the region's) or in a module in
-        training mode. Read while tracing: the compiled code guards on grad mode, the module's
-        ``training`` and the input's ``requires_grad``, so the graphs of a training forward
-        (gradients on) and of an evaluation (model.eval() under no_grad) are left as they are."""
-        return (not torch.is_grad_enabled() and (self.training or inp.requires_grad)
-                and not exporting())
-
     @torch.compiler.disable
     def _fp8_run_eagerly(self, inp, state, is_first_microbatch, *args):
         return self._fp8_run(inp, state, is_first_microbatch, *args)
@@ -243,6 +240,9 @@ class Fp8StateMixin(Fp8State):
 
     @torch.compiler.disable
     def _replay_if_recomputing(self, inp):
+        """Under torch.compile, for a module that holds replay records: the replay of its
+        record if this call is a checkpoint's recomputation, else None (the walk up the stack
+        runs eagerly: a graph break, only while records are held)."""
         replay = self._replay_records.for_recomputation()
         return None if replay is None else self._replay(inp, *replay)
 

@@ -23,6 +23,13 @@ A region is the object torch keeps for it in both phases: a reentrant region's a
 (``new_frame`` of the generator that checkpoint() runs it with, ``frame`` of the unpack hook
 that recomputes it). Both are found by a walk up the stack through the frames of
 torch/utils/checkpoint.py (checkpoint_stack.py). Records die with their region.
+
+Under torch.compile the walk cannot be traced: a compiled FP8 forward that may be a reentrant
+region's first forward (no gradients, in training mode or on an input that requires them) runs
+its FP8 step eagerly and keeps its records, and a compiled module that holds records
+(ReplayRecords.kept, on which the compiled code guards) looks for its recomputation eagerly
+(modules/base.py). A non-reentrant region's first forward cannot be told from a training
+forward by what torch.compile guards on: a compiled FP8 layer inside one keeps no record.
 """
 from __future__ import annotations
 
