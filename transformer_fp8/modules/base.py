@@ -88,10 +88,15 @@ class Fp8StateMixin(Fp8State):
         if inp.shape[-1:] != (in_features,):
             raise ValueError(f"{type(self).__name__}: input must have shape "
                              f"[..., {in_features}], got {tuple(inp.shape)}")
-        if self._replay_records.entries:  # (the list: one attribute read on every forward)
-            replay = self._replay_records.for_recomputation()
-            if replay is not None:
-                return self._replay(inp, *replay)
+        if self._replay_records.kept:  # (one attribute read on every forward)
+            if torch.compiler.is_compiling():
+                out = self._replay_if_recomputing(inp)  # (the frame walk runs eagerly)
+                if out is not None:
+                    return out
+            else:
+                replay = self._replay_records.for_recomputation()
+                if replay is not None:
+                    return self._replay(inp, *replay)
         stack = _autocast.LOCAL.stack  # (current_state(), inline: every forward asks)
         state = stack[-1] if stack else None
         if self._fp8_override is not None and state is not None:
@@ -178,13 +183,24 @@ class Fp8StateMixin(Fp8State):
         """The FP8 forward under ``state`` (an active fp8_autocast): a plan per GEMM (the
         recipe's quantizers, see quantization/roles.py), then _fp8_apply; keeps a replay record
         when activation checkpointing will recompute it."""
-        if torch.compiler.is_compiling() and any(
-                isinstance(w, (GatheredFp8Weight, Fp8Weight)) for w in self.fp8_weights()):
-            # A weight all-gathered in FP8 by FSDP2, or an FP8 primary weight (tensor
-            # subclasses), cannot enter a traced autograd.Function (the trace takes the
-            # subclass's inner tensors as inputs: the weight got no gradient): this layer's FP8
-            # step runs eagerly (a graph break).
-            return self._fp8_run_eagerly(inp, state, is_first_microbatch, *args)
+        if torch.compiler.is_compiling():
+            if any(isinstance(w, (GatheredFp8Weight, Fp8Weight)) for w in self.fp8_weights()):
+                # A weight all-gathered in FP8 by FSDP2, or an FP8 primary weight (tensor
+                # subclasses), cannot enter a traced autograd.Function (the trace takes the
+                # subclass's inner tensors as inputs: the weight got no gradient): this layer's
+                # FP8 step runs eagerly (a graph break).
+                return self._fp8_run_eagerly(inp, state, is_first_microbatch, *args)
+            if not torch.is_grad_enabled() and (self.training or inp.requires_grad) \
+                    and not exporting():
+                # Maybe the first forward of a reentrant torch.utils.checkpoint region (which
+                # runs without gradients, on the region's input, which requires them, or in a
+                # module in training mode): it must keep a replay record for the
+                # recomputation (in backward, outside fp8_autocast, after the delayed update:
+                # quantization/replay.py), so it runs eagerly, where the checkpoint's frames
+                # can be looked for. Read while tracing: the compiled code guards on grad
+                # mode, ``training`` and ``requires_grad``; the training forward (gradients
+                # on) and an evaluation (model.eval() under no_grad) keep their graphs.
+                return self._fp8_run_keeping_replay(inp, state, is_first_microbatch, *args)
         quantizers, backward_step = quantizers_for_step(state.recipe, self, state)
         if _fp8_hooks.observer is not None and not torch.compiler.is_compiling():
             quantizers = _fp8_hooks.observer.wrap_quantizers(self, quantizers)  # debug stats
@@ -211,11 +227,27 @@ class Fp8StateMixin(Fp8State):
     def _fp8_run_eagerly(self, inp, state, is_first_microbatch, *args):
         return self._fp8_run(inp, state, is_first_microbatch, *args)
 
+    @torch.compiler.disable(reason=(
+        "transformer_fp8: an FP8 forward without gradients, in training mode or on an input "
+        "that requires gradients, may be the first forward of a reentrant "
+        "torch.utils.checkpoint, which keeps a replay record for its recomputation: it runs "
+        "eagerly. Call model.eval() for a compiled evaluation under no_grad."))
+    def _fp8_run_keeping_replay(self, inp, state, is_first_microbatch, *args):
+        return self._fp8_run(inp, state, is_first_microbatch, *args)
+
     @torch.compiler.disable
     def _calibrate_eagerly(self, inp, state):
         # Calibration records amaxes into state the trace cannot hold (the recipe adopted, the
         # module joining the step's update): under torch.compile it runs eagerly (a graph break).
         return self._run_high_precision(inp, recording_linear(self, state))
+
+    @torch.compiler.disable
+    def _replay_if_recomputing(self, inp):
+        """Under torch.compile, for a module that holds replay records: the replay of its
+        record if this call is a checkpoint's recomputation, else None (the walk up the stack
+        runs eagerly: a graph break, only while records are held)."""
+        replay = self._replay_records.for_recomputation()
+        return None if replay is None else self._replay(inp, *replay)
 
     @torch.compiler.disable
     def _replay(self, inp, plans, regions):

@@ -128,7 +128,7 @@ def ticketed_linear_step(layer, inp: torch.Tensor) -> Optional[torch.Tensor]:
     stack = _autocast.LOCAL.stack
     if (not stack or stack[-1] is not state or _is_compiling() or _is_any_autocast_enabled()
             or _fp8_hooks.observer is not None or layer._fp8_override is not None
-            or layer._replay_records.entries
+            or layer._replay_records.kept
             or _REGISTERED.get(recipe_type) is not quantizers):  # (the recipe's registration)
         return None
     if delayed is not None:

@@ -23,6 +23,13 @@ A region is the object torch keeps for it in both phases: a reentrant region's a
 (``new_frame`` of the generator that checkpoint() runs it with, ``frame`` of the unpack hook
 that recomputes it). Both are found by a walk up the stack through the frames of
 torch/utils/checkpoint.py (checkpoint_stack.py). Records die with their region.
+
+Under torch.compile the walk cannot be traced: a compiled FP8 forward that may be a reentrant
+region's first forward (no gradients, in training mode or on an input that requires them) runs
+its FP8 step eagerly and keeps its records, and a compiled module that holds records
+(ReplayRecords.kept, on which the compiled code guards) looks for its recomputation eagerly
+(modules/base.py). A non-reentrant region's first forward cannot be told from a training
+forward by what torch.compile guards on: a compiled FP8 layer inside one keeps no record.
 """
 from __future__ import annotations
 
@@ -75,6 +82,9 @@ class ReplayRecords:
 
     def __init__(self):
         self.entries: list = []
+        # Whether ``entries`` holds any (a bool the forward reads: torch.compile guards on its
+        # value, where it would guard on the list's length and compile again for each length).
+        self.kept = False
 
     def __bool__(self) -> bool:
         """Whether a record waits for its first replay (its region still alive)."""
@@ -83,6 +93,7 @@ class ReplayRecords:
     def drop_freed(self) -> None:
         """Forget the records of regions that have been freed."""
         self.entries = [entry for entry in self.entries if _alive(entry[0])]
+        self.kept = bool(self.entries)
 
     def keep(self, regions, record) -> None:
         """Keep ``record`` for each of ``regions`` (see checkpoint_stack.checkpoint_context)."""
@@ -94,6 +105,7 @@ class ReplayRecords:
             if len(self.entries) >= MAX_RECORDS_PER_LAYER:
                 del self.entries[0]  # a forward whose backward never ran
             self.entries.append([_weak(region), record, _NOT_REPLAYED])
+            self.kept = True
             if hasattr(region, "register_prehook") and "_tfp8_hooked" not in region.__dict__:
                 # A reentrant region (an autograd node): see _before_reentrant_backward.
                 region._tfp8_hooked = True
@@ -117,6 +129,7 @@ class ReplayRecords:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.kept = False
 
 
 def _is_process_group(value) -> bool:
