@@ -139,6 +139,10 @@ MUTANTS = [
            "    dtypes = (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype)\n",
            "    dtypes = (fmt.fwd_dtype, fmt.fwd_dtype, fmt.fwd_dtype)\n",
            ("tests/test_blockwise_linear.py",), "bit_for_bit"),
+    Mutant("scales kept across a switch of fp8_format", "quantization/recipe_switch.py",
+           "            if factor == 1.0:\n",
+           "            if True:\n",
+           ("tests/test_recipe_switch.py",)),
 ]
 
 
