@@ -19,8 +19,12 @@ modules into ShardedWeight (fsdp_weight.py). When FSDP2 all-gathers such a weigh
   blocks (w_block_scaling_dim=2), where FSDP2's row shards hold whole 128-row blocks: each rank
   quantises its shard's blocks, and the FP8 data travels with the blocks' scale_invs
   (fsdp_block_gather.py); what arrives is bit for bit the block cast of the full weight.
-* in the backward (FSDP2 gathers again where it resharded after forward): the forward's form,
-  with the forward's scale and no amax recorded, so the backward sees the forward's weight.
+* in the backward (FSDP2 gathers again where it resharded after forward): the form of the
+  weight's last all-gather outside backward, with its scale and no amax recorded, so the
+  backward sees the forward's weight. Where another forward ran in between (an evaluation,
+  which FSDP2 gathers for under no_grad like any other), that is the other forward's form: a
+  checkpoint's recomputation checks that the gathered weight is its forward's operand and
+  otherwise casts it again from the high-precision shards (``replay_operands``).
 * a weight FSDP2 left gathered from an earlier forward pass (it reshards neither the root
   after forward nor any module after backward while gradients accumulate): under
   DelayedScaling its scale may have changed since and this pass has not recorded its amax, so
@@ -78,12 +82,18 @@ from .fsdp_gathered_weight import GatheredFp8Weight
 class GatherForm(NamedTuple):
     """How a weight is all-gathered: in high precision (fp8_dtype None), cast to fp8_dtype
     with ``scale`` (``scale_inv`` its inverse; copies, which the scale update leaves alone), or
-    in 128x128 blocks quantised by ``block`` (no scale: the blocks' scales travel along)."""
+    in 128x128 blocks quantised by ``block`` (no scale: the blocks' scales travel along).
+    ``made_in``: (the recipe's kind, the forward pass) of a scale; two forms made in the same
+    pass under the same kind have the same scale (delayed scales change at the context's exit
+    only; current scaling's amaxes are agreed once per pass), and a shard keeps one form per
+    pass (all_gather_inputs), so that a checkpoint's recomputation knows its forward's operand
+    by the scale_inv object (replay_operands)."""
 
     fp8_dtype: Optional[torch.dtype] = None
     scale: Optional[torch.Tensor] = None
     scale_inv: Optional[torch.Tensor] = None
     block: Optional[BlockQuantizer] = None
+    made_in: Optional[tuple] = None
 
 
 HIGH_PRECISION = GatherForm()
@@ -167,11 +177,13 @@ def _cast_shard(shard: torch.Tensor, x: torch.Tensor, module, form: GatherForm,
     if isinstance(state.recipe, Float8CurrentScaling):
         scale = current_weight_scale(shard, mesh, form.fp8_dtype, x.dtype)
         return (ops.cast_to_fp8(x, scale, form.fp8_dtype),
-                GatherForm(form.fp8_dtype, scale, ops.scale_inverse(scale)))
+                GatherForm(form.fp8_dtype, scale, ops.scale_inverse(scale),
+                           made_in=("current", _autocast.forward_pass_id())))
     module._adopt_recipe(state.recipe)
     quantizer = delayed_quantizers(module, state.recipe.fp8_format)[shard._gemm][1]
     q = quantizer.cast(x, with_transpose=False)
-    return q.data, GatherForm(form.fp8_dtype, q.scale.clone(), q.scale_inv)
+    return q.data, GatherForm(form.fp8_dtype, q.scale.clone(), q.scale_inv,
+                              made_in=("delayed", _autocast.forward_pass_id()))
 
 
 def all_gather_inputs(shard: torch.Tensor, mesh, outer_size, module, mp_policy):
@@ -208,6 +220,10 @@ def all_gather_inputs(shard: torch.Tensor, mesh, outer_size, module, mp_policy):
         inputs = block_shard_inputs(x, form.block)  # data and block scales, as uint8
     else:
         data, form = _cast_shard(shard, x, module, form, mesh)
+        previous = shard._forward_form
+        if (previous is not None and form.made_in is not None
+                and previous.made_in == form.made_in and previous.fp8_dtype == form.fp8_dtype):
+            form = previous  # the same scale, the same objects (see GatherForm.made_in)
         inputs = (data.view(torch.uint8),)  # one byte per element (any backend moves uint8)
     # The forward pass whose delayed scale the cast used (see gather_again), None for any
     # other form; the backward's gather repeats the forward's.
@@ -297,16 +313,57 @@ def high_precision_weights(module) -> list:
     for weight in module.fp8_weights():
         if type(weight) is not GatheredFp8Weight or weight._source is None:
             continue
-        shard, mesh, outer_size, _, mp_policy = weight._source
-        x = shard._data
-        if x.dtype != weight.dtype:  # (FSDP2's param_dtype: as the high-precision gather)
-            x = x.to(weight.dtype)
-        piece = _pad_rows(x, math.ceil(outer_size[0] / mesh.size())).contiguous()
-        full = piece.new_empty((piece.shape[0] * mesh.size(),) + tuple(piece.shape[1:]))
-        torch.distributed.all_gather_into_tensor(full, piece, group=mesh.get_group())
-        weight._full_high_precision = full[:outer_size[0]]
+        _gather_high_precision(weight)
         gathered.append(weight)
     return gathered
+
+
+def replay_operands(module, plans) -> list:
+    """Before a checkpoint's recomputation of ``module``'s FP8 forward (``plans``: its replay
+    record, one plan per GEMM): each weight FSDP2 gathered for this backward whose FP8 data is
+    not the operand that forward multiplied with gets its high-precision value, as in
+    high_precision_weights (one all-gather on the FSDP group, the same on every rank), and the
+    replay's quantizer casts it with the forward's scale: bit for bit the forward's operand
+    (the gathered casts of the shards are the cast of the full weight). FSDP2's backward
+    all-gather repeats the form of the weight's last all-gather outside backward, and a forward
+    after the checkpointed one (an evaluation under no_grad, which FSDP2 gathers for under
+    no_grad as any other) changes it: under DelayedScaling its scale is the one updated at the
+    training context's exit. Returns those weights, for release_high_precision."""
+    gathered = []
+    for weight in module._parameters.values():
+        if (type(weight) is GatheredFp8Weight and weight._source is not None
+                and not _is_forward_operand(weight, plans[weight._source[0]._gemm])):
+            _gather_high_precision(weight)
+            gathered.append(weight)
+    return gathered
+
+
+def _is_forward_operand(weight: GatheredFp8Weight, plan) -> bool:
+    """Whether the replay of ``plan`` takes from ``weight`` the FP8 operand its forward took."""
+    quantizer = plan.weight_quantizer
+    if plan.weight_fp8 is not None:
+        return True  # (a weight kept across microbatches: the gathered one is not read)
+    if weight.fp8_cache_key != quantizer.cache_key or weight._fp8.dtype != quantizer.dtype:
+        return False  # gathered in another form than the forward's (another recipe since)
+    if weight._block is not None:
+        return True  # 128x128 blocks: their scales are the weight's own, in every pass
+    # One scale per tensor: the replay's quantizer holds the scale_inv object of the forward's
+    # operand, the weight that of its all-gather's form: the same object exactly where the
+    # backward's all-gather repeats the forward's form (or one of the same pass).
+    return weight._scale_inv is getattr(quantizer, "scale_inv", None)
+
+
+def _gather_high_precision(weight: GatheredFp8Weight) -> None:
+    """Set ``weight._full_high_precision``: the full weight all-gathered from the
+    high-precision shards (in the dtype of the FP8 all-gather's cast: FSDP2's param_dtype)."""
+    shard, mesh, outer_size = weight._source[:3]
+    x = shard._data
+    if x.dtype != weight.dtype:  # (FSDP2's param_dtype: as the high-precision gather)
+        x = x.to(weight.dtype)
+    piece = _pad_rows(x, math.ceil(outer_size[0] / mesh.size())).contiguous()
+    full = piece.new_empty((piece.shape[0] * mesh.size(),) + tuple(piece.shape[1:]))
+    torch.distributed.all_gather_into_tensor(full, piece, group=mesh.get_group())
+    weight._full_high_precision = full[:outer_size[0]]
 
 
 def release_high_precision(weights: list) -> None:
