@@ -78,7 +78,7 @@ def test_gathered_operand_is_the_cast_of_the_weight_and_its_transpose():
 
 def test_gathered_weight_with_its_high_precision_value_is_cast_from_that():
     # A checkpoint's recomputation whose gathered weight is not its forward's operand gives it
-    # its high-precision value (fsdp_all_gather.replay_operands): the quantizer casts that one,
+    # its high-precision value (fsdp_high_precision.replay_operands): the quantizer casts that one,
     # bit for bit the cast of the weight, instead of taking the FP8 data.
     torch.manual_seed(3)
     weight = torch.randn(48, 32)

@@ -10,7 +10,7 @@ context than the one its forward computes in, on two CPU processes (gloo):
 * a forward in another context (an evaluation) between a checkpointed forward and its
   backward: in FP8 (under no_grad or not, and with weights FSDP2 leaves gathered), compared as
   below: the backward's all-gather repeats the evaluation's form, and the recomputation casts
-  the forward's operand from the high-precision weight instead (fsdp_all_gather.
+  the forward's operand from the high-precision weight instead (fsdp_high_precision.
   replay_operands; under DelayedScaling the evaluation's scale was updated since); in high
   precision, where the all-gather switches form and the forward's weight gradients would be
   lost, refused with a RuntimeError;
@@ -186,7 +186,7 @@ def test_a_gather_switching_form_before_the_backward_is_refused(tmp_path, recipe
 
 class ReplayGathers:
     """Counts the weights a checkpoint's recomputation all-gathers again in high precision
-    (fsdp_all_gather.replay_operands: the backward's all-gather is not the forward's form)."""
+    (fsdp_high_precision.replay_operands: the backward's all-gather is not the forward's form)."""
 
     def __init__(self):
         self.count = 0

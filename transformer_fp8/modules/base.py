@@ -22,8 +22,8 @@ from ..quantization.roles import quantizers_for_step
 from ..quantization.state import Fp8State
 from ..quantization.torch_autocast import autocast_dtype
 from ..quantization.transforms import exporting, outside_inference_mode
-from .fsdp_all_gather import (high_precision_weights, release_high_precision,
-                              replay_operands)
+from .fsdp_high_precision import (high_precision_weights, release_high_precision,
+                                  replay_operands)
 from .fsdp_gathered_weight import GatheredFp8Weight
 from . import tensor_parallel
 from .torchscript import refuse_torchscript
@@ -147,7 +147,7 @@ class Fp8StateMixin(Fp8State):
     def _run_high_precision(self, inp: torch.Tensor, *args):
         """``self._high_precision(inp, *args)``, with the high-precision value of any weight
         that FSDP2 all-gathered in FP8 (a prefetch, or a recomputation in the forward's form:
-        see fsdp_all_gather.high_precision_weights), not its FP8-rounded one."""
+        see fsdp_high_precision.py), not its FP8-rounded one."""
         # (the module's own Parameters, where FSDP2 puts what it gathered: fp8_weights() would
         # join a parameters_split weight, which FSDP2's FP8 all-gather refuses anyway)
         if not any(type(w) is GatheredFp8Weight for w in self._parameters.values()):

@@ -35,7 +35,7 @@ def block_scales_laid_out(values: torch.Tensor) -> torch.Tensor:
 def _reads_high_precision_only(func, args, kwargs) -> bool:
     """Whether an operator that writes into some argument (an FP8 cast recording an amax)
     only reads the gathered weights it is given, each with its high-precision value (a
-    checkpoint's replay: fsdp_all_gather.replay_operands). Anything else is refused: a write
+    checkpoint's replay: fsdp_high_precision.replay_operands). Anything else is refused: a write
     into the weight, and a cast of the dequantised FP8 weight (a second rounding)."""
     for i, argument in enumerate(func._schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(argument.name)
@@ -66,7 +66,7 @@ class GatheredFp8Weight(torch.Tensor):
         self._delayed_pass = None
         self._source = self._gather_again = None
         # The full high-precision weight, while its module computes in high precision with it
-        # (fsdp_all_gather.high_precision_weights): what dequantize() gives then.
+        # (fsdp_high_precision.py): what dequantize() gives then.
         self._full_high_precision = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -97,7 +97,7 @@ class GatheredFp8Weight(torch.Tensor):
         which under one scale per tensor, and under 128x128 blocks with the transposed block
         scales, is bit for bit the cast of the transposed weight. None if it was gathered in
         another FP8 dtype than the GEMM asks for, or while it has its high-precision value
-        (fsdp_all_gather.replay_operands)."""
+        (fsdp_high_precision.replay_operands)."""
         if fp8_dtype != self._fp8.dtype or self._full_high_precision is not None:
             return None  # (with its high-precision value: the quantizer casts that one)
         if (self._delayed_pass is not None and self._delayed_pass != forward_pass_id()
