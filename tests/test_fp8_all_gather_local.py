@@ -76,6 +76,31 @@ def test_gathered_operand_is_the_cast_of_the_weight_and_its_transpose():
         gathered.add_(1.0)
 
 
+def test_gathered_weight_with_its_high_precision_value_is_cast_from_that():
+    # A checkpoint's recomputation whose gathered weight is not its forward's operand gives it
+    # its high-precision value (fsdp.high_precision.replay_operands): the quantizer casts that one,
+    # bit for bit the cast of the weight, instead of taking the FP8 data.
+    torch.manual_seed(3)
+    weight = torch.randn(48, 32)
+    scale, other_scale = torch.tensor([37.5]), torch.tensor([3.0])
+    data, _ = ops.cast_transpose_to_fp8(weight, other_scale, torch.float8_e4m3fn)
+    gathered = GatheredFp8Weight(data, other_scale, other_scale.reciprocal(), torch.float32)
+    gathered._full_high_precision = weight
+    assert gathered.fp8_operand(torch.float8_e4m3fn, with_transpose=True) is None
+    amax, expected_amax = torch.zeros(1), torch.zeros(1)
+    got = ops.cast_transpose_to_fp8(gathered, scale, torch.float8_e4m3fn, amax)
+    expected = ops.cast_transpose_to_fp8(weight, scale, torch.float8_e4m3fn, expected_amax)
+    for g, e in zip(got, expected):
+        assert torch.equal(g.view(torch.uint8), e.view(torch.uint8))
+    assert torch.equal(amax, expected_amax) and amax.item() > 0
+    with pytest.raises(RuntimeError, match="read-only"):
+        gathered.add_(1.0)
+    # Without it, a cast of the dequantised FP8 weight (a second rounding) is refused.
+    gathered._full_high_precision = None
+    with pytest.raises(RuntimeError, match="read-only"):
+        ops.cast_transpose_to_fp8(gathered, scale, torch.float8_e4m3fn, amax)
+
+
 def test_bad_arguments_are_refused_before_anything_changes():
     with pytest.raises(TypeError, match="fp8_all_gather must be True or False"):
         tfp8.Linear(32, 32, fp8_all_gather=1)

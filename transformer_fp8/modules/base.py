@@ -22,8 +22,9 @@ from ..quantization.roles import quantizers_for_step
 from ..quantization.state import Fp8State
 from ..quantization.torch_autocast import autocast_dtype
 from ..quantization.transforms import exporting, outside_inference_mode
-from .fsdp.all_gather import high_precision_weights, release_high_precision
 from .fsdp.gathered_weight import GatheredFp8Weight
+from .fsdp.high_precision import (high_precision_weights, release_high_precision,
+                                  replay_operands)
 from . import tensor_parallel
 from .torchscript import refuse_torchscript
 
@@ -154,7 +155,7 @@ class Fp8StateMixin(Fp8State):
     def _run_high_precision(self, inp: torch.Tensor, *args):
         """``self._high_precision(inp, *args)``, with the high-precision value of any weight
         that FSDP2 all-gathered in FP8 (a prefetch, or a recomputation in the forward's form:
-        see fsdp_all_gather.high_precision_weights), not its FP8-rounded one."""
+        see fsdp/high_precision.py), not its FP8-rounded one."""
         # (the module's own Parameters, where FSDP2 puts what it gathered: fp8_weights() would
         # join a parameters_split weight, which FSDP2's FP8 all-gather refuses anyway)
         if not any(type(w) is GatheredFp8Weight for w in self._parameters.values()):
@@ -260,7 +261,15 @@ class Fp8StateMixin(Fp8State):
         self._replay_records.keep(regions, plans)
         if plans is HIGH_PRECISION:
             return self._run_high_precision(inp)
-        return self._fp8_apply(inp, plans)
+        if not any(type(w) is GatheredFp8Weight for w in self._parameters.values()):
+            return self._fp8_apply(inp, plans)
+        # A weight FSDP2 gathered for this backward in another form than the forward's (a
+        # forward between them): cast from its high-precision value (replay_operands).
+        weights = replay_operands(self, plans)
+        try:
+            return self._fp8_apply(inp, plans)
+        finally:
+            release_high_precision(weights)
 
     def _weight_for_step(self, gemm: int, weight, weight_quantizer, is_first_microbatch):
         """None: quantise the weight in this call. True: quantise it now and keep it. False:

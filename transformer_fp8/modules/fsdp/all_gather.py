@@ -18,9 +18,13 @@ modules into ShardedWeight (fsdp/weight.py). When FSDP2 all-gathers such a weigh
 * in the forward, inside an enabled fp8_autocast with Float8BlockScaling and 128x128 weight
   blocks (w_block_scaling_dim=2), where FSDP2's row shards hold whole 128-row blocks: each rank
   quantises its shard's blocks, and the FP8 data travels with the blocks' scale_invs
-  (fsdp/block_gather.py); what arrives is bit for bit the block cast of the full weight.
-* in the backward (FSDP2 gathers again where it resharded after forward): the forward's form,
-  with the forward's scale and no amax recorded, so the backward sees the forward's weight.
+  (block_gather.py); what arrives is bit for bit the block cast of the full weight.
+* in the backward (FSDP2 gathers again where it resharded after forward): the form of the
+  weight's last all-gather outside backward, with its scale and no amax recorded, so the
+  backward sees the forward's weight. Where another forward ran in between (an evaluation,
+  which FSDP2 gathers for under no_grad like any other), that is the other forward's form: a
+  checkpoint's recomputation checks that the gathered weight is its forward's operand and
+  otherwise casts it again from the high-precision shards (high_precision.py).
 * a weight FSDP2 left gathered from an earlier forward pass (it reshards neither the root
   after forward nor any module after backward while gradients accumulate): under
   DelayedScaling its scale may have changed since and this pass has not recorded its amax, so
@@ -36,7 +40,7 @@ modules into ShardedWeight (fsdp/weight.py). When FSDP2 all-gathers such a weigh
 The form is chosen at the all-gather, under the context current then: FSDP2's forward prefetch
 gathers a layer's weight before that layer's forward opens a context of its own. A layer that
 computes in high precision with a weight gathered in FP8 all-gathers the high-precision shards
-as well (``high_precision_weights``), so it never computes with the FP8-rounded weight.
+as well (high_precision.py), so it never computes with the FP8-rounded weight.
 
 FSDP2 sizes its all-gather buffers at the first all-gather of a weight and reuses them; when a
 weight switches between the FP8 and the high-precision form, its buffers are dropped so that
@@ -78,12 +82,18 @@ from .gathered_weight import GatheredFp8Weight
 class GatherForm(NamedTuple):
     """How a weight is all-gathered: in high precision (fp8_dtype None), cast to fp8_dtype
     with ``scale`` (``scale_inv`` its inverse; copies, which the scale update leaves alone), or
-    in 128x128 blocks quantised by ``block`` (no scale: the blocks' scales travel along)."""
+    in 128x128 blocks quantised by ``block`` (no scale: the blocks' scales travel along).
+    ``made_in``: (the recipe's kind, the forward pass) of a scale; two forms made in the same
+    pass under the same kind have the same scale (delayed scales change at the context's exit
+    only; current scaling's amaxes are agreed once per pass), and a shard keeps one form per
+    pass (all_gather_inputs), so that a checkpoint's recomputation knows its forward's operand
+    by the scale_inv object (high_precision.replay_operands)."""
 
     fp8_dtype: Optional[torch.dtype] = None
     scale: Optional[torch.Tensor] = None
     scale_inv: Optional[torch.Tensor] = None
     block: Optional[BlockQuantizer] = None
+    made_in: Optional[tuple] = None
 
 
 HIGH_PRECISION = GatherForm()
@@ -167,11 +177,13 @@ def _cast_shard(shard: torch.Tensor, x: torch.Tensor, module, form: GatherForm,
     if isinstance(state.recipe, Float8CurrentScaling):
         scale = current_weight_scale(shard, mesh, form.fp8_dtype, x.dtype)
         return (ops.cast_to_fp8(x, scale, form.fp8_dtype),
-                GatherForm(form.fp8_dtype, scale, ops.scale_inverse(scale)))
+                GatherForm(form.fp8_dtype, scale, ops.scale_inverse(scale),
+                           made_in=("current", _autocast.forward_pass_id())))
     module._adopt_recipe(state.recipe)
     quantizer = delayed_quantizers(module, state.recipe.fp8_format)[shard._gemm][1]
     q = quantizer.cast(x, with_transpose=False)
-    return q.data, GatherForm(form.fp8_dtype, q.scale.clone(), q.scale_inv)
+    return q.data, GatherForm(form.fp8_dtype, q.scale.clone(), q.scale_inv,
+                              made_in=("delayed", _autocast.forward_pass_id()))
 
 
 def all_gather_inputs(shard: torch.Tensor, mesh, outer_size, module, mp_policy):
@@ -208,6 +220,10 @@ def all_gather_inputs(shard: torch.Tensor, mesh, outer_size, module, mp_policy):
         inputs = block_shard_inputs(x, form.block)  # data and block scales, as uint8
     else:
         data, form = _cast_shard(shard, x, module, form, mesh)
+        previous = shard._forward_form
+        if (previous is not None and form.made_in is not None
+                and previous.made_in == form.made_in and previous.fp8_dtype == form.fp8_dtype):
+            form = previous  # the same scale, the same objects (see GatherForm.made_in)
         inputs = (data.view(torch.uint8),)  # one byte per element (any backend moves uint8)
     # The forward pass whose delayed scale the cast used (see gather_again), None for any
     # other form; the backward's gather repeats the forward's.
@@ -283,35 +299,6 @@ def gather_again(weight: GatheredFp8Weight) -> None:
     weight._fp8.copy_(gathered.view(form.fp8_dtype)[:rows])
     weight._scale, weight._scale_inv, weight._delayed_pass = (form.scale, form.scale_inv,
                                                               delayed_pass)
-
-
-def high_precision_weights(module) -> list:
-    """Before ``module`` computes in high precision: each of its weights that FSDP2 gathered in
-    FP8 (gathered ahead of its forward, by FSDP2's forward prefetch, under the context of the
-    module before it; or in the form of the forward a checkpoint's recomputation repeats)
-    gets its high-precision value, all-gathered now from the high-precision shards (the same
-    collective on every rank, at the same point of the forward), which ``dequantize()`` gives
-    instead of the FP8 data. Returns those weights (``release_high_precision`` drops the
-    values after the computation; what autograd saved of them stays high precision)."""
-    gathered = []
-    for weight in module.fp8_weights():
-        if type(weight) is not GatheredFp8Weight or weight._source is None:
-            continue
-        shard, mesh, outer_size, _, mp_policy = weight._source
-        x = shard._data
-        if x.dtype != weight.dtype:  # (FSDP2's param_dtype: as the high-precision gather)
-            x = x.to(weight.dtype)
-        piece = _pad_rows(x, math.ceil(outer_size[0] / mesh.size())).contiguous()
-        full = piece.new_empty((piece.shape[0] * mesh.size(),) + tuple(piece.shape[1:]))
-        torch.distributed.all_gather_into_tensor(full, piece, group=mesh.get_group())
-        weight._full_high_precision = full[:outer_size[0]]
-        gathered.append(weight)
-    return gathered
-
-
-def release_high_precision(weights: list) -> None:
-    for weight in weights:
-        weight._full_high_precision = None
 
 
 def _refuse_lost_gradient(param) -> None:

@@ -32,6 +32,20 @@ def block_scales_laid_out(values: torch.Tensor) -> torch.Tensor:
     return storage.as_strided(shape, strides).copy_(values)
 
 
+def _reads_high_precision_only(func, args, kwargs) -> bool:
+    """Whether an operator that writes into some argument (an FP8 cast recording an amax)
+    only reads the gathered weights it is given, each with its high-precision value (a
+    checkpoint's replay: high_precision.replay_operands). Anything else is refused: a write
+    into the weight, and a cast of the dequantised FP8 weight (a second rounding)."""
+    for i, argument in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        if isinstance(value, GatheredFp8Weight) and (
+                value._full_high_precision is None
+                or (argument.alias_info is not None and argument.alias_info.is_write)):
+            return False
+    return True
+
+
 class GatheredFp8Weight(torch.Tensor):
     """The full weight as FSDP2 gathered it in FP8: ``data`` [out, in] (an FP8 dtype, a view of
     the all-gather buffer) and either one ``scale`` per tensor (``scale_inv`` its inverse) or,
@@ -46,13 +60,13 @@ class GatheredFp8Weight(torch.Tensor):
     def __init__(self, data, scale, scale_inv, dtype, requires_grad: bool = False, block=None):
         self._fp8, self._scale, self._scale_inv = data, scale, scale_inv
         self._block = block
-        # Set by fsdp_all_gather.gathered_weight: the forward pass whose delayed scale it was
+        # Set by all_gather.gathered_weight: the forward pass whose delayed scale it was
         # cast with (None: not a delayed cast), what it was gathered from (_source) and the
-        # function that gathers it again from there (fsdp_all_gather.gather_again).
+        # function that gathers it again from there (all_gather.gather_again).
         self._delayed_pass = None
         self._source = self._gather_again = None
         # The full high-precision weight, while its module computes in high precision with it
-        # (fsdp_all_gather.high_precision_weights): what dequantize() gives then.
+        # (high_precision.py): what dequantize() gives then.
         self._full_high_precision = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -82,9 +96,10 @@ class GatheredFp8Weight(torch.Tensor):
         """The GEMM operand: the gathered data, and its transpose (for dgrad) made from it,
         which under one scale per tensor, and under 128x128 blocks with the transposed block
         scales, is bit for bit the cast of the transposed weight. None if it was gathered in
-        another FP8 dtype than the GEMM asks for."""
-        if fp8_dtype != self._fp8.dtype:
-            return None
+        another FP8 dtype than the GEMM asks for, or while it has its high-precision value
+        (high_precision.replay_operands)."""
+        if fp8_dtype != self._fp8.dtype or self._full_high_precision is not None:
+            return None  # (with its high-precision value: the quantizer casts that one)
         if (self._delayed_pass is not None and self._delayed_pass != forward_pass_id()
                 and torch._C._current_graph_task_id() == -1):
             # Cast with an earlier pass's delayed scale, its amax not recorded in this pass.
@@ -116,7 +131,7 @@ class GatheredFp8Weight(torch.Tensor):
                 and tuple(args[1]) == tuple(this.shape)
                 and (func is aten.view.default or tuple(args[2]) == this.stride())):
             return this._again()
-        if func._schema.is_mutable:
+        if func._schema.is_mutable and not _reads_high_precision_only(func, args, kwargs):
             raise RuntimeError(f"{func}: a weight all-gathered in FP8 by FSDP2 is read-only")
         # Any other use (a high-precision computation): the dequantised weight.
         unwrapped_args, unwrapped_kwargs = pytree.tree_map_only(

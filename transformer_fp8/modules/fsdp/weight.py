@@ -41,7 +41,7 @@ class ShardedWeight(torch.Tensor):
     def __init__(self, data: torch.Tensor, gemm: int = 0):
         self._data = data
         self._gemm = gemm
-        # The last forward's all-gather (fsdp_all_gather.GatherForm), repeated by the
+        # The last forward's all-gather (all_gather.GatherForm), repeated by the
         # backward's, and the layout of the last all-gather (FSDP2 keeps its buffers).
         self._forward_form = None
         self._forward_pass = None  # the forward pass of that form's delayed cast, if any
