@@ -105,6 +105,7 @@ def test_all_ignored_and_empty():
     (torch.zeros(2, 3, 0), torch.zeros(2, 3, dtype=torch.long), {}, "inp must be"),
     (torch.zeros(2, 3, 5), torch.zeros(2, 3), {}, "target must be an integer"),
     (torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), {}, "one id per token"),
+    (torch.zeros(2, 3, 5), torch.zeros(3, 2, dtype=torch.long), {}, "one id per token"),
     (torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), {"label_smoothing": 1.5},
      "label_smoothing must be in"),
 ])

@@ -162,3 +162,67 @@ def test_under_torch_compile_a_switch_is_refused_with_the_state_unchanged():
             compiled(x)
     for name, value in layer.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+def test_a_history_of_length_one_is_rescaled_too():
+    """With amax_history_len=1 the update leaves the history empty: the scale (not 1) still
+    tells that an update made it."""
+    one_hybrid = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=1)
+    one_e4m3 = DelayedScaling(fp8_format=Format.E4M3, amax_history_len=1)
+    layer = _trained(one_hybrid)
+    assert (layer.fp8_bwd_amax_history == 0).all() and (layer.fp8_bwd_scale != 1).all()
+    before = layer.fp8_bwd_scale.clone()
+    x, g = _data()
+    with tfp8.fp8_autocast(fp8_recipe=one_e4m3):
+        out = layer(x)
+        assert torch.equal(layer.fp8_bwd_scale, before * 2.0 ** -7)
+    out.backward(g)
+    layer.weight.grad = layer.bias.grad = None
+    assert max(_step_error(layer, one_e4m3)) < 0.1
+
+
+def test_an_evaluation_first_then_training_then_a_switch():
+    """A validation pass (no gradients) before training made the module take the recipe with
+    its forward scales only in use: its backward scales are still rescaled at the switch."""
+    torch.manual_seed(0)
+    layer = tfp8.Linear(32, 48)
+    x, _ = _data()
+    with torch.no_grad(), tfp8.fp8_autocast(fp8_recipe=HYBRID):
+        layer(x)
+    layer = _trained(HYBRID, module=layer)
+    errors = _step_error(layer, E4M3)
+    assert max(errors) < 0.1, errors
+
+
+def test_a_compiled_layer_is_rescaled():
+    """torch.compile (no fullgraph): the adoption runs eagerly at a graph break."""
+    torch.manual_seed(0)
+    layer = tfp8.Linear(32, 48)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager")
+    _trained(HYBRID, module=compiled)
+    before = layer.fp8_bwd_scale.clone()
+    x, g = _data()
+    with tfp8.fp8_autocast(fp8_recipe=E4M3):
+        out = compiled(x)
+        assert torch.equal(layer.fp8_bwd_scale, before * 2.0 ** -7)
+    out.backward(g)
+
+
+def test_a_loaded_module_taken_by_a_context_before_it_runs_is_rescaled_once():
+    """A module loaded from a HYBRID checkpoint takes E4M3 when a context is entered (it has no
+    recipe yet), before it runs: its scales are rescaled then (so that a step's update, which
+    on other ranks may make them for E4M3 from the reduced amaxes, is not rescaled again), and
+    not again when it first runs."""
+    saved = _trained(HYBRID)
+    state = copy.deepcopy(saved.state_dict())
+    torch.manual_seed(1)
+    loaded, other = tfp8.Linear(32, 48), tfp8.Linear(32, 48)
+    loaded.load_state_dict(state)
+    x, g = _data()
+    with tfp8.fp8_autocast(fp8_recipe=E4M3):
+        assert torch.equal(loaded.fp8_bwd_scale, state["fp8_bwd_scale"] * 2.0 ** -7)
+        other(x).backward(g)  # the step's layer; `loaded` did not run
+    with tfp8.fp8_autocast(fp8_recipe=E4M3):
+        loaded(x)
+        assert torch.equal(loaded.fp8_bwd_scale, state["fp8_bwd_scale"] * 2.0 ** -7)

@@ -36,9 +36,11 @@ def _check(inp, target, label_smoothing) -> None:
             or target.dtype == torch.bool or target.is_complex():
         raise ValueError("parallel_cross_entropy: target must be an integer tensor of token "
                          f"ids; got {_describe(target)}")
-    if target.numel() != inp.shape[0] * inp.shape[1]:
-        raise ValueError("parallel_cross_entropy: target must hold one id per token of inp "
-                         f"{tuple(inp.shape[:2])}; got shape {tuple(target.shape)}")
+    if tuple(target.shape) != tuple(inp.shape[:2]):
+        # (the same layout as inp's first two dims: a [B, SQ] target for [SQ, B, V] logits
+        # has the right count and pairs the wrong tokens)
+        raise ValueError("parallel_cross_entropy: target must hold one id per token of inp, "
+                         f"shape {tuple(inp.shape[:2])}; got shape {tuple(target.shape)}")
     if target.device != inp.device:
         raise ValueError(f"parallel_cross_entropy: target is on {target.device}, inp on "
                          f"{inp.device}")

@@ -4,18 +4,22 @@ A delayed scale is ``fp8_max / amax / 2**margin``, made by the last update for t
 in force (or loaded with a checkpoint saved under it). Until the next update a recipe of
 another format would cast with it: HYBRID -> E4M3 leaves grad_output's scale made for E5M2
 (max 57344) where E4M3's max is 448, 128x too large, and the first backward saturated nearly
-every gradient, silently. So when a module first runs under such a recipe, the scales of the
-directions it casts with are multiplied by ``new_max / old_max``: the scale the update would
-have made from the same amax for the new format (exactly, the factor being a power of two:
-448 / 57344 = 2**-7). A column whose history holds no finite positive amax keeps its scale (one
-no amax made, 1 as built, is not rescaled). A new margin alone changes nothing until the next
-update, as in Transformer Engine: the old scale cannot saturate under it.
+every gradient, silently. So when a module takes such a recipe, the scales are multiplied by
+``new_max / old_max``: the scale the update would have made from the same amax for the new
+format (exactly, the factor being a power of two: 448 / 57344 = 2**-7). A column no amax ever
+made a scale for (history empty and scale 1, as built) keeps it. A new margin alone changes
+nothing until the next update, as in Transformer Engine: the old scale cannot saturate under it.
 
-The record of the format each direction's scales were made for (``_scale_codes``: {"fwd",
-"bwd"} -> format code, as in history.recipe_code) is kept beside the module's recipe record:
-set by a running adoption (for the directions it casts with), by a load (the recipe the
-checkpoint records, if any) and by the update a Transformer Engine <= 1.5 checkpoint owes (for
-the roles it updates), cleared by a reset.
+Which format each direction's scales were made for is kept beside the module's recipe record
+(``_scale_codes``: {"fwd", "bwd"} -> format code, as in history.recipe_code):
+* a load sets both to the recipe the checkpoint records (unknown: None, nothing rescaled);
+* the update a Transformer Engine <= 1.5 checkpoint owes sets the roles it updates;
+* an adoption rescales and sets the directions the module casts with from now on: both where
+  it takes the recipe without running (a step's update will make both for it) or runs a
+  training forward; the forward's only for an evaluation forward (no gradients, outside any
+  checkpoint), whose backward scales still belong to a training forward's backward to come;
+  a direction never set (a fresh state) is set without rescaling;
+* a reset clears them.
 """
 from __future__ import annotations
 
@@ -47,40 +51,56 @@ def note_made_for(module, recipe_code, directions=("fwd", "bwd")) -> None:
     module.__dict__["_scale_codes"] = codes
 
 
-def directions_in_use() -> tuple:
-    """The directions whose scales a forward running now casts with: the forward's, and the
-    backward's where a backward may follow (gradients on, or a checkpoint's first forward).
-    An evaluation forward leaves the backward scales, which a training forward's backward
-    still to come casts with, as they are."""
-    if torch.is_grad_enabled() or checkpoint_stack.regions_to_keep():
+def directions_in_use(running: bool) -> tuple:
+    """The directions a module adopting a recipe casts with from now on: both for an adoption
+    without a forward (a step's update will make both) and for a forward where a backward may
+    follow (gradients on, or a checkpoint's first forward); the forward's for an evaluation."""
+    if not running or torch.is_grad_enabled() or checkpoint_stack.regions_to_keep():
         return ("fwd", "bwd")
     return ("fwd",)
 
 
+def _factor(direction: str, old_format: int, new_format: int) -> float:
+    old_fmt, new_fmt = _FORMATS[old_format], _FORMATS[new_format]
+    if direction == "fwd":
+        return new_fmt.max_fwd / old_fmt.max_fwd
+    return new_fmt.max_bwd / old_fmt.max_bwd
+
+
 def _to_rescale(module, new_code, directions=("fwd", "bwd")) -> list:
+    """The directions among ``directions`` whose scales were made for a format whose maximum
+    differs from ``new_code``'s."""
     new = scale_code(new_code)
     codes = module.__dict__.get("_scale_codes") or {}
-    return [d for d in directions if codes.get(d) is not None and codes[d] != new]
+    return [d for d in directions if codes.get(d) is not None and new is not None
+            and _factor(d, codes[d], new) != 1.0]
 
 
 def needs_rescale(module, new_code, directions=("fwd", "bwd")) -> bool:
     return bool(_to_rescale(module, new_code, directions))
 
 
+def adopt(module, new_code, directions) -> None:
+    """Rescale ``directions``' scales to ``new_code``'s format and record them as made for it;
+    a direction with no record yet (a fresh state) is recorded whatever ``directions``."""
+    rescale(module, new_code, directions)
+    codes = module.__dict__.get("_scale_codes") or {}
+    note_made_for(module, new_code, [d for d in ("fwd", "bwd")
+                                     if d in directions or codes.get(d) is None])
+
+
 def rescale(module, new_code, directions) -> None:
-    """Multiply the module's scales (and recompute their inverses) from the recipe they were
-    made for to ``new_code``'s, for ``directions``; see the module docstring."""
-    new_fmt = _FORMATS[scale_code(new_code)]
+    """Multiply ``directions``' scales (and recompute their inverses) from the format they were
+    made for to ``new_code``'s; see the module docstring."""
+    new_format = scale_code(new_code)
     with torch.no_grad():
         for direction in _to_rescale(module, new_code, directions):
-            old_fmt = _FORMATS[module.__dict__["_scale_codes"][direction]]
-            factor = (new_fmt.max_fwd / old_fmt.max_fwd if direction == "fwd"
-                      else new_fmt.max_bwd / old_fmt.max_bwd)
-            if factor == 1.0:
-                continue
+            factor = _factor(direction, module.__dict__["_scale_codes"][direction], new_format)
             history = getattr(module, f"fp8_{direction}_amax_history")
             scale = getattr(module, f"fp8_{direction}_scale")
-            made_from_amax = (torch.isfinite(history) & (history > 0)).any(0)
+            # (made by an update: an amax in the window, or a scale other than the built 1; a
+            # history of length 1 is empty again after every update)
+            made = (torch.isfinite(history) & (history > 0)).any(0) | (scale != 1)
             rescaled = (scale.double() * factor).clamp(_FLT_MIN, _FLT_MAX).float()
-            scale.copy_(torch.where(made_from_amax, rescaled, scale))
+            scale.copy_(torch.where(made, rescaled, scale))
             getattr(module, f"fp8_{direction}_scale_inv").copy_(scale.reciprocal())

@@ -294,8 +294,8 @@ class Fp8State(Fp8StateLoading):
     def _adopt_new_recipe(self, recipe: DelayedScaling, running: bool) -> None:
         code = recipe_code(recipe)
         compiling = torch.compiler.is_compiling()
-        # (the directions this forward casts with: backward too where a backward may follow)
-        directions = recipe_switch.directions_in_use() if running else ()
+        # (the directions cast with from now on: backward too where a backward may follow)
+        directions = recipe_switch.directions_in_use(running)
         rescaling = recipe_switch.needs_rescale(self, code, directions)
         if rescaling and compiling:
             raise RuntimeError(
@@ -321,11 +321,10 @@ class Fp8State(Fp8StateLoading):
             for name, history in zip(HISTORIES, restored):
                 getattr(self, name).data = history
             self._delayed_cast_cache = self._fused_step_cache = None
-        if running and not compiling:
-            if rescaling:  # (the scales made for another format: recipe_switch.py)
+        if not compiling:  # (the scales made for another format: recipe_switch.py)
+            if rescaling:
                 self._fp8_state_to_local()
-                recipe_switch.rescale(self, code, directions)
-            recipe_switch.note_made_for(self, code, directions)
+            recipe_switch.adopt(self, code, directions)
         if code == self._recipe_code:
             if restored is not None:
                 self._bind_scaling_states()
