@@ -59,8 +59,8 @@ TFP8_HOST_DEVICE float scale_from_amax(float amax, double fp8_max, int margin) {
 }
 
 // How update_delayed_scaling derives the amax from the window (csrc/cpu/scaling.cpp's
-// update_column and csrc/cuda/kernels/scaling.cu run the rule, as transformer_fp8/ops.py states
-// it).
+// update_column and csrc/cuda/kernels/scaling.cu run the rule, as transformer_fp8/ops/__init__.py
+// states it).
 enum class AmaxAlgo : int { Max = 0, MostRecent = 1 };
 
 }  // namespace transformer_fp8

@@ -1,8 +1,9 @@
 """transformer_fp8.Linear: a drop-in torch.nn.Linear whose GEMMs run in FP8 inside fp8_autocast.
 
 Its FP8 state (one GEMM: input, weight and grad_output amax histories and scales) and the
-machinery that keeps it valid are Fp8StateMixin's (fp8_state.py); this file holds the layer and
-its autograd function: the forward GEMM and the dgrad and wgrad GEMMs, all in FP8.
+machinery that keeps it valid are Fp8StateMixin's (base.py, over quantization/state.py); this
+file holds the layer and its autograd function: the forward GEMM and the dgrad and wgrad GEMMs,
+all in FP8.
 """
 from __future__ import annotations
 
