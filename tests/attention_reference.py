@@ -86,3 +86,14 @@ def padding(gen, b, s, device):
     lengths = [s] + [int(x) for x in torch.randint(2, s, (b - 1,), generator=gen)]
     return torch.tensor([[j >= n for j in range(s)] for n in lengths],
                         device=device).view(b, 1, 1, s)
+
+
+def assert_matches_reference(out, ref, pairs, grad):
+    """``out`` and the gradients of its inputs against the float64 reference ``ref`` and its
+    leaves: ``pairs`` is ((name, input, float64 leaf), ...), ``grad`` the output gradient."""
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    out.backward(grad)
+    ref.backward(grad.double())
+    for name, mine, expected in pairs:
+        torch.testing.assert_close(mine.grad.double(), expected.grad, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, name=name: f"d{name}: {m}")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_reference import attention_ref, blocked_mask, leaf64, padding
+from attention_reference import (assert_matches_reference, attention_ref, blocked_mask, leaf64,
+                                 padding)
 from conftest import randn
 
 from transformer_fp8.modules.attention import DotProductAttention
@@ -46,13 +47,8 @@ def check(gen, device, mask_type, s_q, s_kv, window=None, bottom_right=None, fmt
         blocked = blocked | mask.cpu()
     q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
     ref = attention_ref(q64, k64, v64, blocked, fmt=fmt)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    grad = randn(gen, *out.shape, device=device)
-    out.backward(grad)
-    ref.backward(grad.double())
-    for name, mine, expected in (("q", q, q64), ("k", k, k64), ("v", v, v64)):
-        torch.testing.assert_close(mine.grad.double(), expected.grad, rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"d{name}: {m}")
+    assert_matches_reference(out, ref, (("q", q, q64), ("k", k, k64), ("v", v, v64)),
+                             randn(gen, *out.shape, device=device))
     return out
 
 

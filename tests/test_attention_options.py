@@ -10,7 +10,8 @@ import re
 
 import pytest
 import torch
-from attention_reference import attention_ref, blocked_mask, leaf64, padding, window_blocked
+from attention_reference import (assert_matches_reference, attention_ref, blocked_mask, leaf64,
+                                 padding, window_blocked)
 from conftest import randn, sqnr
 
 from transformer_fp8.modules.attention.dot_product import DotProductAttention
@@ -50,13 +51,8 @@ def check_attention(gen, device, mask_type, window, softmax_type, fmt, groups, s
     q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
     ref = attention_ref(q64, k64, v64, blocked_mask(mask_type, s_q, s_kv, pads, window),
                         alpha, fmt=fmt)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    grad = randn(gen, *out.shape, device=device)
-    out.backward(grad)
-    ref.backward(grad.double())
-    for name, mine, expected in (("q", q, q64), ("k", k, k64), ("v", v, v64)):
-        torch.testing.assert_close(mine.grad.double(), expected.grad, rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"d{name}: {m}")
+    assert_matches_reference(out, ref, (("q", q, q64), ("k", k, k64), ("v", v, v64)),
+                             randn(gen, *out.shape, device=device))
     if softmax_type == "learnable":
         torch.testing.assert_close(attn.softmax_offset.grad.double(), alpha.grad, rtol=1e-5,
                                    atol=1e-5)
