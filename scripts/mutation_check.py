@@ -140,8 +140,8 @@ MUTANTS = [
            "    dtypes = (fmt.fwd_dtype, fmt.fwd_dtype, fmt.fwd_dtype)\n",
            ("tests/test_blockwise_linear.py",), "bit_for_bit"),
     Mutant("scales kept across a switch of fp8_format", "quantization/recipe_switch.py",
-           "            if factor == 1.0:\n",
-           "            if True:\n",
+           "            scale.copy_(torch.where(made, rescaled, scale))\n",
+           "            scale.copy_(scale)\n",
            ("tests/test_recipe_switch.py",)),
 ]
 
@@ -160,17 +160,27 @@ def make_copy(work: Path) -> None:
     shutil.copy2(ROOT / "pyproject.toml", work / "pyproject.toml")
 
 
+def anchor_problem(root: Path, mutant: Mutant) -> str | None:
+    """Why ``mutant`` cannot be applied to the package under ``root`` (None when it can):
+    exactly one of its texts to replace must occur, exactly once."""
+    text = (root / "transformer_fp8" / mutant.path).read_text()
+    counts = [text.count(old) for old, _ in ((mutant.old, mutant.new),) + mutant.alternatives]
+    if sorted(counts) == [0] * (len(counts) - 1) + [1]:
+        return None
+    return (f"mutant {mutant.name!r}: the texts to replace occur {counts} times in "
+            f"transformer_fp8/{mutant.path} (expected one of them, once): the code changed, "
+            "update the mutant")
+
+
 def apply(work: Path, mutant: Mutant) -> str:
     """Applies the mutant; returns the file's original text."""
     path = work / "transformer_fp8" / mutant.path
     text = path.read_text()
+    problem = anchor_problem(work, mutant)
+    if problem:
+        raise SystemExit(problem)
     spellings = ((mutant.old, mutant.new),) + mutant.alternatives
-    counts = [text.count(old) for old, _ in spellings]
-    if sorted(counts) != [0] * (len(counts) - 1) + [1]:
-        raise SystemExit(f"mutant {mutant.name!r}: the texts to replace occur {counts} times in "
-                         f"transformer_fp8/{mutant.path} (expected one of them, once): the code "
-                         "changed, update the mutant")
-    old, new = spellings[counts.index(1)]
+    old, new = spellings[[text.count(o) for o, _ in spellings].index(1)]
     path.write_text(text.replace(old, new))
     return text
 
@@ -217,6 +227,10 @@ def main(names: list[str]) -> int:
     if names and len(mutants) != len(names):
         known = ", ".join(repr(m.name) for m in MUTANTS)
         raise SystemExit(f"unknown mutant name in {names}; known: {known}")
+    # Every mutant must still match the code before any test runs (minutes saved on a stale one).
+    problems = [p for p in (anchor_problem(ROOT, m) for m in mutants) if p]
+    if problems:
+        raise SystemExit("\n".join(problems))
     rows = []
     with tempfile.TemporaryDirectory(prefix="tfp8-mutants-") as tmp:
         work = Path(tmp)
