@@ -6,8 +6,9 @@ cast with), as the modules built inside ``quantized_model_init`` hold them.
 (``fp8_operand``, read by quantizer.Fp8Plan.quantize_weight). Every other use sees the dequantised
 value ``data * scale_inv``: printing, torch ops, ``clone()`` and the high-precision forward get
 plain tensors. Writing into it (``copy_``, an optimizer's in-place update, a load) quantises the
-new value again, with the rule of the recipe it was built for (``WeightCast``). Views other than
-detach/alias are dequantised copies: write through the parameter, not through a slice of it.
+new value again, with the rule of the recipe it was built for (``WeightCast``). Its views
+(``w[0]``, ``w.t()``) read as the dequantised values and write through to it
+(fp8_weight_view.py); detach/alias are Fp8Weights sharing its FP8 data.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import ops
+from .fp8_weight_view import Fp8WeightView, is_view_op, views_of, written_arguments
+from .fp8_weight_view import dispatch as view_dispatch
 from .quantizer import Quantized, TensorQuantizer
 from .recipe import DelayedScaling, Float8CurrentScaling
 
@@ -300,6 +303,15 @@ class Fp8Weight(torch.Tensor):
         if this is not None:
             if func in (aten.detach.default, aten.alias.default):
                 return this._alias()
+            if is_view_op(func):  # (w[0], w.t(), ...: views that write through to it)
+                return views_of(this, func, args, kwargs)
+        views = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Fp8WeightView)]
+        if views:
+            if any(any(v is w for v in views) for w in written_arguments(func, args, kwargs)):
+                return view_dispatch(func, args, kwargs)
+            args, kwargs = pytree.tree_map_only(Fp8WeightView, Fp8WeightView.dequantize,
+                                                (args, kwargs))
+        if this is not None:
             if func is aten.copy_.default:
                 this._write(args[1])
                 return this
@@ -360,12 +372,4 @@ def _mutate(func, args, kwargs):
 
 def _written_weights(func, args, kwargs) -> list:
     """The Fp8Weights among the arguments that ``func``'s schema marks as written."""
-    written = []
-    for i, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(argument.name)
-        for leaf in pytree.tree_leaves(value):
-            if isinstance(leaf, Fp8Weight) and all(leaf is not w for w in written):
-                written.append(leaf)
-    return written
+    return [t for t in written_arguments(func, args, kwargs) if isinstance(t, Fp8Weight)]
