@@ -12,7 +12,9 @@ nothing until the next update, as in Transformer Engine: the old scale cannot sa
 
 Which format each direction's scales were made for is kept beside the module's recipe record
 (``_scale_codes``: {"fwd", "bwd"} -> format code, as in history.recipe_code):
-* a load sets both to the recipe the checkpoint records (unknown: None, nothing rescaled);
+* a load sets both to the recipe the checkpoint records (unknown: None, nothing rescaled),
+  whether by load_state_dict or by assignment of the whole state from "meta" (transformers'
+  from_pretrained: state_materialisation.py);
 * the update a Transformer Engine <= 1.5 checkpoint owes sets the roles it updates;
 * an adoption rescales and sets the directions the module casts with from now on: both where
   it takes the recipe without running (a step's update will make both for it) or runs a

@@ -33,6 +33,19 @@ class Fp8StateLoading:
         self._saved_histories = None
         self._te_pending_update = ()  # (te_checkpoint.apply_extra_state sets it after)
 
+    def took_loaded_state(self) -> None:
+        """After a whole FP8 state was loaded into the buffers (load_state_dict, or each buffer
+        assigned its loaded value: transformers' from_pretrained, state_materialisation.py):
+        its saved recipe noted, and the recipe adopted again at the next FP8 forward (its
+        scales rescaled there if made for another format: recipe_switch.py)."""
+        self.note_saved_recipe()
+        self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
+        self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
+        self._await_recipe()
+        self._weight_cache = [None] * self._num_gemms
+        self._delayed_cast_cache = None
+        self._fused_step_cache = None
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A backward update held back by reentrant checkpointing (see backward_step.BackwardStep)
         # runs first, so that a checkpoint holds the state a run without it would hold.
@@ -119,10 +132,4 @@ class Fp8StateLoading:
                 if prefix + key in missing_keys:
                     missing_keys.remove(prefix + key)
             return
-        self.note_saved_recipe()
-        self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
-        self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
-        self._await_recipe()
-        self._weight_cache = [None] * self._num_gemms
-        self._delayed_cast_cache = None
-        self._fused_step_cache = None
+        self.took_loaded_state()

@@ -19,7 +19,8 @@ def materialised_by_assignment(state, name: str, value: torch.Tensor) -> None:
     ``setattr(module, name, torch.empty_like(...))`` (uninitialised memory) and marks those it
     loaded ``_is_hf_initialized``. An unmarked one starts fresh, as to_empty() starts the whole
     state; once no state buffer is left on "meta", a state that got any fresh buffer is reset
-    as a whole (the state the module was built with)."""
+    as a whole (the state the module was built with), and one loaded whole, its recipe record
+    included, is taken as load_state_dict takes it."""
     fresh = state.__dict__.setdefault("_fp8_fresh_off_meta", {})
     fresh[name] = not getattr(value, "_is_hf_initialized", False)
     if fresh[name]:
@@ -29,7 +30,12 @@ def materialised_by_assignment(state, name: str, value: torch.Tensor) -> None:
         return  # (the others follow)
     del state.__dict__["_fp8_fresh_off_meta"]
     if not any(fresh.values()):
-        return  # every one of them loaded (a checkpoint with the FP8 state)
+        # Every one of them loaded (a checkpoint with the FP8 state): as after load_state_dict,
+        # the recipe it was saved under is noted (without it, a first step under another
+        # fp8_format cast with scales made for the old one: recipe_switch.py).
+        if "fp8_recipe_fields" in fresh:
+            state.took_loaded_state()
+        return
     loaded = [key for key in FP8_STATE_KEYS if not fresh.get(key, False)]
     if loaded:
         warnings.warn(f"{type(state).__name__}: its FP8 state was materialised from "
