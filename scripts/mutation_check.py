@@ -143,6 +143,10 @@ MUTANTS = [
            "            scale.copy_(torch.where(made, rescaled, scale))\n",
            "            scale.copy_(scale)\n",
            ("tests/test_recipe_switch.py",)),
+    Mutant("from_pretrained's assigned state taken without its recipe",
+           "quantization/state_materialisation.py",
+           "            state.took_loaded_state()\n", "            pass\n",
+           ("tests/test_recipe_switch_pretrained.py",)),
 ]
 
 
