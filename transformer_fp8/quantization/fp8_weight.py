@@ -19,7 +19,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import ops
-from .fp8_weight_view import Fp8WeightView, is_view_op, views_of, written_arguments
+from .fp8_weight_view import (Fp8WeightView, is_view_op, makes_views, views_of,
+                              written_arguments)
 from .fp8_weight_view import dispatch as view_dispatch
 from .quantizer import Quantized, TensorQuantizer
 from .recipe import DelayedScaling, Float8CurrentScaling
@@ -126,12 +127,16 @@ class Fp8Data:
         self.data, self.scale, self.scale_inv = data, scale, scale_inv
         self.cast = cast
         self.hp_init = hp_init
+        # Bumped at each take (inside __torch_dispatch__ the tensors' own version counters do
+        # not move): what fp8_weight_view.shared_dequantized keys its value on.
+        self.version = 0
 
     def take(self, other: "Fp8Data") -> None:
         """Hold ``other``'s data and scales: copied into this object's tensors where they are
         alike (same shape, dtype, device), so that their addresses stay those a captured CUDA
         graph reads (each optimizer step replaced them: replays read freed memory), else the
         tensors taken."""
+        self.version += 1
         mine = (self.data, self.scale, self.scale_inv)
         theirs = (other.data, other.scale, other.scale_inv)
         if all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
@@ -303,13 +308,13 @@ class Fp8Weight(torch.Tensor):
         if this is not None:
             if func in (aten.detach.default, aten.alias.default):
                 return this._alias()
-            if is_view_op(func):  # (w[0], w.t(), ...: views that write through to it)
+            if is_view_op(func) and makes_views(this):  # (w[0], w.t(): written through)
                 return views_of(this, func, args, kwargs)
         views = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Fp8WeightView)]
         if views:
             if any(any(v is w for v in views) for w in written_arguments(func, args, kwargs)):
                 return view_dispatch(func, args, kwargs)
-            args, kwargs = pytree.tree_map_only(Fp8WeightView, Fp8WeightView.dequantize,
+            args, kwargs = pytree.tree_map_only(Fp8WeightView, Fp8WeightView.value,
                                                 (args, kwargs))
         if this is not None:
             if func is aten.copy_.default:

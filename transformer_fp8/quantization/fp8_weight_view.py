@@ -3,7 +3,11 @@
 write through to it, as a view of a plain tensor does.
 
 A view holds no data of its own: the weight it was taken from and the view operations that led
-to it (``chain``). Any use of it dequantises the weight and replays the chain. A write into it
+to it (``chain``). Any use of it dequantises the weight and replays the chain. Views are made
+only where a write through one could happen: with gradients on, a view of a weight that
+requires them cannot be written (autograd refuses an in-place write into a view of a leaf), so
+there, and inside torch.compile, a view is the dequantised copy it always was (the forward's
+``w.t()`` costs one dequantisation and compiles into one graph). A write into it
 (``w[0] = 0``, ``w[:1].zero_()``, ``w.t().mul_(2)``) runs on a view of the whole weight's
 dequantised value and then writes that whole value into the weight, which quantises it with the
 weight's rule (fp8_weight.WeightCast), as ``w.copy_(value)`` does. Elements outside the view
@@ -13,8 +17,15 @@ own under Float8CurrentScaling) re-rounds them, as any write of the whole weight
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+# In-place operations that change a tensor's own shape or strides rather than its values.
+_RESHAPING_IN_PLACE = {aten.t_, aten.transpose_, aten.squeeze_, aten.unsqueeze_, aten.resize_,
+                       aten.as_strided_, aten.swapdims_, aten.swapaxes_, aten.detach_}
 
 
 def is_view_op(func) -> bool:
@@ -33,10 +44,10 @@ class Fp8WeightView(torch.Tensor):
     one."""
 
     @staticmethod
-    def __new__(cls, weight, chain: tuple, like: torch.Tensor):
+    def __new__(cls, weight, chain: tuple, like: torch.Tensor):  # (like: on "meta")
         return torch.Tensor._make_wrapper_subclass(
             cls, like.shape, strides=like.stride(), storage_offset=like.storage_offset(),
-            dtype=like.dtype, device=like.device, requires_grad=False)
+            dtype=like.dtype, device=weight.device, requires_grad=False)
 
     def __init__(self, weight, chain: tuple, like: torch.Tensor):
         self._weight = weight  # (an Fp8Weight: its FP8 data is shared by all its aliases)
@@ -50,6 +61,22 @@ class Fp8WeightView(torch.Tensor):
     def __reduce_ex__(self, protocol):  # (a pickle holds the values, as a clone would)
         return self.dequantize().__reduce_ex__(protocol)
 
+    # Host-side reads that torch refuses for tensor subclasses: the values, as a plain tensor's.
+    def __deepcopy__(self, memo):
+        return self.dequantize()
+
+    def __format__(self, spec):
+        return self.dequantize().__format__(spec)
+
+    def tolist(self):
+        return self.dequantize().tolist()
+
+    def numpy(self, *, force: bool = False):
+        return self.dequantize().detach().numpy(force=force)
+
+    def __array__(self, dtype=None, copy=None):
+        return self.numpy() if dtype is None else self.numpy().astype(dtype)
+
     @staticmethod
     def replay(base: torch.Tensor, chain: tuple) -> torch.Tensor:
         for func, args, kwargs, index in chain:
@@ -59,12 +86,45 @@ class Fp8WeightView(torch.Tensor):
         return base
 
     def dequantize(self) -> torch.Tensor:
-        """The values it stands for now, a plain tensor."""
-        return self.replay(self._weight.dequantize(), self._chain)
+        """The values it stands for now, a plain tensor of its own."""
+        return self.value().clone()
+
+    def value(self) -> torch.Tensor:
+        """The values it stands for now, read only: a view of the weight's dequantised value,
+        which every view of the weight's data shares while that data is unchanged (iterating
+        over the rows of a weight dequantises it once, not once per row)."""
+        self._whole = shared_dequantized(self._weight)  # (kept alive while the view is)
+        return self.replay(self._whole, self._chain)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return dispatch(func, args, kwargs or {})
+
+
+def shared_dequantized(weight) -> torch.Tensor:
+    """``weight.dequantize()``, the same tensor again while the FP8 data and scale_inv are
+    unchanged (the key holds the weight's write count and their version counters, which an
+    in-place write from outside bumps) and a view still holds it (only a weak reference is
+    kept here). Read only: a write runs on a copy of its own."""
+    fp8 = weight._fp8
+    key = (fp8.version, id(fp8.data), fp8.data._version, id(fp8.scale_inv),
+           fp8.scale_inv._version, weight.dtype)
+    cached = getattr(fp8, "view_cache", None)
+    if cached is not None and cached[0] == key:
+        value = cached[1]()
+        if value is not None:
+            return value
+    value = weight.dequantize()
+    fp8.view_cache = (key, weakref.ref(value))
+    return value
+
+
+def makes_views(weight) -> bool:
+    """Whether a view of ``weight`` (an Fp8Weight) can be written into, so is made an
+    Fp8WeightView (see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and weight.requires_grad)
 
 
 def views_of(weight, func, args, kwargs):
@@ -75,7 +135,9 @@ def views_of(weight, func, args, kwargs):
     else:
         base, chain = weight, ()
     rest = tuple(args[1:])
-    like = func(weight.dequantize(), *rest, **kwargs)
+    # (the view's shape and strides, from a tensor on "meta" laid out as the weight)
+    meta = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device="meta")
+    like = func(Fp8WeightView.replay(meta, chain), *rest, **kwargs)
     if isinstance(like, torch.Tensor):
         return Fp8WeightView(base, chain + ((func, rest, kwargs, None),), like)
     return type(like)(Fp8WeightView(base, chain + ((func, rest, kwargs, i),), t)
@@ -89,8 +151,19 @@ def dispatch(func, args, kwargs):
     first = args[0] if args else None
     if isinstance(first, Fp8WeightView) and is_view_op(func):
         return views_of(first, func, args, kwargs)
-    written = written_arguments(func, args, kwargs)
-    wholes: dict = {}  # id(Fp8Data) -> (weight, its dequantised value, written into)
+    written = [t for t in written_arguments(func, args, kwargs) if isinstance(t, Fp8WeightView)]
+    if not written:  # (a read; an Fp8Weight written, if any, takes it from here: _mutate)
+        plain_args, plain_kwargs = pytree.tree_map_only(
+            Fp8WeightView, Fp8WeightView.value, (args, kwargs))
+        return func(*plain_args, **plain_kwargs)
+    if func.overloadpacket in _RESHAPING_IN_PLACE:
+        raise NotImplementedError(
+            f"{func.overloadpacket.__name__}: a view of an FP8 weight cannot change its own "
+            "shape in place; take a new view instead (w[0].unsqueeze(0), not "
+            "w[0].unsqueeze_(0))")
+    if func is aten.copy_.default and _same_view(args[0], args[1]):
+        return args[0]  # (w[i] += x: Python writes the view into itself after the add)
+    wholes: dict = {}  # id(Fp8Data) -> (weight, its dequantised value)
 
     def stand_in(t):
         if isinstance(t, Fp8WeightView) and any(t is w for w in written):
@@ -98,17 +171,15 @@ def dispatch(func, args, kwargs):
             if key not in wholes:
                 wholes[key] = (t._weight, t._weight.dequantize())
             return Fp8WeightView.replay(wholes[key][1], t._chain)
-        return t.dequantize()
+        return t.value() if isinstance(t, Fp8WeightView) else t.dequantize()
 
     from .fp8_weight import Fp8Weight
-    if any(isinstance(w, Fp8Weight) for w in written):
-        raise NotImplementedError(  # (Fp8Weight.__torch_dispatch__ takes these: _mutate)
-            f"{func}: a write into an FP8 weight and a view of one at once")
+    if any(isinstance(w, Fp8Weight) for w in written_arguments(func, args, kwargs)):
+        raise NotImplementedError(
+            f"{func}: one operation writing into an FP8 weight and into a view of one")
     plain_args, plain_kwargs = pytree.tree_map_only(
         (Fp8WeightView, Fp8Weight), stand_in, (args, kwargs))
     out = func(*plain_args, **plain_kwargs)
-    if not written:
-        return out
     for weight, whole in wholes.values():
         with torch.no_grad():
             weight._write(whole)
@@ -131,3 +202,22 @@ def written_arguments(func, args, kwargs) -> list:
             if isinstance(leaf, torch.Tensor) and all(leaf is not w for w in written):
                 written.append(leaf)
     return written
+
+
+def _same_view(a, b) -> bool:
+    """Whether ``a`` and ``b`` are views of the same weight's data by the same operations."""
+    if not (isinstance(a, Fp8WeightView) and isinstance(b, Fp8WeightView)):
+        return False
+    if a._weight._fp8 is not b._weight._fp8 or len(a._chain) != len(b._chain):
+        return False
+    return all(fa is fb and ia == ib and _same_arguments(xa, xb) and _same_arguments(ka, kb)
+               for (fa, xa, ka, ia), (fb, xb, kb, ib) in zip(a._chain, b._chain))
+
+
+def _same_arguments(a, b) -> bool:
+    leaves_a, spec_a = pytree.tree_flatten(a)
+    leaves_b, spec_b = pytree.tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    return all(x is y if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)
+               else type(x) is type(y) and x == y for x, y in zip(leaves_a, leaves_b))
