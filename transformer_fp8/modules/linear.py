@@ -8,6 +8,7 @@ all in FP8.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -117,6 +118,8 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
             raise TypeError(f"Linear: argument 'device' must be a device, got the dtype {device} "
                             "(the fourth argument is device, as in torch.nn.Linear; pass the "
                             "dtype as dtype= or params_dtype=)")
+        in_features = _feature_count("in_features", in_features)
+        out_features = _feature_count("out_features", out_features)
         in_features, out_features, parallel = te_tensor_parallel.configure(
             "Linear", in_features, out_features, te_options)  # (the local shard's sizes)
         check_te_options("Linear", te_options)
@@ -251,6 +254,19 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={bool(self._parts.get('bias'))}, fp8=True")
+
+
+def _feature_count(name: str, value) -> int:
+    """An int >= 0 (0: torch.nn.Linear's empty layer; numpy integers too, as there)."""
+    try:
+        count = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        count = None
+    if count is None:
+        raise TypeError(f"Linear: {name} must be an int, got {type(value).__name__} {value!r}")
+    if count < 0:
+        raise ValueError(f"Linear: {name} must be >= 0, got {count}")
+    return count
 
 
 class Linear(LinearLayer, torch.nn.Linear):
