@@ -444,3 +444,29 @@ def test_arguments_still_accepted_by_the_new_checks():
     q = torch.randn(5, 2, 4, 8)
     assert torch.equal(apply_rotary_pos_emb(q, _freqs().long()),
                        apply_rotary_pos_emb(q, _freqs().long().float()))
+
+
+@pytest.mark.parametrize("enabled", [False, True], ids=["high_precision", "fp8"])
+@pytest.mark.parametrize("module", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_is_first_microbatch_that_is_not_a_bool_is_refused(module, enabled):
+    """A string was truthy: is_first_microbatch="False" cast and kept the weight."""
+    layer = getattr(tfp8, module)(32, 32)
+    with tfp8.fp8_autocast(enabled=enabled):
+        with pytest.raises(TypeError, match=rf"{module}: is_first_microbatch must be None, True "
+                           r"or False, got 'False'"):
+            layer(torch.randn(4, 32), is_first_microbatch="False")
+        layer(torch.randn(4, 32), is_first_microbatch=False)  # (still taken)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: tfp8.strip_fp8_state("model.pt"),
+     r"strip_fp8_state: state_dict must be a mapping \(a module's state_dict\(\)\), got str"),
+    (lambda: tfp8.enable_fp8_all_gather("model"),
+     r"enable_fp8_all_gather: model must be a torch.nn.Module, got str"),
+    (lambda: tfp8.load_fp8_state("model", {}),
+     r"load_fp8_state: model must be a torch.nn.Module, got str"),
+], ids=["strip_fp8_state", "enable_fp8_all_gather", "load_fp8_state"])
+def test_model_functions_name_an_argument_that_is_not_a_model(call, message):
+    """(They used to raise AttributeError: 'str' object has no attribute ...)"""
+    with pytest.raises(TypeError, match=message):
+        call()

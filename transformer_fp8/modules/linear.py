@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping
 from typing import Callable, Optional
 
 import torch
@@ -297,5 +298,8 @@ class Linear(LinearLayer, torch.nn.Linear):
 def strip_fp8_state(state_dict: dict) -> dict:
     """A copy of a state_dict without the FP8 state (and the scale_invs of FP8 weights, whose
     dequantised values it keeps), loadable into plain torch.nn.Linear models with strict=True."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"strip_fp8_state: state_dict must be a mapping (a module's "
+                        f"state_dict()), got {type(state_dict).__name__}")
     return {k: v for k, v in state_dict.items()
             if k.rsplit(".", 1)[-1] not in FP8_STATE_KEYS and not k.endswith(SCALE_INV_SUFFIX)}
