@@ -716,6 +716,84 @@ def test_errors_name_the_argument(gen):
            torch.tensor([0]))
 
 
+def test_values_that_would_shift_or_drop_rows_are_refused(gen):
+    """Values that once went through without a word: a negative expert id sorted first and
+    shifted every expert's rows; row_id_map values below -1, or a row named by two slots, dropped
+    copies; a negative chunk size that still adds up was taken."""
+    x = randn(gen, N, H)
+    ids = routing(gen, "index", 2)
+    bad_ids = ids.clone()
+    bad_ids[3, 1], bad_ids[7, 0] = -1, -2
+    with pytest.raises(ValueError, match=r"moe_permute: routing_map must hold expert ids >= 0 "
+                       r"for map_type='index', got 2 negative id\(s\), the first -1 at \[3, 1\] "
+                       r"\(token 3, column 1\)"):
+        te.moe_permute(x, bad_ids, map_type="index")
+    permuted, row_id_map = te.moe_permute(x, ids, map_type="index")
+    below = row_id_map.clone()
+    below[2, 0] = -3
+    with pytest.raises(ValueError, match=r"moe_unpermute: row_id_map must hold -1 \(a slot not "
+                       r"routed\) or permuted row numbers >= 0, got -3 at \[2, 0\]"):
+        te.moe_unpermute(permuted, below, map_type="index")
+    twice = row_id_map.clone()
+    twice[5, 1] = twice[0, 0]
+    with pytest.raises(ValueError, match=rf"row_id_map must name each permuted row at most once "
+                       rf"\(as moe_permute's does\), got row {int(twice[0, 0])} named by slots "
+                       rf"\[0, 0\], \[5, 1\]"):
+        te.moe_unpermute(permuted, twice, map_type="index")
+    sort = te.moe_sort_chunks_by_index
+    with pytest.raises(ValueError, match=r"sorted_index must be a permutation of 0..2, got "
+                       r"\[0, 0, 1\]"):
+        sort(x, torch.tensor([3, 4, 6]), torch.tensor([0, 0, 1]))
+    with pytest.raises(ValueError, match=r"split_sizes must be non-negative and add up to the "
+                       r"input's 13 rows, got \[-1, 8, 6\]"):
+        sort(x, torch.tensor([-1, 8, 6]), torch.tensor([1, 0, 2]))
+
+
+def test_value_checks_that_would_wait_for_the_device_assert_there(gen, monkeypatch):
+    """On a device (and while compiling) the value checks are a torch._assert_async, with no
+    host synchronisation: on the CPU the same path raises its message at once."""
+    x = randn(gen, N, H)
+    ids = routing(gen, "index", 2)
+    permuted, row_id_map = te.moe_permute(x, ids, map_type="index")
+    bad_ids = ids.clone()
+    bad_ids[3, 1] = -1
+    twice = row_id_map.clone()
+    twice[5, 1] = twice[0, 0]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    calls = [
+        (r"moe_permute: routing_map must hold expert ids >= 0 for map_type='index'",
+         lambda: te.moe_permute(x, bad_ids, map_type="index")),
+        (r"moe_unpermute: .*row_id_map must name each permuted row at most once",
+         lambda: te.moe_unpermute(permuted, twice, map_type="index")),
+        (r"moe_unpermute: .*inp must have at least max\(row_id_map\) \+ 1 rows",
+         lambda: te.moe_unpermute(permuted[:-1], row_id_map, map_type="index")),
+        (r"sorted_index must be a permutation of 0..2$",
+         lambda: te.moe_sort_chunks_by_index(x, torch.tensor([3, 4, 6]),
+                                             torch.tensor([0, 0, 1]))),
+        (r"split_sizes must be non-negative and add up to the input's 13 rows$",
+         lambda: te.moe_sort_chunks_by_index(x, torch.tensor([3, 4, 5]),
+                                             torch.tensor([0, 2, 1]))),
+    ]
+    for message, call in calls:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    # Values that are fine pass the same path.
+    out = te.moe_unpermute(*te.moe_permute(x, ids, map_type="index"), map_type="index")
+    assert torch.equal(out, 2 * x)
+
+
+def test_negative_ids_are_refused_in_a_compiled_graph(gen):
+    torch._dynamo.reset()
+    x, ids = randn(gen, N, H), routing(gen, "index", 2)
+    permute = torch.compile(lambda x, ids: te.moe_permute(x, ids, 2 * N, map_type="index"),
+                            fullgraph=True, backend="aot_eager")
+    assert torch.equal(permute(x, ids)[0], te.moe_permute(x, ids, map_type="index")[0])
+    ids[4, 0] = -1
+    with pytest.raises(RuntimeError, match=r"routing_map must hold expert ids >= 0"):
+        permute(x, ids)
+    torch._dynamo.reset()
+
+
 def test_exported_as_transformer_engine_exports_them():
     import inspect
     for name in ("moe_permute", "moe_permute_with_probs", "moe_unpermute",

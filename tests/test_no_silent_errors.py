@@ -11,7 +11,9 @@ from conftest import scalar
 
 import transformer_fp8 as tfp8
 from transformer_fp8 import DelayedScaling, fp8_autocast, fused_ops, ops
+from transformer_fp8.modules.attention import apply_rotary_pos_emb
 from transformer_fp8.ops.blockwise import fp8_gemm_blockwise, quantize_blockwise
+from transformer_fp8.optimizers import FusedAdam
 
 E4M3 = torch.float8_e4m3fn
 
@@ -373,3 +375,98 @@ def test_an_input_that_is_not_a_tensor_is_refused_by_name(value, enabled):
     with pytest.raises(TypeError, match="Linear: input must be a tensor, got"):
         with tfp8.fp8_autocast(enabled=enabled):
             layer(value)
+
+
+def _cross_entropy(**options):
+    logits, target = torch.randn(2, 3, 10), torch.randint(0, 10, (2, 3))
+    return tfp8.parallel_cross_entropy(logits, target, **options)
+
+
+@pytest.mark.parametrize("call,error,message", [
+    # int(1.5) == 1: token id 1 was ignored
+    (lambda: _cross_entropy(ignore_idx=1.5), TypeError,
+     r"parallel_cross_entropy: ignore_idx must be an int, got float 1.5"),
+    # bool("no") is True: the mean was returned
+    (lambda: _cross_entropy(reduce_loss="no"), TypeError,
+     r"parallel_cross_entropy: reduce_loss must be True or False, got str 'no'"),
+    (lambda: _cross_entropy(label_smoothing="0.1"), TypeError,
+     r"parallel_cross_entropy: label_smoothing must be a number in \[0, 1\], got str '0.1'"),
+    # (was torch.distributed's "Default process group has not been initialized")
+    (lambda: _cross_entropy(dist_process_group=3), TypeError,
+     r"parallel_cross_entropy: dist_process_group must be None or a "
+     r"torch.distributed.ProcessGroup, got int"),
+    # an integer t was rotated by angles cast to integers
+    (lambda: apply_rotary_pos_emb(torch.ones(5, 2, 4, 8, dtype=torch.int32), _freqs()),
+     TypeError, r"apply_rotary_pos_emb: t must be a floating-point tensor, got torch.int32"),
+    # complex angles lost their imaginary part (.float())
+    (lambda: apply_rotary_pos_emb(torch.randn(5, 2, 4, 8), _freqs().to(torch.complex64)),
+     TypeError, r"rotary_pos_emb must hold real angles \(a floating-point tensor\), got "
+     r"torch.complex64"),
+    # (was torch's "Tensor on device meta is not on the expected device cpu!")
+    (lambda: apply_rotary_pos_emb(torch.randn(5, 2, 4, 8), _freqs().to("meta")), ValueError,
+     r"apply_rotary_pos_emb: rotary_pos_emb must be on t's device cpu, got meta"),
+    # torch.optim.Adam refuses it; a negative decay grew the weights
+    (lambda: FusedAdam([torch.nn.Parameter(torch.randn(4))], weight_decay=-0.1), ValueError,
+     r"FusedAdam: argument 'weight_decay' must be >= 0, got -0.1"),
+    # a group added later went unchecked
+    (lambda: FusedAdam([torch.nn.Parameter(torch.randn(4))]).add_param_group(
+        {"params": [torch.nn.Parameter(torch.randn(4))], "lr": -1.0}), ValueError,
+     r"FusedAdam: argument 'lr' must be >= 0, got -1.0"),
+    # (was AttributeError: 'str' object has no attribute 'named_modules')
+    (lambda: tfp8.convert_to_fp8("model"), TypeError,
+     r"convert_to_fp8: module must be a torch.nn.Module, got str"),
+    # (was torch's "Trying to create tensor with negative dimension -1: [8, -1]")
+    (lambda: tfp8.Linear(-1, 8), ValueError, r"Linear: in_features must be >= 0, got -1"),
+    (lambda: tfp8.Linear(8, 8.5), TypeError, r"Linear: out_features must be an int, got float"),
+], ids=["ce_ignore_idx", "ce_reduce_loss", "ce_label_smoothing", "ce_group", "rope_int_t",
+        "rope_complex_freqs", "rope_freqs_device", "adam_weight_decay", "adam_group_lr",
+        "convert_not_module", "linear_negative", "linear_float"])
+def test_arguments_once_taken_for_other_values_are_refused(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def _freqs():
+    return tfp8.RotaryPositionEmbedding(8)(5)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_arguments_still_accepted_by_the_new_checks():
+    """What the checks above must keep taking: numpy numbers, a 0-d tensor, empty layers."""
+    import numpy as np
+    torch.manual_seed(0)
+    a = _cross_entropy(ignore_idx=np.int64(3), label_smoothing=np.float32(0.1),
+                       reduce_loss=np.bool_(True))
+    torch.manual_seed(0)
+    b = _cross_entropy(ignore_idx=3, label_smoothing=torch.tensor(0.1), reduce_loss=True)
+    assert a.shape == () and torch.equal(a, b)
+    assert tfp8.Linear(np.int64(16), 0).weight.shape == (0, 16)
+    q = torch.randn(5, 2, 4, 8)
+    assert torch.equal(apply_rotary_pos_emb(q, _freqs().long()),
+                       apply_rotary_pos_emb(q, _freqs().long().float()))
+
+
+@pytest.mark.parametrize("enabled", [False, True], ids=["high_precision", "fp8"])
+@pytest.mark.parametrize("module", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_is_first_microbatch_that_is_not_a_bool_is_refused(module, enabled):
+    """A string was truthy: is_first_microbatch="False" cast and kept the weight."""
+    layer = getattr(tfp8, module)(32, 32)
+    with tfp8.fp8_autocast(enabled=enabled):
+        with pytest.raises(TypeError, match=rf"{module}: is_first_microbatch must be None, True "
+                           r"or False, got 'False'"):
+            layer(torch.randn(4, 32), is_first_microbatch="False")
+        layer(torch.randn(4, 32), is_first_microbatch=False)  # (still taken)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: tfp8.strip_fp8_state("model.pt"),
+     r"strip_fp8_state: state_dict must be a mapping \(a module's state_dict\(\)\), got str"),
+    (lambda: tfp8.enable_fp8_all_gather("model"),
+     r"enable_fp8_all_gather: model must be a torch.nn.Module, got str"),
+    (lambda: tfp8.load_fp8_state("model", {}),
+     r"load_fp8_state: model must be a torch.nn.Module, got str"),
+], ids=["strip_fp8_state", "enable_fp8_all_gather", "load_fp8_state"])
+def test_model_functions_name_an_argument_that_is_not_a_model(call, message):
+    """(They used to raise AttributeError: 'str' object has no attribute ...)"""
+    with pytest.raises(TypeError, match=message):
+        call()

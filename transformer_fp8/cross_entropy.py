@@ -15,6 +15,8 @@ dtype. Two all-reduces per forward, none in backward.
 """
 from __future__ import annotations
 
+import numbers
+import operator
 from typing import Optional
 
 import torch
@@ -25,6 +27,29 @@ def _group_rank_and_size(group) -> tuple:
     if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_options(label_smoothing, reduce_loss, group, ignore_idx) -> None:
+    """The non-tensor arguments: once converted by float(), bool() or int(), a string
+    label_smoothing, a reduce_loss of "no" (truthy) or an ignore_idx of 1.5 (int: 1) would be
+    taken for other values without a word."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing,
+                                                           (numbers.Real, torch.Tensor)):
+        raise TypeError("parallel_cross_entropy: label_smoothing must be a number in [0, 1], "
+                        f"got {_describe(label_smoothing)} {label_smoothing!r}")
+    if reduce_loss not in (True, False):
+        raise TypeError(f"parallel_cross_entropy: reduce_loss must be True or False, got "
+                        f"{_describe(reduce_loss)} {reduce_loss!r}")
+    if isinstance(ignore_idx, bool):
+        raise TypeError(f"parallel_cross_entropy: ignore_idx must be an int, got {ignore_idx!r}")
+    try:
+        operator.index(ignore_idx)
+    except TypeError:
+        raise TypeError(f"parallel_cross_entropy: ignore_idx must be an int, got "
+                        f"{_describe(ignore_idx)} {ignore_idx!r}") from None
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError("parallel_cross_entropy: dist_process_group must be None or a "
+                        f"torch.distributed.ProcessGroup, got {_describe(group)}")
 
 
 def _check(inp, target, label_smoothing) -> None:
@@ -119,6 +144,7 @@ def parallel_cross_entropy(inp: torch.Tensor, target: torch.Tensor, label_smooth
     """Cross entropy over a vocabulary split across ``dist_process_group`` (None: one device);
     see the module's docstring. ``is_cg_capturable`` is accepted for Transformer Engine's
     signature: nothing here synchronises with the host, so it is always capturable."""
+    _check_options(label_smoothing, reduce_loss, dist_process_group, ignore_idx)
     _check(inp, target, label_smoothing)
     return _ParallelCrossEntropy.apply(inp, target, float(label_smoothing), bool(reduce_loss),
-                                       dist_process_group, int(ignore_idx))
+                                       dist_process_group, operator.index(ignore_idx))

@@ -158,6 +158,12 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     Returns ``module``, or with return_summary=True a ConversionSummary. Layers left in high
     precision are reported in one warning, with the reason for each.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"convert_to_fp8: module must be a torch.nn.Module, got "
+                        f"{type(module).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"convert_to_fp8: filter_fn must be None or a callable (layer, name) -> "
+                        f"bool, got {type(filter_fn).__name__}")
     if not isinstance(fp8_all_gather, bool):
         raise TypeError(f"convert_to_fp8: fp8_all_gather must be True or False, got "
                         f"{fp8_all_gather!r}")

@@ -63,6 +63,9 @@ def load_fp8_state(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, d
     layer of the model (the layer names of a HuggingFace model, with or without its base-model
     prefix); the state is validated as load_state_dict validates it. Returns the names of the
     layers loaded."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"load_fp8_state: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
     if isinstance(checkpoint, (str, os.PathLike)):
         state = _read_checkpoint_dir(os.fspath(checkpoint))
     elif isinstance(checkpoint, dict):

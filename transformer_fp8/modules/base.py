@@ -89,6 +89,10 @@ class Fp8StateMixin(Fp8State):
         if inp.shape[-1:] != (in_features,):
             raise ValueError(f"{type(self).__name__}: input must have shape "
                              f"[..., {in_features}], got {tuple(inp.shape)}")
+        if is_first_microbatch is not None and is_first_microbatch not in (True, False):
+            # (a truthy "no" or "False" would cast and keep the weight)
+            raise TypeError(f"{type(self).__name__}: is_first_microbatch must be None, True or "
+                            f"False, got {is_first_microbatch!r}")
         if self._replay_records.kept:  # (one attribute read on every forward)
             if torch.compiler.is_compiling():
                 out = self._replay_if_recomputing(inp)  # (the frame walk runs eagerly)

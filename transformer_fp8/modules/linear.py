@@ -8,6 +8,8 @@ all in FP8.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Mapping
 from typing import Callable, Optional
 
 import torch
@@ -117,6 +119,8 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
             raise TypeError(f"Linear: argument 'device' must be a device, got the dtype {device} "
                             "(the fourth argument is device, as in torch.nn.Linear; pass the "
                             "dtype as dtype= or params_dtype=)")
+        in_features = _feature_count("in_features", in_features)
+        out_features = _feature_count("out_features", out_features)
         in_features, out_features, parallel = te_tensor_parallel.configure(
             "Linear", in_features, out_features, te_options)  # (the local shard's sizes)
         check_te_options("Linear", te_options)
@@ -253,6 +257,19 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
                 f"bias={bool(self._parts.get('bias'))}, fp8=True")
 
 
+def _feature_count(name: str, value) -> int:
+    """An int >= 0 (0: torch.nn.Linear's empty layer; numpy integers too, as there)."""
+    try:
+        count = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        count = None
+    if count is None:
+        raise TypeError(f"Linear: {name} must be an int, got {type(value).__name__} {value!r}")
+    if count < 0:
+        raise ValueError(f"Linear: {name} must be >= 0, got {count}")
+    return count
+
+
 class Linear(LinearLayer, torch.nn.Linear):
     """Drop-in for torch.nn.Linear (same parameters, initialisation and state_dict keys, plus the
     FP8 state). Outside fp8_autocast, or with enabled=False, it computes what nn.Linear does.
@@ -281,5 +298,8 @@ class Linear(LinearLayer, torch.nn.Linear):
 def strip_fp8_state(state_dict: dict) -> dict:
     """A copy of a state_dict without the FP8 state (and the scale_invs of FP8 weights, whose
     dequantised values it keeps), loadable into plain torch.nn.Linear models with strict=True."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"strip_fp8_state: state_dict must be a mapping (a module's "
+                        f"state_dict()), got {type(state_dict).__name__}")
     return {k: v for k, v in state_dict.items()
             if k.rsplit(".", 1)[-1] not in FP8_STATE_KEYS and not k.endswith(SCALE_INV_SUFFIX)}

@@ -18,7 +18,9 @@ else from its dequantised value. Without master weights a low-precision or FP8 p
 updated in float32 and written back once.
 
 ``exp_avg_dtype`` / ``exp_avg_sq_dtype``: float32 or bfloat16 (stored in that dtype, updated in
-float32). Refused, naming the argument: ``amsgrad``, ``capturable``, float16 or FP8
+float32). Refused, naming the argument: a negative or NaN ``lr``, ``eps`` or
+``weight_decay`` and ``betas`` outside [0, 1) (torch.optim.Adam's rule, in every param group),
+``amsgrad``, ``capturable``, float16 or FP8
 (``torch.uint8``) moments and a float16 ``master_weight_dtype`` (Transformer Engine stores
 those with a scale of their own; without it small moments flush to zero), parameters that are
 not float32, bfloat16, float16 or FP8 weights (complex, float64), sparse gradients.
@@ -60,13 +62,6 @@ class FusedAdam(MasterWeightOptimizer):
             self._check_dtype("master_weight_dtype", master_weight_dtype, MASTER_DTYPES)
         self._check_dtype("exp_avg_dtype", exp_avg_dtype, _MOMENT_DTYPES)
         self._check_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype, _MOMENT_DTYPES)
-        if not 0.0 <= lr:
-            raise ValueError(f"FusedAdam: argument 'lr' must be >= 0, got {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"FusedAdam: argument 'eps' must be >= 0, got {eps}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"FusedAdam: argument 'betas[{i}]' must be in [0, 1), got {beta}")
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas),
                         eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -77,6 +72,15 @@ class FusedAdam(MasterWeightOptimizer):
         self.use_decoupled_grad = bool(use_decoupled_grad)
         self.store_param_remainders = bool(store_param_remainders)
         self._set_grad_none(set_grad_none)
+
+    def _check_group(self, group: dict) -> None:
+        # (each group's, as torch.optim.Adam: the constructor's and add_param_group's)
+        for name in ("lr", "eps", "weight_decay"):
+            if not 0.0 <= group[name]:
+                raise ValueError(f"FusedAdam: argument '{name}' must be >= 0, got {group[name]}")
+        for i, beta in enumerate(group["betas"]):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"FusedAdam: argument 'betas[{i}]' must be in [0, 1), got {beta}")
 
     def _state_dtypes(self) -> dict:
         return {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype,

@@ -99,6 +99,15 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     if t.dim() != 4:
         raise ValueError(f"{owner}: t must be 4-D [{', '.join(tensor_format)}], got shape "
                          f"{tuple(t.shape)}")
+    if not t.is_floating_point():  # (an integer t would be rotated by angles cast to ints)
+        raise TypeError(f"{owner}: t must be a floating-point tensor, got {t.dtype}")
+    if isinstance(freqs, torch.Tensor):
+        if freqs.is_complex() or freqs.dtype == torch.bool:  # (.float() drops the imaginary)
+            raise TypeError(f"{owner}: rotary_pos_emb must hold real angles (a floating-point "
+                            f"tensor), got {freqs.dtype}")
+        if freqs.device != t.device:
+            raise ValueError(f"{owner}: rotary_pos_emb must be on t's device {t.device}, got "
+                             f"{freqs.device}")
     seq, batch = t.shape[:2] if tensor_format == "sbhd" else t.shape[1::-1]
     starts = _start_positions(owner, start_positions, batch)
     needed = seq + (max(starts) if starts else 0)

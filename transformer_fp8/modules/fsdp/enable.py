@@ -68,6 +68,9 @@ def enable_fp8_all_gather(model: torch.nn.Module) -> list:
     torch.utils.swap_tensors can change it in place). Returns the qualified names of the
     weights changed; the FP8 modules whose weights cannot be (parameters_split, a weight stored
     transposed, fuse_wgrad_accumulation or delay_wgrad_compute) are named in an error."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"enable_fp8_all_gather: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
     modules = [(q, m) for q, m in model.named_modules() if isinstance(m, Fp8StateMixin)]
     refused = [q or type(m).__name__ for q, m in modules
                if len(_weight_parameter_names(m)) != len(m.fp8_weights())

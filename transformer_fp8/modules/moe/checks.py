@@ -63,6 +63,25 @@ def _as_int(fn: str, name: str, value) -> int:
         _fail(fn, f"{name} must be an int, got {_described(value)}", TypeError)
 
 
+def _check_values(fn: str, *checks) -> None:
+    """Checks of tensor values, each ``(ok, message, cpu_message)``: ok a 0-d bool tensor, true
+    when the values are fine; message what they must be; cpu_message a function saying it with
+    what was given (it reads the values). Eager on the CPU, reading ok is free: a ValueError
+    with cpu_message(). On a device, or while compiling, reading it would wait for the device:
+    one torch._assert_async of them all instead, with the messages, which fails at the device's
+    next synchronisation (on CUDA a device-side assert, as an index out of range in torch's own
+    gathers) rather than letting the values through."""
+    if checks[0][0].device.type == "cpu" and not torch.compiler.is_compiling():
+        for ok, _, cpu_message in checks:
+            if not bool(ok):
+                _fail(fn, cpu_message())
+        return
+    ok = checks[0][0]
+    for more, _, _ in checks[1:]:
+        ok = ok & more
+    torch._assert_async(ok, f"{fn}: " + "; ".join(message for _, message, _ in checks))
+
+
 def _check_map_type(fn: str, map_type) -> None:
     if map_type not in MAP_TYPES:
         _fail(fn, f"map_type must be 'mask' or 'index', got {map_type!r}")

@@ -7,7 +7,7 @@ from typing import Tuple
 
 import torch
 
-from .checks import _check_activation, _check_int_tensor, _described, _fail
+from .checks import _check_activation, _check_int_tensor, _check_values, _described, _fail
 from .permutation import _SortRows
 
 __all__ = ["moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]
@@ -39,15 +39,19 @@ def _sort_chunks(fn: str, inp, split_sizes, sorted_index, probs=None):
                 or tuple(probs.shape) != (n,) or probs.device != inp.device:
             _fail(fn, f"probs must be a 1-D floating tensor of the input's {n} rows on "
                   f"{inp.device}, got {_described(probs)}")
-    # Values are checked where that is free (index tensors on the CPU); on a device the check
-    # would wait for it.
-    if split_sizes.device.type == "cpu" and sorted_index.device.type == "cpu":
-        sizes, order = split_sizes.tolist(), sorted_index.tolist()
-        if any(m < 0 for m in sizes) or sum(sizes) != n:
-            _fail(fn, f"split_sizes must be non-negative and add up to the input's {n} rows, "
-                  f"got {sizes}")
-        if sorted(order) != list(range(num_chunks)):
-            _fail(fn, f"sorted_index must be a permutation of 0..{num_chunks - 1}, got {order}")
+    # Otherwise rows would be dropped, repeated or read past the end: a ValueError where the
+    # values are free to read (on the CPU), an assert on the device where they are not.
+    if num_chunks:
+        with torch.no_grad():
+            sizes_ok = (split_sizes.min() >= 0) & (split_sizes.sum() == n)
+            order = torch.sort(sorted_index).values
+            order_ok = (order == torch.arange(num_chunks, device=order.device)).all()
+        must_add_up = f"split_sizes must be non-negative and add up to the input's {n} rows"
+        must_permute = f"sorted_index must be a permutation of 0..{num_chunks - 1}"
+        _check_values(fn, (sizes_ok, must_add_up,
+                           lambda: f"{must_add_up}, got {split_sizes.tolist()}"))
+        _check_values(fn, (order_ok, must_permute,
+                           lambda: f"{must_permute}, got {sorted_index.tolist()}"))
     if n == 0:
         src = torch.zeros(0, dtype=torch.int64, device=inp.device)
         inverse = src
@@ -81,7 +85,8 @@ def moe_sort_chunks_by_index(
     """Split inp's rows into chunks of ``split_sizes`` rows and concatenate the chunks in the
     order ``sorted_index`` gives (Transformer Engine's ``moe_sort_chunks_by_index``): output =
     cat([chunk[i] for i in sorted_index]). split_sizes must add up to inp's rows and
-    sorted_index be a permutation (checked when both are on the CPU)."""
+    sorted_index be a permutation (a ValueError for index tensors on the CPU, a
+    torch._assert_async on a device)."""
     output, _ = _sort_chunks("moe_sort_chunks_by_index", inp, split_sizes, sorted_index)
     return output
 

@@ -29,6 +29,10 @@ otherwise), rounding once at the end, as Transformer Engine's kernels accumulate
 merging_probs multiply in that precision; their gradient is the float32 dot product of the
 output gradient and the permuted row, in merging_probs' dtype.
 
+Checks (checks.py): a negative expert id, a row_id_map value below -1, past inp's rows or naming a
+row twice are refused: a ValueError on the CPU, a torch._assert_async on a device (reading the
+values there would wait for it). Ids past the last expert are not: num_experts is not given.
+
 Differences from Transformer Engine 2.8 (README, "Transformer Engine's modules"):
 
 * FP8 inputs (its Float8Tensor & co.) are refused: this library has no public FP8 activation
@@ -52,7 +56,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from .checks import (_accumulation_dtype, _as_int, _check_activation, _check_int_tensor,
-                         _check_map_type, _described, _fail)
+                         _check_map_type, _check_values, _described, _fail)
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute"]
 
@@ -63,11 +67,25 @@ __all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute"]
 # routed count (a mask map given more num_out_tokens than it routes) have tok = N and
 # pos = N * S, one past the end, so that scatter-adds put them in a spare row.
 
-def _index_map_routing(routing_map: torch.Tensor, num_out: int):
+def _negative_ids(routing_map: torch.Tensor) -> str:
+    bad = (routing_map < 0).nonzero()
+    t, k = bad[0].tolist()
+    return (f"{len(bad)} negative id(s), the first {routing_map[t, k].item()} at [{t}, {k}] "
+            f"(token {t}, column {k})")
+
+
+def _index_map_routing(fn: str, routing_map: torch.Tensor, num_out: int):
     n, k = routing_map.shape
     dev = routing_map.device
     # Flat position t * K + k, sorted by expert; stable, so ties stay in token, column order.
-    kept = torch.argsort(routing_map.reshape(-1), stable=True)[:num_out]
+    ids, kept = torch.sort(routing_map.reshape(-1), stable=True)
+    if ids.numel():
+        # A negative id would sort first and shift every expert's rows (the smallest id is
+        # ids[0]: no extra pass over the map). No upper bound: the ids do not say num_experts.
+        must = "routing_map must hold expert ids >= 0 for map_type='index'"
+        _check_values(fn, (ids[0] >= 0, must,
+                           lambda: f"{must}, got {_negative_ids(routing_map)}"))
+    kept = kept[:num_out]
     row_of_slot = torch.full((n * k,), -1, dtype=torch.int64, device=dev)
     row_of_slot.scatter_(0, kept, torch.arange(num_out, device=dev))
     return row_of_slot.view(n, k), torch.div(kept, k, rounding_mode="floor"), kept
@@ -106,6 +124,40 @@ def _rows_of(row_id_map: torch.Tensor, num_rows: int):
     pos.scatter_(0, dest, torch.arange(n * s, device=dev))
     pos = pos[:num_rows]
     return torch.div(pos, s, rounding_mode="floor"), pos
+
+
+def _first_at(row_id_map: torch.Tensor, where: torch.Tensor) -> str:
+    t, s = where.nonzero()[0].tolist()
+    return f"{row_id_map[t, s].item()} at [{t}, {s}]"
+
+
+def _shared_row(row_id_map: torch.Tensor) -> str:
+    flat = row_id_map.reshape(-1)
+    counts = torch.bincount(flat[flat >= 0].long())
+    row = int(counts.argmax())
+    slots = [divmod(i, row_id_map.shape[1]) for i in (flat == row).nonzero()[:, 0].tolist()]
+    return f"row {row} named by slots {', '.join(f'[{t}, {s}]' for t, s in slots)}"
+
+
+def _check_row_id_map(fn: str, row_id_map: torch.Tensor, inp: torch.Tensor, pos) -> None:
+    """row_id_map's values: -1 or a row of inp, each row named once (as moe_permute makes it).
+    Otherwise the slots naming rows past inp's end or values below -1, and the second slot
+    naming a row, would be dropped without a word. pos: _rows_of's (a row named twice has one
+    pos)."""
+    lo, hi = torch.aminmax(row_id_map)
+    rows = inp.shape[0]
+    named = (row_id_map >= 0).sum()
+    negative = "row_id_map must hold -1 (a slot not routed) or permuted row numbers >= 0"
+    twice = "row_id_map must name each permuted row at most once (as moe_permute's does)"
+    _check_values(
+        fn,
+        (lo >= -1, negative,
+         lambda: f"{negative}, got {_first_at(row_id_map, row_id_map < -1)}"),
+        (hi < rows, "inp must have at least max(row_id_map) + 1 rows",
+         lambda: f"inp must have at least {hi.item() + 1} rows (row_id_map places copies up to "
+                 f"row {hi.item()}), got {_described(inp)}"),
+        (named == (pos < row_id_map.numel()).sum(), twice,
+         lambda: f"{twice}, got {_shared_row(row_id_map)}"))
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -249,7 +301,7 @@ def _permute(fn: str, inp, routing_map, num_out_tokens, map_type: str, probs=Non
     num_out = _num_out_tokens(fn, num_out_tokens, routing_map, map_type)
     with torch.no_grad():
         if map_type == "index":
-            row_id_map, tok, pos = _index_map_routing(routing_map, num_out)
+            row_id_map, tok, pos = _index_map_routing(fn, routing_map, num_out)
         else:
             row_id_map, tok, pos = _mask_map_routing(routing_map, num_out)
     # Rows past the routed count: only a mask map given num_out_tokens can have them (an
@@ -358,14 +410,8 @@ def moe_unpermute(
         probs_flat = merging_probs.reshape(-1)
     if s < 1:
         _fail(fn, f"row_id_map must have at least one column, got {_described(row_id_map)}")
-    if (row_id_map.device.type == "cpu" and row_id_map.numel()
-            and not torch.compiler.is_compiling()):
-        # (Free on the CPU, eager; on a device it would wait for it.) Too few rows would drop the
-        # copies row_id_map places past the end without a word.
-        needed = int(row_id_map.max()) + 1
-        if inp.shape[0] < needed:
-            _fail(fn, f"inp must have at least {needed} rows (row_id_map places copies up to "
-                  f"row {needed - 1}), got {_described(inp)}")
     with torch.no_grad():
         tok, pos = _rows_of(row_id_map, inp.shape[0])
+        if row_id_map.numel():
+            _check_row_id_map(fn, row_id_map, inp, pos)
     return _UnpermuteRows.apply(inp, probs_flat, tok, pos, n)
