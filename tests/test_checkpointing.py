@@ -202,7 +202,8 @@ def test_te_checkpoint_refuses_tensor_parallel_options():
     x = torch.randn(4, 32, requires_grad=True)
     with pytest.raises(ValueError, match="distribute_saved_activations"):
         tfp8.checkpoint(block, x, distribute_saved_activations=True)
-    with pytest.raises(ValueError, match="get_rng_state_tracker"):
+    # get_rng_state_tracker is taken (tests/test_rng_tracker.py); what it returns must be one.
+    with pytest.raises(TypeError, match="get_rng_state_tracker"):
         tfp8.checkpoint(block, x, get_rng_state_tracker=lambda: None)
     out = tfp8.checkpoint(block, x, use_reentrant=False)
     assert torch.equal(out, block(x))
@@ -221,8 +222,13 @@ def test_te_checkpoint_recognises_the_old_positional_form():
         return args[-1] * 2
 
     with pytest.warns(DeprecationWarning, match="positional"):
-        with pytest.raises(ValueError, match="get_rng_state_tracker"):
+        with pytest.raises(TypeError, match="get_rng_state_tracker"):
             tfp8.checkpoint(Block(32), False, lambda: None, None, x)
+    tracker = tfp8.CudaRNGStatesTracker()
+    with pytest.warns(DeprecationWarning, match="positional"):
+        out = tfp8.checkpoint(function, False, lambda: tracker, None, x)
+    assert torch.equal(out, x * 2) and len(received) == 1 and received[0][0] is x
+    received.clear()
     with pytest.warns(DeprecationWarning, match="positional"):
         with pytest.raises(ValueError, match="distribute_saved_activations"):
             tfp8.checkpoint(function, True, lambda: None, None, x)

@@ -26,7 +26,8 @@ from .modules.normalization import LayerNorm, RMSNorm
 from .modules.transformer_layer import TransformerLayer
 from .ops import blockwise as blockwise_ops
 from .ops import fused as fused_ops
-from . import optimizers, recipe
+from . import distributed, optimizers, recipe
+from .distributed import CudaRNGStatesTracker
 from .quantization.autocast import autocast, fp8_autocast
 from .quantization.model_init import fp8_model_init, quantized_model_init
 from .quantization.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
@@ -37,12 +38,12 @@ from . import debug  # noqa: E402 (after the modules it inspects)
 __version__ = "0.1.0"
 
 
-__all__ = ["Conv1D", "ConversionSummary", "DelayedScaling", "DotProductAttention",
+__all__ = ["Conv1D", "ConversionSummary", "CudaRNGStatesTracker", "DelayedScaling", "DotProductAttention",
            "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format",
            "Fp8Padding", "Fp8Unpadding", "GroupedLinear", "InferenceParams",
            "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
            "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
-           "build_info", "checkpoint", "convert_to_fp8", "debug", "enable_fp8_all_gather",
+           "build_info", "checkpoint", "convert_to_fp8", "debug", "distributed", "enable_fp8_all_gather",
            "fp8_autocast",
            "fp8_model_init", "fused_ops", "get_cpu_offload_context", "get_default_recipe",
            "get_device_compute_capability",

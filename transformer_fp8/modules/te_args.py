@@ -13,6 +13,9 @@ _PARALLEL = "no tensor, sequence or context parallelism, no communication overla
 # Linear takes these four (te_tensor_parallel.py) and never passes them here.
 _TP = ("no tensor or sequence parallelism in this module (transformer_fp8.Linear takes tp_group, "
        "tp_size, parallel_mode and sequence_parallel)")
+_RNG = ("weights are initialised from the default generator, not inside an RNG tracker's "
+        "fork; attention dropout takes the tracker: DotProductAttention, MultiheadAttention, "
+        "TransformerLayer")
 
 # name -> (accepted values, first = Transformer Engine's default; why other values are refused)
 TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
@@ -23,8 +26,9 @@ TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
     "tp_size": ((1,), _TP),
     "parallel_mode": ((None,), _TP),
     "set_parallel_mode": ((False,), _PARALLEL),
-    "get_rng_state_tracker": ((None,), _PARALLEL),
-    "rng_tracker_name": ((None,), _PARALLEL),
+    # (DotProductAttention, MultiheadAttention and TransformerLayer take the tracker: dropout)
+    "get_rng_state_tracker": ((None,), _RNG),
+    "rng_tracker_name": ((None,), _RNG),
     "return_layernorm_output_gathered": ((False,), _PARALLEL),
     "symmetric_ar_type": ((None,), _PARALLEL),
     "ub_tp_comm_overlap": ((False,), _PARALLEL),

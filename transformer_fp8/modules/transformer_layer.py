@@ -61,7 +61,9 @@ class TransformerLayer(torch.nn.Module):
     window_size, bottom_right_diagonal, softmax_type and qk_norm_type / qk_norm_eps /
     qk_norm_before_rope reach the self-attention (MultiheadAttention), as in Transformer Engine;
     so does forward's inference_params (KV-cache generation, attention/inference.py; give each
-    layer of a stack its own layer_number, the key of its cache).
+    layer of a stack its own layer_number, the key of its cache). get_rng_state_tracker
+    reaches DotProductAttention: attention dropout inside the tracker's fork, hidden dropout on
+    the default generator (as in Transformer Engine).
     Not supported (refused with a ValueError): layer_type="decoder" (cross-attention),
     output_layernorm=True (post-norm), and tensor/sequence/context parallelism.
     """
@@ -100,6 +102,7 @@ class TransformerLayer(torch.nn.Module):
         if not ub_tp_comm_overlap:
             for switch in _UB_SWITCHES:
                 te_options.pop(switch)
+        te_options.pop("get_rng_state_tracker")  # (attention dropout: DotProductAttention)
         check_te_options(owner, te_options)
         super().__init__()
         if layer_type != "encoder":
@@ -142,7 +145,8 @@ class TransformerLayer(torch.nn.Module):
             qkv_format=fmt, softmax_scale=softmax_scale, window_size=window_size,
             bottom_right_diagonal=bottom_right_diagonal,
             softmax_type=softmax_type, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
-            qk_norm_before_rope=qk_norm_before_rope, **common)
+            qk_norm_before_rope=qk_norm_before_rope,
+            get_rng_state_tracker=get_rng_state_tracker, **common)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon,
                                           activation=activation, **common)
 

@@ -146,12 +146,16 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
 
     As in Transformer Engine, keyword arguments go to ``function`` (in both modes; torch's
     reentrant mode takes none itself), except torch's own options context_fn,
-    determinism_check and debug. distribute_saved_activations and get_rng_state_tracker serve
-    Transformer Engine's tensor parallelism, which this library does not have: they are
-    refused rather than ignored. Transformer Engine's older positional form,
-    ``checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group,
-    *args)`` (Megatron-LM's), is recognised as Transformer Engine recognises it, with its
-    DeprecationWarning.
+    determinism_check and debug. get_rng_state_tracker (a callable returning a
+    transformer_fp8.distributed.CudaRNGStatesTracker, or anything with get_states() and
+    set_states()): the tracker's states are saved when the forward starts and put back for
+    each recomputation (then restored to what they were before it), so dropout drawn inside
+    its forks gives the recomputation the forward's masks; torch restores the default
+    generators itself. distribute_saved_activations serves Transformer Engine's tensor
+    parallelism, which this library does not have: True is refused rather than ignored.
+    Transformer Engine's older positional form, ``checkpoint(function,
+    distribute_saved_activations, get_rng_state_tracker, tp_group, *args)`` (Megatron-LM's),
+    is recognised as Transformer Engine recognises it, with its DeprecationWarning.
     """
     if (len(args) > 3 and isinstance(args[0], bool) and callable(args[1])
             and (args[2] is None or _is_process_group(args[2]))):
@@ -163,14 +167,42 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
     if distribute_saved_activations:
         raise ValueError("checkpoint: distribute_saved_activations=True (sharding saved "
                          "activations over a tensor-parallel group) is not supported")
-    if get_rng_state_tracker is not None:
-        raise ValueError("checkpoint: get_rng_state_tracker (a tensor-parallel RNG tracker) is "
-                         "not supported; torch's checkpoint restores the RNG state itself")
     del tp_group  # only meaningful with distribute_saved_activations
     torch_options = {name: kwargs.pop(name) for name in ("context_fn", "determinism_check",
                                                          "debug") if name in kwargs}
     if kwargs:
         # Bound here: the reentrant mode passes no keyword argument to the function.
         function = functools.partial(function, **kwargs)
+    if get_rng_state_tracker is not None:
+        function = _with_tracker_states(function, get_rng_state_tracker)
     return _torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant,
                                         **torch_options)
+
+
+def _with_tracker_states(function, get_rng_state_tracker):
+    """``function`` whose first call (the forward) saves the tracker's states and whose later
+    calls (recomputations) run on those states, restoring the tracker's own afterwards."""
+    if not callable(get_rng_state_tracker):
+        raise TypeError("checkpoint: get_rng_state_tracker must be a callable that returns the "
+                        "RNG tracker (e.g. a function returning a CudaRNGStatesTracker), got "
+                        f"{type(get_rng_state_tracker).__name__}")
+    tracker = get_rng_state_tracker()
+    for method in ("get_states", "set_states"):
+        if not callable(getattr(tracker, method, None)):
+            raise TypeError(f"checkpoint: get_rng_state_tracker() must return a tracker with "
+                            f"get_states() and set_states() (a CudaRNGStatesTracker), got "
+                            f"{type(tracker).__name__}")
+    at_forward = []  # the states when the forward started (set by the first call)
+
+    def run(*args):
+        if not at_forward:
+            at_forward.append(tracker.get_states())
+            return function(*args)
+        current = tracker.get_states()
+        tracker.set_states(at_forward[0])
+        try:
+            return function(*args)
+        finally:
+            tracker.set_states(current)  # (also when torch stops a recomputation early)
+
+    return run

@@ -26,6 +26,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from ... import distributed
+from ...quantization.replay import checkpoint
 from .. import te_checkpoint
 from ..te_args import check_positive, check_te_options as check_unsupported
 from ..torchscript import refuse_torchscript
@@ -75,8 +77,12 @@ class DotProductAttention(torch.nn.Module):
     defaults to 1 / sqrt(kv_channels). window_size: a sliding window (attention/masks.py), the
     constructor's unless forward gives one. softmax_type: "vanilla", "off-by-one" or
     "learnable" (attention sinks, attention/sink.py; "learnable" has the Parameter
-    softmax_offset [h], float32, on device). Tensor/sequence/context parallel options are
-    accepted only at their defaults.
+    softmax_offset [h], float32, on device). get_rng_state_tracker (a callable returning a
+    transformer_fp8.distributed.CudaRNGStatesTracker): the dropout mask is drawn inside
+    ``get_rng_state_tracker().fork()`` (the state "model-parallel-rng"), as in Transformer
+    Engine; checkpoint_core_attention then restores the tracker's states for the
+    recomputation. Tensor/sequence/context parallel options are accepted only at their
+    defaults.
     """
 
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
@@ -104,8 +110,11 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"{owner}: return_max_logit=True is not supported; leave it at "
                              "False")
         check_unsupported(owner, dict(sequence_parallel=sequence_parallel, tp_size=tp_size,
-                                      get_rng_state_tracker=get_rng_state_tracker,
                                       tp_group=tp_group, name=name))
+        # Attention dropout runs inside get_rng_state_tracker().fork() (the getter is called at
+        # each forward, so a model copy shares the caller's tracker).
+        self.get_rng_state_tracker = distributed.check_rng_state_tracker(owner,
+                                                                         get_rng_state_tracker)
         self.num_attention_heads = check_positive(owner, "num_attention_heads",
                                                   num_attention_heads)
         self.kv_channels = check_positive(owner, "kv_channels", kv_channels)
@@ -195,8 +204,10 @@ class DotProductAttention(torch.nn.Module):
                                           q.device, window, bottom_right)
         dropout = self.attention_dropout if self.training else 0.0
         if checkpoint_core_attention and torch.is_grad_enabled():
-            out = torch.utils.checkpoint.checkpoint(self._sdpa, q, k, v, allowed, is_causal,
-                                                    dropout, use_reentrant=False)
+            # With a tracker, its states are restored for the recomputation too: same masks.
+            out = checkpoint(self._sdpa, q, k, v, allowed, is_causal, dropout,
+                             get_rng_state_tracker=self.get_rng_state_tracker,
+                             use_reentrant=False)
         else:
             out = self._sdpa(q, k, v, allowed, is_causal, dropout)
         b, h, s, d = out.shape
@@ -246,6 +257,14 @@ class DotProductAttention(torch.nn.Module):
         return q.permute(perm), k.permute(perm), v.permute(perm)
 
     def _sdpa(self, q, k, v, allowed, is_causal, dropout):
+        if dropout > 0.0 and self.get_rng_state_tracker is not None:
+            # The dropout mask from the tracker's stream (Transformer Engine's default name);
+            # the default generators are left as if nothing had been drawn.
+            with self.get_rng_state_tracker().fork(distributed.DEFAULT_RNG_TRACKER_NAME):
+                return self._sdpa_sink(q, k, v, allowed, is_causal, dropout)
+        return self._sdpa_sink(q, k, v, allowed, is_causal, dropout)
+
+    def _sdpa_sink(self, q, k, v, allowed, is_causal, dropout):
         if self.softmax_type != "vanilla":
             alpha = (self.softmax_offset if self.softmax_type == "learnable"
                      else q.new_zeros(self.num_attention_heads, dtype=torch.float32))

@@ -47,6 +47,8 @@ class MultiheadAttention(torch.nn.Module):
     bottom_right_diagonal. inference_params (an InferenceParams, after its pre_step): the keys
     and values join its cache under layer_number (1 unless given), rotary embeddings start at
     each sequence's cached length, and the new tokens attend to the whole sequence.
+    get_rng_state_tracker reaches DotProductAttention (attention dropout inside its fork); the
+    weights are initialised from the default generator, not inside the fork.
     Not supported (refused): attention_type="cross", encoder_output, and the options te_args
     lists at other values than their defaults.
     """
@@ -75,7 +77,9 @@ class MultiheadAttention(torch.nn.Module):
                  softmax_type: str = "vanilla", *, dtype: Optional[torch.dtype] = None,
                  recipe: Optional[Recipe] = None, softmax_scale: Optional[float] = None):
         owner = "MultiheadAttention"
-        check_te_options(owner, te_only_arguments(locals()))
+        te_options = te_only_arguments(locals())
+        te_options.pop("get_rng_state_tracker")  # (DotProductAttention's: dropout in its fork)
+        check_te_options(owner, te_options)
         super().__init__()
         if attention_type != "self":
             raise ValueError(f"{owner}: attention_type={attention_type!r} is not supported "
@@ -96,7 +100,8 @@ class MultiheadAttention(torch.nn.Module):
             attn_mask_type=attn_mask_type, window_size=window_size,
             bottom_right_diagonal=bottom_right_diagonal,
             layer_number=1 if layer_number is None else layer_number,
-            softmax_scale=softmax_scale, softmax_type=softmax_type, device=device)
+            softmax_scale=softmax_scale, softmax_type=softmax_type,
+            get_rng_state_tracker=get_rng_state_tracker, device=device)
         self.q_norm, self.k_norm = qk_norm_modules(owner, qk_norm_type, qk_norm_eps, kv_channels,
                                                    dtype, device)
         self.qk_norm_before_rope = bool(qk_norm_before_rope)
