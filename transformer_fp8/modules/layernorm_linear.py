@@ -22,6 +22,8 @@ from .norm_first import NormFirstModule, check_positive
 from ..quantization.recipe import Recipe
 from .te_args import check_forward_flags, te_only_arguments
 from .te_module import split_sizes
+from . import te_tensor_parallel, te_tensor_parallel_norm
+from .te_tensor_parallel import TensorParallelMixin
 from .once_differentiable import once_differentiable, save_for_backward, saved_operands
 
 
@@ -107,7 +109,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                 None, None, None, None)
 
 
-class LayerNormLinear(NormFirstModule):
+class LayerNormLinear(TensorParallelMixin, NormFirstModule):
     """Transformer Engine's LayerNormLinear: y = Linear(Norm(x)), the norm LayerNorm or RMSNorm.
 
     Parameters: layer_norm_weight, layer_norm_bias (LayerNorm only), weight [out, in], bias.
@@ -116,8 +118,9 @@ class LayerNormLinear(NormFirstModule):
     Weights are initialised as Transformer Engine does (init_method, default normal with std
     0.023; bias zero). Arguments in Transformer Engine's order; parameters_split keeps the
     weight and bias as several Parameters (``<name>_weight``, ``<name>_bias``);
-    fuse_wgrad_accumulation and delay_wgrad_compute as in wgrad.py; tensor/sequence parallel
-    options are accepted only at their defaults (te_args.py).
+    fuse_wgrad_accumulation and delay_wgrad_compute as in wgrad.py; tp_group, tp_size,
+    parallel_mode="column", sequence_parallel and return_layernorm_output_gathered: Transformer
+    Engine's tensor parallelism, the module holding its shard (te_tensor_parallel_norm.py).
     recipe: the recipe it will train with (sizes the amax histories now, as for Linear).
     """
 
@@ -136,11 +139,16 @@ class LayerNormLinear(NormFirstModule):
                  dtype: Optional[torch.dtype] = None, recipe: Optional[Recipe] = None):
         te_options = te_only_arguments(locals())
         super().__init__()
+        check_positive("LayerNormLinear", "out_features", out_features)
+        out_features, parallel, self._ln_out_gathered = \
+            te_tensor_parallel_norm.configure_norm_linear(in_features, out_features, te_options)
+        te_tensor_parallel.check_combination("LayerNormLinear", parallel, parameters_split,
+                                             False)
         dtype = self._init_options(te_options, dtype, params_dtype, return_bias,
                                    return_layernorm_output, init_method,
                                    fuse_wgrad_accumulation, delay_wgrad_compute)
         self.in_features = check_positive("LayerNormLinear", "in_features", in_features)
-        self.out_features = check_positive("LayerNormLinear", "out_features", out_features)
+        self.out_features = out_features  # (the rank's shard's, with parallel_mode="column")
         parts = split_sizes("LayerNormLinear", parameters_split, out_features)
         factory = dict(device=device, dtype=dtype)
         self._init_norm(in_features, eps, normalization, zero_centered_gamma, device, dtype)
@@ -148,6 +156,7 @@ class LayerNormLinear(NormFirstModule):
                                                             **factory), parts)
         self._register_gemm_parameter(
             "bias", torch.zeros(out_features, **factory) if bias else None, parts)
+        te_tensor_parallel_norm.attach(self, parallel, {"weight": 0, "bias": 0})
         self._init_state(recipe, num_gemms=1)
         self._initialise()
 
@@ -168,12 +177,16 @@ class LayerNormLinear(NormFirstModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
         check_forward_flags("LayerNormLinear", fp8_output, fp8_grad)
+        if self._te_tp is not None:  # Transformer Engine's tensor parallelism: collectives
+            te_tensor_parallel.checked_group(self, inp)
         return self._forward(inp, is_first_microbatch, self.in_features, "bias")
 
     def _gemm_bias(self):
         return None if self.return_bias else self._param("bias")
 
     def _high_precision(self, inp, linear=F.linear):
+        if self._te_tp is not None:
+            return te_tensor_parallel_norm.norm_linear_hp(self, inp, linear)
         ln_out = self._norm_hp(inp)
         out = linear(ln_out, self._param("weight"), self._gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out
@@ -183,6 +196,8 @@ class LayerNormLinear(NormFirstModule):
     _fused_step = staticmethod(fused_norm_linear_step)
 
     def _fp8_apply(self, inp, plans):
+        if self._te_tp is not None:
+            return te_tensor_parallel_norm.norm_linear_fp8(self, inp, plans[0])
         return _LayerNormLinearFunction.apply(
             inp, self.layer_norm_weight, self.layer_norm_bias, self._param("weight"),
             self._gemm_bias(), plans[0], self._norm_step, self.return_layernorm_output,

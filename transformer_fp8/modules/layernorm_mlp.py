@@ -29,6 +29,8 @@ from .layernorm_linear import cast_norm_output
 from .norm_first import NormFirstModule, check_positive, te_default_init
 from ..quantization.recipe import Recipe
 from .te_args import te_only_arguments
+from . import te_tensor_parallel, te_tensor_parallel_norm
+from .te_tensor_parallel import TensorParallelMixin
 from .once_differentiable import once_differentiable, save_for_backward, saved_operands
 
 
@@ -154,7 +156,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 grad_fc2_weight, grad_fc2_bias, None, None, None, None)
 
 
-class LayerNormMLP(NormFirstModule):
+class LayerNormMLP(TensorParallelMixin, NormFirstModule):
     """Transformer Engine's LayerNormMLP: fc2(act(fc1(Norm(x)))), the norm LayerNorm or RMSNorm.
 
     Parameters: layer_norm_weight, layer_norm_bias (LayerNorm only), fc1_weight [F', hidden]
@@ -165,8 +167,11 @@ class LayerNormMLP(NormFirstModule):
     return_layernorm_output, the norm's output comes last.
     Weights as Transformer Engine initialises them (init_method for fc1, output_layer_init_method
     for fc2, default normal with std 0.023; biases zero). Arguments in Transformer Engine's
-    order; fuse_wgrad_accumulation and delay_wgrad_compute as in wgrad.py; the others it
-    takes are accepted at their defaults (te_args.py).
+    order; fuse_wgrad_accumulation and delay_wgrad_compute as in wgrad.py; tp_group, tp_size,
+    set_parallel_mode, sequence_parallel and return_layernorm_output_gathered: Transformer
+    Engine's tensor parallelism, fc1 column- and fc2 row-parallel, the module holding its shards
+    (te_tensor_parallel_norm.py); the others it takes are accepted at their defaults
+    (te_args.py).
     """
 
     _NO_BIAS_RETURNS_NONE = True  # return_bias without a bias: None, as Transformer Engine 2.x
@@ -192,6 +197,9 @@ class LayerNormMLP(NormFirstModule):
                  recipe: Optional[Recipe] = None):
         te_options = te_only_arguments(locals())
         super().__init__()
+        check_positive("LayerNormMLP", "ffn_hidden_size", ffn_hidden_size)
+        ffn_local, parallel, self._ln_out_gathered = \
+            te_tensor_parallel_norm.configure_norm_mlp(hidden_size, ffn_hidden_size, te_options)
         dtype = self._init_options(te_options, dtype, params_dtype, return_bias,
                                    return_layernorm_output, init_method,
                                    fuse_wgrad_accumulation, delay_wgrad_compute)
@@ -200,17 +208,20 @@ class LayerNormMLP(NormFirstModule):
                                               ffn_hidden_size)
         self.activation = check_activation(activation)
         self.output_layer_init_method = output_layer_init_method or te_default_init
-        fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
+        self.size_per_partition = ffn_local  # (Transformer Engine's name: ffn_hidden_size / tp)
+        fc1_out = 2 * ffn_local if is_gated(activation) else ffn_local
         factory = dict(device=device, dtype=dtype)
         self._init_norm(hidden_size, eps, normalization, zero_centered_gamma, device, dtype)
         self._register_gemm_parameter("fc1_weight", torch.empty(fc1_out, hidden_size,
                                                                 **factory))
         self._register_gemm_parameter("fc1_bias",
                                       torch.zeros(fc1_out, **factory) if bias else None)
-        self._register_gemm_parameter("fc2_weight", torch.empty(hidden_size, ffn_hidden_size,
+        self._register_gemm_parameter("fc2_weight", torch.empty(hidden_size, ffn_local,
                                                                 **factory))
         self._register_gemm_parameter("fc2_bias",
                                       torch.zeros(hidden_size, **factory) if bias else None)
+        te_tensor_parallel_norm.attach(self, parallel, {"fc1_weight": 0, "fc1_bias": 0,
+                                                        "fc2_weight": 1}, row_bias="fc2_bias")
         self._init_state(recipe, num_gemms=2)
         self._initialise()
 
@@ -229,13 +240,21 @@ class LayerNormMLP(NormFirstModule):
     def fp8_weights(self) -> list[torch.Tensor]:
         return [self.fc1_weight, self.fc2_weight]
 
+    @property
+    def set_parallel_mode(self) -> bool:
+        return self._te_parallel is not None and self._te_parallel.mode is not None
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        if self._te_tp is not None:  # Transformer Engine's tensor parallelism: collectives
+            te_tensor_parallel.checked_group(self, inp)
         return self._forward(inp, is_first_microbatch, self.hidden_size, "fc2_bias")
 
     def _fc2_gemm_bias(self):
         return None if self.return_bias else self._param("fc2_bias")
 
     def _high_precision(self, inp, linear=F.linear):
+        if self._te_tp is not None:
+            return te_tensor_parallel_norm.norm_mlp_hp(self, inp, linear)
         ln_out = self._norm_hp(inp)
         hidden = activation_hp(linear(ln_out, self._param("fc1_weight"), self._param("fc1_bias")),
                                self.activation)
@@ -247,6 +266,8 @@ class LayerNormMLP(NormFirstModule):
     _fused_step = staticmethod(fused_norm_mlp_step)
 
     def _fp8_apply(self, inp, plans):
+        if self._te_tp is not None:
+            return te_tensor_parallel_norm.norm_mlp_fp8(self, inp, plans)
         return _LayerNormMLPFunction.apply(
             inp, self.layer_norm_weight, self.layer_norm_bias, self._param("fc1_weight"),
             self._param("fc1_bias"), self._param("fc2_weight"), self._fc2_gemm_bias(), plans,

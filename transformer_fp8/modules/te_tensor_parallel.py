@@ -67,10 +67,13 @@ class TensorParallelOptions:
         return {**self.__dict__, "group": None}
 
 
-def configure(owner: str, in_features: int, out_features: int, options: dict):
+def configure(owner: str, in_features: int, out_features: int, options: dict,
+              names=("in_features", "out_features"), setting: str = ""):
     """Take the tensor-parallel options out of ``options`` (the constructor's Transformer
     Engine keyword arguments): (local in_features, local out_features, TensorParallelOptions or
-    None where they are all at their defaults). Refuses bad values naming the argument."""
+    None where they are all at their defaults). Refuses bad values naming the argument
+    (``names``: what the module calls its in and out features; ``setting``: the argument that
+    asked for the sharding, where it is not parallel_mode)."""
     group = options.pop("tp_group", None)
     tp_size = options.pop("tp_size", 1)
     mode = options.pop("parallel_mode", None)
@@ -95,11 +98,12 @@ def configure(owner: str, in_features: int, out_features: int, options: dict):
             raise ValueError(f"{owner}: tp_size={tp_size} does not match tp_group, whose size "
                              f"is {size} (give one of them, or both equal)")
     if mode is not None and size > 1:
-        name, features = (("out_features", out_features) if mode == "column"
-                          else ("in_features", in_features))
+        name, features = ((names[1], out_features) if mode == "column"
+                          else (names[0], in_features))
         if features % size:
             raise ValueError(f"{owner}: {name}={features} is not divisible by the "
-                             f"{size} tensor-parallel ranks (parallel_mode={mode!r})")
+                             f"{size} tensor-parallel ranks "
+                             f"({setting or f'parallel_mode={mode!r}'})")
         if mode == "column":
             out_features //= size
         else:
@@ -194,13 +198,34 @@ class TensorParallelMixin:
 def forward(layer, inp, is_first_microbatch, fp8_output, fp8_grad):
     """Linear.forward of a layer whose tensor-parallel options communicate."""
     options = layer._te_tp
+    checked_group(layer, inp)
+    if fp8_output or fp8_grad:
+        check_forward_flags(type(layer).__name__, fp8_output, fp8_grad)
+    x = to_gemm_input(inp, options) if options.mode == "column" else inp
+    if layer._wgrad is not None:
+        layer._wgrad_first = is_first_microbatch
+    out = layer._dispatch(x, is_first_microbatch, layer.in_features)
+    if options.mode == "row":
+        out = reduce_output(out, options)
+        if not layer.return_bias:
+            bias = layer._param("bias")
+            if bias is not None:  # once, after the sum of the ranks' partial products
+                out = out + bias.to(out.dtype)
+    if layer.return_bias:
+        return out, layer._returned_bias("bias", out)
+    return out
+
+
+def checked_group(layer, inp):
+    """Before the forward of a layer (or module) whose options communicate: its process group,
+    after the checks (a group given, a plain tensor input, a first dimension the ranks divide
+    where it is scattered) and the one-time warning where the ranks' scales cannot agree."""
+    options = layer._te_tp
     name = type(layer).__name__
     group = options.group
     if group is None:
         raise RuntimeError(f"{name}: built with tp_size={options.size} and no tp_group: call "
                            "set_tensor_parallel_group(tp_group) before the forward pass")
-    if fp8_output or fp8_grad:
-        check_forward_flags(name, fp8_output, fp8_grad)
     if not isinstance(inp, torch.Tensor):
         raise TypeError(f"{name}: input must be a tensor, got {type(inp).__name__}")
     if is_dtensor(layer._weight_for_checks()) or is_dtensor(inp):
@@ -211,30 +236,29 @@ def forward(layer, inp, is_first_microbatch, fp8_output, fp8_grad):
     state = stack[-1] if stack else None
     if state is not None and (state.enabled or state.calibrating):
         warn_unless_scales_agree(layer, state, group)
-    sequence_parallel = options.sequence_parallel
-    if sequence_parallel and (inp.dim() < 2 or (options.mode == "row"
-                                                 and inp.shape[0] % options.size)):
+    if options.sequence_parallel and (inp.dim() < 2 or (options.mode == "row"
+                                                        and inp.shape[0] % options.size)):
         raise ValueError(f"{name}: with sequence_parallel the first dimension is the sequence, "
                          f"split over the {options.size} ranks (row: the output's, the same "
                          f"as the input's); got an input of shape {tuple(inp.shape)}")
-    if options.mode == "column":
-        x = (_GatherFirstDim.apply(inp, group) if sequence_parallel
-             else _CopyToGroup.apply(inp, group))
-    else:
-        x = inp
-    if layer._wgrad is not None:
-        layer._wgrad_first = is_first_microbatch
-    out = layer._dispatch(x, is_first_microbatch, layer.in_features)
-    if options.mode == "row":
-        out = (_ReduceScatterFirstDim.apply(out, group) if sequence_parallel
-               else _AllReduce.apply(out, group))
-        if not layer.return_bias:
-            bias = layer._param("bias")
-            if bias is not None:  # once, after the sum of the ranks' partial products
-                out = out + bias.to(out.dtype)
-    if layer.return_bias:
-        return out, layer._returned_bias("bias", out)
-    return out
+    return group
+
+
+def to_gemm_input(x: torch.Tensor, options: TensorParallelOptions) -> torch.Tensor:
+    """A column-parallel GEMM's input from the rank's: all-gathered along dim 0 with
+    sequence_parallel (its gradient reduce-scattered), else as it is (its gradient
+    all-reduced)."""
+    if options.sequence_parallel:
+        return _GatherFirstDim.apply(x, options.group)
+    return _CopyToGroup.apply(x, options.group)
+
+
+def reduce_output(partial: torch.Tensor, options: TensorParallelOptions) -> torch.Tensor:
+    """A row-parallel GEMM's output from the ranks' partial products: reduce-scattered along
+    dim 0 with sequence_parallel (its gradient all-gathered), else all-reduced."""
+    if options.sequence_parallel:
+        return _ReduceScatterFirstDim.apply(partial, options.group)
+    return _AllReduce.apply(partial, options.group)
 
 
 # ---- the collectives, as autograd functions (dim 0: the sequence, in Megatron's layout) ------

@@ -1,0 +1,158 @@
+"""Transformer Engine's tensor parallelism on LayerNormLinear (parallel_mode="column") and
+LayerNormMLP (set_parallel_mode=True; modules/te_tensor_parallel_norm.py) on 2 gloo ranks,
+against the unsharded module run on every rank with the same weights and data
+(te_tensor_parallel_norm_cases.py), with and without sequence_parallel, bias or not,
+return_bias or not, return_layernorm_output (gathered or not), RMSNorm, gated activations:
+
+* outside fp8_autocast: output, input gradient and every weight, bias and norm-weight
+  gradient allclose to the unsharded module's (with sequence_parallel the norm weights' and
+  fc2's bias's gradients cover the rank's part of the sequence: summed over the ranks, as
+  Megatron-LM sums Parameters marked sequence_parallel);
+* under DelayedScaling and Float8CurrentScaling, over 3 steps whose scales change: the same
+  tensors within float32 rounding of the unsharded FP8 module (MIN_SQNR_DB), and its FP8 state
+  bit for bit on every rank;
+* refusals naming the argument, in one process and on the ranks; Transformer Engine's
+  Parameter attributes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from integration_compare import sqnr_db
+from multiprocess import run_ranks
+from te_tensor_parallel_norm_cases import CASES, case_name, worker
+
+import transformer_fp8 as tfp8
+
+MIN_SQNR_DB = 90.0
+RANKS = 2
+
+needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("te_tp_norm")
+    run_ranks(worker, (str(out),), out, world=RANKS, timeout_s=600)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(RANKS)]
+
+
+def _close(what, got, expected, high_precision: bool) -> None:
+    assert got is not None, f"{what}: no gradient"
+    assert got.shape == expected.shape and got.dtype == expected.dtype, what
+    if high_precision:  # (sums in another order)
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{what}: {m}")
+    else:
+        db = sqnr_db(expected, got)
+        assert db >= MIN_SQNR_DB, f"{what}: SQNR {db:.1f} dB, below {MIN_SQNR_DB} dB"
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", CASES, ids=case_name)
+def test_module_matches_the_unsharded_module(ranks, case):
+    name = case_name(case)
+    high = case["recipe"] == "high"
+    keys = set(ranks[0]["cases"][name][0])
+    params = ["layer_norm_weight", "weight"] if case["module"] == "LayerNormLinear" else \
+        ["layer_norm_weight", "fc1_weight", "fc2_weight"]
+    for param in params:  # every gradient compared (none left out by a missing key)
+        assert {f"{param}.grad", f"{param}.grad_summed"} & keys, f"{name}: {param}"
+    for rank, result in enumerate(ranks):
+        for step, record in enumerate(result["cases"][name]):
+            for key, (got, expected) in record.items():
+                where = f"{name} rank {rank} step {step} {key}"
+                if key == "fp8_state":
+                    assert got.keys() == expected.keys() and got, where
+                    for k in got:
+                        assert torch.equal(got[k], expected[k]), f"{where} {k}"
+                else:
+                    _close(where, got, expected, high)
+    if case["recipe"] == "delayed":  # the scales changed from step to step
+        scales = [r["fp8_state"][0]["fp8_fwd_scale"] for r in ranks[0]["cases"][name]]
+        assert not torch.equal(scales[0], scales[1]) and not torch.equal(scales[1], scales[2])
+
+
+@needs_gloo
+def test_distributed_refusals(ranks):
+    said = ranks[0]["refusals"]
+    assert ("LayerNormLinear: tp_size=4 does not match tp_group, whose size is 2"
+            in said["norm_linear_tp_size"])
+    assert "LayerNormMLP: tp_size=4 does not match tp_group, whose size is 2" in \
+        said["mlp_tp_size"]
+    assert ("LayerNormMLP: tp_size=2 (or a tp_group of that many ranks) needs "
+            "set_parallel_mode=True") in said["mlp_group_without_mode"]
+    assert "tp_group has 2 ranks, the layer was built for tp_size=4" in said["set_group"]
+    assert said["mlp_tp_size_from_group"] == "2"
+    assert ("LayerNormMLP: with sequence_parallel the first dimension is the sequence, split "
+            "over the 2 ranks") in said["sequence"]
+    assert said["late_group_runs"] == "(6, 2, 48)"  # (the gathered sequence, its columns)
+
+
+def test_one_process_refusals():
+    with pytest.raises(ValueError, match="LayerNormLinear: parallel_mode='row' is not "
+                                         "supported: the norm needs every feature of a row"):
+        tfp8.LayerNormLinear(64, 96, parallel_mode="row", tp_size=2)
+    with pytest.raises(ValueError, match="LayerNormLinear: parallel_mode must be None, "
+                                         "'column' or 'row', got 'col'"):
+        tfp8.LayerNormLinear(64, 96, parallel_mode="col", tp_size=2)
+    with pytest.raises(ValueError, match=r"LayerNormLinear: out_features=96 is not divisible "
+                                         r"by the 5 tensor-parallel ranks \(parallel_mode="):
+        tfp8.LayerNormLinear(64, 96, parallel_mode="column", tp_size=5)
+    with pytest.raises(ValueError, match=r"LayerNormMLP: ffn_hidden_size=64 is not divisible "
+                                         r"by the 3 tensor-parallel ranks \(set_parallel_mode="
+                                         r"True\)"):
+        tfp8.LayerNormMLP(64, 64, set_parallel_mode=True, tp_size=3)
+    with pytest.raises(ValueError, match=r"LayerNormMLP: tp_size=2 \(or a tp_group of that "
+                                         "many ranks\\) needs set_parallel_mode=True"):
+        tfp8.LayerNormMLP(64, 64, tp_size=2)
+    with pytest.raises(TypeError, match="LayerNormMLP: set_parallel_mode must be True or "
+                                        "False, got 'yes'"):
+        tfp8.LayerNormMLP(64, 64, set_parallel_mode="yes", tp_size=2)
+    with pytest.raises(TypeError, match="LayerNormLinear: tp_group must be a "
+                                        "torch.distributed.ProcessGroup"):
+        tfp8.LayerNormLinear(64, 96, parallel_mode="column", tp_group="tp")
+    with pytest.raises(ValueError, match="LayerNormMLP: tp_size must be a positive integer"):
+        tfp8.LayerNormMLP(64, 64, set_parallel_mode=True, tp_size=0)
+    with pytest.raises(ValueError, match="LayerNormLinear: parameters_split cannot be combined "
+                                         "with parallel_mode='column'"):
+        tfp8.LayerNormLinear(64, 96, parallel_mode="column", tp_size=2,
+                             parameters_split=("a", "b"))
+    with pytest.raises(TypeError, match="LayerNormLinear: return_layernorm_output_gathered "
+                                        "must be True or False"):
+        tfp8.LayerNormLinear(64, 96, return_layernorm_output_gathered=1.5)
+    module = tfp8.LayerNormMLP(64, 64, set_parallel_mode=True, tp_size=2)
+    with pytest.raises(RuntimeError, match=r"LayerNormMLP: built with tp_size=2 and no "
+                                           r"tp_group: call set_tensor_parallel_group"):
+        module(torch.randn(4, 64))
+
+
+def test_sharded_shapes_and_attributes():
+    module = tfp8.LayerNormLinear(64, 96, parallel_mode="column", tp_size=2,
+                                  sequence_parallel=True)
+    assert tuple(module.weight.shape) == (48, 64) and tuple(module.bias.shape) == (48,)
+    assert (module.in_features, module.out_features) == (64, 48)
+    assert (module.tp_size, module.parallel_mode, module.sequence_parallel) == (2, "column", True)
+    for p in (module.weight, module.bias):
+        assert (p.tensor_model_parallel, p.partition_dim, p.partition_stride) == (True, 0, 1)
+    assert module.layer_norm_weight.sequence_parallel is True
+    assert module.layer_norm_bias.sequence_parallel is True
+    assert module._fused_step is None  # (the Python path, between the collectives)
+    mlp = tfp8.LayerNormMLP(64, 64, set_parallel_mode=True, tp_size=2, activation="swiglu")
+    assert tuple(mlp.fc1_weight.shape) == (64, 64) and tuple(mlp.fc2_weight.shape) == (64, 32)
+    assert (mlp.fc1_weight.partition_dim, mlp.fc1_bias.partition_dim,
+            mlp.fc2_weight.partition_dim) == (0, 0, 1)
+    assert mlp.fc2_bias.sequence_parallel is False and mlp.layer_norm_weight.sequence_parallel \
+        is False  # (no sequence_parallel: whole gradients on every rank)
+    assert (mlp.set_parallel_mode, mlp.size_per_partition, mlp.tp_size) == (True, 32, 2)
+    # One rank, or no options: the plain module, its C++ step included.
+    for options in ({}, dict(set_parallel_mode=True, tp_size=1),
+                    dict(set_parallel_mode=True, tp_size=1, sequence_parallel=True)):
+        plain = tfp8.LayerNormMLP(64, 64, **options)
+        assert tuple(plain.fc2_weight.shape) == (64, 64) and plain._te_tp is None, options
+        assert plain._fused_step is tfp8.LayerNormMLP._fused_step
+    plain = tfp8.LayerNormLinear(64, 96, parallel_mode=None, tp_size=2, sequence_parallel=True)
+    assert tuple(plain.weight.shape) == (96, 64) and plain._te_tp is None
+    assert plain.layer_norm_weight.sequence_parallel is True  # (Transformer Engine marks it)
+    assert not tfp8.LayerNormMLP(64, 64).set_parallel_mode
