@@ -12,6 +12,7 @@ every rank carries the whole loss on each).
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 
@@ -76,10 +77,10 @@ def _shards(case, rank, ranks) -> dict:
             "fc2_weight": lambda t: t.chunk(ranks, 1)[rank], "fc2_bias": whole}
 
 
-def _build(case, group=None, ranks=1):
+def _build(case, group=None, ranks=1, **options):
     kw = dict(bias=case["bias"], return_bias=case["return_bias"],
               normalization=case.get("norm", "LayerNorm"),
-              return_layernorm_output=case.get("ln_out", False))
+              return_layernorm_output=case.get("ln_out", False), **options)
     if group is not None:
         kw.update(tp_group=group, tp_size=ranks, sequence_parallel=case["sp"],
                   return_layernorm_output_gathered=case.get("gathered", False))
@@ -126,9 +127,7 @@ def _run_case(case, rank, ranks, group):
                 p.uniform_(-0.5, 0.5)
     module = _build(case, group, ranks)
     shards = _shards(case, rank, ranks)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(shards[name](full.get_parameter(name)))
+    _copy_shards(full, module, shards)
     seq_part = lambda t: t.chunk(ranks, 0)[rank] if sp else t  # noqa: E731
     # the module's output as the rank holds it
     cut_out = seq_part if mlp else (lambda t: t.chunk(ranks, -1)[rank])
@@ -184,6 +183,71 @@ def _run_case(case, rank, ranks, group):
     return records
 
 
+def _with_options(rank, ranks, group) -> dict:
+    """fuse_wgrad_accumulation, is_first_microbatch and non-reentrant activation checkpointing
+    on the sharded modules (sequence_parallel, DelayedScaling), against the unsharded module
+    (the same options) and, for the checkpoint, the same sharded module without it:
+    {what: [{key: (got, expected)}]}."""
+    recipe = RECIPES["delayed"]()
+    out = {}
+    for module_name in ("LayerNormLinear", "LayerNormMLP"):
+        case = dict(module=module_name, sp=True, bias=True, return_bias=False)
+        shards = _shards(case, rank, ranks)
+        x_all = [torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(s))
+                 for s in (30, 31, 32)]
+        # fuse_wgrad_accumulation: the weight gradients accumulated into main_grad
+        torch.manual_seed(3)
+        full = _build(case)
+        module = _build(case, group, ranks, fuse_wgrad_accumulation=True)
+        _copy_shards(full, module, shards)
+        weights = [(n, p) for n, p in module.named_parameters()
+                   if n in ("weight", "fc1_weight", "fc2_weight")]
+        for _, p in weights:
+            p.main_grad = torch.zeros_like(p)
+        for x in x_all[:2]:
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                ref, got = full(x), module(x.chunk(ranks, 0)[rank])
+            ref.square().sum().backward()
+            got.square().sum().backward()
+        out[f"{module_name}-fuse_wgrad_accumulation"] = [
+            {n: (p.main_grad.clone(), shards[n](full.get_parameter(n).grad))
+             for n, p in weights}]
+        # is_first_microbatch: the cast weights kept (True) and reused (False)
+        torch.manual_seed(4)
+        full, module = _build(case), _build(case, group, ranks)
+        _copy_shards(full, module, shards)
+        records = []
+        for x, first in zip(x_all, (True, False, False)):
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                ref = full(x, is_first_microbatch=first)
+                got = module(x.chunk(ranks, 0)[rank], is_first_microbatch=first)
+            cut = (lambda t: t.chunk(ranks, 0)[rank]) if module_name == "LayerNormMLP" else \
+                (lambda t: t.chunk(ranks, -1)[rank])
+            records.append({"out": (got.detach(), cut(ref).detach())})
+        out[f"{module_name}-is_first_microbatch"] = records
+        # non-reentrant activation checkpointing: bit for bit the run without it
+        torch.manual_seed(5)
+        models = [_build(case, group, ranks)]
+        models.append(copy.deepcopy(models[0]))  # (the same FP8 state for both runs)
+        x = x_all[0].chunk(ranks, 0)[rank]
+        results = []
+        for model, checkpointed in zip(models, (True, False)):
+            xc = x.clone().requires_grad_()
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                y = (torch.utils.checkpoint.checkpoint(model, xc, use_reentrant=False)
+                     if checkpointed else model(xc))
+            y.square().sum().backward()
+            results.append([y.detach(), xc.grad] + [p.grad for p in model.parameters()])
+        out[f"{module_name}-checkpoint"] = [
+            {f"tensor {i}": (a, b) for i, (a, b) in enumerate(zip(*results))}]
+    return out
+
+
+def _copy_shards(full, module, shards) -> None:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(shards[name](full.get_parameter(name)))
+
 def _refusals(rank, ranks, group) -> dict:
     """What the distributed refusals say."""
     said = {}
@@ -221,5 +285,6 @@ def worker(rank, out_dir):
     ranks = dist.get_world_size()
     group = dist.new_group(list(range(ranks)))
     results = {"cases": {case_name(c): _run_case(c, rank, ranks, group) for c in CASES},
+               "options": _with_options(rank, ranks, group),
                "refusals": _refusals(rank, ranks, group)}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

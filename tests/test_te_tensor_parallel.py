@@ -152,7 +152,7 @@ def test_one_process_refusals_and_attributes():
         assert plain._fused_step is tfp8.Linear._fused_step
     assert (plain.tp_size, plain.parallel_mode, plain.sequence_parallel) == (2, None, True)
     assert tfp8.Linear(32, 48).tp_size == 1
-    # The other modules still refuse them, naming Linear.
-    with pytest.raises(ValueError, match="parallel_mode='column' is not supported .*Linear "
-                                         "takes tp_group"):
-        tfp8.LayerNormLinear(32, 48, parallel_mode="column")
+    # The other modules still refuse them, naming those that take them.
+    with pytest.raises(ValueError, match="parallel_mode='column' is not supported .*Linear, "
+                                         "LayerNormLinear and LayerNormMLP take tp_group"):
+        tfp8.GroupedLinear(2, 32, 48, parallel_mode="column")

@@ -11,6 +11,8 @@ return_bias or not, return_layernorm_output (gathered or not), RMSNorm, gated ac
 * under DelayedScaling and Float8CurrentScaling, over 3 steps whose scales change: the same
   tensors within float32 rounding of the unsharded FP8 module (MIN_SQNR_DB), and its FP8 state
   bit for bit on every rank;
+* fuse_wgrad_accumulation, is_first_microbatch and activation checkpointing on the sharded
+  modules;
 * refusals naming the argument, in one process and on the ranks; Transformer Engine's
   Parameter attributes.
 """
@@ -72,6 +74,26 @@ def test_module_matches_the_unsharded_module(ranks, case):
     if case["recipe"] == "delayed":  # the scales changed from step to step
         scales = [r["fp8_state"][0]["fp8_fwd_scale"] for r in ranks[0]["cases"][name]]
         assert not torch.equal(scales[0], scales[1]) and not torch.equal(scales[1], scales[2])
+
+
+@needs_gloo
+@pytest.mark.parametrize("module", ["LayerNormLinear", "LayerNormMLP"])
+@pytest.mark.parametrize("what", ["fuse_wgrad_accumulation", "is_first_microbatch",
+                                  "checkpoint"])
+def test_module_options_work_sharded(ranks, module, what):
+    """fuse_wgrad_accumulation (main_grad, two backwards), is_first_microbatch (True, False,
+    False) and non-reentrant activation checkpointing (bit for bit the run without it) on the
+    sharded modules, sequence_parallel, DelayedScaling."""
+    for rank, result in enumerate(ranks):
+        records = result["options"][f"{module}-{what}"]
+        assert records and all(records), what
+        for step, record in enumerate(records):
+            for key, (got, expected) in record.items():
+                where = f"{module} {what} rank {rank} step {step} {key}"
+                if what == "checkpoint":
+                    assert got is not None and torch.equal(got, expected), where
+                else:
+                    _close(where, got, expected, high_precision=False)
 
 
 @needs_gloo

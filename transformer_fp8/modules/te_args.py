@@ -10,17 +10,19 @@ from __future__ import annotations
 import torch
 
 _PARALLEL = "no tensor, sequence or context parallelism, no communication overlap"
-# Linear takes these four (te_tensor_parallel.py) and never passes them here.
-_TP = ("no tensor or sequence parallelism in this module (transformer_fp8.Linear takes tp_group, "
-       "tp_size, parallel_mode and sequence_parallel)")
+# Linear, LayerNormLinear and LayerNormMLP take these (te_tensor_parallel.py,
+# te_tensor_parallel_norm.py) and never pass them here.
+_TP = ("no tensor or sequence parallelism in this module (transformer_fp8.Linear, "
+       "LayerNormLinear and LayerNormMLP take tp_group, tp_size, parallel_mode / "
+       "set_parallel_mode and sequence_parallel)")
 _RNG = ("weights are initialised from the default generator, not inside an RNG tracker's "
         "fork; attention dropout takes the tracker: DotProductAttention, MultiheadAttention, "
         "TransformerLayer")
 
 # name -> (accepted values, first = Transformer Engine's default; why other values are refused)
 TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
-    # tensor / sequence parallelism (Linear's own: te_tensor_parallel.py) and communication
-    # overlap
+    # tensor / sequence parallelism (Linear's, LayerNormLinear's and LayerNormMLP's own:
+    # te_tensor_parallel.py, te_tensor_parallel_norm.py) and communication overlap
     "sequence_parallel": ((False, None), _TP),
     "tp_group": ((None,), _TP),
     "tp_size": ((1,), _TP),
