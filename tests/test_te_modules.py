@@ -100,7 +100,10 @@ def test_bad_arguments_are_refused_with_their_names():
     with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
         tfp8.RMSNorm(-3)
     with pytest.raises(ValueError, match="sequence_parallel=True is not supported"):
-        tfp8.LayerNormLinear(16, 16, sequence_parallel=True)
+        tfp8.GroupedLinear(2, 16, 16, sequence_parallel=True)
+    # (LayerNormLinear takes it: without tensor parallelism it does nothing, as in Transformer
+    # Engine; test_te_tensor_parallel_norm.py)
+    assert not tfp8.LayerNormLinear(16, 16, sequence_parallel=True).sequence_parallel
     with pytest.raises(ValueError, match="sequence_parallel=True is not supported"):
         tfp8.RMSNorm(16, sequence_parallel=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
