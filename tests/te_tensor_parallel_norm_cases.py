@@ -40,6 +40,9 @@ _EXTRA = [dict(sp=True, bias=True, return_bias=False, recipe="delayed", norm="RM
           dict(sp=True, bias=True, return_bias=True, recipe="current", ln_out=True,
                gathered=True),
           dict(sp=True, bias=True, return_bias=False, recipe="high", ln_out=True,
+               gathered=True),
+          # (without sequence_parallel nothing is gathered: the rank's norm output)
+          dict(sp=False, bias=True, return_bias=False, recipe="delayed", ln_out=True,
                gathered=True)]
 _GATED = [dict(sp=True, bias=True, return_bias=False, recipe="delayed", act="swiglu"),
           dict(sp=False, bias=False, return_bias=False, recipe="current", act="geglu",

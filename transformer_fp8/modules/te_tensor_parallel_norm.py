@@ -18,8 +18,8 @@ LayerNormMLP (``set_parallel_mode=True``), with te_tensor_parallel.py's collecti
   (reduce-scattered along dim 0 with sequence_parallel) and fc2's bias added once, after (not
   at all with return_bias, which returns it).
 * return_layernorm_output returns the rank's norm output (its part of the sequence with
-  sequence_parallel), return_layernorm_output_gathered=True the gathered one, as Transformer
-  Engine's.
+  sequence_parallel), return_layernorm_output_gathered=True the gathered one (with
+  sequence_parallel only: without it nothing is gathered), as Transformer Engine's.
 
 The sharded FP8 forward is the norm (NormStep's kernels, as the unsharded module's backward
 uses), the collective, then Linear's FP8 GEMM function (linear.py) per GEMM with the module's
@@ -115,7 +115,7 @@ def norm_linear(module, inp, norm, linear):
     ln_total = tp.to_gemm_input(ln_out, module._te_tp)
     out = linear(ln_total)
     if module.return_layernorm_output:
-        return out, (ln_total if module._ln_out_gathered else ln_out)
+        return out, _returned_ln_out(module, ln_out, ln_total)
     return out
 
 
@@ -130,8 +130,17 @@ def norm_mlp(module, inp, norm, fc1, act, fc2):
     if bias is not None:  # once, after the sum of the ranks' partial products
         out = out + bias.to(out.dtype)
     if module.return_layernorm_output:
-        return out, (ln_total if module._ln_out_gathered else ln_out)
+        return out, _returned_ln_out(module, ln_out, ln_total)
     return out
+
+
+def _returned_ln_out(module, ln_out, ln_total):
+    """return_layernorm_output's tensor: the gathered norm output where asked for and
+    sequence_parallel gathers it (its gradient then summed over the ranks, reduce-scattered),
+    else the rank's (its gradient added to the rank's after the collective's backward), as
+    Transformer Engine's."""
+    gathered = module._ln_out_gathered and module._te_tp.sequence_parallel
+    return ln_total if gathered else ln_out
 
 
 def norm_linear_hp(module, inp, linear):
