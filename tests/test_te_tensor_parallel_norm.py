@@ -178,3 +178,16 @@ def test_sharded_shapes_and_attributes():
     assert tuple(plain.weight.shape) == (96, 64) and plain._te_tp is None
     assert plain.layer_norm_weight.sequence_parallel is True  # (Transformer Engine marks it)
     assert not tfp8.LayerNormMLP(64, 64).set_parallel_mode
+
+
+def test_row_mode_on_one_rank_is_the_unsharded_layer():
+    """parallel_mode='row' with one rank shards nothing (Transformer Engine takes it too):
+    bit for bit LayerNormLinear without it; more ranks are refused (above)."""
+    torch.manual_seed(0)
+    row = tfp8.LayerNormLinear(64, 96, parallel_mode="row")
+    torch.manual_seed(0)
+    plain = tfp8.LayerNormLinear(64, 96)
+    x = torch.randn(8, 64)
+    with tfp8.fp8_autocast(fp8_recipe=tfp8.DelayedScaling()):
+        out_row, out_plain = row(x), plain(x)
+    assert torch.equal(out_row, out_plain)

@@ -34,7 +34,8 @@ State = Tuple[torch.Tensor, Optional[torch.Tensor]]
 def _cuda_generator() -> Optional[torch.Generator]:
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.default_generators[torch.cuda.current_device()]
+    device = torch.cuda.current_device()  # (first: it initialises CUDA, which fills
+    return torch.cuda.default_generators[device]  # default_generators)
 
 
 def _current_state() -> State:

@@ -46,7 +46,11 @@ def configure_norm_linear(in_features: int, out_features: int, options: dict):
     """LayerNormLinear's tensor-parallel options out of ``options``: (local out_features,
     TensorParallelOptions or None, return_layernorm_output_gathered)."""
     if options.get("parallel_mode") == "row":
-        raise ValueError(_NORM_LINEAR_ROW)
+        _, _, probe = tp.configure("LayerNormLinear", in_features, out_features,
+                                   dict(options, parallel_mode=None))
+        if probe is not None and probe.size > 1:
+            raise ValueError(_NORM_LINEAR_ROW)
+        options["parallel_mode"] = None  # (one rank: nothing sharded, as in Transformer Engine)
     gathered = _pop_gathered("LayerNormLinear", options)
     _, out_features, parallel = tp.configure("LayerNormLinear", in_features, out_features,
                                              options)
