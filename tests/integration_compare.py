@@ -112,6 +112,36 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(_INT_OF_SIZE[t.element_size()])
 
 
+def assert_close_or_sqnr(what: str, got: torch.Tensor, expected: torch.Tensor,
+                         high_precision: bool, min_sqnr_db: float) -> None:
+    """A sharded result against the unsharded one: allclose in high precision (sums in
+    another order), else at least ``min_sqnr_db``."""
+    assert got is not None, f"{what}: no gradient"
+    assert got.shape == expected.shape and got.dtype == expected.dtype, what
+    if high_precision:
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{what}: {m}")
+    else:
+        db = sqnr_db(expected, got)
+        assert db >= min_sqnr_db, f"{what}: SQNR {db:.1f} dB, below {min_sqnr_db} dB"
+
+
+def assert_rank_records_match(name: str, ranks: list, high_precision: bool,
+                              min_sqnr_db: float) -> None:
+    """Each rank's records of the case ``name`` (``ranks[r]["cases"][name]``: per step, key ->
+    (sharded, unsharded)): the FP8 state bit for bit, everything else by
+    assert_close_or_sqnr."""
+    for rank, result in enumerate(ranks):
+        for step, record in enumerate(result["cases"][name]):
+            for key, (got, expected) in record.items():
+                where = f"{name} rank {rank} step {step} {key}"
+                if key == "fp8_state":
+                    assert got.keys() == expected.keys() and got, where
+                    for k in got:
+                        assert torch.equal(got[k], expected[k]), f"{where} {k}"
+                else:
+                    assert_close_or_sqnr(where, got, expected, high_precision, min_sqnr_db)
+
+
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
     """Signal to noise ratio of ``out`` against ``ref`` in dB, in float64: inf when equal,
     -inf when ref is zero and out is not."""

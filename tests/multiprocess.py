@@ -53,6 +53,19 @@ _CONNECTION_FAILURES = ("connectFullMesh failed", "Connection closed by peer",
                         "Connection reset by peer")
 
 
+needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+def rank_results(worker, out_dir, world: int = WORLD, timeout_s: float = 600) -> list:
+    """``run_ranks(worker, (str(out_dir),), out_dir)``, then what each rank saved to
+    ``out_dir/rank<r>.pt``."""
+    import torch
+
+    run_ranks(worker, (str(out_dir),), out_dir, world=world, timeout_s=timeout_s)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
 def run_ranks(worker, args: tuple, out_dir, world: int = WORLD,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Run ``worker(rank, *args)`` on ``world`` processes; fail the calling test if a rank

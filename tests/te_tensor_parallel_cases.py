@@ -261,19 +261,25 @@ def _with_options(rank, ranks, group) -> dict:
     out["is_first_microbatch"] = records
     # non-reentrant activation checkpointing of a column -> row MLP (sequence parallel)
     torch.manual_seed(5)
-    models = [Mlp(group, ranks, sp=True)]
-    models.append(copy.deepcopy(models[0]))  # (the same FP8 state for both runs)
     x = torch.randn(SEQ // ranks, BATCH, IN, generator=torch.Generator().manual_seed(50))
+    out["checkpoint"] = checkpointed_and_plain(Mlp(group, ranks, sp=True), x, recipe)
+    return out
+
+
+def checkpointed_and_plain(model, x, recipe) -> list:
+    """One FP8 step of ``model`` under a non-reentrant activation checkpoint and one of its
+    copy without: [{"tensor i": (checkpointed, plain)}] over the output, the input gradient
+    and every parameter's gradient (the test asks them bit for bit)."""
+    models = [model, copy.deepcopy(model)]  # (the same FP8 state for both runs)
     results = []
-    for model, checkpointed in zip(models, (True, False)):
+    for run, checkpointed in zip(models, (True, False)):
         xc = x.clone().requires_grad_()
         with tfp8.fp8_autocast(fp8_recipe=recipe):
-            y = (torch.utils.checkpoint.checkpoint(model, xc, use_reentrant=False)
-                 if checkpointed else model(xc))
+            y = (torch.utils.checkpoint.checkpoint(run, xc, use_reentrant=False)
+                 if checkpointed else run(xc))
         y.square().sum().backward()
-        results.append([y.detach(), xc.grad] + [p.grad for p in model.parameters()])
-    out["checkpoint"] = [{f"tensor {i}": (a, b) for i, (a, b) in enumerate(zip(*results))}]
-    return out
+        results.append([y.detach(), xc.grad] + [p.grad for p in run.parameters()])
+    return [{f"tensor {i}": (a, b) for i, (a, b) in enumerate(zip(*results))}]
 
 
 def worker(rank, out_dir):

@@ -12,13 +12,13 @@ every rank carries the whole loss on each).
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import os
 
 import torch
 import torch.distributed as dist
 from integration_compare import STEP_SCALES
+from te_tensor_parallel_cases import checkpointed_and_plain
 
 import transformer_fp8 as tfp8
 
@@ -230,19 +230,8 @@ def _with_options(rank, ranks, group) -> dict:
         out[f"{module_name}-is_first_microbatch"] = records
         # non-reentrant activation checkpointing: bit for bit the run without it
         torch.manual_seed(5)
-        models = [_build(case, group, ranks)]
-        models.append(copy.deepcopy(models[0]))  # (the same FP8 state for both runs)
-        x = x_all[0].chunk(ranks, 0)[rank]
-        results = []
-        for model, checkpointed in zip(models, (True, False)):
-            xc = x.clone().requires_grad_()
-            with tfp8.fp8_autocast(fp8_recipe=recipe):
-                y = (torch.utils.checkpoint.checkpoint(model, xc, use_reentrant=False)
-                     if checkpointed else model(xc))
-            y.square().sum().backward()
-            results.append([y.detach(), xc.grad] + [p.grad for p in model.parameters()])
-        out[f"{module_name}-checkpoint"] = [
-            {f"tensor {i}": (a, b) for i, (a, b) in enumerate(zip(*results))}]
+        out[f"{module_name}-checkpoint"] = checkpointed_and_plain(
+            _build(case, group, ranks), x_all[0].chunk(ranks, 0)[rank], recipe)
     return out
 
 

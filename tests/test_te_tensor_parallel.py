@@ -20,9 +20,8 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
-from integration_compare import sqnr_db
-from multiprocess import run_ranks
+from integration_compare import assert_close_or_sqnr, assert_rank_records_match
+from multiprocess import needs_gloo, rank_results
 from te_tensor_parallel_cases import CASES, case_name, worker
 
 import transformer_fp8 as tfp8
@@ -30,24 +29,14 @@ import transformer_fp8 as tfp8
 MIN_SQNR_DB = 90.0
 RANKS = 2
 
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("te_tp")
-    run_ranks(worker, (str(out),), out, world=RANKS, timeout_s=600)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(RANKS)]
+    return rank_results(worker, tmp_path_factory.mktemp("te_tp"), world=RANKS)
 
 
 def _close(what, got, expected, exact_recipe: bool) -> None:
-    assert got.shape == expected.shape and got.dtype == expected.dtype, what
-    if exact_recipe:  # high precision: allclose (the row sums in another order)
-        torch.testing.assert_close(got, expected, msg=lambda m: f"{what}: {m}")
-    else:
-        db = sqnr_db(expected, got)
-        assert db >= MIN_SQNR_DB, f"{what}: SQNR {db:.1f} dB, below {MIN_SQNR_DB} dB"
+    assert_close_or_sqnr(what, got, expected, exact_recipe, MIN_SQNR_DB)
 
 
 @needs_gloo
@@ -55,16 +44,7 @@ def _close(what, got, expected, exact_recipe: bool) -> None:
 def test_layer_matches_the_unsharded_layer(ranks, case):
     name = case_name(case)
     high = case["recipe"] == "high"
-    for rank, result in enumerate(ranks):
-        for step, record in enumerate(result["cases"][name]):
-            for key, (got, expected) in record.items():
-                where = f"{name} rank {rank} step {step} {key}"
-                if key == "fp8_state":
-                    assert got.keys() == expected.keys()
-                    for k in got:
-                        assert torch.equal(got[k], expected[k]), f"{where} {k}"
-                else:
-                    _close(where, got, expected, high)
+    assert_rank_records_match(name, ranks, high, MIN_SQNR_DB)
     if case["recipe"] == "delayed":  # the scales changed from step to step
         scales = [r["fp8_state"][0]["fp8_fwd_scale"] for r in ranks[0]["cases"][name]]
         assert not torch.equal(scales[0], scales[1]) and not torch.equal(scales[1], scales[2])

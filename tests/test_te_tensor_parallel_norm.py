@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from integration_compare import sqnr_db
-from multiprocess import run_ranks
+from integration_compare import assert_close_or_sqnr, assert_rank_records_match
+from multiprocess import needs_gloo, rank_results
 from te_tensor_parallel_norm_cases import CASES, case_name, worker
 
 import transformer_fp8 as tfp8
@@ -30,25 +29,14 @@ import transformer_fp8 as tfp8
 MIN_SQNR_DB = 90.0
 RANKS = 2
 
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("te_tp_norm")
-    run_ranks(worker, (str(out),), out, world=RANKS, timeout_s=600)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(RANKS)]
+    return rank_results(worker, tmp_path_factory.mktemp("te_tp_norm"), world=RANKS)
 
 
 def _close(what, got, expected, high_precision: bool) -> None:
-    assert got is not None, f"{what}: no gradient"
-    assert got.shape == expected.shape and got.dtype == expected.dtype, what
-    if high_precision:  # (sums in another order)
-        torch.testing.assert_close(got, expected, msg=lambda m: f"{what}: {m}")
-    else:
-        db = sqnr_db(expected, got)
-        assert db >= MIN_SQNR_DB, f"{what}: SQNR {db:.1f} dB, below {MIN_SQNR_DB} dB"
+    assert_close_or_sqnr(what, got, expected, high_precision, MIN_SQNR_DB)
 
 
 @needs_gloo
@@ -61,16 +49,7 @@ def test_module_matches_the_unsharded_module(ranks, case):
         ["layer_norm_weight", "fc1_weight", "fc2_weight"]
     for param in params:  # every gradient compared (none left out by a missing key)
         assert {f"{param}.grad", f"{param}.grad_summed"} & keys, f"{name}: {param}"
-    for rank, result in enumerate(ranks):
-        for step, record in enumerate(result["cases"][name]):
-            for key, (got, expected) in record.items():
-                where = f"{name} rank {rank} step {step} {key}"
-                if key == "fp8_state":
-                    assert got.keys() == expected.keys() and got, where
-                    for k in got:
-                        assert torch.equal(got[k], expected[k]), f"{where} {k}"
-                else:
-                    _close(where, got, expected, high)
+    assert_rank_records_match(name, ranks, high, MIN_SQNR_DB)
     if case["recipe"] == "delayed":  # the scales changed from step to step
         scales = [r["fp8_state"][0]["fp8_fwd_scale"] for r in ranks[0]["cases"][name]]
         assert not torch.equal(scales[0], scales[1]) and not torch.equal(scales[1], scales[2])
