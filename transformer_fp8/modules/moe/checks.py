@@ -90,3 +90,46 @@ def _check_map_type(fn: str, map_type) -> None:
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for 16-bit inputs, their own dtype for float32 and float64."""
     return torch.promote_types(dtype, torch.float32)
+
+
+# ---- values of the routing (read on the host only where a failed check is reported) ----
+
+def _negative_ids(routing_map: torch.Tensor) -> str:
+    bad = (routing_map < 0).nonzero()
+    t, k = bad[0].tolist()
+    return (f"{len(bad)} negative id(s), the first {routing_map[t, k].item()} at [{t}, {k}] "
+            f"(token {t}, column {k})")
+
+
+def _first_at(row_id_map: torch.Tensor, where: torch.Tensor) -> str:
+    t, s = where.nonzero()[0].tolist()
+    return f"{row_id_map[t, s].item()} at [{t}, {s}]"
+
+
+def _shared_row(row_id_map: torch.Tensor) -> str:
+    flat = row_id_map.reshape(-1)
+    counts = torch.bincount(flat[flat >= 0].long())
+    row = int(counts.argmax())
+    slots = [divmod(i, row_id_map.shape[1]) for i in (flat == row).nonzero()[:, 0].tolist()]
+    return f"row {row} named by slots {', '.join(f'[{t}, {s}]' for t, s in slots)}"
+
+
+def _check_row_id_map(fn: str, row_id_map: torch.Tensor, inp: torch.Tensor, pos) -> None:
+    """row_id_map's values: -1 or a row of inp, each row named once (as moe_permute makes it).
+    Otherwise the slots naming rows past inp's end or values below -1, and the second slot
+    naming a row, would be dropped without a word. pos: _rows_of's (a row named twice has one
+    pos)."""
+    lo, hi = torch.aminmax(row_id_map)
+    rows = inp.shape[0]
+    named = (row_id_map >= 0).sum()
+    negative = "row_id_map must hold -1 (a slot not routed) or permuted row numbers >= 0"
+    twice = "row_id_map must name each permuted row at most once (as moe_permute's does)"
+    _check_values(
+        fn,
+        (lo >= -1, negative,
+         lambda: f"{negative}, got {_first_at(row_id_map, row_id_map < -1)}"),
+        (hi < rows, "inp must have at least max(row_id_map) + 1 rows",
+         lambda: f"inp must have at least {hi.item() + 1} rows (row_id_map places copies up to "
+                 f"row {hi.item()}), got {_described(inp)}"),
+        (named == (pos < row_id_map.numel()).sum(), twice,
+         lambda: f"{twice}, got {_shared_row(row_id_map)}"))

@@ -56,7 +56,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from .checks import (_accumulation_dtype, _as_int, _check_activation, _check_int_tensor,
-                         _check_map_type, _check_values, _described, _fail)
+                     _check_map_type, _check_row_id_map, _check_values, _described,
+                     _fail, _negative_ids)
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute"]
 
@@ -66,13 +67,6 @@ __all__ = ["moe_permute", "moe_permute_with_probs", "moe_unpermute"]
 # and its slot's flat position t * S + s in row_id_map (and merging_probs). Rows past the
 # routed count (a mask map given more num_out_tokens than it routes) have tok = N and
 # pos = N * S, one past the end, so that scatter-adds put them in a spare row.
-
-def _negative_ids(routing_map: torch.Tensor) -> str:
-    bad = (routing_map < 0).nonzero()
-    t, k = bad[0].tolist()
-    return (f"{len(bad)} negative id(s), the first {routing_map[t, k].item()} at [{t}, {k}] "
-            f"(token {t}, column {k})")
-
 
 def _index_map_routing(fn: str, routing_map: torch.Tensor, num_out: int):
     n, k = routing_map.shape
@@ -124,40 +118,6 @@ def _rows_of(row_id_map: torch.Tensor, num_rows: int):
     pos.scatter_(0, dest, torch.arange(n * s, device=dev))
     pos = pos[:num_rows]
     return torch.div(pos, s, rounding_mode="floor"), pos
-
-
-def _first_at(row_id_map: torch.Tensor, where: torch.Tensor) -> str:
-    t, s = where.nonzero()[0].tolist()
-    return f"{row_id_map[t, s].item()} at [{t}, {s}]"
-
-
-def _shared_row(row_id_map: torch.Tensor) -> str:
-    flat = row_id_map.reshape(-1)
-    counts = torch.bincount(flat[flat >= 0].long())
-    row = int(counts.argmax())
-    slots = [divmod(i, row_id_map.shape[1]) for i in (flat == row).nonzero()[:, 0].tolist()]
-    return f"row {row} named by slots {', '.join(f'[{t}, {s}]' for t, s in slots)}"
-
-
-def _check_row_id_map(fn: str, row_id_map: torch.Tensor, inp: torch.Tensor, pos) -> None:
-    """row_id_map's values: -1 or a row of inp, each row named once (as moe_permute makes it).
-    Otherwise the slots naming rows past inp's end or values below -1, and the second slot
-    naming a row, would be dropped without a word. pos: _rows_of's (a row named twice has one
-    pos)."""
-    lo, hi = torch.aminmax(row_id_map)
-    rows = inp.shape[0]
-    named = (row_id_map >= 0).sum()
-    negative = "row_id_map must hold -1 (a slot not routed) or permuted row numbers >= 0"
-    twice = "row_id_map must name each permuted row at most once (as moe_permute's does)"
-    _check_values(
-        fn,
-        (lo >= -1, negative,
-         lambda: f"{negative}, got {_first_at(row_id_map, row_id_map < -1)}"),
-        (hi < rows, "inp must have at least max(row_id_map) + 1 rows",
-         lambda: f"inp must have at least {hi.item() + 1} rows (row_id_map places copies up to "
-                 f"row {hi.item()}), got {_described(inp)}"),
-        (named == (pos < row_id_map.numel()).sum(), twice,
-         lambda: f"{twice}, got {_shared_row(row_id_map)}"))
 
 
 # ----------------------------------------------------------------------------- autograd
