@@ -308,3 +308,15 @@ def test_attention_with_a_cache_needs_its_layer_number_and_a_mask_from_lengths()
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     k_cache, _ = params.cache[3]  # [max_batch_size, max_sequence_length, g, d], zeros first
     assert torch.equal(k_cache[0, :4], q[0]) and not k_cache[0, 4:].any()
+
+
+def test_a_device_named_without_index_is_the_current_one(monkeypatch):
+    """InferenceParams(device="cuda") must accept keys on cuda:0 when that is the current
+    device (torch.device("cuda") != torch.device("cuda", 0); every CUDA decoding step failed so
+    on an H100); the rule is checked here without a GPU through a stand-in current device."""
+    from transformer_fp8.modules.attention import inference
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert inference._indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert inference._indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert inference._indexed(torch.device("cpu")) == torch.device("cpu")
+    assert inference._indexed(torch.device("meta")) == torch.device("meta")

@@ -239,7 +239,7 @@ class InferenceParams:
                                 "build InferenceParams with dtype= the keys' dtype")
         cached = self.cache.get(layer_number)
         device = cached[0].device if cached is not None else self.device
-        if device is not None and new_k.device != device:
+        if device is not None and new_k.device != _indexed(device):
             raise ValueError(f"{owner}: the keys are on {new_k.device} but layer "
                              f"{layer_number!r}'s cache is on {device}")
 
@@ -299,3 +299,13 @@ def kv_cache_step(params, layer_number, key_layer, value_layer, fmt, mask_type, 
         return k, v, None, mask_type.replace("padding_", "").replace("padding", "no_mask"), \
             bottom_right
     return k, v, params.padding_masks(seq_q, seq_kv, k.device), mask_type, bottom_right
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """device with its index: "cuda" names the current CUDA device, as it does when torch
+    allocates there (a tensor's device always has its index, so "cuda" != "cuda:0")."""
+    if device.index is None and device.type not in ("cpu", "meta"):
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "current_device"):
+            return torch.device(device.type, module.current_device())
+    return device
