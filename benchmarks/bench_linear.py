@@ -6,7 +6,10 @@ torch.nn.Linear in bf16; transformer_fp8.Linear under fp8_autocast with DelayedS
 scale update at the context's exit included), the same under torch.compile(fullgraph=True),
 with Float8CurrentScaling and with Float8BlockScaling (1x128 activation and gradient
 blocks, 128x128 weight blocks); torchao's float8 training (convert_to_float8_training +
-torch.compile) where torchao imports ('n/a' otherwise). The compiled rows run on CUDA by default
+torch.compile) where torchao imports ('n/a' otherwise). On CUDA, bf16 nn.Linear,
+DelayedScaling and Float8CurrentScaling also run with the whole step (forward under
+fp8_autocast, backward, scale updates) captured in one CUDA graph, a step being one replay
+(--graphs auto|on|off), where launch costs no longer count. The compiled rows run on CUDA by default
 (--compile on|off|auto); each shape is compiled afresh and statically (torch._dynamo.reset(),
 then dynamic=False), so no shape gets a dynamic-shape graph from the shapes compiled before it.
 The floor is the three FP8 GEMMs of the step alone (forward, dgrad, wgrad through fp8_gemm on
@@ -17,6 +20,7 @@ turns over 4 rounds), host time per step (the CPU's time to issue the step; when
 step time, the step is host-bound), TFLOP/s = 6 M K N / time, speedup over bf16 nn.Linear.
 
     python benchmarks/bench_linear.py [--smoke] [--out DIR] [--compile auto|on|off]
+        [--graphs auto|on|off]
 """
 from __future__ import annotations
 
@@ -41,6 +45,10 @@ INNER = 10  # back-to-back steps per timed repetition
 TORCHAO = "torchao float8 + torch.compile"
 COMPILED = "transformer_fp8.Linear, DelayedScaling + torch.compile"
 FLOOR = "3 x fp8_gemm only (floor)"
+GRAPHED = ", CUDA graph of the whole step"
+# The rows captured whole: recipes whose step replays bit for bit (tests/test_cuda_graphs.py).
+GRAPHED_ROWS = ("torch.nn.Linear (bf16)", "transformer_fp8.Linear, DelayedScaling",
+                "transformer_fp8.Linear, Float8CurrentScaling")
 BF16 = "torch.nn.Linear (bf16)"
 
 COLUMNS = [
@@ -100,6 +108,39 @@ def compiled_step(layers: dict, x, g, backend: str = "inductor"):
         print(f"({COMPILED}: n/a, {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
         return None
     return step
+
+
+def graphed_step(layer, recipe, x, g):
+    """The training step of a copy of ``layer`` (on a copy of ``x``) captured whole in one CUDA
+    graph, after three warm-up steps on a side stream (plans, workspaces, the recipe's state):
+    a step is one replay. Gradients are set to None before the capture, so the backward
+    allocates them from the graph's pool, as torch's whole-network capture does. Returns
+    (replay, the layer's copy, x's copy), or None, the reason printed, where the capture fails;
+    one replay has run (four steps in all)."""
+    import copy
+
+    layer = copy.deepcopy(layer)
+    x = x.detach().clone().requires_grad_(True)
+    step = training_step(layer, recipe, x, g)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    try:
+        with torch.cuda.graph(graph):
+            with common.fp8_context(recipe):
+                y = layer(x)
+            y.backward(g)
+    except Exception as exc:
+        print(f"(graphed step: n/a, {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+        return None
+    graph.replay()
+    return graph.replay, layer, x
 
 
 def training_step(layer, recipe, x, g):
@@ -167,6 +208,12 @@ def measure_shape(m: int, k: int, n: int, args, warmup: int, reps: int,
     steps[TORCHAO] = training_step(compiled, None, x, g) if compiled is not None else None
     steps[COMPILED] = compiled_step(layers, x, g, args.compile_backend) if compile_rows else None
     steps[FLOOR] = gemm_floor(m, k, n, args.device)
+    graph_rows = args.graphs == "on" or (args.graphs == "auto" and args.device.type == "cuda")
+    if graph_rows:  # last: a failed capture must not disturb the rows above
+        for name in GRAPHED_ROWS:
+            layer, recipe = layers[name]
+            graphed = graphed_step(layer, recipe, x, g)
+            steps[name + GRAPHED] = graphed[0] if graphed is not None else None
 
     timings = common.time_interleaved(steps, args.device, warmup=warmup, reps=reps,
                                       rounds=1 if args.smoke else 4, inner=inner)
@@ -186,6 +233,8 @@ def add_arguments(parser) -> None:
                         help="the torch.compile rows: auto = on CUDA only (default)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend of the compiled rows (default inductor)")
+    parser.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
+                        help="the rows captured in a CUDA graph: auto = on CUDA (default)")
 
 
 def main(argv=None) -> dict:
@@ -200,7 +249,9 @@ def main(argv=None) -> dict:
              f"{args.compile}, backend {args.compile_backend}): compiled per shape after "
              "torch._dynamo.reset(), dynamic=False",
              f"time per step: CUDA events around {inner} back-to-back steps, median over "
-             f"{reps} repetitions"]
+             f"{reps} repetitions", f"'{GRAPHED.lstrip(', ')}' rows (--graphs {args.graphs}): "
+             "forward, backward and scale updates captured once, each step one replay; "
+             "compare them with the bf16 row captured the same way"]
     return common.report(args, NAME, TITLE, WHAT, COLUMNS, rows, plot=plot, notes=notes)
 
 

@@ -173,6 +173,43 @@ def test_linear_compiles_each_shape_statically(tmp_path):
     assert graphs == [[]] * len(graphs), f"graphs with symbolic inputs: {graphs}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_linear_graphed_rows_replay_the_eager_step(tmp_path):
+    """bench_linear's CUDA-graph rows: replays of the captured step give the gradients of as
+    many eager steps (the rows time what they claim to), and every such row is timed."""
+    import copy
+
+    bench_linear = importlib.import_module("bench_linear")
+    m, k, n = bench_linear.SMOKE_SHAPES[0]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    for name, (layer, recipe) in bench_linear.make_layers(k, n, torch.device("cuda")).items():
+        if name not in bench_linear.GRAPHED_ROWS:
+            continue
+        eager = copy.deepcopy(layer)
+        captured = bench_linear.graphed_step(layer, recipe, x, g)
+        assert captured is not None, name
+        replay, graphed, graphed_x = captured
+        for _ in range(2):
+            replay()
+        for _ in range(6):  # graphed_step's 3 warm-up steps and 1 replay, then 2 replays
+            bench_linear.training_step(eager, recipe, x, g)()
+        torch.cuda.synchronize()
+        pairs = [(graphed_x.grad, x.grad)] + [
+            (p.grad, q.grad) for p, q in zip(graphed.parameters(), eager.parameters())]
+        for got, expected in pairs:
+            torch.testing.assert_close(got, expected, msg=name)
+        for (key, got), expected in zip(graphed.state_dict().items(),
+                                        eager.state_dict().values()):
+            if isinstance(got, torch.Tensor) and got.is_floating_point():
+                torch.testing.assert_close(got, expected, msg=f"{name}: {key}")
+    payload = bench_linear.main(["--smoke", "--out", str(tmp_path), "--no-plot", "--compile",
+                                 "off", "--graphs", "on", "--device", "cuda"])
+    graphed = [row for row in payload["rows"] if row["impl"].endswith(bench_linear.GRAPHED)]
+    assert len(graphed) == len(bench_linear.GRAPHED_ROWS) * len(bench_linear.SMOKE_SHAPES)
+    assert all(row["time_ms"] for row in graphed), graphed
+
+
 def test_device_info_names_the_commit(tmp_path, monkeypatch):
     """device_info records the git commit of the benchmarks' tree and whether tracked files
     differ from it; where there is no git repository, the commit named by
