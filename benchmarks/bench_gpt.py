@@ -1,30 +1,43 @@
 """Training throughput and loss of a ~1B-parameter GPT in FP8 and in bf16.
 
 Measures a GPT-style decoder (d_model 2048, 16 layers, 16 heads, sequence 2048, vocabulary
-32000: about 0.94B parameters) built from plain torch.nn.Linear, trained for a few dozen AdamW
-steps on synthetic token sequences, once per precision from the same initial weights and the
-same batches: bf16; transformer_fp8.convert_to_fp8 of the transformer blocks (the LM head stays
-bf16) under fp8_autocast with DelayedScaling; the same with Float8CurrentScaling, and with Float8BlockScaling. Parameters
-and activations are bf16, the loss is computed in fp32. Reported: time per step (synchronised
-wall clock, median over the steps after the warm-up ones), tokens/s, model TFLOP/s (6 N + 12
-layers seq d_model FLOPs per token, N = parameters of the Linear layers), speedup over bf16, the
-mean loss of the last steps and its change from step 1; the plot shows the loss curves. The loss
-columns are not a convergence check: from this initialisation a few dozen steps stay near the
-uniform predictor's ln V (10.37 at V = 32000; the loss starts above it, the logits' variance
-shrinking first), far from the data's floor of ~1.4 nats, so they show that no precision
-diverges or turns NaN, not that FP8 trains as well as bf16 (that takes hundreds of steps).
+32000: about 0.94B parameters) trained for a few dozen AdamW steps on synthetic token sequences,
+once per precision from the same initial weights and the same batches. Its blocks (pre-LayerNorm
+causal self-attention, tanh-GELU MLP of 4 d_model, biases, no dropout) are, with ``--blocks
+linear`` (the default), plain torch.nn.Linear layers, converted with transformer_fp8.convert_to_fp8
+for the FP8 rows; with ``--blocks te``, transformer_fp8.TransformerLayer in the FP8 rows (the
+weights copied from the torch model's), and one more row runs those TransformerLayer blocks
+outside fp8_autocast. The "bf16" row is always the torch model (torch's LayerNorm, SDPA and
+GELU). The embeddings, the final norm and the LM head are torch bf16 modules in every row.
+FP8 rows run under fp8_autocast with DelayedScaling, Float8CurrentScaling or Float8BlockScaling.
+``--graphed`` (CUDA only) adds, after the eager rows, each row again with the forward and the
+backward of every block captured in CUDA graphs (torch.cuda.make_graphed_callables for bf16,
+transformer_fp8.make_graphed_callables with the row's recipe for FP8; the embeddings, head,
+loss and optimizer eager; no fp8_autocast around the model: each FP8 block's graphs hold their
+own); a capture that fails gives an n/a row and its reason (Float8BlockScaling's always: that
+function graphs DelayedScaling and Float8CurrentScaling only). Parameters and
+activations are bf16, the loss is computed in fp32. Reported: time per step (synchronised wall
+clock, median over the steps after the warm-up ones), tokens/s, model TFLOP/s (6 N + 12 layers
+seq d_model FLOPs per token, N = parameters of the Linear layers), speedup over the bf16 row
+run the same way (eager or graphed), the mean loss of the last steps and its change from step
+1; the plot shows the loss curves. The loss columns are not a convergence check: from this
+initialisation a few dozen steps stay near the uniform predictor's ln V (10.37 at V = 32000;
+the loss starts above it, the logits' variance shrinking first), far from the data's floor of
+~1.4 nats, so they show that no precision diverges or turns NaN, not that FP8 trains as well as
+bf16 (that takes hundreds of steps).
 
     python benchmarks/bench_gpt.py [--smoke] [--out DIR] [--steps 30] [--batch 4]
+        [--blocks linear|te] [--graphed]
 """
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -33,75 +46,26 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import transformer_fp8 as tf8  # noqa: E402
+# (re-exported: gpt_loss_curves and the tests take the model from here)
+from gpt_models import (GPT, SMOKE_CONFIG, Block, GPTConfig, graph_blocks,  # noqa: E402,F401
+                        initial_model, te_model)
 
 NAME = "bench_gpt"
 TITLE, WHAT = common.doc_summary(__doc__)
 
 COLUMNS = [
     ["precision", "precision", "{}"],
+    ["blocks", "blocks", "{}"],
     ["config", "model", "{}"],
     ["time_ms", "step (ms)", "{:.1f}"],
     ["tokens_per_s", "tokens/s", "{:,.0f}"],
     ["tflops", "model TFLOP/s", "{:.1f}"],
-    ["speedup", "speedup vs bf16", "{:.2f}x"],
+    ["speedup", "speedup vs bf16 (run the same way)", "{:.2f}x"],
     ["final_loss", "loss, last steps (not a convergence check)", "{:.3f}"],
     ["loss_change", "loss change from step 1", "{:+.3f}"],
 ]
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    d_model: int = 2048
-    layers: int = 16
-    heads: int = 16
-    seq: int = 2048
-    vocab: int = 32000
-
-    def describe(self) -> str:
-        return f"d{self.d_model} L{self.layers} H{self.heads} T{self.seq} V{self.vocab}"
-
-
-SMOKE_CONFIG = GPTConfig(d_model=32, layers=2, heads=2, seq=16, vocab=128)
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm attention + GELU MLP, every projection a plain nn.Linear."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        d = cfg.d_model
-        self.heads = cfg.heads
-        self.ln_attn, self.ln_mlp = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln_attn(x)).view(b, t, 3, self.heads, d // self.heads) \
-            .permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln_mlp(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.seq, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-        for p in self.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-
-    def forward(self, tokens):
-        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1],
-                                                             device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+TE_BF16 = "bf16, TransformerLayer outside fp8_autocast"
+GRAPHED = ", graphed"  # suffix of the graphed rows' names
 
 
 def synthetic_batches(cfg: GPTConfig, batch: int, count: int, device) -> list[torch.Tensor]:
@@ -117,14 +81,6 @@ def synthetic_batches(cfg: GPTConfig, batch: int, count: int, device) -> list[to
     for t in range(1, cfg.seq + 1):
         tokens[:, t] = torch.where(keep[:, t], successor[tokens[:, t - 1]], noise[:, t])
     return [chunk.to(device) for chunk in tokens.split(batch)]
-
-
-def initial_model(cfg: GPTConfig, device, seed: int = 0) -> GPT:
-    """The bf16 model every precision starts from: seeded, initialised on ``device`` (~1B
-    parameters are slow to draw on a CPU)."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return GPT(cfg).to(torch.bfloat16)
 
 
 def make_optimizer(params, lr: float = 3e-4) -> torch.optim.Optimizer:
@@ -179,6 +135,72 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--blocks", choices=("linear", "te"), default="linear",
+                        help="FP8 rows' blocks: nn.Linear converted with convert_to_fp8, or "
+                             "TransformerLayer (adds a bf16 TransformerLayer row)")
+    parser.add_argument("--graphed", action="store_true",
+                        help="CUDA only: every row again with each block CUDA-graphed")
+
+
+def _torch_copy(initial: GPT, cfg: GPTConfig) -> GPT:
+    return copy.deepcopy(initial)
+
+
+def _converted(initial: GPT, cfg: GPTConfig) -> GPT:
+    model = copy.deepcopy(initial)
+    tf8.convert_to_fp8(model.blocks)  # the LM head stays in bf16
+    return model
+
+
+def variants(blocks: str) -> list[tuple]:
+    """(row name, blocks column, recipe or None, build(initial, cfg) -> model), in row order."""
+    rows = [("bf16", "nn.Linear", None, _torch_copy)]
+    if blocks == "te":
+        rows.append((TE_BF16, "TransformerLayer", None, te_model))
+        fp8_blocks, build = "TransformerLayer", te_model
+    else:
+        fp8_blocks, build = "convert_to_fp8(nn.Linear)", _converted
+    rows += [(name, fp8_blocks, recipe, build)
+             for name, recipe in common.precision_variants().items() if recipe is not None]
+    return rows
+
+
+def run_variant(variant, initial: GPT, cfg: GPTConfig, args, batches, graphed: bool) -> dict:
+    """Builds the row's model from ``initial``, graphs its blocks if ``graphed``, trains it.
+    Raises if the model's parameter count is not the torch model's."""
+    name, _, recipe, build = variant
+    model = build(initial, cfg)
+    params = sum(p.numel() for p in model.parameters())
+    expected = sum(p.numel() for p in initial.parameters())
+    if params != expected:
+        raise RuntimeError(f"{name}: {params:,} parameters, the torch GPT has {expected:,}")
+    if graphed:
+        graph_blocks(model, recipe, args.batch, cfg)
+        recipe = None  # each block's graphs hold its fp8_autocast; the rest is bf16 torch
+    return {**train(model, recipe, batches, args.warmup, args.device), "params": params}
+
+
+def graphs_available(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _free(device) -> None:
+    gc.collect()  # (a graphed module's forward refers back to it: a reference cycle)
+    if device.type == "cuda":
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError as exc:  # (after a failed capture: the next rows say n/a)
+            print(f"torch.cuda.empty_cache failed: {_reason(exc)}", flush=True)
+
+
+def _reason(exc: BaseException) -> str:
+    """The exception and those it was raised while handling (a graph capture that fails
+    raises again on leaving torch.cuda.graph, hiding the first error), on one line."""
+    chain = []
+    while exc is not None and len(chain) < 4:
+        chain.append(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+        exc = exc.__cause__ or exc.__context__
+    return " <- ".join(chain)
 
 
 def main(argv=None) -> dict:
@@ -191,36 +213,66 @@ def main(argv=None) -> dict:
     batches = synthetic_batches(cfg, args.batch, args.steps, args.device)
     tokens_per_step = args.batch * cfg.seq
     flops = flops_per_token(initial, cfg) * tokens_per_step
+    rows_to_run = [(v, False) for v in variants(args.blocks)]
+    notes = []
+    if args.graphed and not graphs_available(args.device):
+        print(f"--graphed: skipped, CUDA graphs need a CUDA device (running on {args.device})")
+        notes.append(f"--graphed skipped: no CUDA device ({args.device})")
+    elif args.graphed:  # last: a failed capture may leave the device in a bad state
+        rows_to_run += [(v, True) for v in variants(args.blocks)]
 
-    results, fp8_layers = {}, 0
-    for name, recipe in common.precision_variants().items():
-        model = copy.deepcopy(initial)
-        if recipe is not None:
-            tf8.convert_to_fp8(model.blocks)  # the LM head stays in bf16
-            fp8_layers = sum(isinstance(m, tf8.Linear) for m in model.modules())
-        results[name] = train(model, recipe, batches, args.warmup, args.device)
-        del model
-        if args.device.type == "cuda":
-            torch.cuda.empty_cache()
+    results, blocks_of = {}, {}
+    for variant, graphed in rows_to_run:
+        name = variant[0] + (GRAPHED if graphed else "")
+        blocks_of[name] = variant[1]
+        try:
+            results[name] = run_variant(variant, initial, cfg, args, batches, graphed)
+        except Exception as exc:  # a graph that fails to capture or replay: an n/a row
+            if not graphed:
+                raise
+            reason = _reason(exc)
+            print(f"{name}: n/a, {reason}", flush=True)
+            notes.append(f"{name}: n/a, {reason}")
+            results[name] = None
+        _free(args.device)
+    te_params = [r["params"] for n, r in results.items()
+                 if r and blocks_of[n] == "TransformerLayer"]
+    print(f"parameters: torch GPT {n_params:,}"
+          + (f", TransformerLayer GPT {te_params[0]:,}" if te_params else ""))
 
     tail = max(1, min(5, args.steps // 4))
     config = f"{cfg.describe()}, {n_params / 1e9:.2f}B params, batch {args.batch}"
-    rows = [{"precision": name, "config": config, "time_ms": r["step_s"] * 1e3,
-             "tokens_per_s": tokens_per_step / r["step_s"], "tflops": flops / r["step_s"] / 1e12,
-             "speedup": common.ratio(results["bf16"]["step_s"], r["step_s"]),
-             "final_loss": statistics.fmean(r["losses"][-tail:]),
-             "loss_change": statistics.fmean(r["losses"][-tail:]) - r["losses"][0]}
-            for name, r in results.items()]
-    notes = [f"{args.steps} steps per precision, the first {args.warmup} left out of the timing; "
+    rows = []
+    for name, r in results.items():
+        row = {"precision": name, "blocks": blocks_of[name], "config": config,
+               **{column[0]: None for column in COLUMNS[3:]}}  # (n/a where it failed)
+        base = results.get("bf16" + (GRAPHED if name.endswith(GRAPHED) else ""))
+        if r is not None:
+            final = statistics.fmean(r["losses"][-tail:])
+            row.update(time_ms=r["step_s"] * 1e3, tokens_per_s=tokens_per_step / r["step_s"],
+                       tflops=flops / r["step_s"] / 1e12, final_loss=final,
+                       loss_change=final - r["losses"][0],
+                       speedup=common.ratio(base and base["step_s"], r["step_s"]))
+        rows.append(row)
+    fp8_gemms = ("TransformerLayer blocks: LayerNormLinear (norm + QKV), Linear (proj), "
+                 "LayerNormMLP (norm + fc1 + GELU + fc2), fused QKV weight "
+                 "(fuse_qkv_params, not interleaved), weights copied from the torch GPT"
+                 if args.blocks == "te" else "convert_to_fp8 of the blocks' nn.Linear layers")
+    notes = [f"{args.steps} steps per row, the first {args.warmup} left out of the timing; "
              f"loss = mean of the last {tail} steps, change = that minus step 1's loss "
              f"(ln V = {math.log(cfg.vocab):.2f} for a uniform prediction)",
              f"not a convergence check: {args.steps} steps stay near ln V (the data's floor is "
              "~1.4 nats at V = 32000), so the loss shows only that no precision diverged or "
-             "turned NaN", f"{n_params:,} parameters, {tokens_per_step} tokens per step, "
-             f"{fp8_layers} of {4 * cfg.layers + 1} Linear layers in FP8 in the FP8 runs"]
+             "turned NaN", f"{n_params:,} parameters in every row, {tokens_per_step} tokens "
+             f"per step; FP8 rows: the {4 * cfg.layers} GEMMs of the blocks in FP8, the LM head "
+             f"in bf16 ({fp8_gemms})",
+             "speedup: over the eager bf16 row for eager rows, over the graphed bf16 row for "
+             "graphed rows (blocks graphed, embeddings, head, loss and optimizer eager; FP8 "
+             "blocks graphed with the row's recipe, no fp8_autocast around the model)"] + notes
     return common.report(args, NAME, TITLE, WHAT, COLUMNS, rows, plot=plot, notes=notes,
-                         extra={"losses": {n: r["losses"] for n, r in results.items()},
-                                "params": n_params, "tokens_per_step": tokens_per_step})
+                         extra={"losses": {n: r["losses"] if r else [] for n, r in results.items()},
+                                "params": n_params, "params_te": te_params[0] if te_params
+                                else None, "tokens_per_step": tokens_per_step})
 
 
 if __name__ == "__main__":

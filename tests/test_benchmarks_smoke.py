@@ -246,6 +246,87 @@ def test_gpt_smoke_trains_every_precision(tmp_path):
     assert not (tmp_path / "bench_gpt.png").exists()
 
 
+def test_gpt_smoke_with_transformer_layer_blocks(tmp_path, capsys):
+    """--blocks te: the torch bf16 row, the TransformerLayer GPT outside fp8_autocast and the
+    three FP8 recipes on TransformerLayer blocks, each with a finite loss per step and the torch
+    GPT's parameter count; the TransformerLayer GPT starts from the torch GPT's weights (same
+    first loss). --graphed on the CPU: skipped, no graphed rows."""
+    bench_gpt = importlib.import_module("bench_gpt")
+    payload = bench_gpt.main(["--smoke", "--out", str(tmp_path), "--no-plot", "--blocks", "te",
+                              "--graphed"])
+    names = [row["precision"] for row in payload["rows"]]
+    assert names == ["bf16", bench_gpt.TE_BF16, "fp8 DelayedScaling",
+                     "fp8 Float8CurrentScaling", "fp8 Float8BlockScaling"]
+    assert [row["blocks"] for row in payload["rows"]] == ["nn.Linear"] + ["TransformerLayer"] * 4
+    losses = payload["extra"]["losses"]
+    for row in payload["rows"]:
+        curve = losses[row["precision"]]
+        assert curve and all(math.isfinite(v) for v in curve), f"{row['precision']}: {curve}"
+        assert math.isfinite(row["final_loss"]) and row["time_ms"] > 0
+    assert payload["extra"]["params_te"] == payload["extra"]["params"] > 0
+    # (the same weights: equal here; a wrong QKV layout moves it by ~1e-4 relative)
+    assert losses[bench_gpt.TE_BF16][0] == pytest.approx(losses["bf16"][0], rel=2e-5)
+    assert "--graphed: skipped" in capsys.readouterr().out
+    assert any("--graphed skipped" in note for note in payload["notes"])
+
+
+def test_gpt_graphed_rows_come_last_and_a_failed_capture_gives_an_n_a_row(tmp_path,
+                                                                         monkeypatch):
+    """--graphed's bookkeeping, on the CPU with graph_blocks replaced (CUDA graphs themselves
+    run on a GPU only): every row again after the eager ones, the speedup over the graphed bf16
+    row, and a capture that raises gives an n/a row and its reason, not a failed benchmark."""
+    bench_gpt = importlib.import_module("bench_gpt")
+    graphed = []
+
+    def fake_graph_blocks(model, recipe, batch, cfg):
+        if type(recipe).__name__ == "Float8BlockScaling":
+            try:
+                raise ValueError("first error")
+            except ValueError:
+                raise RuntimeError("capture failed")  # (raised while handling the first)
+        graphed.append(recipe)
+
+    monkeypatch.setattr(bench_gpt, "graphs_available", lambda device: True)
+    monkeypatch.setattr(bench_gpt, "graph_blocks", fake_graph_blocks)
+    payload = bench_gpt.main(["--smoke", "--out", str(tmp_path), "--no-plot", "--graphed"])
+    check_payload(payload, "bench_gpt")
+    eager = ["bf16", "fp8 DelayedScaling", "fp8 Float8CurrentScaling", "fp8 Float8BlockScaling"]
+    rows = {row["precision"]: row for row in payload["rows"]}
+    assert list(rows) == eager + [name + bench_gpt.GRAPHED for name in eager]
+    assert len(graphed) == 3 and graphed[0] is None
+    failed = rows["fp8 Float8BlockScaling" + bench_gpt.GRAPHED]
+    assert failed["time_ms"] is None and failed["speedup"] is None
+    assert any("capture failed <- ValueError: first error" in note for note in payload["notes"])
+    bf16_graphed = rows["bf16" + bench_gpt.GRAPHED]
+    for name in ("fp8 DelayedScaling", "fp8 Float8CurrentScaling"):
+        row = rows[name + bench_gpt.GRAPHED]
+        assert row["speedup"] == pytest.approx(bf16_graphed["time_ms"] / row["time_ms"])
+
+
+def test_gpt_transformer_layer_model_holds_the_torch_weights():
+    """te_model's TransformerLayer blocks compute what the torch blocks compute, from the same
+    weights: in float32 (outside fp8_autocast) the logits are equal."""
+    models = importlib.import_module("gpt_models")
+    cfg = models.SMOKE_CONFIG
+    torch_gpt = models.initial_model(cfg, "cpu")
+    te_gpt = models.te_model(torch_gpt, cfg)
+    assert all(isinstance(b, models.tf8.TransformerLayer) for b in te_gpt.blocks)
+    assert sum(p.numel() for p in te_gpt.parameters()) == \
+        sum(p.numel() for p in torch_gpt.parameters())
+    tokens = torch.randint(cfg.vocab, (2, cfg.seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = torch_gpt.float()(tokens)
+        got = te_gpt.float()(tokens)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_graph_blocks_needs_cuda():
+    models = importlib.import_module("gpt_models")
+    model = models.initial_model(models.SMOKE_CONFIG, "cpu")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+        models.graph_blocks(model, None, 2, models.SMOKE_CONFIG)
+
+
 def test_run_all_collects_one_results_file(tmp_path):
     run_all = importlib.import_module("run_all")
     status = run_all.main(["--smoke", "--out", str(tmp_path), "--only", "bench_cast,bench_gemm"])
