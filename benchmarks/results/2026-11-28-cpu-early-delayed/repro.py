@@ -14,7 +14,7 @@ update size."""
 import argparse, copy, dataclasses, json, math, os, sys, time
 import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
-WT = os.path.dirname(os.path.dirname(HERE))
+WT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository root
 sys.path.insert(0, WT)
 sys.path.insert(0, os.path.join(WT, "benchmarks"))
 import bench_gpt, stdlib_text, gpt_loss_curves as glc
