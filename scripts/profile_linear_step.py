@@ -6,15 +6,23 @@ can be told apart from them.
 
     python scripts/profile_linear_step.py [--recipe delayed|current|block|rowwise|bf16]
                                           [--shape 16384,8192,8192] [--steps 5] [--top 15]
+                                          [--blockwise-transpose-kernel registers|staged|both]
+
+--blockwise-transpose-kernel sets TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL (the kernel of the
+1x128 quantisation with its transpose, blockwise_transpose.cu; recipe block) and has the
+operator read it again; `both` profiles the step under each, one table per kernel, in one
+process. Without it the variable is left as it is (unset: registers).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 
 import torch
 
 import transformer_fp8 as tfp8
+from transformer_fp8 import _C
 
 RECIPES = {"delayed": tfp8.DelayedScaling, "current": tfp8.Float8CurrentScaling,
            "block": tfp8.Float8BlockScaling, "rowwise": tfp8.Float8RowwiseScaling, "bf16": None}
@@ -26,6 +34,7 @@ def main():
     parser.add_argument("--shape", default="16384,8192,8192", help="M,K,N")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--blockwise-transpose-kernel", choices=["registers", "staged", "both"])
     args = parser.parse_args()
     m, k, n = (int(v) for v in args.shape.split(","))
     recipe = RECIPES[args.recipe]() if RECIPES[args.recipe] else None
@@ -39,21 +48,34 @@ def main():
             y = layer(x)
         y.backward(g)
 
+    choice = args.blockwise_transpose_kernel
+    kernels = ([None] if choice is None else ["registers", "staged"] if choice == "both"
+               else [choice])
+    for kernel in kernels:
+        label = ""
+        if kernel is not None:
+            os.environ["TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL"] = kernel
+            label = f", blockwise transpose kernel {_C._reread_blockwise_transpose_kernel()}"
+        profile(step, f"{args.recipe} Linear step {m}x{k}x{n}{label}", args.steps, args.top)
+
+
+def profile(step, title, steps, top):
+    """Warms up, profiles `steps` steps and prints each kernel's time per step."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
+        for _ in range(steps):
             step()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
-    print(f"{args.recipe} Linear step {m}x{k}x{n} on {torch.cuda.get_device_name()}: "
-          f"{total / args.steps / 1e3:.3f} ms of kernels per step")
+    print(f"{title} on {torch.cuda.get_device_name()}: "
+          f"{total / steps / 1e3:.3f} ms of kernels per step")
     print("| kernel | calls/step | ms/step | share |\n|---|---|---|---|")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
-        print(f"| {e.key[:90]} | {e.count / args.steps:g} | "
-              f"{e.self_device_time_total / args.steps / 1e3:.3f} | "
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"| {e.key[:90]} | {e.count / steps:g} | "
+              f"{e.self_device_time_total / steps / 1e3:.3f} | "
               f"{100 * e.self_device_time_total / total:.1f}% |")
 
 
