@@ -19,8 +19,8 @@ cudaError_t launch_quantize_blockwise(const void* x, HpType x_type, const BlockG
                                       float* scale_inv, cudaStream_t stream);
 
 // The two kernels of launch_quantize_blockwise_with_transpose (same bits; blockwise_transpose.cu's
-// header): the 8 packs of a thread's tile share in registers, or parked in shared memory (bf16
-// and fp16 x; float32 x runs Registers whichever is asked).
+// header): the 8 packs of a thread's share of the tile kept in registers, or parked in shared
+// memory (bf16 and fp16 x; float32 x runs Registers whichever is asked).
 enum class BlockwiseTransposeKernel : int { Registers = 0, Staged = 1 };
 
 // 1x128 blocks of x [g.rows, g.cols] contiguous (g.mode == Vec128) and of its transpose, from

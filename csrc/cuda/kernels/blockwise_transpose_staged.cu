@@ -135,6 +135,13 @@ template <Fp8Format F, typename InT>
 cudaError_t launch_typed(const void* x, const BlockGeometry& g, bool power_2_scale, uint8_t* out,
                          float* scale_inv, uint8_t* out_t, float* scale_inv_t,
                          cudaStream_t stream) {
+  // Four 48 KB blocks per SM need the largest shared-memory carveout, which the driver need not
+  // pick for a kernel that does not ask: a hint, given once per instantiation (thread-safe
+  // static; on the device current at the first call).
+  static const cudaError_t carveout = cudaFuncSetAttribute(
+      quantize_rows_and_cols_staged_kernel<F, InT>,
+      cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  if (carveout != cudaSuccess) return carveout;
   const Launch l = launch_of<InT>(x, g, out, out_t);
   quantize_rows_and_cols_staged_kernel<F, InT><<<l.tiles, kThreads, 0, stream>>>(
       static_cast<const InT*>(x), g, transposed_geometry(g), power_2_scale, l.row_vec, l.col_vec,
