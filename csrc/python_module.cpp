@@ -5,6 +5,9 @@
 #include <string>
 
 #include "build_config.h"  // written by setup.py into build/generated
+#ifdef TRANSFORMER_FP8_WITH_CUDA
+#include "cuda/kernels/blockwise_transpose_choice.h"
+#endif
 
 // Defaults for a build that did not say.
 #ifndef TRANSFORMER_FP8_CUDA_ARCHS
@@ -41,4 +44,10 @@ PYBIND11_MODULE(_C, module) {
   transformer_fp8::bind_delayed_scaling_batch(module);
   transformer_fp8::bind_linear_steps(module);
   transformer_fp8::bind_norm_mlp_step(module);
+#ifdef TRANSFORMER_FP8_WITH_CUDA
+  module.def("_reread_blockwise_transpose_kernel",
+             &transformer_fp8::reread_blockwise_transpose_kernel,
+             "Reads TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL again and returns the 1x128 "
+             "with-transpose kernel now chosen: 'registers' or 'staged' (CUDA builds only).");
+#endif
 }

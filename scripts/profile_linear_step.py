@@ -10,17 +10,26 @@ comparison).
 
     python scripts/profile_linear_step.py [--recipe delayed|current|block|rowwise|bf16]
                                           [--shape 16384,8192,8192] [--steps 5] [--top 15]
-                                          [--host]
+                                          [--host] [--device cuda|cpu]
+                                          [--blockwise-transpose-kernel registers|staged|both]
+
+--blockwise-transpose-kernel sets TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL (the kernel of the
+1x128 quantisation with its transpose, blockwise_transpose.cu; recipe block) and has the
+operator read it again; `both` profiles the step under each, one table per kernel, in one
+process. Without it the variable is left as it is (unset: registers). --device cpu runs the
+host side only (a smoke test).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 
 import torch
 
 import transformer_fp8 as tfp8
+from transformer_fp8 import _C
 
 RECIPES = {"delayed": tfp8.DelayedScaling, "current": tfp8.Float8CurrentScaling,
            "block": tfp8.Float8BlockScaling, "rowwise": tfp8.Float8RowwiseScaling, "bf16": None}
@@ -36,6 +45,7 @@ def main():
                         help="cuda (default); cpu runs the host side only (a smoke test)")
     parser.add_argument("--host", action="store_true",
                         help="also the host time per step and its operators / runtime calls")
+    parser.add_argument("--blockwise-transpose-kernel", choices=["registers", "staged", "both"])
     args = parser.parse_args()
     m, k, n = (int(v) for v in args.shape.split(","))
     recipe = RECIPES[args.recipe]() if RECIPES[args.recipe] else None
@@ -51,6 +61,20 @@ def main():
             y = layer(x)
         y.backward(g)
 
+    choice = args.blockwise_transpose_kernel
+    kernels = ([None] if choice is None else ["registers", "staged"] if choice == "both"
+               else [choice])
+    for kernel in kernels:
+        label = ""
+        if kernel is not None:
+            os.environ["TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL"] = kernel
+            label = f", blockwise transpose kernel {_C._reread_blockwise_transpose_kernel()}"
+        profile(step, f"{args.recipe} Linear step {m}x{k}x{n}{label}", args)
+
+
+def profile(step, title, args):
+    """Warms up, profiles args.steps steps and prints each kernel's time per step (and, with
+    args.host, the host side)."""
     on_cuda = torch.device(args.device).type == "cuda"
 
     def sync():
@@ -77,8 +101,7 @@ def main():
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
     name = torch.cuda.get_device_name() if on_cuda else "cpu"
-    print(f"{args.recipe} Linear step {m}x{k}x{n} on {name}: "
-          f"{total / args.steps / 1e3:.3f} ms of kernels per step")
+    print(f"{title} on {name}: {total / args.steps / 1e3:.3f} ms of kernels per step")
     print("| kernel | calls/step | ms/step | share |\n|---|---|---|---|")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
         print(f"| {e.key[:90]} | {e.count / args.steps:g} | "

@@ -8,14 +8,18 @@ Sizes are small (the tools slow kernels down a hundredfold) but cover the kernel
 vectorised and scalar casts, odd shapes, non-contiguous and misaligned views, empty tensors,
 the fused transpose's partial tiles, many-tensor updates, the cuBLASLt GEMM with bias, the
 fused norm / activation / dbias operators (vector and one-element paths, wide rows, padding),
-block-scaled quantisation and GEMMs (every mode pair, partial edge blocks), and training steps
-of Linear, LayerNormMLP and TransformerLayer.
+block-scaled quantisation and GEMMs (every mode pair, partial edge blocks; the 1x128
+quantisation with the transpose under both of its kernels,
+TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL=registers and =staged), and training steps of Linear,
+LayerNormMLP and TransformerLayer.
 scripts/gpu_check.sh runs it under all three tools.
 """
+import os
+
 import torch
 
 import transformer_fp8 as tfp8
-from transformer_fp8 import blockwise_ops, fused_ops, ops
+from transformer_fp8 import _C, blockwise_ops, fused_ops, ops
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -79,6 +83,22 @@ def run_blockwise_ops(dev: str) -> None:
             b8, b_si, _, _ = blockwise_ops.quantize_blockwise(b, *modes[mode_b], E4M3)
             blockwise_ops.fp8_gemm_blockwise(a8, a_si, b8, b_si, torch.bfloat16,
                                              torch.randn(n, device=dev, dtype=torch.bfloat16))
+
+
+def run_1x128_with_transpose(dev: str, kernel: str) -> None:
+    """The fused 1x128 quantisation with the transpose under one of its kernels
+    (blockwise_transpose.cu): partial tiles, vector and element-by-element paths, every input
+    dtype and FP8 format, a misaligned view."""
+    os.environ["TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL"] = kernel
+    assert _C._reread_blockwise_transpose_kernel() == kernel
+    for rows, cols in [(1, 16), (33, 200), (256, 384), (129, 257), (128, 1), (300, 5)]:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(rows, cols, device=dev, dtype=dtype)
+            blockwise_ops.quantize_blockwise(x, 1, 128, E4M3, True, True)
+            blockwise_ops.quantize_blockwise(x, 1, 128, E5M2, False, True)
+    for dtype in (torch.bfloat16, torch.float16):
+        flat = torch.randn(1 + 160 * 256, device=dev, dtype=dtype)
+        blockwise_ops.quantize_blockwise(flat[1:].view(160, 256), 1, 128, E4M3, True, True)
 
 
 def train_steps(model, inputs, recipe, steps: int = 2) -> None:
@@ -166,6 +186,13 @@ def main() -> None:
         train_steps(layer, torch.randn(24, 2, 64, **bf16), recipe)
     run_blockwise_ops(dev)
     train_steps(model, torch.randn(50, 64, **bf16), tfp8.Float8BlockScaling())
+    before = os.environ.get("TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL")
+    for kernel in ("registers", "staged"):
+        run_1x128_with_transpose(dev, kernel)
+    os.environ.pop("TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL")
+    if before is not None:
+        os.environ["TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL"] = before
+    _C._reread_blockwise_transpose_kernel()
     torch.cuda.synchronize()
     print("sanitize_ops: every operator ran")
 

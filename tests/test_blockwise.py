@@ -7,11 +7,14 @@ reference too, so the CUDA kernels are held to the same bits.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import (CUDA_SKIP, DEVICE_PARAMS, FP8_DTYPES, HP_DTYPES, assert_bitwise_equal,
                       assert_same_values, randn, sqnr)
 
+from transformer_fp8 import _C
 from transformer_fp8 import reference as ref
 from transformer_fp8.ops.blockwise import fp8_gemm_blockwise, quantize_blockwise
 
@@ -140,7 +143,49 @@ def test_empty_inputs():
 
 # ----------------------------------------------------------------------------- 1x128 with the transpose
 # On CUDA, 1x128 quantisation with_transpose runs one kernel (blockwise_transpose.cu) for x and
-# x^T; it must give the bits that quantising x and x.t().contiguous() separately gives.
+# x^T; it must give the bits that quantising x and x.t().contiguous() separately gives. There
+# are two such kernels, chosen by the environment variable below (read once by the operator;
+# _C._reread_blockwise_transpose_kernel() reads it again): the CUDA cases run under each.
+
+TRANSPOSE_KERNEL_VARIABLE = "TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL"
+TRANSPOSE_KERNELS = ("registers", "staged")
+# (device, transpose_kernel): the CPU once, CUDA under each kernel.
+DEVICE_AND_KERNEL = [pytest.param("cpu", None, id="cpu"),
+                     *(pytest.param("cuda", k, id=f"cuda-{k}", marks=CUDA_SKIP)
+                       for k in TRANSPOSE_KERNELS)]
+
+
+def select_transpose_kernel(value):
+    """Sets (value: a str) or unsets (None) the variable and has the operator read it again;
+    returns the kernel it then runs."""
+    if value is None:
+        os.environ.pop(TRANSPOSE_KERNEL_VARIABLE, None)
+    else:
+        os.environ[TRANSPOSE_KERNEL_VARIABLE] = value
+    return _C._reread_blockwise_transpose_kernel()
+
+
+@pytest.fixture
+def transpose_kernel(request):
+    """The 1x128-with-transpose CUDA kernel for this test (indirect parameter; None: leave it);
+    the variable's previous value is back, and read again, after the test."""
+    kernel = request.param
+    if kernel is None:
+        yield None
+        return
+    before = os.environ.get(TRANSPOSE_KERNEL_VARIABLE)
+    assert select_transpose_kernel(kernel) == kernel
+    try:
+        yield kernel
+    finally:
+        select_transpose_kernel(before)
+
+
+def with_kernels(test):
+    """Runs a (device, transpose_kernel) test on the CPU and on CUDA under each kernel."""
+    return pytest.mark.parametrize("device,transpose_kernel", DEVICE_AND_KERNEL,
+                                   indirect=["transpose_kernel"])(test)
+
 
 TRANSPOSE_SHAPES = [(129, 257), (1, 128), (128, 1), (300, 5), (1, 1), (127, 129), (256, 384),
                     (16, 136), (513, 8), (8, 513), (1000, 24), (16384, 72), (72, 2048)]
@@ -187,9 +232,9 @@ def with_specials(gen, x):
     return x
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@with_kernels
 @pytest.mark.parametrize("shape", TRANSPOSE_SHAPES)
-def test_1x128_transpose_is_bitwise_separate_quantisation(gen, device, shape):
+def test_1x128_transpose_is_bitwise_separate_quantisation(gen, device, transpose_kernel, shape):
     for dtype in HP_DTYPES:
         x = with_specials(gen, mixed(gen, *shape, dtype=dtype, spread=spread_of(dtype))).to(device)
         for fp8_dtype in FP8_DTYPES:
@@ -198,8 +243,8 @@ def test_1x128_transpose_is_bitwise_separate_quantisation(gen, device, shape):
     check_quantize(x.cpu(), "1x128", E5M2, False, device)  # and the reference
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_1x128_transpose_random_shapes(gen, device):
+@with_kernels
+def test_1x128_transpose_random_shapes(gen, device, transpose_kernel):
     for _ in range(24):
         rows, cols = (int(v) for v in torch.randint(1, 700, (2,), generator=gen))
         dtype = HP_DTYPES[int(torch.randint(0, 3, (1,), generator=gen))]
@@ -210,9 +255,9 @@ def test_1x128_transpose_random_shapes(gen, device):
         assert_transpose_is_separate_quantisation(x, fp8_dtype, power_2_scale)
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@with_kernels
 @pytest.mark.parametrize("dtype", HP_DTYPES)
-def test_1x128_transpose_of_views(gen, device, dtype):
+def test_1x128_transpose_of_views(gen, device, transpose_kernel, dtype):
     """Misaligned (the scalar loads), transposed and strided inputs."""
     flat = mixed(gen, 1, 1 + 264 * 320, dtype=dtype, spread=spread_of(dtype)).reshape(-1)
     flat = flat.to(device)
@@ -222,6 +267,80 @@ def test_1x128_transpose_of_views(gen, device, dtype):
     for x in views:
         assert_transpose_is_separate_quantisation(x, E4M3, True)
         check_quantize(x.cpu(), "1x128", E4M3, True, device)
+
+
+@with_kernels
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300)], ids=["vector", "scalar"])
+def test_1x128_transpose_edge_values(gen, device, transpose_kernel, dtype, shape):
+    """Huge (+-finfo.max), tiny (smallest normal, subnormals), +-0, +-inf and NaN, an all-zero
+    tile and an all-huge tile, partial tiles; (256, 384): the vector loads and stores, (200, 300):
+    the element-by-element ones."""
+    info = torch.finfo(dtype)
+    x = mixed(gen, *shape, dtype=dtype, spread=spread_of(dtype),
+              specials=[0.0, -0.0, info.tiny, -info.tiny, info.max, -info.max, float("inf"),
+                        float("-inf"), float("nan")])
+    x[:128, :128] = 0.0
+    x[128:, :128] = info.max * torch.sign(randn(gen, shape[0] - 128, 128, dtype=dtype))
+    x[:64, 128:] = randn(gen, 64, shape[1] - 128, scale=info.tiny / 8, dtype=dtype)
+    x = x.to(device)
+    for fp8_dtype in FP8_DTYPES:
+        for power_2_scale in (True, False):
+            assert_transpose_is_separate_quantisation(x, fp8_dtype, power_2_scale)
+            check_quantize(x.cpu(), "1x128", fp8_dtype, power_2_scale, device)
+
+
+@CUDA_SKIP
+def test_transpose_kernel_variable():
+    """TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL: unset or empty is `registers`; another value
+    than `registers` or `staged` is an error naming the variable and the values, raised again by
+    every 1x128 quantisation with the transpose until the variable is fixed."""
+    before = os.environ.get(TRANSPOSE_KERNEL_VARIABLE)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    try:
+        assert select_transpose_kernel(None) == "registers"
+        assert select_transpose_kernel("") == "registers"
+        assert select_transpose_kernel("staged") == "staged"
+        message = (f"{TRANSPOSE_KERNEL_VARIABLE} must be 'registers' \\(the default\\) or "
+                   "'staged', got 'Staged'")
+        with pytest.raises(RuntimeError, match=message):
+            select_transpose_kernel("Staged")
+        with pytest.raises(RuntimeError, match=message):
+            quantize_blockwise(x, 1, 128, E4M3, True, True)
+        quantize_blockwise(x, 1, 128, E4M3, True, False)  # the variable is not read here
+        assert select_transpose_kernel("registers") == "registers"
+        quantize_blockwise(x, 1, 128, E4M3, True, True)
+    finally:
+        select_transpose_kernel(before)
+
+
+def launched_kernels(fn):
+    """The names of the CUDA kernels fn launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages() if e.device_time_total > 0]
+
+
+@CUDA_SKIP
+@pytest.mark.parametrize("kernel", TRANSPOSE_KERNELS)
+def test_transpose_kernel_variable_picks_the_kernel(kernel):
+    """`staged` launches the staged kernel for bf16 and fp16 x and the registers kernel for
+    float32 x; `registers` the registers kernel for all three."""
+    before = os.environ.get(TRANSPOSE_KERNEL_VARIABLE)
+    try:
+        select_transpose_kernel(kernel)
+        for dtype in HP_DTYPES:
+            x = torch.randn(256, 384, device="cuda", dtype=dtype)
+            names = [n for n in launched_kernels(
+                lambda: quantize_blockwise(x, 1, 128, E4M3, True, True))
+                     if "quantize_rows_and_cols" in n]
+            staged = kernel == "staged" and dtype != torch.float32
+            want = ("quantize_rows_and_cols_staged_kernel" if staged
+                    else "quantize_rows_and_cols_kernel")
+            assert len(names) == 1 and want in names[0], (kernel, dtype, names)
+    finally:
+        select_transpose_kernel(before)
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)

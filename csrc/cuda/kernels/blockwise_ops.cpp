@@ -1,23 +1,54 @@
 // CUDA operator quantize_blockwise: argument checks, allocation, device guard and stream; the
 // kernels are in blockwise.cu and blockwise_transpose.cu (1x128 blocks with the transpose, one
-// read of x). Same checks and layouts as the CPU kernel (csrc/cpu/blockwise.cpp).
+// read of x; its two kernels are chosen here, by TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL).
+// Same checks and layouts as the CPU kernel (csrc/cpu/blockwise.cpp).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <tuple>
 
 #include "../../checks/blockwise_checks.h"
 #include "blockwise_kernels.h"
 #include "kernels.h"
 #include "../cuda_checks.h"
+#include "blockwise_transpose_choice.h"
 
 namespace transformer_fp8 {
 namespace {
 
 // transpose_bytes runs 128-column tiles along gridDim.y, which holds at most 65535 blocks.
 constexpr int64_t kMaxTransposeCols = 65535LL * 128;
+
+// TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL, read at the first 1x128 quantisation with the
+// transpose and kept (reread_blockwise_transpose_kernel reads it again): -1 until then.
+constexpr const char* kTransposeKernelVariable = "TRANSFORMER_FP8_BLOCKWISE_TRANSPOSE_KERNEL";
+std::atomic<int> transpose_kernel_choice{-1};
+
+cuda::BlockwiseTransposeKernel parse_transpose_kernel() {
+  const char* value = std::getenv(kTransposeKernelVariable);
+  if (value == nullptr || value[0] == '\0' || std::strcmp(value, "registers") == 0)
+    return cuda::BlockwiseTransposeKernel::Registers;
+  TORCH_CHECK(std::strcmp(value, "staged") == 0, "transformer_fp8: environment variable ",
+              kTransposeKernelVariable, " must be 'registers' (the default) or 'staged', got '",
+              value, "'");
+  return cuda::BlockwiseTransposeKernel::Staged;
+}
+
+// A bad value is not kept: every call raises until it is fixed (and reread).
+cuda::BlockwiseTransposeKernel transpose_kernel() {
+  int choice = transpose_kernel_choice.load(std::memory_order_relaxed);
+  if (choice < 0) {
+    choice = static_cast<int>(parse_transpose_kernel());
+    transpose_kernel_choice.store(choice, std::memory_order_relaxed);
+  }
+  return static_cast<cuda::BlockwiseTransposeKernel>(choice);
+}
 
 uint8_t* fp8_ptr(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 Fp8Format fp8_format(at::ScalarType fp8_dtype) {
@@ -38,6 +69,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_one(const at::Tensor& xc, const Bloc
 // 1x128 blocks of xc and of xc^T (their own blocks: 128 x 1 columns of xc), one kernel.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_1x128_with_transpose(
     const at::Tensor& xc, const BlockGeometry& g, at::ScalarType fp8_dtype, bool power_2_scale) {
+  const cuda::BlockwiseTransposeKernel kernel = transpose_kernel();
   at::Tensor out = at::empty({g.rows, g.cols}, xc.options().dtype(fp8_dtype));
   at::Tensor out_t = at::empty({g.cols, g.rows}, xc.options().dtype(fp8_dtype));
   at::Tensor scale_inv = new_scale_tensor(g, xc.options());
@@ -45,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_1x128_with_t
   const auto status = cuda::launch_quantize_blockwise_with_transpose(
       xc.data_ptr(), hp_type_of(xc.scalar_type()), g, fp8_format(fp8_dtype), power_2_scale,
       fp8_ptr(out), scale_inv.data_ptr<float>(), fp8_ptr(out_t), scale_inv_t.data_ptr<float>(),
-      c10::cuda::getCurrentCUDAStream());
+      kernel, c10::cuda::getCurrentCUDAStream());
   TFP8_CHECK_LAUNCH(status, "quantize_blockwise");
   return {out, scale_inv, out_t, scale_inv_t};
 }
@@ -95,6 +127,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_blockwise_cu
 }
 
 }  // namespace
+
+std::string reread_blockwise_transpose_kernel() {
+  transpose_kernel_choice.store(-1, std::memory_order_relaxed);
+  return transpose_kernel() == cuda::BlockwiseTransposeKernel::Staged ? "staged" : "registers";
+}
 
 TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m) {
   m.impl("quantize_blockwise", &quantize_blockwise_cuda);
