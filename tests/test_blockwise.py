@@ -141,7 +141,7 @@ def test_empty_inputs():
     check_quantize(torch.zeros(0, 256), "rowwise", E4M3, True)
 
 
-# ----------------------------------------------------------------------------- 1x128 with the transpose
+# ------------------------------------------------------------------ 1x128 with the transpose
 # On CUDA, 1x128 quantisation with_transpose runs one kernel (blockwise_transpose.cu) for x and
 # x^T; it must give the bits that quantising x and x.t().contiguous() separately gives. There
 # are two such kernels, chosen by the environment variable below (read once by the operator;
