@@ -190,17 +190,7 @@ def _free(device) -> None:
         try:
             torch.cuda.empty_cache()
         except RuntimeError as exc:  # (after a failed capture: the next rows say n/a)
-            print(f"torch.cuda.empty_cache failed: {_reason(exc)}", flush=True)
-
-
-def _reason(exc: BaseException) -> str:
-    """The exception and those it was raised while handling (a graph capture that fails
-    raises again on leaving torch.cuda.graph, hiding the first error), on one line."""
-    chain = []
-    while exc is not None and len(chain) < 4:
-        chain.append(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
-        exc = exc.__cause__ or exc.__context__
-    return " <- ".join(chain)
+            print(f"torch.cuda.empty_cache failed: {common.exception_chain(exc)}", flush=True)
 
 
 def main(argv=None) -> dict:
@@ -230,7 +220,7 @@ def main(argv=None) -> dict:
         except Exception as exc:  # a graph that fails to capture or replay: an n/a row
             if not graphed:
                 raise
-            reason = _reason(exc)
+            reason = common.exception_chain(exc)
             print(f"{name}: n/a, {reason}", flush=True)
             notes.append(f"{name}: n/a, {reason}")
             results[name] = None

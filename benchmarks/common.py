@@ -161,6 +161,16 @@ def precision_variants() -> dict:
             "fp8 Float8BlockScaling": tf8.Float8BlockScaling()}
 
 
+def exception_chain(exc: BaseException) -> str:
+    """The exception and those it was raised while handling (a CUDA graph capture that fails
+    raises again on leaving torch.cuda.graph, hiding the first error), on one line."""
+    chain = []
+    while exc is not None and len(chain) < 4:
+        chain.append(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+        exc = exc.__cause__ or exc.__context__
+    return " <- ".join(chain)
+
+
 def fp8_context(recipe):
     """fp8_autocast(fp8_recipe=recipe), or a no-op context for recipe None."""
     if recipe is None:

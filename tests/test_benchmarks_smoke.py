@@ -210,6 +210,31 @@ def test_linear_graphed_rows_replay_the_eager_step(tmp_path):
     assert all(row["time_ms"] for row in graphed), graphed
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_linear_graphed_step_keeps_what_its_graph_replays_on():
+    """A CUDA graph keeps none of the tensors it was captured on alive: bench_linear's replay
+    must hold the layer's and x's copies, or replays write into memory handed out again (here
+    to sentinel-filled tensors of the same sizes)."""
+    import gc
+
+    bench_linear = importlib.import_module("bench_linear")
+    m, k, n = bench_linear.SMOKE_SHAPES[0]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    for name, (layer, recipe) in bench_linear.make_layers(k, n, torch.device("cuda")).items():
+        if name not in bench_linear.GRAPHED_ROWS:
+            continue
+        replay = bench_linear.graphed_step(layer, recipe, x, g)[0]
+        gc.collect()
+        torch.cuda.synchronize()
+        fillers = [torch.full_like(t, -7.0) for t in [x, *layer.parameters()] for _ in range(4)]
+        for _ in range(2):
+            replay()
+        torch.cuda.synchronize()
+        for t in fillers:
+            assert bool((t == -7.0).all()), f"{name}: a replay wrote into freed memory"
+
+
 def test_device_info_names_the_commit(tmp_path, monkeypatch):
     """device_info records the git commit of the benchmarks' tree and whether tracked files
     differ from it; where there is no git repository, the commit named by
