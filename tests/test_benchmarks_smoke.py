@@ -173,6 +173,17 @@ def test_linear_compiles_each_shape_statically(tmp_path):
     assert graphs == [[]] * len(graphs), f"graphs with symbolic inputs: {graphs}"
 
 
+def _graphed_row_layers(bench_linear):
+    """(name, layer, recipe, x, g) for each of bench_linear's graphed rows, on CUDA, at its
+    first smoke shape."""
+    m, k, n = bench_linear.SMOKE_SHAPES[0]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    for name, (layer, recipe) in bench_linear.make_layers(k, n, torch.device("cuda")).items():
+        if name in bench_linear.GRAPHED_ROWS:
+            yield name, layer, recipe, x, g
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_linear_graphed_rows_replay_the_eager_step(tmp_path):
     """bench_linear's CUDA-graph rows: replays of the captured step give the gradients of as
@@ -180,12 +191,7 @@ def test_linear_graphed_rows_replay_the_eager_step(tmp_path):
     import copy
 
     bench_linear = importlib.import_module("bench_linear")
-    m, k, n = bench_linear.SMOKE_SHAPES[0]
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    for name, (layer, recipe) in bench_linear.make_layers(k, n, torch.device("cuda")).items():
-        if name not in bench_linear.GRAPHED_ROWS:
-            continue
+    for name, layer, recipe, x, g in _graphed_row_layers(bench_linear):
         eager = copy.deepcopy(layer)
         captured = bench_linear.graphed_step(layer, recipe, x, g)
         assert captured is not None, name
@@ -218,12 +224,7 @@ def test_linear_graphed_step_keeps_what_its_graph_replays_on():
     import gc
 
     bench_linear = importlib.import_module("bench_linear")
-    m, k, n = bench_linear.SMOKE_SHAPES[0]
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    for name, (layer, recipe) in bench_linear.make_layers(k, n, torch.device("cuda")).items():
-        if name not in bench_linear.GRAPHED_ROWS:
-            continue
+    for name, layer, recipe, x, g in _graphed_row_layers(bench_linear):
         replay = bench_linear.graphed_step(layer, recipe, x, g)[0]
         gc.collect()
         torch.cuda.synchronize()
