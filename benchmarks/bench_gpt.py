@@ -87,11 +87,13 @@ def make_optimizer(params, lr: float = 3e-4) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
-def train_step(model: GPT, recipe, tokens: torch.Tensor, optimizer, clip: float | None = None):
+def train_step(model: GPT, recipe, tokens: torch.Tensor, optimizer, clip: float | None = None,
+               calibrating: bool = False):
     """One AdamW step on ``tokens`` [batch, seq + 1] (inputs, then the next tokens as targets):
-    the forward under fp8_autocast(recipe) (recipe None: bf16), the loss in fp32, the backward
+    the forward under fp8_autocast(recipe) (recipe None: bf16; ``calibrating``: a
+    high-precision calibrating step, see common.fp8_context), the loss in fp32, the backward
     outside it; the gradient norm clipped to ``clip`` if given. Returns the loss (a tensor)."""
-    with common.fp8_context(recipe):
+    with common.fp8_context(recipe, calibrating):
         logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()

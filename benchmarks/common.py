@@ -171,12 +171,16 @@ def exception_chain(exc: BaseException) -> str:
     return " <- ".join(chain)
 
 
-def fp8_context(recipe):
-    """fp8_autocast(fp8_recipe=recipe), or a no-op context for recipe None."""
+def fp8_context(recipe, calibrating: bool = False):
+    """fp8_autocast(fp8_recipe=recipe), or a no-op context for recipe None; ``calibrating``:
+    fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe), a high-precision step
+    that sets the recipe's delayed scales."""
     if recipe is None:
         return contextlib.nullcontext()
     import transformer_fp8 as tf8
 
+    if calibrating:
+        return tf8.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe)
     return tf8.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
 

@@ -96,9 +96,14 @@ NAME = "gpt_loss_curves"
 TITLE, WHAT = common.doc_summary(__doc__)
 START = time.monotonic()  # --time-limit-s counts from here
 
-# short name on the command line -> name in common.precision_variants()
+# short name on the command line -> name in the results: common.precision_variants()'s, but for
+# "calibrated" (its recipe: CALIBRATED_FIRST_STEP)
 PRECISIONS = {"bf16": "bf16", "delayed": "fp8 DelayedScaling",
-              "current": "fp8 Float8CurrentScaling", "block": "fp8 Float8BlockScaling"}
+              "current": "fp8 Float8CurrentScaling", "block": "fp8 Float8BlockScaling",
+              "calibrated": "fp8 DelayedScaling, step 1 calibrating"}
+# DelayedScaling whose first step is a high-precision calibrating one
+# (fp8_autocast(enabled=False, calibrating=True)): every role's scales set from its amaxes.
+CALIBRATED_FIRST_STEP = {"calibrated": "fp8 DelayedScaling"}
 TOLERANCE = 0.005  # issue 14: each FP8 final loss within 0.5% of bf16's
 CONFIG = dataclasses.replace(bench_gpt.GPTConfig(), vocab=stdlib_text.VOCAB)
 SMOKE_CONFIG = dataclasses.replace(bench_gpt.SMOKE_CONFIG, vocab=stdlib_text.VOCAB)
@@ -301,7 +306,7 @@ def _time_left() -> float:
 
 def train_precision(args, key, cfg, initial, batches, val, base_record) -> dict:
     name = PRECISIONS[key]
-    recipe = common.precision_variants()[name]
+    recipe = common.precision_variants()[CALIBRATED_FIRST_STEP.get(key, name)]
     model = copy.deepcopy(initial)
     if recipe is not None:
         tf8.convert_to_fp8(model.blocks, recipe=recipe)  # the LM head stays in bf16
@@ -325,8 +330,10 @@ def train_precision(args, key, cfg, initial, batches, val, base_record) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(args, step)
             start = time.perf_counter()
+            calibrating = step == 0 and key in CALIBRATED_FIRST_STEP
             loss = bench_gpt.train_step(model, recipe, batches.batch_at(step).to(args.device),
-                                        optimizer, clip=clip).item()  # .item() synchronises
+                                        optimizer, clip=clip,
+                                        calibrating=calibrating).item()  # (synchronises)
             record["step_s"].append(time.perf_counter() - start)
             record["losses"].append(loss)
             if not math.isfinite(loss):

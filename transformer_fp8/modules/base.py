@@ -14,7 +14,7 @@ from .. import _fp8_hooks
 from .._dtensor import is_dtensor, local_tensor
 from ..quantization import autocast as _autocast
 from ..quantization import checkpoint_stack
-from ..quantization.calibration import recording_linear
+from ..quantization.calibration import GradOutputRecording, recording_linear
 from ..quantization.fp8_weight import Fp8Weight
 from ..quantization.quantizer import ALIGN, Fp8Plan
 from ..quantization.replay import HIGH_PRECISION
@@ -119,14 +119,15 @@ class Fp8StateMixin(Fp8State):
                             "tensor (input.to_local() or full_tensor()), or parallelize it too")
         if state is None or not state.enabled:
             regions = checkpoint_stack.regions_to_keep()
-            if regions:  # (its recomputation runs in high precision too, in any context)
-                self._replay_records.keep(regions, HIGH_PRECISION)
             if state is not None and state.calibrating:
                 if torch.compiler.is_compiling():
                     if exporting():  # (an exported program records nothing: roles._delayed)
                         return self._high_precision(inp)
                     return self._calibrate_eagerly(inp, state)
-                return self._run_high_precision(inp, recording_linear(self, state))
+                # (it keeps the replay record for the regions: calibration.py)
+                return self._run_high_precision(inp, recording_linear(self, state, regions))
+            if regions:  # (its recomputation runs in high precision too, in any context)
+                self._replay_records.keep(regions, HIGH_PRECISION)
             return self._run_high_precision(inp)
         inp_dtype, weight_dtype = inp.dtype, weight.dtype
         if inp_dtype != weight_dtype and autocast_dtype(inp.device.type) is None:
@@ -260,11 +261,14 @@ class Fp8StateMixin(Fp8State):
         same scales (``plans``, a replay record), no amax recorded; its backward casts and
         records grad_output as usual. A high-precision one (``plans`` is HIGH_PRECISION): the
         high-precision form, whatever fp8_autocast it runs in, no amax recorded (calibration
-        included). ``regions``: the checkpointed regions whose first forward this
+        included); a calibrating one's (GradOutputRecording) records its grad_output amaxes in
+        backward, as the first forward's would have. ``regions``: the checkpointed regions whose first forward this
         recomputation runs (nested checkpoints), which keep the record for their own."""
         self._replay_records.keep(regions, plans)
         if plans is HIGH_PRECISION:
             return self._run_high_precision(inp)
+        if type(plans) is GradOutputRecording:  # (a calibrating forward's)
+            return self._run_high_precision(inp, plans.linear(self))
         if not any(type(w) is GatheredFp8Weight for w in self._parameters.values()):
             return self._fp8_apply(inp, plans)
         # A weight FSDP2 gathered for this backward in another form than the forward's (a
