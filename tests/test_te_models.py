@@ -427,6 +427,32 @@ def test_a_failed_backward_dw_hands_nothing_over_and_can_be_retried(kind):
     assert not module._wgrad.pending  # the entry handed over once
 
 
+@pytest.mark.parametrize("how", ["is_first_microbatch", "overwrite_main_grad"])
+@pytest.mark.parametrize("delay", [False, True], ids=["fuse", "fuse_and_delay"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_module_run_twice_writes_the_sum_of_both_gradients_over_main_grad(kind, delay, how):
+    """A module run twice in one forward, its main_grad written over (is_first_microbatch=True
+    or overwrite_main_grad): main_grad ends as the sum of both calls' gradients (the second
+    call's gradient wrote over the first's: half the gradient lost, no error)."""
+    module, ref, call, weights = _modules(kind, fuse_wgrad_accumulation=True,
+                                         delay_wgrad_compute=delay)
+    params, ref_params = dict(module.named_parameters()), dict(ref.named_parameters())
+    for n in weights:
+        params[n].main_grad = torch.full_like(params[n], 5.0)
+        if how == "overwrite_main_grad":
+            params[n].overwrite_main_grad = True
+    first = True if how == "is_first_microbatch" else None
+    x1, x2 = torch.randn(16, 32), torch.randn(16, 32)
+    (call(module, x1, is_first_microbatch=first)
+     + call(module, x2, is_first_microbatch=first)).square().sum().backward()
+    (call(ref, x1) + call(ref, x2)).square().sum().backward()
+    if delay:
+        module.backward_dw()
+    for n in weights:
+        torch.testing.assert_close(params[n].main_grad, ref_params[n].grad, rtol=1e-6,
+                                   atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_wgrad_options_are_fixed_at_construction(kind):
     """Assigning fuse_wgrad_accumulation / delay_wgrad_compute after construction changed

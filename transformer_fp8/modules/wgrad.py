@@ -4,7 +4,8 @@ delay_wgrad_compute.
 fuse_wgrad_accumulation (Megatron-LM's gradient buffers): every weight has a ``main_grad``
 tensor (usually float32); its gradient is added to main_grad instead of .grad (written over it
 when the forward ran with is_first_microbatch=True, or when the weight has
-``overwrite_main_grad = True``). Autograd then gets no gradient for the weight, or zeros when
+``overwrite_main_grad = True``: by the first gradient of each backward pass; a module run twice
+in the forward adds its second). Autograd then gets no gradient for the weight, or zeros when
 the weight has a ``grad_added_to_main_grad`` attribute, which is set to True (Megatron's DDP
 reads it), as Transformer Engine does.
 
@@ -42,12 +43,18 @@ def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def add_to_main_grad(param: torch.nn.Parameter, grad: torch.Tensor, overwrite: bool) -> None:
+    """overwrite: write over main_grad (the first gradient of a backward pass whose forward
+    ran with is_first_microbatch=True, or of a weight with overwrite_main_grad), else add."""
     main_grad = _main_grad(param)
     with torch.no_grad():
-        if overwrite or getattr(param, "overwrite_main_grad", False):
+        if overwrite:
             main_grad.copy_(grad)
         else:
             main_grad.add_(grad.to(main_grad.dtype))
+
+
+def _overwrites(param: torch.nn.Parameter, first: Optional[bool]) -> bool:
+    return bool(first) or bool(getattr(param, "overwrite_main_grad", False))
 
 
 def add_to_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -72,6 +79,9 @@ class WgradRouting:
         self.pending: deque = deque()  # per backward pass: [(param, is_weight, first, grad)]
         self._open: Optional[list] = None
         self._open_task = -1  # the autograd graph task that last added to the open entry
+        # id(param) -> the graph task that last wrote over its main_grad: a module run twice in
+        # one forward gets two gradients in that pass, and only the first writes over it.
+        self._overwritten: dict = {}
 
     def routes(self, is_weight: bool) -> bool:
         return self.delay or (self.fuse and is_weight)
@@ -90,7 +100,12 @@ class WgradRouting:
             self._open_task = task
             self._open.append((param, is_weight, first, grad))
             return None
-        add_to_main_grad(param, grad, overwrite=bool(first))
+        overwrite = _overwrites(param, first)
+        if overwrite:
+            task = torch._C._current_graph_task_id()
+            overwrite = task == -1 or self._overwritten.get(id(param)) != task
+            self._overwritten[id(param)] = task
+        add_to_main_grad(param, grad, overwrite)
         return _autograd_result(param)
 
     def backward_dw(self) -> None:
@@ -103,9 +118,12 @@ class WgradRouting:
         self.pending.popleft()
         if entry is self._open:
             self._open = None
+        written = set()  # (the parameters whose main_grad this entry has written over)
         for param, is_weight, first, grad in entry:
             if self.fuse and is_weight:
-                add_to_main_grad(param, grad, overwrite=bool(first))
+                overwrite = _overwrites(param, first) and id(param) not in written
+                written.add(id(param))
+                add_to_main_grad(param, grad, overwrite)
                 if hasattr(param, "grad_added_to_main_grad"):
                     param.grad_added_to_main_grad = True
             else:
