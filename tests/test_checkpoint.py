@@ -202,6 +202,22 @@ def test_corrupt_fp8_state_is_refused_naming_the_key(corruption, strict):
         assert torch.equal(v, before[k]), f"{k} changed by a refused load"
 
 
+@pytest.mark.parametrize("scale", [1e-50, 1e50], ids=["underflows", "overflows"])
+def test_a_float64_scale_float32_cannot_hold_is_refused(scale):
+    """A float64 scale and scale_inv that are finite, positive and paired in float64 but give 0
+    and inf (or inf and 0) in the float32 state: checked as the state would hold them (they
+    loaded, and the first FP8 forward gave NaN)."""
+    state = {k: v.double() if k.startswith("fp8_") and v.is_floating_point() else v
+             for k, v in _trained_layer_state().items()}
+    state["fp8_fwd_scale"][0], state["fp8_fwd_scale_inv"][0] = scale, 1 / scale
+    layer = tfp8.Linear(32, 32)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(RuntimeError, match="fp8_fwd_scale.*finite and positive"):
+        layer.load_state_dict(state)
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by a refused load"
+
+
 def test_scale_missing_with_strict_false_is_not_paired_with_a_loaded_scale_inv():
     """strict=False with fp8_fwd_scale absent would pair the module's fresh scale (1) with the
     checkpoint's scale_inv: the first step would dequantise with the wrong factor."""
@@ -223,6 +239,34 @@ def test_valid_states_still_load():
     layer = tfp8.Linear(32, 32)
     layer.load_state_dict(state)
     assert layer.fp8_fwd_scale[0] == flt_max
+
+
+def test_assign_true_takes_non_contiguous_fp8_state(gen):
+    """load_state_dict(assign=True) of histories and scales that are strided views (every
+    other column of a wider tensor): the layer trains as one loaded by copy (every step
+    raised 'must be a contiguous float32 tensor')."""
+    source = tfp8.Linear(32, 16, recipe=RECIPE)
+    for _ in range(2):
+        with fp8_autocast(fp8_recipe=RECIPE):
+            source(randn(gen, 8, 32)).sum().backward()
+    checkpoint = {k: v.clone() for k, v in source.state_dict().items()}
+    for key in ("fp8_fwd_amax_history", "fp8_bwd_amax_history", "fp8_fwd_scale"):
+        value = checkpoint[key]
+        checkpoint[key] = torch.stack([value, torch.zeros_like(value)], dim=-1)[..., 0]
+    assert not any(checkpoint[k].is_contiguous() for k in
+                   ("fp8_fwd_amax_history", "fp8_bwd_amax_history", "fp8_fwd_scale"))
+    assigned, copied = tfp8.Linear(32, 16, recipe=RECIPE), tfp8.Linear(32, 16, recipe=RECIPE)
+    assigned.load_state_dict(checkpoint, assign=True)
+    copied.load_state_dict(checkpoint)
+    for _ in range(3):
+        x = randn(gen, 8, 32)
+        with fp8_autocast(fp8_recipe=RECIPE):
+            out, expected = assigned(x), copied(x)
+        assert torch.equal(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+    for key, value in copied.state_dict().items():
+        assert torch.equal(assigned.state_dict()[key], value), key
 
 
 def test_assign_true_keeps_the_fp8_state_usable(gen):

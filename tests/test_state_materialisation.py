@@ -224,6 +224,26 @@ def test_a_partly_loaded_state_off_meta_starts_fresh_with_a_warning():
     assert_same_state(model, expected_model)
 
 
+@pytest.mark.parametrize("corruption", ["nan_scale", "unpaired_scale"])
+def test_a_corrupt_state_loaded_by_assignment_is_refused(corruption):
+    """Every FP8 buffer assigned its loaded value (transformers' from_pretrained marks them
+    loaded): checked as load_state_dict checks a state (a NaN scale loaded this way gave a
+    NaN first step, with no error)."""
+    trained = build("Linear", recipe=BUILT_FOR)
+    train_steps("Linear", trained, BUILT_FOR)
+    loaded = {key: value.clone() for key, value in trained.named_buffers()}
+    if corruption == "nan_scale":
+        loaded["fp8_fwd_scale"][0] = float("nan")
+    else:
+        loaded["fp8_bwd_scale"] *= 4  # (no longer 1 / scale_inv)
+    model = build("Linear", recipe=BUILT_FOR, device="meta")
+    with pytest.raises(RuntimeError, match="FP8 state as loaded from the checkpoint .*invalid: "
+                                           "fp8_(fwd|bwd)_scale"):
+        for key, value in loaded.items():
+            value._is_hf_initialized = True
+            setattr(model, key, value)
+
+
 @contextlib.contextmanager
 def empty_parameters():
     """accelerate's init_empty_weights(include_buffers=False), its default: each parameter is

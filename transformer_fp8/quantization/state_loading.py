@@ -111,6 +111,13 @@ class Fp8StateLoading:
         errors_before = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if not present:  # (a checkpoint without FP8 state is complete: not "missing")
+            for key in FP8_STATE_KEYS:
+                if prefix + key in missing_keys:
+                    missing_keys.remove(prefix + key)
+        # (A key missing with strict=True: load_state_dict raises after every module loaded,
+        # and passes strict=True to each module whatever it was given, so a module cannot tell
+        # that case from strict=False's, where what the checkpoint has loads.)
         if len(error_msgs) > errors_before:
             with torch.no_grad():
                 for key, buffer, data, values in saved:
@@ -118,18 +125,11 @@ class Fp8StateLoading:
                     if buffer.shape != data.shape:
                         buffer.data = data
                     buffer.copy_(values)
-            if not present:  # (a checkpoint without FP8 state is complete: not "missing")
-                for key in FP8_STATE_KEYS:
-                    if prefix + key in missing_keys:
-                        missing_keys.remove(prefix + key)
             return  # load_state_dict raises
         assigned_state_made_usable(self, FP8_STATE_KEYS, FP8_FLOAT_STATE)
         if not present:
             # A fresh state, the one the module was built with (its recipe kept, as a
             # directly built module's: reset_fp8_state).
             self.reset_fp8_state()
-            for key in FP8_STATE_KEYS:
-                if prefix + key in missing_keys:
-                    missing_keys.remove(prefix + key)
             return
         self.took_loaded_state()

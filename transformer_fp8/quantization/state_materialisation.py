@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from .state_layout import FP8_FLOAT_STATE, FP8_STATE_KEYS, HISTORIES
+from .state_validation import fp8_state_error
 
 
 def materialised_by_assignment(state, name: str, value: torch.Tensor) -> None:
@@ -30,9 +31,15 @@ def materialised_by_assignment(state, name: str, value: torch.Tensor) -> None:
         return  # (the others follow)
     del state.__dict__["_fp8_fresh_off_meta"]
     if not any(fresh.values()):
-        # Every one of them loaded (a checkpoint with the FP8 state): as after load_state_dict,
-        # the recipe it was saved under is noted (without it, a first step under another
-        # fp8_format cast with scales made for the old one: recipe_switch.py).
+        # Every one of them loaded (a checkpoint with the FP8 state): checked as
+        # load_state_dict checks it (a NaN scale loaded here gave a NaN first step), and the
+        # recipe it was saved under noted (without it, a first step under another fp8_format
+        # cast with scales made for the old one: recipe_switch.py).
+        error = fp8_state_error(state, {key: state._buffers[key] for key in FP8_STATE_KEYS}, "")
+        if error is not None:
+            raise RuntimeError(f"{type(state).__name__}: its FP8 state as loaded from the "
+                               f"checkpoint (buffers assigned: transformers' from_pretrained) "
+                               f"is invalid: {error}")
         if "fp8_recipe_fields" in fresh:
             state.took_loaded_state()
         return

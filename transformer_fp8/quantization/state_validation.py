@@ -16,10 +16,11 @@ _PAIR_TOLERANCE = 1e-5
 
 
 def _values(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """float64 CPU values of a loaded tensor, or None when there are none to check."""
+    """The values a loaded tensor gives the float32 state (a float64 scale of 1e-50 is 0 there,
+    one of 1e50 inf), as float64 CPU values; None when there are none to check."""
     if not isinstance(t, torch.Tensor) or t.is_meta or not t.is_floating_point():
         return None
-    return t.detach().to("cpu", torch.float64)
+    return t.detach().to("cpu", torch.float32).to(torch.float64)
 
 
 def _not_loadable(incoming, current: torch.Tensor) -> Optional[str]:
@@ -114,7 +115,7 @@ def _recipe_record_error(fields, prefix: str) -> Optional[str]:
 
 def assigned_state_made_usable(module, keys, float_names) -> None:
     """After load_state_dict(assign=True), which takes the checkpoint's tensors as they are:
-    the float state (``float_names`` among the FP8 state ``keys``) in float32, and, for a module
+    the float state (``float_names`` among the FP8 state ``keys``) contiguous float32, and, for a module
     built on "meta" given no FP8 state, buffers on its parameters' device (reset to a fresh
     state by the caller). (Part of Fp8State's loading: quantization/state_loading.py.)"""
     param = next((p for p in module._parameters.values() if p is not None), None)
@@ -123,5 +124,8 @@ def assigned_state_made_usable(module, keys, float_names) -> None:
         buffer = module._buffers[key]
         if buffer.is_meta and device is not None:
             module._buffers[key] = torch.empty_like(buffer, device=device)
-        elif key in float_names and buffer.dtype != torch.float32:
-            module._buffers[key] = buffer.float()
+        elif key in float_names and (buffer.dtype != torch.float32
+                                     or not buffer.is_contiguous()):
+            # (the operators take contiguous float32 state: a column view of a wider tensor
+            # loaded, then every step refused it)
+            module._buffers[key] = buffer.float().contiguous()
