@@ -226,3 +226,35 @@ def test_a_loaded_module_taken_by_a_context_before_it_runs_is_rescaled_once():
     with tfp8.fp8_autocast(fp8_recipe=E4M3):
         loaded(x)
         assert torch.equal(loaded.fp8_bwd_scale, state["fp8_bwd_scale"] * 2.0 ** -7)
+
+
+def test_a_checkpoint_saved_after_an_evaluation_under_another_format_resumes_exactly():
+    """Training under HYBRID, one evaluation forward under E4M3 (which rescales the forward's
+    scales only), then a checkpoint: its one recipe record says E4M3 for both directions, so
+    the saved grad_output scales are saved as made for E4M3. Resumed under HYBRID, the loaded
+    layer trains as the original does, bit for bit (its first backward cast grad_output with a
+    scale 128x too large)."""
+    layer = _trained(HYBRID)
+    x, g = _data(1)
+    with torch.no_grad(), tfp8.fp8_autocast(fp8_recipe=E4M3):
+        layer(x)
+    held = _scales(layer)
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    assert all(torch.equal(v, held[k]) for k, v in _scales(layer).items()), "saving changes none"
+    buffer.seek(0)
+    resumed = tfp8.Linear(32, 48)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    for step in range(3):
+        x, g = _data(2 + step)
+        grads = []
+        for module in (layer, resumed):
+            xi = x.clone().requires_grad_()
+            with tfp8.fp8_autocast(fp8_recipe=HYBRID):
+                module(xi).backward(g)
+            grads.append((xi.grad, module.weight.grad, module.bias.grad))
+            module.weight.grad = module.bias.grad = None
+        for got, want in zip(grads[1], grads[0]):
+            assert torch.equal(got, want), step
+        for key, value in layer.state_dict().items():
+            assert torch.equal(resumed.state_dict()[key], value), (step, key)

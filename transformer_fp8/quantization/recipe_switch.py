@@ -94,15 +94,45 @@ def adopt(module, new_code, directions) -> None:
 def rescale(module, new_code, directions) -> None:
     """Multiply ``directions``' scales (and recompute their inverses) from the format they were
     made for to ``new_code``'s; see the module docstring."""
-    new_format = scale_code(new_code)
     with torch.no_grad():
         for direction in _to_rescale(module, new_code, directions):
-            factor = _factor(direction, module.__dict__["_scale_codes"][direction], new_format)
-            history = getattr(module, f"fp8_{direction}_amax_history")
             scale = getattr(module, f"fp8_{direction}_scale")
-            # (made by an update: an amax in the window, or a scale other than the built 1; a
-            # history of length 1 is empty again after every update)
-            made = (torch.isfinite(history) & (history > 0)).any(0) | (scale != 1)
-            rescaled = (scale.double() * factor).clamp(_FLT_MIN, _FLT_MAX).float()
-            scale.copy_(torch.where(made, rescaled, scale))
+            scale.copy_(rescaled_scale(module, direction, new_code))
             getattr(module, f"fp8_{direction}_scale_inv").copy_(scale.reciprocal())
+
+
+def rescaled_scale(module, direction: str, new_code) -> torch.Tensor:
+    """``direction``'s scale as made for ``new_code``'s format (a new tensor; the scale itself
+    where no rescaling is due)."""
+    scale = getattr(module, f"fp8_{direction}_scale")
+    if direction not in _to_rescale(module, new_code, (direction,)):
+        return scale
+    factor = _factor(direction, module.__dict__["_scale_codes"][direction], scale_code(new_code))
+    history = getattr(module, f"fp8_{direction}_amax_history")
+    with torch.no_grad():
+        # (made by an update: an amax in the window, or a scale other than the built 1; a
+        # history of length 1 is empty again after every update)
+        made = (torch.isfinite(history) & (history > 0)).any(0) | (scale != 1)
+        rescaled = (scale.double() * factor).clamp(_FLT_MIN, _FLT_MAX).float()
+        return torch.where(made, rescaled, scale)
+
+
+def saved_as_recorded(module, destination: dict, prefix: str) -> None:
+    """A state_dict holds one recipe record for both directions, and a load takes both as made
+    for it. Where one direction's scales were made for another format (an evaluation forward
+    under another fp8_format rescales the forward's only), the saved copy of that direction's
+    scales is rescaled to the record's format (the module's own are left as they are), so the
+    load, then the next adoption, gives back the scales the module holds (the factors are
+    powers of two: exact)."""
+    codes = module.__dict__.get("_scale_codes") or {}
+    if len(set(codes.values())) < 2:
+        return  # (the common case: both made for one format, or none known)
+    fields = destination.get(prefix + "fp8_recipe_fields")
+    if fields is None or fields.is_meta:
+        return
+    record = fields.tolist()
+    for direction in ("fwd", "bwd"):
+        if direction in _to_rescale(module, record, (direction,)):
+            scale = rescaled_scale(module, direction, record)
+            destination[prefix + f"fp8_{direction}_scale"] = scale
+            destination[prefix + f"fp8_{direction}_scale_inv"] = scale.reciprocal()

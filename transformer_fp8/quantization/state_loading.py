@@ -56,6 +56,7 @@ class Fp8StateLoading:
         if self._buffers["fp8_fwd_scale"].is_meta:
             fresh_state_off_meta(self)  # (real parameters: a fresh state, not meta tensors)
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        recipe_switch.saved_as_recorded(self, destination, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
