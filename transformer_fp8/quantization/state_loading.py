@@ -6,6 +6,7 @@ failed load puts back the state as it was; a checkpoint without FP8 state leaves
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import torch
 
@@ -57,6 +58,14 @@ class Fp8StateLoading:
             fresh_state_off_meta(self)  # (real parameters: a fresh state, not meta tensors)
         super()._save_to_state_dict(destination, prefix, keep_vars)
         recipe_switch.saved_as_recorded(self, destination, prefix)
+        if self.__dict__.get("_te_pending_update"):
+            warnings.warn(
+                f"{type(self).__name__} ({prefix[:-1] or 'the root module'}): its FP8 state, "
+                "loaded from a Transformer Engine <= 1.5 checkpoint, still owes the "
+                "delayed-scaling update that runs before its first FP8 cast; a state_dict has "
+                "no record of it, so a run resumed from this one casts with the scales made "
+                "before that checkpoint's last step. Run one FP8 step before saving.",
+                stacklevel=3)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
