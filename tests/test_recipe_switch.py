@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import transformer_fp8 as tfp8
+from conftest import CUDA_SKIP
 from transformer_fp8 import DelayedScaling, Format
 
 HYBRID = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
@@ -258,3 +259,28 @@ def test_a_checkpoint_saved_after_an_evaluation_under_another_format_resumes_exa
             assert torch.equal(got, want), step
         for key, value in layer.state_dict().items():
             assert torch.equal(resumed.state_dict()[key], value), (step, key)
+
+
+@CUDA_SKIP
+def test_histories_kept_aside_follow_the_module_to_another_device():
+    """A loaded layer taken by a context of another history length without running keeps its
+    loaded histories aside (on the CPU, where it was); moved to CUDA, then run under the
+    recipe it was saved under, it gets them back on CUDA, as loaded (they came back on the
+    CPU under CUDA scales)."""
+    saved = _trained(HYBRID)
+    state = copy.deepcopy(saved.state_dict())
+    longer = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=8)
+    resumed = tfp8.Linear(32, 48)
+    resumed.load_state_dict(state)
+    with tfp8.fp8_autocast(fp8_recipe=longer):
+        tfp8.Linear(32, 48)(_data()[0])  # (another layer runs: the loaded one is taken)
+    resumed.cuda()
+    x, g = (t.cuda() for t in _data())
+    with tfp8.fp8_autocast(fp8_recipe=HYBRID):
+        out = resumed(x)
+        for name in ("fp8_fwd_amax_history", "fp8_bwd_amax_history"):
+            history = getattr(resumed, name)
+            assert history.device.type == "cuda", name
+            assert torch.equal(history[1:].cpu(), state[name][1:]), name
+    out.backward(g)
+    assert torch.isfinite(resumed.weight.grad).all()

@@ -319,7 +319,8 @@ class Fp8State(Fp8StateLoading):
         if restored is not None:
             self._fp8_state_to_local()
             for name, history in zip(HISTORIES, restored):
-                getattr(self, name).data = history
+                # (kept where the state was then: the module may have moved since)
+                getattr(self, name).data = history.to(getattr(self, name).device)
             self._delayed_cast_cache = self._fused_step_cache = None
         if not compiling:  # (the scales made for another format: recipe_switch.py)
             if rescaling:
