@@ -168,6 +168,8 @@ def test_bad_tracker_arguments_refused():
     attn = _attention(CudaRNGStatesTracker())
     with pytest.raises(ValueError, match="'model-parallel-rng' is not added"):
         attn(*_qkv())
-    # The GEMM modules do not use it (their weights come from the default generator).
-    with pytest.raises(ValueError, match="get_rng_state_tracker=.*not supported"):
+    # The GEMM modules draw their weights in its fork at construction (test_rng_tracker_weights).
+    with pytest.raises(TypeError, match="get_rng_state_tracker must be a callable"):
+        tfp8.Linear(16, 16, get_rng_state_tracker=CudaRNGStatesTracker())
+    with pytest.raises(ValueError, match="'model-parallel-rng' is not added"):
         tfp8.Linear(16, 16, get_rng_state_tracker=CudaRNGStatesTracker)

@@ -25,6 +25,7 @@ from ..quantization.recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
                       te_only_arguments)
 from .te_module import TeModuleMixin
+from .weight_rng import drawing_weights, weight_rng
 
 
 def _as_int(value) -> Optional[int]:
@@ -64,12 +65,16 @@ class GroupedLinear(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
                  name=None, use_grouped_tensor=None, *, dtype: Optional[torch.dtype] = None,
                  recipe: Optional[Recipe] = None):
         owner = "GroupedLinear"
-        check_te_options(owner, te_only_arguments(locals()))
+        te_options = te_only_arguments(locals())
+        te_options.pop("get_rng_state_tracker"), te_options.pop("rng_tracker_name")
+        check_te_options(owner, te_options)
+        rng = weight_rng(owner, get_rng_state_tracker, rng_tracker_name)
         super().__init__()
         self.num_gemms = check_positive(owner, "num_gemms", num_gemms)
         self.in_features = check_positive(owner, "in_features", in_features)
         self.out_features = check_positive(owner, "out_features", out_features)
         self._init_te_module(fuse_wgrad_accumulation, delay_wgrad_compute)
+        self._weight_rng = rng
         self.return_bias = bool(return_bias)
         self.init_method = init_method or te_default_init
         factory = dict(device=device, dtype=one_dtype(owner, dtype, params_dtype))
@@ -88,8 +93,10 @@ class GroupedLinear(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         make_fp8_primary_weights(self)  # inside quantized_model_init
 
     def _init_parameters(self) -> None:
+        with drawing_weights(self):
+            for i in range(self.num_gemms):
+                self.init_method(getattr(self, f"weight{i}"))
         for i in range(self.num_gemms):
-            self.init_method(getattr(self, f"weight{i}"))
             bias = getattr(self, f"bias{i}")
             if bias is not None:
                 with torch.no_grad():

@@ -25,6 +25,7 @@ from .te_module import split_sizes
 from . import te_tensor_parallel, te_tensor_parallel_norm
 from .te_tensor_parallel import TensorParallelMixin
 from .once_differentiable import once_differentiable, save_for_backward, saved_operands
+from .weight_rng import drawing_weights
 
 
 def cast_norm_output(plan, norm, x, ln_weight, ln_bias, with_transpose, return_hp):
@@ -162,8 +163,9 @@ class LayerNormLinear(TensorParallelMixin, NormFirstModule):
 
     def _init_parameters(self) -> None:
         self.reset_norm_parameters()
-        for weight in self._parameters_of("weight"):
-            self.init_method(weight)
+        with drawing_weights(self):
+            for weight in self._parameters_of("weight"):
+                self.init_method(weight)
         with torch.no_grad():
             for bias in self._parameters_of("bias"):
                 bias.zero_()

@@ -32,6 +32,7 @@ from .te_args import te_only_arguments
 from . import te_tensor_parallel, te_tensor_parallel_norm
 from .te_tensor_parallel import TensorParallelMixin
 from .once_differentiable import once_differentiable, save_for_backward, saved_operands
+from .weight_rng import drawing_weights
 
 
 def _cast_activation(plan, activation, fc1_out, with_transpose):
@@ -227,8 +228,9 @@ class LayerNormMLP(TensorParallelMixin, NormFirstModule):
 
     def _init_parameters(self) -> None:
         self.reset_norm_parameters()
-        self.init_method(self.fc1_weight)
-        self.output_layer_init_method(self.fc2_weight)
+        with drawing_weights(self):
+            self.init_method(self.fc1_weight)
+            self.output_layer_init_method(self.fc2_weight)
         with torch.no_grad():
             for bias in (self.fc1_bias, self.fc2_bias):
                 if bias is not None:

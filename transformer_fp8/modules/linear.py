@@ -33,6 +33,7 @@ from .tensor_parallel import sharded_linear
 from . import te_tensor_parallel
 from .te_tensor_parallel import TensorParallelMixin
 from .once_differentiable import once_differentiable, save_for_backward, saved_operands
+from .weight_rng import drawing_weights, weight_rng
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -121,6 +122,8 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
                             "dtype as dtype= or params_dtype=)")
         in_features = _feature_count("in_features", in_features)
         out_features = _feature_count("out_features", out_features)
+        rng = weight_rng("Linear", te_options.pop("get_rng_state_tracker", None),
+                         te_options.pop("rng_tracker_name", None))
         in_features, out_features, parallel = te_tensor_parallel.configure(
             "Linear", in_features, out_features, te_options)  # (the local shard's sizes)
         check_te_options("Linear", te_options)
@@ -136,6 +139,7 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
         super().__init__(in_features, out_features, bias=bias, device=device,
                          dtype=dtype if dtype is not None else params_dtype)
         self._init_te_module(fuse_wgrad_accumulation, delay_wgrad_compute)
+        self._weight_rng = rng
         self.return_bias = bool(return_bias)
         self.init_method = init_method
         weight, bias_param = self._parameters.pop("weight"), self._parameters.pop("bias")
@@ -145,6 +149,9 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
             parts)
         if init_method is not None and not weight.is_meta:
             self._init_te_parameters()
+        elif rng is not None and not weight.is_meta:
+            # (torch.nn.Linear's initialisation drew them from the default generator)
+            self._draw_default_weights()
         if recipe is None:
             recipe = model_init.init_recipe()  # from quantized_model_init, if any
         te_tensor_parallel.attach(self, parallel)
@@ -161,16 +168,25 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
         self._parts = {"weight": ["weight"], "bias": [] if self.bias is None else ["bias"]}
         self.return_bias = False
         self.init_method = None
+        self._weight_rng = None
 
     def _init_te_parameters(self) -> None:
         """init_method on each weight Parameter (each part of a split weight, as Transformer
         Engine does: a fan-based init sees the part's shape), zero biases."""
-        for weight in self._parameters_of("weight"):
-            self.init_method(weight)
+        with drawing_weights(self):
+            for weight in self._parameters_of("weight"):
+                self.init_method(weight)
         with torch.no_grad():
             for bias in self._parameters_of("bias"):
                 if bias is not None:
                     bias.zero_()
+
+    def _draw_default_weights(self) -> None:
+        """torch.nn.Linear's weight initialisation, part by part (the same fan-in), inside the
+        tracker's fork where the layer has one."""
+        with drawing_weights(self):
+            for param in self._parameters_of("weight"):
+                torch.nn.init.kaiming_uniform_(param, a=math.sqrt(5))
 
     def weight_nk(self, routed: bool = False) -> torch.Tensor:
         """The weight as [out_features, in_features] (the Parameter itself, or its parts joined
@@ -199,21 +215,12 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
         if not hasattr(self, "_parts"):  # nn.Linear.__init__ calls this first
             super().reset_parameters()
             return
-        for logical in ("weight", "bias"):
-            for param in self._parameters_of(logical):
-                if param is None:
-                    continue
-                if self.init_method is not None:
-                    if logical == "weight":
-                        self.init_method(param)
-                    else:
-                        with torch.no_grad():
-                            param.zero_()
-                    continue
-                # torch.nn.Linear's initialisation, part by part (the same fan-in).
-                if logical == "weight":
-                    torch.nn.init.kaiming_uniform_(param, a=math.sqrt(5))
-                else:
+        if self.init_method is not None:
+            self._init_te_parameters()
+        else:
+            self._draw_default_weights()
+            for param in self._parameters_of("bias"):
+                if param is not None:
                     bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
                     torch.nn.init.uniform_(param, -bound, bound)
         self.reset_fp8_state()

@@ -19,6 +19,7 @@ from .normalization import (NormStep, check_eps, check_normalization, norm_hp,
                             reset_norm_parameters)
 from .te_args import check_positive, check_te_options, te_default_init  # noqa: F401
 from .te_module import TeModuleMixin
+from .weight_rng import weight_rng
 
 # (Re-exported: other modules import them from here.)
 check_unsupported = check_te_options
@@ -58,8 +59,11 @@ class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
                       delay_wgrad_compute=False) -> Optional[torch.dtype]:
         """The arguments every such module takes; returns the parameters' dtype."""
         name = type(self).__name__
+        rng = weight_rng(name, te_options.pop("get_rng_state_tracker", None),
+                         te_options.pop("rng_tracker_name", None))
         check_te_options(name, te_options)
         self._init_te_module(fuse_wgrad_accumulation, delay_wgrad_compute)
+        self._weight_rng = rng
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
             raise ValueError(f"{name}: 'dtype' ({dtype}) and 'params_dtype' ({params_dtype}) "
                              "name the same thing and must agree; pass one")

@@ -15,9 +15,8 @@ _PARALLEL = "no tensor, sequence or context parallelism, no communication overla
 _TP = ("no tensor or sequence parallelism in this module (transformer_fp8.Linear, "
        "LayerNormLinear and LayerNormMLP take tp_group, tp_size, parallel_mode / "
        "set_parallel_mode and sequence_parallel)")
-_RNG = ("weights are initialised from the default generator, not inside an RNG tracker's "
-        "fork; attention dropout takes the tracker: DotProductAttention, MultiheadAttention, "
-        "TransformerLayer")
+_RNG = ("this module draws nothing inside an RNG tracker's fork; the GEMM modules (weights) "
+        "and the attention modules (dropout) take the tracker")
 
 # name -> (accepted values, first = Transformer Engine's default; why other values are refused)
 TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
@@ -28,7 +27,7 @@ TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
     "tp_size": ((1,), _TP),
     "parallel_mode": ((None,), _TP),
     "set_parallel_mode": ((False,), _PARALLEL),
-    # (DotProductAttention, MultiheadAttention and TransformerLayer take the tracker: dropout)
+    # (the GEMM and attention modules take the tracker: modules/weight_rng.py, dropout)
     "get_rng_state_tracker": ((None,), _RNG),
     "rng_tracker_name": ((None,), _RNG),
     "return_layernorm_output_gathered": ((False,), _PARALLEL),

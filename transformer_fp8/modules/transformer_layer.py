@@ -62,8 +62,9 @@ class TransformerLayer(torch.nn.Module):
     qk_norm_before_rope reach the self-attention (MultiheadAttention), as in Transformer Engine;
     so does forward's inference_params (KV-cache generation, attention/inference.py; give each
     layer of a stack its own layer_number, the key of its cache). get_rng_state_tracker
-    reaches DotProductAttention: attention dropout inside the tracker's fork, hidden dropout on
-    the default generator (as in Transformer Engine).
+    reaches DotProductAttention and the GEMM modules: attention dropout and the weights'
+    initialisation inside the tracker's fork, hidden dropout on the default generator (as in
+    Transformer Engine).
     Not supported (refused with a ValueError): layer_type="decoder" (cross-attention),
     output_layernorm=True (post-norm), and tensor/sequence/context parallelism.
     """
@@ -102,7 +103,7 @@ class TransformerLayer(torch.nn.Module):
         if not ub_tp_comm_overlap:
             for switch in _UB_SWITCHES:
                 te_options.pop(switch)
-        te_options.pop("get_rng_state_tracker")  # (attention dropout: DotProductAttention)
+        te_options.pop("get_rng_state_tracker")  # (dropout and the weights in its fork)
         check_te_options(owner, te_options)
         super().__init__()
         if layer_type != "encoder":
@@ -148,7 +149,8 @@ class TransformerLayer(torch.nn.Module):
             qk_norm_before_rope=qk_norm_before_rope,
             get_rng_state_tracker=get_rng_state_tracker, **common)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon,
-                                          activation=activation, **common)
+                                          activation=activation,
+                                          get_rng_state_tracker=get_rng_state_tracker, **common)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 self_attn_mask_type: Optional[str] = None, window_size=None,

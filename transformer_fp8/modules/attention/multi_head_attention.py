@@ -47,8 +47,8 @@ class MultiheadAttention(torch.nn.Module):
     bottom_right_diagonal. inference_params (an InferenceParams, after its pre_step): the keys
     and values join its cache under layer_number (1 unless given), rotary embeddings start at
     each sequence's cached length, and the new tokens attend to the whole sequence.
-    get_rng_state_tracker reaches DotProductAttention (attention dropout inside its fork); the
-    weights are initialised from the default generator, not inside the fork.
+    get_rng_state_tracker reaches DotProductAttention (attention dropout inside its fork) and
+    the projections (their weights drawn inside its fork, weight_rng.py).
     Not supported (refused): attention_type="cross", encoder_output, and the options te_args
     lists at other values than their defaults.
     """
@@ -78,7 +78,7 @@ class MultiheadAttention(torch.nn.Module):
                  recipe: Optional[Recipe] = None, softmax_scale: Optional[float] = None):
         owner = "MultiheadAttention"
         te_options = te_only_arguments(locals())
-        te_options.pop("get_rng_state_tracker")  # (DotProductAttention's: dropout in its fork)
+        te_options.pop("get_rng_state_tracker")  # (dropout and the weights in its fork)
         check_te_options(owner, te_options)
         super().__init__()
         if attention_type != "self":
@@ -118,7 +118,8 @@ class MultiheadAttention(torch.nn.Module):
                                               "key": groups * kv_channels,
                                               "value": groups * kv_channels}
         common = dict(params_dtype=dtype, device=device, recipe=recipe, bias=bias,
-                      fuse_wgrad_accumulation=fuse_wgrad_accumulation, parameters_split=split)
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation, parameters_split=split,
+                      get_rng_state_tracker=get_rng_state_tracker)  # (weights in its fork)
         qkv_out = (heads + 2 * groups) * kv_channels
         if self.input_layernorm:
             self.layernorm_qkv = LayerNormLinear(
