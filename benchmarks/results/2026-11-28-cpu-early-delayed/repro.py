@@ -51,12 +51,17 @@ if a.init_std != 0.02:
 args = argparse.Namespace(lr=a.lr, lr_warmup=a.warmup)
 recipes = {"bf16": None, "delayed": tf8.DelayedScaling(fp8_format=tf8.Format.HYBRID),
            "current": tf8.Float8CurrentScaling(fp8_format=tf8.Format.HYBRID)}
+# "calibrated": DelayedScaling whose step 0 is a high-precision step under
+# fp8_autocast(enabled=False, calibrating=True), which sets every role's scales (grad_output too).
+recipes["calibrated"] = recipes["delayed"]
 results = {}
 import torch.nn.functional as F
-def train_step(model, recipe, tokens, opt, ls):
+def train_step(model, recipe, tokens, opt, ls, calibrating=False):
     """bench_gpt.train_step with the loss scaled by ls (and the clip norm with it): gradients
     ls times smaller, as a model with more tokens per batch has them; Adam is scale-free."""
-    with glc.common.fp8_context(recipe):
+    context = (tf8.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe)
+               if calibrating else glc.common.fp8_context(recipe))
+    with context:
         logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     (loss * ls).backward()
@@ -80,7 +85,8 @@ for key in a.precisions.split(","):
             g["lr"] = glc.lr_at(args, step)
         if stats is not None and step == a.stats_steps:
             stats.disable(); stats = None
-        loss = train_step(model, recipe, batches.batch_at(step), opt, a.loss_scale)
+        loss = train_step(model, recipe, batches.batch_at(step), opt, a.loss_scale,
+                          calibrating=key == "calibrated" and step == 0)
         losses.append(loss)
         if stats is not None:
             recs += stats.step()
