@@ -160,15 +160,29 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         states named in ``_state_dtypes`` keep their own dtypes here. A group saved by another
         optimizer (torch.optim's) takes this one's defaults for what it lacks."""
         kept = self._kept_states()
-        saved = {key: {name: value for name, value in entry.items() if name in kept}
-                 for key, entry in state_dict["state"].items()}
-        for group in state_dict["param_groups"]:
-            self._check_group({**self.defaults, **group})
-        super().load_state_dict(state_dict)
+        taken = {}
+
+        def take(optimizer, hooked: dict) -> None:
+            # Registered last, so it sees the dict torch loads, after the caller's pre-hooks
+            # (torch's way to load a state saved over another parameter order): the groups
+            # checked before anything is loaded, the kept states read from it.
+            for group in hooked["param_groups"]:
+                self._check_group({**self.defaults, **group})
+            taken["groups"] = hooked["param_groups"]
+            taken["saved"] = {key: {name: value for name, value in entry.items()
+                                    if name in kept}
+                              for key, entry in hooked["state"].items()}
+
+        handle = self.register_load_state_dict_pre_hook(take)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+        saved = taken["saved"]
         for group in self.param_groups:
             for name, default in self.defaults.items():
                 group.setdefault(name, default)
-        ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        ids = chain.from_iterable(g["params"] for g in taken["groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for key, param in zip(ids, params):
             for name, value in saved.get(key, {}).items():

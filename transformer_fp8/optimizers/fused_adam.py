@@ -81,6 +81,13 @@ class FusedAdam(MasterWeightOptimizer):
         for i, beta in enumerate(group["betas"]):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"FusedAdam: argument 'betas[{i}]' must be in [0, 1), got {beta}")
+        # (torch.optim.Adam's switches that a loaded or added group may carry: the step has
+        # neither, and would ignore them silently)
+        for name in ("amsgrad", "maximize"):
+            if group.get(name, False):
+                raise ValueError(f"FusedAdam: argument '{name}' must be False (no such "
+                                 f"variant of the step), got {group[name]!r} in a parameter "
+                                 "group")
 
     def _state_dtypes(self) -> dict:
         return {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype,
