@@ -102,6 +102,8 @@ def _keep_ticket(layer, inp, state, weight, bias, state_slices, backward_step) -
         return  # (a weight that is not the Parameter itself: split, or Conv1D's transpose)
     delayed, buffers = None, []
     if state_slices is not None:
+        if not _adopted(layer, state.recipe):
+            return  # (the next forward adopts again)
         fwd_state, bwd_state = layer._scaling_states
         delayed = (fwd_state, fwd_state.step, bwd_state, backward_step)
         buffers = list(float_state_buffers(layer._buffers))
@@ -282,7 +284,7 @@ def _delayed_state(layer, recipe, slices_of):
     buffers = float_state_buffers(layer._buffers)
     cached = layer._fused_step_cache
     if (cached is not None and cached[0] is recipe and cached[1] is layer._recipe_code
-            and all(map(operator.is_, cached[2], buffers))):
+            and _adopted(layer, recipe) and all(map(operator.is_, cached[2], buffers))):
         return cached[3]
     layer._adopt_recipe(recipe)
     fmt = recipe.fp8_format
@@ -291,6 +293,15 @@ def _delayed_state(layer, recipe, slices_of):
     layer._fused_step_cache = (recipe, layer._recipe_code, float_state_buffers(layer._buffers),
                                slices)
     return slices
+
+
+def _adopted(layer, recipe) -> bool:
+    """Whether the layer's adoption of ``recipe`` is complete (state.py's _adopt_recipe): not
+    where an evaluation forward under it left the backward scales to be rescaled to its format
+    by the next training forward, which must adopt again (the C++ step then cast grad_output
+    with scales made for another format: 128x too large from HYBRID to E4M3)."""
+    adopted = layer.__dict__.get("_adopted_recipe")
+    return adopted is not None and adopted[0] is recipe
 
 
 def _state_slices(layer, fmt) -> tuple:
