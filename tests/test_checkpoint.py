@@ -258,15 +258,19 @@ def test_assign_true_takes_non_contiguous_fp8_state(gen):
     assigned, copied = tfp8.Linear(32, 16, recipe=RECIPE), tfp8.Linear(32, 16, recipe=RECIPE)
     assigned.load_state_dict(checkpoint, assign=True)
     copied.load_state_dict(checkpoint)
-    for _ in range(3):
-        x = randn(gen, 8, 32)
+    _assert_trains_as(assigned, copied, [randn(gen, 8, 32) for _ in range(3)])
+
+
+def _assert_trains_as(layer, twin, inputs) -> None:
+    """An FP8 training step of both on each input: equal outputs, then equal state_dicts."""
+    for x in inputs:
         with fp8_autocast(fp8_recipe=RECIPE):
-            out, expected = assigned(x), copied(x)
+            out, expected = layer(x), twin(x)
         assert torch.equal(out, expected)
         out.sum().backward()
         expected.sum().backward()
-    for key, value in copied.state_dict().items():
-        assert torch.equal(assigned.state_dict()[key], value), key
+    for key, value in twin.state_dict().items():
+        assert torch.equal(layer.state_dict()[key], value), key
 
 
 def test_assign_true_keeps_the_fp8_state_usable(gen):
@@ -293,13 +297,7 @@ def test_assign_true_keeps_the_fp8_state_usable(gen):
         for key, value in twin.state_dict().items():
             assert layer.state_dict()[key].dtype == value.dtype, key
             assert layer.state_dict()[key].device == value.device, key
-        with fp8_autocast(fp8_recipe=RECIPE):
-            out, expected = layer(x), twin(x)
-        assert torch.equal(out, expected)
-        out.sum().backward()
-        expected.sum().backward()
-        for key, value in twin.state_dict().items():
-            assert torch.equal(layer.state_dict()[key], value), key
+        _assert_trains_as(layer, twin, [x])
 
 
 def test_resume_under_another_recipe_with_torch_compile(gen):
