@@ -427,13 +427,17 @@ def test_a_failed_backward_dw_hands_nothing_over_and_can_be_retried(kind):
     assert not module._wgrad.pending  # the entry handed over once
 
 
+@pytest.mark.parametrize("checkpointed", [None, "reentrant", "non_reentrant"])
 @pytest.mark.parametrize("how", ["is_first_microbatch", "overwrite_main_grad"])
 @pytest.mark.parametrize("delay", [False, True], ids=["fuse", "fuse_and_delay"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_module_run_twice_writes_the_sum_of_both_gradients_over_main_grad(kind, delay, how):
+def test_a_module_run_twice_writes_the_sum_of_both_gradients_over_main_grad(kind, delay, how,
+                                                                           checkpointed):
     """A module run twice in one forward, its main_grad written over (is_first_microbatch=True
     or overwrite_main_grad): main_grad ends as the sum of both calls' gradients (the second
-    call's gradient wrote over the first's: half the gradient lost, no error)."""
+    call's gradient wrote over the first's: half the gradient lost, no error), also with each
+    call in its own checkpointed region (a reentrant one backpropagates in a pass of its own,
+    and its recomputation runs the forward again)."""
     module, ref, call, weights = _modules(kind, fuse_wgrad_accumulation=True,
                                          delay_wgrad_compute=delay)
     params, ref_params = dict(module.named_parameters()), dict(ref.named_parameters())
@@ -442,11 +446,18 @@ def test_a_module_run_twice_writes_the_sum_of_both_gradients_over_main_grad(kind
         if how == "overwrite_main_grad":
             params[n].overwrite_main_grad = True
     first = True if how == "is_first_microbatch" else None
-    x1, x2 = torch.randn(16, 32), torch.randn(16, 32)
-    (call(module, x1, is_first_microbatch=first)
-     + call(module, x2, is_first_microbatch=first)).square().sum().backward()
+    x1, x2 = torch.randn(16, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+
+    def run(x):
+        if checkpointed is None:
+            return call(module, x, is_first_microbatch=first)
+        return torch.utils.checkpoint.checkpoint(
+            lambda t: call(module, t, is_first_microbatch=first), x,
+            use_reentrant=checkpointed == "reentrant")
+
+    (run(x1) + run(x2)).square().sum().backward()
     (call(ref, x1) + call(ref, x2)).square().sum().backward()
-    if delay:
+    while delay and module._wgrad.pending:  # (one entry per reentrant region's pass)
         module.backward_dw()
     for n in weights:
         torch.testing.assert_close(params[n].main_grad, ref_params[n].grad, rtol=1e-6,

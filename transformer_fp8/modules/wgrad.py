@@ -4,8 +4,8 @@ delay_wgrad_compute.
 fuse_wgrad_accumulation (Megatron-LM's gradient buffers): every weight has a ``main_grad``
 tensor (usually float32); its gradient is added to main_grad instead of .grad (written over it
 when the forward ran with is_first_microbatch=True, or when the weight has
-``overwrite_main_grad = True``: by the first gradient of each backward pass; a module run twice
-in the forward adds its second). Autograd then gets no gradient for the weight, or zeros when
+``overwrite_main_grad = True``: by the first gradient handed over after that forward; a module
+run twice in it adds its second, also under reentrant checkpointing). Autograd then gets no gradient for the weight, or zeros when
 the weight has a ``grad_added_to_main_grad`` attribute, which is set to True (Megatron's DDP
 reads it), as Transformer Engine does.
 
@@ -27,6 +27,8 @@ from collections import deque
 from typing import Optional
 
 import torch
+
+from ..quantization import checkpoint_stack
 
 
 def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:
@@ -79,9 +81,32 @@ class WgradRouting:
         self.pending: deque = deque()  # per backward pass: [(param, is_weight, first, grad)]
         self._open: Optional[list] = None
         self._open_task = -1  # the autograd graph task that last added to the open entry
-        # id(param) -> the graph task that last wrote over its main_grad: a module run twice in
-        # one forward gets two gradients in that pass, and only the first writes over it.
-        self._overwritten: dict = {}
+        # id(param) of each weight whose next gradient writes over its main_grad: set by a
+        # forward that asks for it (is_first_microbatch=True, overwrite_main_grad), taken by
+        # the first gradient handed over after it. A module run twice in that forward gets two
+        # gradients (in one backward pass, or each in a reentrant checkpoint's own), and the
+        # second adds to the first.
+        self._overwrite_next: set = set()
+
+    def mark(self, param, is_weight: bool, first: Optional[bool]) -> None:
+        """Called by every forward that uses ``param`` (see _overwrite_next): a training
+        forward, or a checkpointed region's first forward (a reentrant one runs without
+        gradients); not a checkpoint's recomputation, which runs in backward, after gradients
+        of the same forward may have been handed over."""
+        if not (self.fuse and is_weight and _overwrites(param, first)):
+            return
+        context = checkpoint_stack.checkpoint_context()  # (a walk up the stack: here only)
+        if context.recomputation is not None:
+            return
+        if not torch.is_grad_enabled() and not context.regions:
+            return  # (an evaluation forward: no gradient follows)
+        self._overwrite_next.add(id(param))
+
+    def _takes_overwrite(self, param) -> bool:
+        if id(param) not in self._overwrite_next:
+            return False
+        self._overwrite_next.discard(id(param))
+        return True
 
     def routes(self, is_weight: bool) -> bool:
         return self.delay or (self.fuse and is_weight)
@@ -100,12 +125,7 @@ class WgradRouting:
             self._open_task = task
             self._open.append((param, is_weight, first, grad))
             return None
-        overwrite = _overwrites(param, first)
-        if overwrite:
-            task = torch._C._current_graph_task_id()
-            overwrite = task == -1 or self._overwritten.get(id(param)) != task
-            self._overwritten[id(param)] = task
-        add_to_main_grad(param, grad, overwrite)
+        add_to_main_grad(param, grad, self._takes_overwrite(param))
         return _autograd_result(param)
 
     def backward_dw(self) -> None:
@@ -118,12 +138,9 @@ class WgradRouting:
         self.pending.popleft()
         if entry is self._open:
             self._open = None
-        written = set()  # (the parameters whose main_grad this entry has written over)
         for param, is_weight, first, grad in entry:
             if self.fuse and is_weight:
-                overwrite = _overwrites(param, first) and id(param) not in written
-                written.add(id(param))
-                add_to_main_grad(param, grad, overwrite)
+                add_to_main_grad(param, grad, self._takes_overwrite(param))
                 if hasattr(param, "grad_added_to_main_grad"):
                     param.grad_added_to_main_grad = True
             else:
@@ -147,7 +164,10 @@ class WgradRoute(torch.autograd.Function):
 
 def route(param, routing: Optional[WgradRouting], is_weight: bool, first: Optional[bool]):
     """The parameter as the module's computation should use it."""
-    if (routing is None or param is None or not param.requires_grad
-            or not torch.is_grad_enabled() or not routing.routes(is_weight)):
+    if routing is None or param is None or not param.requires_grad \
+            or not routing.routes(is_weight):
+        return param
+    routing.mark(param, is_weight, first)
+    if not torch.is_grad_enabled():
         return param
     return WgradRoute.apply(param, routing, is_weight, first)
