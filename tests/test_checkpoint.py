@@ -423,6 +423,17 @@ def test_load_fp8_state_takes_a_layer_held_under_two_names():
             assert torch.equal(target.state_dict()[key], value), key
 
 
+def test_load_fp8_state_takes_a_model_that_is_itself_an_fp8_layer():
+    """The model an FP8 layer (its name ""): it looked for ".fp8_fwd_scale" and refused."""
+    source = tfp8.Linear(32, 32)
+    source.load_state_dict(_trained_layer_state())
+    target = tfp8.Linear(32, 32)
+    assert tfp8.load_fp8_state(target, source.state_dict()) == [""]
+    for key, value in source.state_dict().items():
+        if key.startswith("fp8_"):
+            assert torch.equal(target.state_dict()[key], value), key
+
+
 @pytest.mark.parametrize("fields", [[0, 9, 4, 0], [-5, 2, 4, 0], [0, 2, 0, 0], [0, 2, 4, 7],
                                     [0.0, 2.0, 4.0, 0.0], [0, 2, 4]],
                          ids=["format", "margin", "length", "algo", "float", "short"])

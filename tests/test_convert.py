@@ -276,3 +276,28 @@ def test_lora_adapters_stay_in_high_precision():
     everything = tfp8.convert_to_fp8(torch.nn.Sequential(LoraLinear()), return_summary=True,
                                      filter_fn=lambda layer, name: True)
     assert len(everything.converted) == 3  # (a filter of one's own decides)
+
+
+@pytest.mark.parametrize("how", ["built", "converted", "layernorm_linear"])
+def test_a_bias_set_after_construction_is_used(how):
+    """torch.nn.Linear built without a bias uses one assigned later (layer.bias =
+    nn.Parameter(...)); the FP8 layer ignored it (output off by the bias, bias.grad None)."""
+    torch.manual_seed(0)
+    if how == "built":
+        layer = tfp8.Linear(32, 48, bias=False)
+    elif how == "converted":
+        layer = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 48, bias=False)))[0]
+    else:
+        layer = tfp8.LayerNormLinear(32, 48, bias=False)
+    assert "bias=False" in repr(layer)
+    layer.bias = torch.nn.Parameter(torch.randn(48))
+    assert "bias=True" in repr(layer)
+    x = torch.randn(16, 32)
+    normed = layer._norm_hp(x) if how == "layernorm_linear" else x
+    expected = torch.nn.functional.linear(normed, layer.weight, layer.bias)
+    assert torch.equal(layer(x), expected)
+    with tfp8.fp8_autocast(fp8_recipe=tfp8.DelayedScaling()):
+        out = layer(x)
+    assert sqnr(expected.detach(), out.detach()) > 20
+    out.sum().backward()
+    assert torch.equal(layer.bias.grad, torch.full((48,), 16.0))

@@ -79,11 +79,13 @@ def load_fp8_state(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, d
     if not layers:
         raise ValueError("load_fp8_state: the model has no FP8 layers; convert it first "
                          "(transformer_fp8.convert_to_fp8(model, recipe=...))")
-    prefixes = [""] + [getattr(model, "base_model_prefix", "") + "."]
+    prefixes = ["", getattr(model, "base_model_prefix", "") or ""]
     found = {}  # layer name -> its FP8 state_dict keys in the checkpoint
     for name, layer in layers.items():
         for prefix in prefixes:
-            keys = {k: prefix + name + "." + k for k in FP8_STATE_KEYS}
+            # (the model itself may be the FP8 layer: its name is "")
+            keys = {k: ".".join(part for part in (prefix, name, k) if part)
+                    for k in FP8_STATE_KEYS}
             if all(full in state for full in keys.values()):
                 found[name] = keys
                 break

@@ -168,7 +168,8 @@ class LayerNormLinear(TensorParallelMixin, NormFirstModule):
                 self.init_method(weight)
         with torch.no_grad():
             for bias in self._parameters_of("bias"):
-                bias.zero_()
+                if bias is not None:
+                    bias.zero_()
 
     def _gemm_dims(self):
         return [(self.out_features, self.in_features)]
@@ -207,5 +208,5 @@ class LayerNormLinear(TensorParallelMixin, NormFirstModule):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"normalization={self.normalization}, bias={bool(self._parts['bias'])}, "
+                f"normalization={self.normalization}, bias={self._has('bias')}, "
                 "fp8=True")

@@ -165,7 +165,7 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
         """The Transformer Engine attributes of an nn.Linear that convert_to_fp8 turned into
         this class: the defaults."""
         self._init_te_module()
-        self._parts = {"weight": ["weight"], "bias": [] if self.bias is None else ["bias"]}
+        self._parts = {"weight": ["weight"], "bias": ["bias"]}  # (None until one is set)
         self.return_bias = False
         self.init_method = None
         self._weight_rng = None
@@ -261,7 +261,7 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={bool(self._parts.get('bias'))}, fp8=True")
+                f"bias={self._has('bias')}, fp8=True")
 
 
 def _feature_count(name: str, value) -> int:

@@ -117,10 +117,12 @@ class TeModuleMixin:
     def _register_gemm_parameter(self, logical: str, tensor: Optional[torch.Tensor],
                                  parts: Optional[list] = None) -> None:
         """Register ``tensor`` (rows = output features) as Parameter ``logical``, or as one
-        Parameter per part (``<part>_weight`` for a weight, ``<part>_bias`` for a bias)."""
+        Parameter per part (``<part>_weight`` for a weight, ``<part>_bias`` for a bias). None:
+        no such Parameter yet; one assigned later (``layer.bias = nn.Parameter(...)``, which
+        torch.nn.Linear honours) is used (parts: a split bias cannot come later)."""
         if tensor is None:
             self.register_parameter(logical, None)
-            self._parts[logical] = []
+            self._parts[logical] = [logical] if parts is None else []
             return
         if parts is None:
             self.register_parameter(logical, torch.nn.Parameter(tensor))
@@ -136,7 +138,11 @@ class TeModuleMixin:
         self._parts[logical] = names
 
     def _parameters_of(self, logical: str) -> list:
+        """The Parameters of ``logical`` (an absent bias: [None])."""
         return [getattr(self, name) for name in self._parts.get(logical, [logical])]
+
+    def _has(self, logical: str) -> bool:
+        return any(p is not None for p in self._parameters_of(logical))
 
     def _weight_for_checks(self) -> torch.Tensor:
         """base.py's dispatch and the roles read the weight's dtype and type only: the first
