@@ -280,15 +280,15 @@ def isolated_fp8_autocast(enabled: bool, fp8_recipe: Optional[Recipe], fp8_group
     holds the forward update and its backward graph the backward update, so every replay does
     what an eager step does. The surrounding contexts are restored afterwards."""
     saved = (_LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps, _LOCAL.pass_id,
-             _LOCAL.isolated, _LOCAL.calibrating)  # (not kept_steps: an isolated context
-    _LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps = [], {}, {}  # has its own)
-    _LOCAL.isolated, _LOCAL.calibrating = True, False
+             _LOCAL.isolated, _LOCAL.calibrating, _LOCAL.evaluated)  # (not kept_steps: an
+    _LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps = [], {}, {}  # isolated context
+    _LOCAL.isolated, _LOCAL.calibrating, _LOCAL.evaluated = True, False, []  # has its own)
     try:
         with fp8_autocast(enabled=enabled, fp8_recipe=fp8_recipe, fp8_group=fp8_group):
             yield
     finally:
         (_LOCAL.stack, _LOCAL.forward_steps, _LOCAL.backward_steps, _LOCAL.pass_id,
-         _LOCAL.isolated, _LOCAL.calibrating) = saved
+         _LOCAL.isolated, _LOCAL.calibrating, _LOCAL.evaluated) = saved
 
 
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,

@@ -50,6 +50,9 @@ class _ThreadAutocast(threading.local):
         self.pass_id = 0  # of the outermost context last entered (see autocast.forward_pass_id)
         self.isolated = False  # inside autocast.isolated_fp8_autocast
         self.calibrating = False  # a calibrating context was entered under the outermost one
+        # Forward states an evaluation forward recorded into under a step other than theirs
+        # (record_forward): their amaxes are forgotten at the exit, their step kept.
+        self.evaluated: list = []
 
 
 _LOCAL = _ThreadAutocast()
@@ -116,7 +119,14 @@ def record_forward(state: AutocastState, fwd_state: ScalingState,
         backward_step = local.backward_steps[_prepare_steps(state)]
     forward_step = local.forward_steps[state.step_key]
     if fwd_state.step is not forward_step:  # (else covered since an earlier step)
-        forward_step.add(fwd_state)
+        if fwd_state.step is not None and _evaluation(state):
+            # An evaluation under another step (another fp8_group, or a recipe that differs
+            # in reduce_amax only) took the state from the step that trains it, which then
+            # neither reduced nor updated it (a layer that trains on some ranks only drifted
+            # apart across them). Its amaxes are forgotten at the exit all the same.
+            local.evaluated.append(fwd_state)
+        else:
+            forward_step.add(fwd_state)
     if bwd_state.step is not backward_step.step and (
             torch.is_grad_enabled() or checkpoint_stack.checkpoint_context().regions):
         # A forward without gradients (no_grad, inference_mode: an evaluation) has no backward
@@ -128,12 +138,31 @@ def record_forward(state: AutocastState, fwd_state: ScalingState,
     return backward_step
 
 
+def _evaluation(state: AutocastState) -> bool:
+    """Whether this forward evaluates: no gradients, not calibrating, not a checkpointed
+    region's first forward (a reentrant one runs without gradients)."""
+    return (not torch.is_grad_enabled() and not state.calibrating
+            and not checkpoint_stack.regions_to_keep())
+
+
+def _forget_evaluated(states: list) -> None:
+    """Zero the amaxes that evaluation forwards recorded (row 0), as a discarded step does
+    (update_plan.UpdatePlan.discard)."""
+    with torch.no_grad():
+        for fwd_state in states:
+            row = fwd_state.history[0]
+            (row[0::2] if fwd_state.weight_amaxes_from_writes else row).zero_()
+
+
 def _exit_outermost(failed: bool) -> None:
     local = _LOCAL  # (each attribute read once: a thread-local's cost several plain reads)
     steps, backward_steps = local.forward_steps, local.backward_steps
     calibrating = local.calibrating
     if calibrating:
         local.calibrating = False
+    evaluated = local.evaluated
+    if evaluated:
+        local.evaluated = []
     grad_enabled = torch.is_grad_enabled()
     if steps:
         local.forward_steps, local.backward_steps = {}, {}
@@ -146,6 +175,7 @@ def _exit_outermost(failed: bool) -> None:
             # reentrant checkpoint's first forward (no_grad too, but a training forward).
             for step in steps.values():
                 step.discard()
+            _forget_evaluated(evaluated)
         elif len(steps) == 1:  # (one recipe, the common case: update_all's work for one)
             for step in steps.values():
                 step.reduce_and_update()
