@@ -229,7 +229,12 @@ class AmaxStep:
         if not (self.include_unrecorded and (reduce or _COMPILED_MODULES)):
             return self._recorded_plan()
         recorded = self._recorded_plan(reduce)
-        devices = recorded.devices if recorded is not None else frozenset()
+        # A rank that recorded nothing covers every device, as the devices of every state do:
+        # the key (whether this rank checks the layout with the others below) must not depend
+        # on what each rank recorded (a rank whose step ran none of its layers checked alone:
+        # mismatched collectives).
+        devices = (recorded.devices if recorded is not None
+                   else scaling_state.devices(self.role))
         if reduce:
             key = (self.recipe, self.role, devices, len(_COMPILED_MODULES))
             cache = _EVERY_STATE_PLANS

@@ -107,6 +107,20 @@ def registered(role: str) -> list[ScalingState]:
     return found
 
 
+_DEVICES: dict = {}  # role -> (generation, the devices of its live states)
+
+
+def devices(role: str) -> frozenset:
+    """The devices of the live states of ``role`` (made again when the generation changes: a
+    state registered, bound or moved)."""
+    cached = _DEVICES.get(role)
+    if cached is not None and cached[0] == _current[0]:
+        return cached[1]
+    found = frozenset(state.device for state in registered(role) if state.device is not None)
+    _DEVICES[role] = (_current[0], found)
+    return found
+
+
 def find(key: int, role: str) -> Optional[ScalingState]:
     ref = _STATES.get((key, role))
     return None if ref is None else ref()
