@@ -170,16 +170,24 @@ def test_a_checkpointed_calibrating_step_calibrates_as_without_checkpointing(mod
         assert torch.equal(got, want)
 
 
-def test_a_compiled_calibrating_step_calibrates_as_eagerly():
+@pytest.mark.parametrize("checkpointed", [None, "reentrant", "non_reentrant"])
+def test_a_compiled_calibrating_step_calibrates_as_eagerly(checkpointed):
+    """Also inside a checkpoint (a reentrant one: its first forward runs without gradients,
+    and the compiled module kept no record for its recomputation to record them by)."""
     torch.manual_seed(0)
     base = te.LayerNormMLP(32, 64)
-    x = torch.randn(16, 32)
+    x = torch.randn(16, 32, requires_grad=True)
     states = []
     for compiled in (False, True):
+        torch._dynamo.reset()
         model = copy.deepcopy(base)
         run = torch.compile(model, backend="aot_eager") if compiled else model
         with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=RECIPE):
-            out = run(x)
+            if checkpointed is None:
+                out = run(x)
+            else:
+                out = torch.utils.checkpoint.checkpoint(
+                    run, x, use_reentrant=checkpointed == "reentrant")
         out.square().mean().backward()
         assert torch.all(model.fp8_bwd_scale != 1), "the grad_output scales were calibrated"
         states.append([b.clone() for name, b in model.named_buffers() if "fp8_bwd" in name]

@@ -244,8 +244,11 @@ class Fp8StateMixin(Fp8State):
     @torch.compiler.disable
     def _calibrate_eagerly(self, inp, state):
         # Calibration records amaxes into state the trace cannot hold (the recipe adopted, the
-        # module joining the step's update): under torch.compile it runs eagerly (a graph break).
-        return self._run_high_precision(inp, recording_linear(self, state))
+        # module joining the step's update): under torch.compile it runs eagerly (a graph break),
+        # keeping the replay record of a checkpointed region (whose recomputation records the
+        # grad_output amaxes), which the trace could not look for.
+        regions = checkpoint_stack.regions_to_keep()
+        return self._run_high_precision(inp, recording_linear(self, state, regions))
 
     @torch.compiler.disable
     def _replay_if_recomputing(self, inp):
