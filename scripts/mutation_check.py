@@ -147,6 +147,12 @@ MUTANTS = [
            "quantization/state_materialisation.py",
            "            state.took_loaded_state()\n", "            pass\n",
            ("tests/test_recipe_switch_pretrained.py",)),
+    Mutant("C++ step reusing an adoption still owing a rescale", "modules/linear_fused_step.py",
+           "            and _adopted(layer, recipe) and all(", "            and all(",
+           ("tests/test_recipe_switch.py",), "cpp_step"),
+    Mutant("calibration recording no grad_output", "quantization/calibration.py",
+           "            if out.requires_grad and bwd_state.step is backward_step.step:\n",
+           "            if False:\n", ("tests/test_calibration_backward.py",)),
 ]
 
 
