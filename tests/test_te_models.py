@@ -464,6 +464,24 @@ def test_a_module_run_twice_writes_the_sum_of_both_gradients_over_main_grad(kind
                                    atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_fuse_wgrad_accumulation_under_torch_compile_follows_is_first_microbatch(fullgraph):
+    """A compiled Linear (aot_eager) over three microbatches, is_first_microbatch True, False,
+    then True again: main_grad written over, added to, written over, as eagerly (the eager
+    forward's bookkeeping walks the stack, which a trace cannot: fullgraph=True raised)."""
+    torch._dynamo.reset()
+    module, ref, call, _ = _modules("linear", fuse_wgrad_accumulation=True)
+    module.weight.main_grad = torch.full_like(module.weight, 5.0)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=fullgraph)
+    x = torch.randn(16, 32)
+    ref(x).square().sum().backward()
+    expected = ref.weight.grad
+    for first, factor in ((True, 1), (False, 2), (True, 1)):
+        compiled(x, is_first_microbatch=first).square().sum().backward()
+        torch.testing.assert_close(module.weight.main_grad, factor * expected, rtol=1e-6,
+                                   atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_wgrad_options_are_fixed_at_construction(kind):
     """Assigning fuse_wgrad_accumulation / delay_wgrad_compute after construction changed

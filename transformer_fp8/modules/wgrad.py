@@ -5,7 +5,9 @@ fuse_wgrad_accumulation (Megatron-LM's gradient buffers): every weight has a ``m
 tensor (usually float32); its gradient is added to main_grad instead of .grad (written over it
 when the forward ran with is_first_microbatch=True, or when the weight has
 ``overwrite_main_grad = True``: by the first gradient handed over after that forward; a module
-run twice in it adds its second, also under reentrant checkpointing). Autograd then gets no gradient for the weight, or zeros when
+run twice in it adds its second, also under reentrant checkpointing; known limitation: a
+compiled module whose backward is traced too writes over it with each gradient). Autograd then
+gets no gradient for the weight, or zeros when
 the weight has a ``grad_added_to_main_grad`` attribute, which is set to True (Megatron's DDP
 reads it), as Transformer Engine does.
 
@@ -87,6 +89,11 @@ class WgradRouting:
         # gradients (in one backward pass, or each in a reentrant checkpoint's own), and the
         # second adds to the first.
         self._overwrite_next: set = set()
+        # A compiled forward marks nothing (the walk up the stack below cannot be traced, nor
+        # a side effect inside the compiled module's autograd functions): its nodes carry
+        # (TRACED, first), and the first gradient of each backward pass writes over main_grad
+        # (id(param) -> the graph task that last did).
+        self._overwritten: dict = {}
 
     def mark(self, param, is_weight: bool, first: Optional[bool]) -> None:
         """Called by every forward that uses ``param`` (see _overwrite_next): a training
@@ -102,7 +109,18 @@ class WgradRouting:
             return  # (an evaluation forward: no gradient follows)
         self._overwrite_next.add(id(param))
 
-    def _takes_overwrite(self, param) -> bool:
+    def _takes_overwrite(self, param, first, in_backward_pass: bool) -> bool:
+        """Whether this gradient of ``param`` writes over its main_grad (``in_backward_pass``:
+        else handed over by backward_dw, whose entry dedupes)."""
+        if type(first) is tuple:  # (TRACED, first): a compiled forward's
+            if not _overwrites(param, first[1]):
+                return False
+            if not in_backward_pass or torch.compiler.is_compiling():
+                return True  # (a traced backward cannot ask for its graph task: known limitation)
+            task = torch._C._current_graph_task_id()
+            fresh = self._overwritten.get(id(param)) != task
+            self._overwritten[id(param)] = task
+            return fresh
         if id(param) not in self._overwrite_next:
             return False
         self._overwrite_next.discard(id(param))
@@ -125,7 +143,8 @@ class WgradRouting:
             self._open_task = task
             self._open.append((param, is_weight, first, grad))
             return None
-        add_to_main_grad(param, grad, self._takes_overwrite(param))
+        overwrite = self._takes_overwrite(param, first, in_backward_pass=True)
+        add_to_main_grad(param, grad, overwrite)
         return _autograd_result(param)
 
     def backward_dw(self) -> None:
@@ -138,9 +157,13 @@ class WgradRouting:
         self.pending.popleft()
         if entry is self._open:
             self._open = None
+        written = set()  # (a compiled forward's parameters this entry has written over)
         for param, is_weight, first, grad in entry:
             if self.fuse and is_weight:
-                add_to_main_grad(param, grad, self._takes_overwrite(param))
+                overwrite = id(param) not in written and self._takes_overwrite(param, first,
+                                                                               False)
+                written.add(id(param))
+                add_to_main_grad(param, grad, overwrite)
                 if hasattr(param, "grad_added_to_main_grad"):
                     param.grad_added_to_main_grad = True
             else:
@@ -167,7 +190,14 @@ def route(param, routing: Optional[WgradRouting], is_weight: bool, first: Option
     if routing is None or param is None or not param.requires_grad \
             or not routing.routes(is_weight):
         return param
+    if torch.compiler.is_compiling():
+        if not torch.is_grad_enabled():
+            return param
+        return WgradRoute.apply(param, routing, is_weight, (TRACED, first))
     routing.mark(param, is_weight, first)
     if not torch.is_grad_enabled():
         return param
     return WgradRoute.apply(param, routing, is_weight, first)
+
+
+TRACED = "traced"  # (first element of a compiled forward's ``first``: see WgradRouting)
