@@ -301,3 +301,21 @@ def test_a_bias_set_after_construction_is_used(how):
     assert sqnr(expected.detach(), out.detach()) > 20
     out.sum().backward()
     assert torch.equal(layer.bias.grad, torch.full((48,), 16.0))
+
+
+def test_a_subclass_of_conv1d_is_left_alone():
+    """A subclass named Conv1D that overrides forward keeps its own forward: converting it
+    would replace that forward by transformers' (its output silently changed)."""
+    class Conv1D(globals()["Conv1D"]):  # (the same class name, as a user's override has)
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Conv1D(32, 32))
+    x = torch.randn(4, 32)
+    expected = model(x)
+    with pytest.warns(UserWarning, match="converted 0 of 1"):
+        summary = tfp8.convert_to_fp8(model, return_summary=True)
+    assert "may compute its own way" in summary.skipped["0"]
+    assert type(model[0]) is Conv1D and not hasattr(model[0], "in_features")
+    assert torch.equal(model(x), expected)

@@ -143,8 +143,8 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
 
     The layers stay the same objects (their class changes and they gain the FP8 state), so
     Parameters, hooks, attributes and shared uses are all kept, and optimizers and DDP see no
-    change. Subclasses of nn.Linear are left alone (they may use their weight in their own
-    way, as nn.MultiheadAttention's out_proj does). filter_fn(layer, fully_qualified_name) ->
+    change. Subclasses of nn.Linear and of Conv1D are left alone (they may use their weight
+    their own way, as nn.MultiheadAttention's out_proj does). filter_fn(layer, name) ->
     bool chooses which layers; by default those whose in_features and out_features are
     multiples of 16, except peft's LoRA adapters (lora_A / lora_B: high precision over their
     converted base layer). recipe: the recipe the layers will train with, so that their FP8 state has
@@ -181,6 +181,14 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
                 summary.converted.append(name)  # converted before
             continue
         if _is_transformers_conv1d(child):
+            if type(child).__bases__ != (torch.nn.Module,):
+                # transformers' Conv1D derives from nn.Module alone; a subclass may override
+                # forward, which the FP8 Conv1D's would replace.
+                summary.skipped[name] = (f"{type(child).__qualname__} derives from "
+                                         f"{type(child).__bases__[0].__qualname__}, not "
+                                         "torch.nn.Module alone as transformers' Conv1D does: a "
+                                         "subclass may compute its own way")
+                continue
             child.in_features, child.out_features = child.nx, child.nf  # as Linear names them
             new_class = conv1d_classes.for_class(type(child))
         elif type(child) is torch.nn.Linear:
