@@ -140,6 +140,23 @@ def test_each_collector_rewrites_its_json_lines_file(tmp_path):
     assert [r["step"] for r in debug.read_records(path)] == [0] * 3 + [1] * 3 + [2] * 3
 
 
+def test_layer_names_that_read_as_numbers_come_back_as_names(tmp_path):
+    """Layers named "inf" and "nan" (a ModuleDict's keys): read_records gives back the names,
+    as written (it turned them into floats), and the non-finite figures as floats."""
+    path = str(tmp_path / "fp8.jsonl")
+    model = torch.nn.ModuleDict({"inf": tfp8.Linear(32, 32), "nan": tfp8.Linear(32, 32)})
+    with debug.collect_stats(model, path=path) as stats:
+        with tfp8.fp8_autocast(fp8_recipe=tfp8.DelayedScaling()):
+            out = model["nan"](model["inf"](torch.randn(16, 32)))
+        out.sum().backward()
+        stats.step()
+    records = debug.read_records(path)
+    assert {r["layer"] for r in records} == {"inf", "nan"}
+    assert records == stats.records
+    assert any(isinstance(r[k], float) and math.isinf(r[k]) for r in records for k in r
+               if k not in ("layer", "gemm", "tensor")), "an infinite figure read back as one"
+
+
 def test_mixed_runs_are_refused_by_the_analysis():
     """Two records of one operand at one step (runs or collectors mixed): heatmap_matrix and
     worst_report refuse them (they kept the last, or the worst of either run)."""

@@ -34,6 +34,13 @@ def test_aligned_blocks_are_returned_as_they_are():
     assert tfp8.Fp8Unpadding(3)(x, [16, 0, 32]) is x
 
 
+def test_zero_width_rows_are_padded_and_unpadded():
+    x = torch.randn(sum(SPLITS), 0)
+    padded, padded_splits = tfp8.Fp8Padding(4)(x, SPLITS)
+    assert padded.shape == (sum(padded_splits), 0)
+    assert tfp8.Fp8Unpadding(4)(padded, SPLITS).shape == x.shape
+
+
 def test_align_size_and_leading_dimensions():
     x = torch.randn(2, 5, 8)  # [batch, seq, hidden]: 10 rows
     padded, splits = tfp8.Fp8Padding(2, align_size=4)(x, torch.tensor([3, 7]))

@@ -86,6 +86,28 @@ def test_masked_vocabulary_columns_and_a_custom_ignore_index():
     assert (x.grad[..., 7:] == 0).all() and (x.grad[0, :2] == 0).all()
 
 
+@pytest.mark.parametrize("reduce_loss", [False, True])
+def test_an_ignored_token_gets_a_zero_gradient_whatever_its_logits(reduce_loss):
+    """A padding position (target ignore_idx) whose logits hold NaN or inf: its loss and its
+    row of the gradient are 0, as in Transformer Engine (the row was NaN: NaN * 0), and the
+    other tokens' gradients are torch's."""
+    logits, target = _case((1, 4, 8), torch.float32, "cpu", 0.0, seed=5)
+    logits[0, 1, 4] = float("nan")
+    logits[0, 2] = float("inf")
+    target[0, 1:3] = -100
+    x = logits.clone().requires_grad_()
+    loss = tfp8.parallel_cross_entropy(x, target, reduce_loss=reduce_loss)
+    grad_output = torch.rand(()) if reduce_loss else torch.rand(1, 4)
+    (loss * grad_output).sum().backward()
+    kept = [0, 3]
+    want_loss, want_grad = _reference(logits[:, kept], target[:, kept], 0.0, reduce_loss, -100,
+                                      grad_output if reduce_loss else grad_output[:, kept])
+    torch.testing.assert_close(loss.double() if reduce_loss else loss[:, kept].double(),
+                               want_loss, rtol=1e-6, atol=1e-7)
+    assert (x.grad[0, 1:3] == 0).all()
+    torch.testing.assert_close(x.grad[:, kept].double(), want_grad, rtol=1e-5, atol=1e-7)
+
+
 def test_all_ignored_and_empty():
     logits, target = _case((2, 3, 5), torch.float32, "cpu", 1.0, seed=3)
     x = logits.clone().requires_grad_()

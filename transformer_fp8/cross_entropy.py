@@ -132,7 +132,8 @@ class _ParallelCrossEntropy(torch.autograd.Function):
         target_column = local.clamp(0, local_vocab - 1).unsqueeze(1)
         grad.scatter_add_(1, target_column, -(1 - label_smoothing) * here.float().unsqueeze(1))
         per_row = grad_output.float() / count if reduce_loss else grad_output.float().reshape(-1)
-        grad = grad * torch.where(kept, per_row, per_row.new_zeros(())).unsqueeze(1)
+        # An ignored token's row is 0 whatever its logits (NaN or inf ones times 0 were NaN).
+        grad = torch.where(kept.unsqueeze(1), grad * per_row.reshape(-1, 1), grad.new_zeros(()))
         return grad.reshape(inp.shape).to(inp.dtype), None, None, None, None, None
 
 

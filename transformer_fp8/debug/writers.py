@@ -36,6 +36,9 @@ class JsonLinesWriter:
         self._file.close()
 
 
+_NAME_FIELDS = ("layer", "gemm", "tensor")  # (strings as written: a layer may be named "inf")
+
+
 def read_records(path: str) -> list:
     """The records of a JSON lines file written by JsonLinesWriter (inf / nan restored)."""
     out = []
@@ -43,8 +46,8 @@ def read_records(path: str) -> list:
         for line in f:
             if line.strip():
                 record = json.loads(line)
-                out.append({k: float(v) if v in ("inf", "-inf", "nan") else v
-                            for k, v in record.items()})
+                out.append({k: float(v) if k not in _NAME_FIELDS and v in ("inf", "-inf", "nan")
+                            else v for k, v in record.items()})
     return out
 
 

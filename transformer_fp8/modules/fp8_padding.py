@@ -77,7 +77,7 @@ class Fp8Padding(_AlignedSplits):
         padded = self.padded(splits)
         if padded == splits:
             return inp, splits
-        rows = inp.reshape(-1, inp.shape[-1])
+        rows = inp.reshape(sum(splits), inp.shape[-1])  # (-1 fails on zero-width rows)
         blocks = [F.pad(block, (0, 0, 0, p - m))
                   for block, m, p in zip(rows.split(splits), splits, padded)]
         return torch.cat(blocks), padded
@@ -92,5 +92,5 @@ class Fp8Unpadding(_AlignedSplits):
         padded = self.padded(splits)
         if padded == splits:
             return inp
-        rows = inp.reshape(-1, inp.shape[-1])
+        rows = inp.reshape(sum(padded), inp.shape[-1])
         return torch.cat([block[:m] for block, m in zip(rows.split(padded), splits)])
