@@ -682,13 +682,32 @@ def test_norm_options_set_on_a_built_module_act_as_constructor_arguments(kind, c
             assert torch.equal(g, e)
 
 
+def _any_norm_module(kind, **options):
+    if kind in ("LayerNormLinear", "LayerNormMLP"):
+        return _norm_module(kind, **options)
+    return getattr(tfp8, kind)(32, **options)
+
+
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("name, value", [("eps", -1.0), ("eps", float("nan")),
-                                         ("normalization", "BatchNorm")])
-def test_norm_options_set_on_a_built_module_are_checked(name, value):
-    layer = _norm_module("LayerNormLinear")
-    with pytest.raises(ValueError, match=name):
+                                         ("normalization", "BatchNorm"),
+                                         ("zero_centered_gamma", "no")])
+def test_norm_options_set_on_a_built_module_are_checked(kind, name, value):
+    """Also on the norm modules themselves (an eps of -1 or NaN set on one gave NaN outputs,
+    and zero_centered_gamma took "no" as True)."""
+    if name == "normalization" and kind != "LayerNormLinear":
+        pytest.skip("the norm modules' normalization is their class")
+    layer = _any_norm_module(kind)
+    with pytest.raises((ValueError, TypeError), match=name):
         setattr(layer, name, value)
-    assert layer.eps == 1e-5 and layer.normalization == "LayerNorm"
+    assert layer.eps == 1e-5 and layer.zero_centered_gamma is False
+
+
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm"])
+def test_zero_centered_gamma_must_be_a_bool(kind):
+    with pytest.raises(TypeError, match="zero_centered_gamma must be True or False"):
+        _any_norm_module(kind, zero_centered_gamma="no")
+    assert _any_norm_module(kind, zero_centered_gamma=1).zero_centered_gamma is True
 
 
 def _fused_twin(split: torch.nn.Module, fused: torch.nn.Module) -> torch.nn.Module:

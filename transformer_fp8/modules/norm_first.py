@@ -15,8 +15,8 @@ from ..quantization import model_init
 from ..quantization.history import history_len_for
 from .base import Fp8StateMixin
 from .fp8_primary_weights import make_fp8_primary_weights
-from .normalization import (NormStep, check_eps, check_normalization, norm_hp,
-                            reset_norm_parameters)
+from .normalization import (NormStep, check_eps, check_normalization,
+                            check_zero_centered_gamma, norm_hp, reset_norm_parameters)
 from .te_args import check_positive, check_te_options, te_default_init  # noqa: F401
 from .te_module import TeModuleMixin
 from .weight_rng import weight_rng
@@ -26,7 +26,7 @@ check_unsupported = check_te_options
 
 # The norm's options, checked as the constructor checks them when set on a built module.
 _NORM_OPTIONS = {"normalization": check_normalization, "eps": check_eps,
-                 "zero_centered_gamma": bool}
+                 "zero_centered_gamma": check_zero_centered_gamma}
 
 
 class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
@@ -79,7 +79,7 @@ class NormFirstModule(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
         an optimizer state_dict of Transformer Engine's module fits, parameter for parameter)."""
         self.eps = check_eps(eps)
         self.normalization = check_normalization(normalization)
-        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.zero_centered_gamma = check_zero_centered_gamma(zero_centered_gamma)
         fill = torch.zeros if self.zero_centered_gamma else torch.ones
         factory = dict(device=device, dtype=dtype)
         self.layer_norm_weight = torch.nn.Parameter(fill(hidden_size, **factory))

@@ -40,6 +40,13 @@ def check_eps(eps) -> float:
     return float(eps)
 
 
+def check_zero_centered_gamma(value) -> bool:
+    """True or False (1 or 0 taken as them); anything else refused (bool() took "no" as True)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"zero_centered_gamma must be True or False, got {value!r}")
+
+
 def norm_hp(x: torch.Tensor, normalization: str, weight: torch.Tensor,
             bias: Optional[torch.Tensor], eps: float, zero_centered_gamma: bool) -> torch.Tensor:
     """The norm in torch ops: float32 math, the result in x's dtype (under torch.autocast in
@@ -166,9 +173,18 @@ class _Norm(torch.nn.Module):
                              "not supported (no sequence parallelism); leave it at False")
         self.hidden_size = hidden_size
         self.eps = check_eps(eps)
-        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.zero_centered_gamma = check_zero_centered_gamma(zero_centered_gamma)
         _norm_parameters(self, hidden_size, self.normalization == "LayerNorm",
                          zero_centered_gamma, device, dtype or params_dtype)
+
+    def __setattr__(self, name, value):
+        # Set after construction (norm.eps = ...): checked as the constructor checks them (a
+        # negative or NaN eps gave NaN outputs).
+        if name == "eps":
+            value = check_eps(value)
+        elif name == "zero_centered_gamma":
+            value = check_zero_centered_gamma(value)
+        super().__setattr__(name, value)
 
     def reset_parameters(self, defer_init: Optional[bool] = False) -> None:
         if defer_init:  # (Transformer Engine's: the caller initialises later)
