@@ -83,11 +83,12 @@ class GatherForm(NamedTuple):
     """How a weight is all-gathered: in high precision (fp8_dtype None), cast to fp8_dtype
     with ``scale`` (``scale_inv`` its inverse; copies, which the scale update leaves alone), or
     in 128x128 blocks quantised by ``block`` (no scale: the blocks' scales travel along).
-    ``made_in``: (the recipe's kind, the forward pass) of a scale; two forms made in the same
-    pass under the same kind have the same scale (delayed scales change at the context's exit
-    only; current scaling's amaxes are agreed once per pass), and a shard keeps one form per
-    pass (all_gather_inputs), so that a checkpoint's recomputation knows its forward's operand
-    by the scale_inv object (high_precision.replay_operands)."""
+    ``made_in``: (the recipe's kind, the forward pass[, the amax reduction]) of a scale; two
+    forms made alike have the same scale (delayed scales change at the context's exit only;
+    current scaling's amaxes are agreed once per pass, again where the weights changed since:
+    an optimizer step inside one context), and a shard keeps one form per pass
+    (all_gather_inputs), so that a checkpoint's recomputation knows its forward's operand by
+    the scale_inv object (high_precision.replay_operands)."""
 
     fp8_dtype: Optional[torch.dtype] = None
     scale: Optional[torch.Tensor] = None
@@ -175,10 +176,10 @@ def _cast_shard(shard: torch.Tensor, x: torch.Tensor, module, form: GatherForm,
         return ops.cast_to_fp8(x, form.scale, form.fp8_dtype), form
     state = _module_state(module)
     if isinstance(state.recipe, Float8CurrentScaling):
-        scale = current_weight_scale(shard, mesh, form.fp8_dtype, x.dtype)
+        scale, serial = current_weight_scale(shard, mesh, form.fp8_dtype, x.dtype)
         return (ops.cast_to_fp8(x, scale, form.fp8_dtype),
                 GatherForm(form.fp8_dtype, scale, ops.scale_inverse(scale),
-                           made_in=("current", _autocast.forward_pass_id())))
+                           made_in=("current", _autocast.forward_pass_id(), serial)))
     module._adopt_recipe(state.recipe)
     quantizer = delayed_quantizers(module, state.recipe.fp8_format)[shard._gemm][1]
     q = quantizer.cast(x, with_transpose=False)

@@ -8,10 +8,16 @@ each full weight's amax (the max of the shards' maxima is exactly the full weigh
 scale is then computed from its amax as TensorQuantizer.current computes it, so each shard is
 cast exactly as the full weight would be: the gathered FP8 weight equals, bit for bit, the cast
 of the full weight. The amaxes are kept for the rest of the step (the later layers' all-gathers
-need no collective; the backward's re-gathers repeat the forward's form, fsdp/all_gather.py).
+need no collective; the backward's re-gathers repeat the forward's form, fsdp/all_gather.py),
+unless a weight changed in place since (an optimizer step inside one fp8_autocast): then the
+amaxes are reduced again. The weights reduced together are those of the FSDP2 tree the
+gathered weight belongs to (its root's states), never another model's: a deleted model's
+state lives on in torch's registry until a garbage collection, which the ranks run at
+different times (their reductions would not match).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -22,18 +28,33 @@ from ...quantization import autocast as _autocast
 from ...quantization.amax_step import all_reduce_max
 
 
-class _StepAmaxes:
-    """The full weights' amaxes of one step and one process group."""
+_serials = itertools.count()
 
-    def __init__(self, pass_id: int, ranks: frozenset, shards: list, amaxes: torch.Tensor):
-        self.pass_id, self.ranks = pass_id, ranks
+
+class _StepAmaxes:
+    """The full weights' amaxes of one reduction (``serial``) in one step and one process
+    group. ``params``: each shard's FSDP2 Parameter (a DTensor), whose version counter tells
+    an in-place change (the optimizer's: the shard's own counter does not move, the change
+    reaching it below autograd), or None."""
+
+    def __init__(self, pass_id: int, ranks: frozenset, shards: list, params: list,
+                 amaxes: torch.Tensor):
+        self.pass_id, self.ranks, self.serial = pass_id, ranks, next(_serials)
         self.index = {id(shard): i for i, shard in enumerate(shards)}
         self.shards = shards  # held for the step: the ids above stay theirs
+        self.params = params
+        self.versions = [None if p is None else p._version for p in params]
         self.amaxes = amaxes
 
     def amax_of(self, shard: torch.Tensor) -> Optional[torch.Tensor]:
+        """The full weight's amax, or None where this reduction did not cover the shard or
+        its weight changed since (every rank's optimizer changes its shard alike, so every
+        rank reduces again at the same gather)."""
         i = self.index.get(id(shard))
         if i is None or self.shards[i] is not shard:
+            return None
+        param = self.params[i]
+        if param is not None and param._version != self.versions[i]:
             return None
         return self.amaxes[i:i + 1]
 
@@ -46,42 +67,62 @@ def _mesh_ranks(mesh) -> frozenset:
     return group_ranks(mesh.get_group()) if mesh.size() > 1 else frozenset()
 
 
-def _shards_sharded_over(ranks: frozenset, kind: type) -> list:
-    """Every shard of type ``kind`` (ShardedWeight) that FSDP2 holds for a group with these
-    ranks, in the order the modules were fully_shard-ed (the same on every rank of the group)."""
+def _fsdp_params(state) -> tuple:
+    return tuple(getattr(getattr(state, "_fsdp_param_group", None), "fsdp_params", ()))
+
+
+def _local(fsdp_param):
+    return getattr(fsdp_param.sharded_param, "_local_tensor", None)
+
+
+def _tree_states(shard: torch.Tensor) -> list:
+    """The FSDP2 states of the tree that holds ``shard`` (its root's, in the order the root
+    found them: the same on every rank), or [] where no state holds it."""
     from torch.distributed._composable_state import _module_state_mapping
-    shards, seen = [], set()
     for state_ref in list(_module_state_mapping.values()):
-        group = getattr(state_ref(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", ()):
-            shard = getattr(fsdp_param.sharded_param, "_local_tensor", None)
-            if not isinstance(shard, kind) or id(shard) in seen:
+        state = state_ref()
+        if state is not None and any(_local(p) is shard for p in _fsdp_params(state)):
+            return list(state._state_ctx.all_states) or [state]
+    return []
+
+
+def _shards_sharded_over(ranks: frozenset, kind: type, shard: torch.Tensor) -> tuple:
+    """(shards, their Parameters): every shard of type ``kind`` (ShardedWeight) that
+    ``shard``'s FSDP2 tree holds for a group with these ranks, in the tree's order (the same
+    on every rank of the group)."""
+    shards, params, seen = [], [], set()
+    for state in _tree_states(shard):
+        for fsdp_param in _fsdp_params(state):
+            local = _local(fsdp_param)
+            if (not isinstance(local, kind) or id(local) in seen
+                    or _mesh_ranks(fsdp_param.shard_mesh_from_root) != ranks):
                 continue
-            mesh = fsdp_param.shard_mesh_from_root
-            if _mesh_ranks(mesh) != ranks:
-                continue
-            seen.add(id(shard))
-            shards.append(shard)
-    return shards
+            seen.add(id(local))
+            shards.append(local)
+            params.append(fsdp_param.sharded_param)
+    return shards, params
 
 
 def _reduce_step_amaxes(ranks: frozenset, group, shard: torch.Tensor) -> _StepAmaxes:
     """The local amax of every weight shard of the group, one all_reduce(MAX) of them all."""
-    shards = _shards_sharded_over(ranks, type(shard))
+    shards, params = _shards_sharded_over(ranks, type(shard), shard)
     if not any(s is shard for s in shards):
         shards.append(shard)  # not found in FSDP2's state: still reduced with the others
+        params.append(None)
     local = torch.stack([ops.amax(s._data).reshape(()) for s in shards])
     if group is not None:  # (None: a single-rank FSDP group, nothing to agree on)
         all_reduce_max(local, group)
-    return _StepAmaxes(_autocast.forward_pass_id(), ranks, shards, local)
+    return _StepAmaxes(_autocast.forward_pass_id(), ranks, shards, params, local)
 
 
 def current_weight_scale(shard: torch.Tensor, mesh, fp8_dtype: torch.dtype,
-                         gather_dtype: torch.dtype) -> torch.Tensor:
-    """The current-scaling scale (1 element, float32) of the full weight ``shard`` belongs to,
-    gathered in ``gather_dtype`` (FSDP2's param_dtype, or the shard's own): the same on every
-    rank of ``mesh`` and equal to TensorQuantizer.current's for that weight in that dtype.
-    The first call of a step reduces the amaxes of all weights of the group at once."""
+                         gather_dtype: torch.dtype) -> tuple:
+    """(scale, serial): the current-scaling scale (1 element, float32) of the full weight
+    ``shard`` belongs to, gathered in ``gather_dtype`` (FSDP2's param_dtype, or the shard's
+    own): the same on every rank of ``mesh`` and equal to TensorQuantizer.current's for that
+    weight in that dtype; and the serial of the reduction it came from (scales of one serial
+    are of the same weights). The first call of a step reduces the amaxes of all weights of
+    the group at once."""
     group = mesh.get_group() if mesh.size() > 1 else None
     ranks = _mesh_ranks(mesh)
     step = _STEPS.get(ranks)
@@ -95,5 +136,5 @@ def current_weight_scale(shard: torch.Tensor, mesh, fp8_dtype: torch.dtype,
         # Rounding is monotonic and symmetric: the amax of the rounded weight is the rounded
         # amax, so the scale is that of the weight in gather_dtype.
         amax = amax.to(gather_dtype).float()
-    return ops.compute_scale_from_amax(amax, torch.finfo(fp8_dtype).max)
+    return ops.compute_scale_from_amax(amax, torch.finfo(fp8_dtype).max), step.serial
 
