@@ -89,6 +89,40 @@ def test_opcheck(device, gen, case):
         torch.library.opcheck(op, args, test_utils=test_utils)
 
 
+def _transposed_storage(t):
+    """The same values, stored column-major (a 2-D tensor that is not contiguous)."""
+    if isinstance(t, torch.Tensor) and t.dim() == 2 and min(t.shape) > 1:
+        return t.t().contiguous().t()
+    return t
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_fake_kernels_give_the_real_strides_for_column_major_inputs(device, gen, case):
+    """opcheck's fake-tensor test compares shapes and dtypes, not strides; a compiled graph
+    takes the fake kernel's strides for the real output's (cast_from_fp8 on the CPU returned
+    its input's column-major strides where the fake said row-major: inductor's size asserts
+    failed, and without them it read the output as row-major, silently wrong)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    _, op, args, _ = next(c for c in op_cases(gen, device) if c[0] == case)
+    args = tuple(_transposed_storage(a) for a in args)
+    try:
+        real = op(*args)
+    except RuntimeError as error:  # (an operator that requires contiguous inputs says so)
+        assert "contiguous" in str(error), error
+        return
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        def faked(a):
+            if isinstance(a, list):
+                return [faked(t) for t in a]
+            return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+        fake = op(*[faked(a) for a in args])
+    real, fake = (tuple(o) if isinstance(o, (tuple, list)) else (o,) for o in (real, fake))
+    for r, f in zip(real, fake, strict=True):
+        if isinstance(r, torch.Tensor):
+            assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), case
+
+
 @pytest.mark.parametrize("op", ["record_amax", "scale_inverse"])
 def test_python_made_operators_run_without_python_wrappers(op):
     """record_amax and scale_inverse run at every step of a compiled FP8 layer (a

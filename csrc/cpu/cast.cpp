@@ -72,8 +72,11 @@ std::tuple<at::Tensor, at::Tensor> cast_transpose_to_fp8_cpu(
 at::Tensor cast_from_fp8_cpu(const at::Tensor& x_fp8, const at::Tensor& scale_inv,
                              at::ScalarType dtype) {
   check_dequant_args(x_fp8, scale_inv, dtype);
-  // Dequantise in float32 (every FP8 value is exact there), then round once to dtype.
-  return (x_fp8.to(at::kFloat) * scale_inv.reshape({})).to(dtype);
+  // Dequantise in float32 (every FP8 value is exact there), then round once to dtype. The
+  // result is contiguous whatever x_fp8's strides, as the CUDA and fake kernels' results are.
+  const at::Tensor x = x_fp8.to(at::kFloat, /*non_blocking=*/false, /*copy=*/false,
+                                at::MemoryFormat::Contiguous);
+  return (x * scale_inv.reshape({})).to(dtype);
 }
 
 }  // namespace
