@@ -34,7 +34,8 @@ std::tuple<Tensor, Tensor> fp8_pair(const Tensor& x, int64_t cols, at::ScalarTyp
 Tensor stats(const Tensor& x) { return like(x, {x.size(0)}, at::kFloat); }
 
 bool gated(const std::string& activation) {
-  return activation == "swiglu" || activation == "geglu" || activation == "reglu";
+  return activation == "swiglu" || activation == "geglu" || activation == "reglu" ||
+         activation == "qgeglu" || activation == "sreglu";
 }
 
 Tensor amax(const Tensor& x) { return like(x, {}, at::kFloat); }

@@ -154,7 +154,9 @@ def rmsnorm_bwd_reference(dy, x, rstd, weight, zero_centered_gamma=False):
     return dx.to(x.dtype), (dyf * xhat).sum(0).to(weight.dtype)
 
 
-_GATED_BASE = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+_GATED_BASE = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu",
+               "sreglu": "srelu"}
+_QGELU_ALPHA = 1.702  # qgelu(a) = a sigmoid(1.702 a), Transformer Engine's "quick gelu"
 
 
 # gelu, tanh approximation, as a * sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3): the function of
@@ -175,12 +177,18 @@ def _pointwise(a: torch.Tensor, name: str) -> torch.Tensor:
         return torch.relu(a)
     if name == "silu":
         return torch.nn.functional.silu(a)
+    if name == "qgelu":
+        return a * torch.sigmoid(a * _QGELU_ALPHA)
+    if name == "srelu":
+        r = torch.relu(a)
+        return r * r
     raise ValueError(f"unknown activation {name!r}")
 
 
 def _pointwise_grad(d: torch.Tensor, a: torch.Tensor, name: str) -> torch.Tensor:
     """d * act'(a), as torch's autograd computes it (gelu: of the formula above, s + a s (1 - s)
-    2u' with s = sigmoid(2u) and 1 - s as sigmoid(-2u))."""
+    2u' with s = sigmoid(2u) and 1 - s as sigmoid(-2u); qgelu likewise with 1.702 a for 2u;
+    srelu: 2a where a > 0 or a is NaN, else 0, as relu's)."""
     if name == "gelu":
         two_u = _gelu_two_u(a)
         s, one_minus_s = torch.sigmoid(two_u), torch.sigmoid(-two_u)
@@ -190,6 +198,11 @@ def _pointwise_grad(d: torch.Tensor, a: torch.Tensor, name: str) -> torch.Tensor
         return torch.ops.aten.threshold_backward(d, a, 0)
     if name == "silu":
         return torch.ops.aten.silu_backward(d, a)
+    if name == "qgelu":
+        s, one_minus_s = torch.sigmoid(a * _QGELU_ALPHA), torch.sigmoid(a * -_QGELU_ALPHA)
+        return d * (s + a * s * one_minus_s * _QGELU_ALPHA)
+    if name == "srelu":
+        return torch.ops.aten.threshold_backward(d * (a + a), a, 0)
     raise ValueError(f"unknown activation {name!r}")
 
 

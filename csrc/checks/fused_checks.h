@@ -81,8 +81,13 @@ inline Activation parse_activation(c10::string_view name) {
   if (name == "swiglu") return Activation::Swiglu;
   if (name == "geglu") return Activation::Geglu;
   if (name == "reglu") return Activation::Reglu;
+  if (name == "qgelu") return Activation::Qgelu;
+  if (name == "srelu") return Activation::Srelu;
+  if (name == "qgeglu") return Activation::Qgeglu;
+  if (name == "sreglu") return Activation::Sreglu;
   TORCH_CHECK(false, "transformer_fp8: argument 'activation' must be one of \"gelu\", \"relu\", "
-              "\"silu\", \"swiglu\", \"geglu\", \"reglu\", got \"", std::string(name), "\"");
+              "\"silu\", \"qgelu\", \"srelu\", \"swiglu\", \"geglu\", \"reglu\", "
+              "\"qgeglu\", \"sreglu\", got \"", std::string(name), "\"");
 }
 
 // x of an activation: 2-D, with an even last dimension for the gated ones. Returns the number

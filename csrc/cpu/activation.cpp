@@ -33,22 +33,37 @@ Tensor gelu_tanh_grad(const Tensor& d, const Tensor& a) {
   return d * (s + a * s * one_minus_s * two_u_prime);
 }
 
+// d * qgelu'(a), qgelu(a) = a s with s = sigmoid(1.702 a): s + a s (1 - s) 1.702, 1 - s as
+// sigmoid(-1.702 a) (no cancellation).
+Tensor qgelu_grad(const Tensor& d, const Tensor& a) {
+  const Tensor s = at::sigmoid(a * kQgeluAlpha), one_minus_s = at::sigmoid(a * -kQgeluAlpha);
+  return d * (s + a * s * one_minus_s * kQgeluAlpha);
+}
+
 // The pointwise activation in float32.
 Tensor pointwise(const Tensor& a, Activation act) {
   switch (act) {
     case Activation::Gelu: return gelu_tanh(a);
     case Activation::Relu: return at::relu(a);
     case Activation::Silu: return at::silu(a);
+    case Activation::Qgelu: return a * at::sigmoid(a * kQgeluAlpha);
+    case Activation::Srelu: {
+      const Tensor r = at::relu(a);
+      return r * r;
+    }
     default: return a;
   }
 }
 
-// d * act'(a) in float32, as torch's autograd computes it (relu: d where a > 0 or a is NaN).
+// d * act'(a) in float32, as torch's autograd computes it (relu: d where a > 0 or a is NaN;
+// srelu: d * 2a there).
 Tensor pointwise_grad(const Tensor& d, const Tensor& a, Activation act) {
   switch (act) {
     case Activation::Gelu: return gelu_tanh_grad(d, a);
     case Activation::Relu: return at::threshold_backward(d, a, 0);
     case Activation::Silu: return at::silu_backward(d, a);
+    case Activation::Qgelu: return qgelu_grad(d, a);
+    case Activation::Srelu: return at::threshold_backward(d * (a + a), a, 0);
     default: return d;
   }
 }

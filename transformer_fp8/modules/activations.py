@@ -1,6 +1,7 @@
 """The activations of LayerNormMLP, with Transformer Engine's names.
 
-gelu is the tanh approximation (as Transformer Engine's). Gated ones (swiglu, geglu, reglu) take
+gelu is the tanh approximation (as Transformer Engine's); qgelu the quick one, x sigmoid(1.702 x);
+srelu the squared relu, relu(x)^2. Gated ones (swiglu, geglu, qgeglu, reglu, sreglu) take
 [..., 2F] and return [..., F]: act(first half) * second half, so fc1 has 2F outputs.
 """
 from __future__ import annotations
@@ -13,8 +14,16 @@ def _gelu(x):
     return F.gelu(x, approximate="tanh")
 
 
-_PLAIN = {"gelu": _gelu, "relu": F.relu, "silu": F.silu}
-_GATED = {"swiglu": F.silu, "geglu": _gelu, "reglu": F.relu}
+def _qgelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _srelu(x):
+    return F.relu(x).square()
+
+
+_PLAIN = {"gelu": _gelu, "relu": F.relu, "silu": F.silu, "qgelu": _qgelu, "srelu": _srelu}
+_GATED = {"swiglu": F.silu, "geglu": _gelu, "reglu": F.relu, "qgeglu": _qgelu, "sreglu": _srelu}
 ACTIVATIONS = tuple(_PLAIN) + tuple(_GATED)
 
 

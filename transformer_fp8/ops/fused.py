@@ -17,8 +17,9 @@ take a 2-D x [M, N] (float32, bfloat16 or float16, any strides) and do all their
   were not asked for (``return_hp``, ``with_dbias``) are empty [0] tensors of x's dtype.
 * Activations: "gelu" (the tanh approximation of ``F.gelu(approximate="tanh")``, computed as
   ``x * sigmoid(2u)``, which is 0.5 x (1 + tanh(u)) without its cancellation for x below about
-  -4, so that CPU and GPU give the same FP8 codes there), "relu", "silu",
-  and the gated "swiglu", "geglu", "reglu", which take x [M, 2N] and return
+  -4, so that CPU and GPU give the same FP8 codes there), "relu", "silu", "qgelu"
+  (``x * sigmoid(1.702 x)``), "srelu" (``relu(x) ** 2``), and the gated "swiglu", "geglu",
+  "reglu", "qgeglu", "sreglu", which take x [M, 2N] and return
   ``act(x[:, :N]) * x[:, N:]``: the first half is activated, the second half is the linear gate
   (Transformer Engine's convention; ``torch.nn.functional.glu`` gates the other way round).
 
@@ -35,8 +36,9 @@ from .checks import check_wrapper_arguments, register_fake
 
 _ops = torch.ops.transformer_fp8
 
-ACTIVATIONS = ("gelu", "relu", "silu", "swiglu", "geglu", "reglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu")
+ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "swiglu", "geglu", "reglu", "qgeglu",
+               "sreglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu", "qgeglu", "sreglu")
 
 Tensor = torch.Tensor
 

@@ -154,6 +154,14 @@ bool with_activation(Activation act, bool backward, Fn&& fn) {
       return direction(std::integral_constant<Activation, Activation::Geglu>{});
     case Activation::Reglu:
       return direction(std::integral_constant<Activation, Activation::Reglu>{});
+    case Activation::Qgelu:
+      return direction(std::integral_constant<Activation, Activation::Qgelu>{});
+    case Activation::Srelu:
+      return direction(std::integral_constant<Activation, Activation::Srelu>{});
+    case Activation::Qgeglu:
+      return direction(std::integral_constant<Activation, Activation::Qgeglu>{});
+    case Activation::Sreglu:
+      return direction(std::integral_constant<Activation, Activation::Sreglu>{});
     case Activation::Identity:
       if (backward) return false;
       fn(std::integral_constant<Activation, Activation::Identity>{}, std::false_type{});

@@ -36,6 +36,11 @@ __device__ __forceinline__ float pointwise(float v, Activation act) {
     // relu keeps -0.0 and NaN as they are (torch's clamp_min(x, 0) does).
     case Activation::Relu: return v < 0.0f ? 0.0f : v;
     case Activation::Silu: return v / (1.0f + expf(-v));
+    case Activation::Qgelu: return __fmul_rn(v, sigmoid(__fmul_rn(v, kQgeluAlpha)));
+    case Activation::Srelu: {
+      const float r = v < 0.0f ? 0.0f : v;  // (relu's, -0.0 and NaN kept)
+      return __fmul_rn(r, r);
+    }
     default: return v;
   }
 }
@@ -58,6 +63,15 @@ __device__ __forceinline__ float pointwise_grad(float d, float v, Activation act
       const float sigmoid = 1.0f / (1.0f + expf(-v));
       return d * sigmoid * (1.0f + v * (1.0f - sigmoid));
     }
+    case Activation::Qgelu: {
+      // d (s + v s (1 - s) 1.702), s = sigmoid(1.702 v), 1 - s = sigmoid(-1.702 v).
+      const float s = sigmoid(__fmul_rn(v, kQgeluAlpha));
+      const float one_minus_s = sigmoid(__fmul_rn(v, -kQgeluAlpha));
+      const float tail = __fmul_rn(__fmul_rn(__fmul_rn(v, s), one_minus_s), kQgeluAlpha);
+      return __fmul_rn(d, __fadd_rn(s, tail));
+    }
+    // d * 2v where v > 0 or v is NaN (relu's rule), else 0.
+    case Activation::Srelu: return v <= 0.0f ? 0.0f : __fmul_rn(d, __fadd_rn(v, v));
     default: return d;
   }
 }
