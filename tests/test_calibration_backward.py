@@ -194,3 +194,30 @@ def test_a_compiled_calibrating_step_calibrates_as_eagerly(checkpointed):
                       + [p.grad for p in model.parameters()])
     for got, want in zip(states[1], states[0]):
         assert torch.equal(got, want)
+
+
+def test_compiled_fp8_steps_after_a_compiled_calibrating_step_of_layers_of_two_widths():
+    """A compiled model whose FP8 layers differ in width (Linear 32 -> 48, LayerNormMLP of
+    48): the calibrating step's graph breaks compile the dispatch frames for both widths, so
+    torch.compile makes the width dynamic there, and the next FP8 step traced
+    LayerNormMLP's Function with a symbolic width against its static weights (Dynamo's
+    AssertionError). Now the FP8 steps train as eagerly, bit for bit."""
+    from integration_compare import assert_bit_identical, step_batches, train
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(te.Linear(32, 48), torch.nn.GELU(), te.LayerNormMLP(48, 64))
+
+    records = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        layers = model()
+        run = torch.compile(layers, backend="aot_eager") if compiled else layers
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=RECIPE):
+            out = run(x)
+        out.square().mean().backward()
+        layers.zero_grad(set_to_none=True)
+        batches = step_batches(torch.Generator().manual_seed(2), 3, 16, 32)
+        records.append(train(layers, run, batches, RECIPE))
+    assert_bit_identical(records[1], records[0])

@@ -76,7 +76,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         needs_fc1_dgrad = needs_norm_grad  # fc1's dgrad feeds only the norm's backward
         needs_fc2_dgrad = any(grads[:5])
         fc1_plan, fc2_plan = plans
-        hidden = inp.shape[-1]
+        hidden = fc1_weight.shape[1]  # (= inp.shape[-1], static under torch.compile)
         x = inp.reshape(-1, hidden)
         rows = x.shape[0]
         ln_q, ln_out, stats = cast_norm_output(fc1_plan, norm, x, ln_weight, ln_bias, grads[3],
@@ -105,7 +105,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                       fc2_weight.dtype, None if fc2_bias is None else fc2_bias.dtype)
         out = function_output(out, rows, (*ctx.lead_shape, fc2_weight.shape[0]))
         if return_ln_out:
-            return out, function_output(ln_out, rows, inp.shape)
+            return out, function_output(ln_out, rows, (*ctx.lead_shape, hidden))
         return out
 
     @staticmethod
