@@ -265,13 +265,28 @@ def test_device_and_dtype_moves_and_copies_keep_fp8_weights(gen):
     assert_bitwise_equal(layer.weight.fp8_data, data, "the same FP8 data")
 
 
+def _torch_save_round_trip(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _pickle_round_trip(model):
+    import pickle
+    return pickle.loads(pickle.dumps(model))  # (a float8 tensor's plain pickle failed to load)
+
+
+@pytest.mark.parametrize("round_trip", [_torch_save_round_trip, _pickle_round_trip],
+                         ids=["torch_save", "pickle"])
 @pytest.mark.parametrize("recipe", [DELAYED, tfp8.Float8CurrentScaling()],
                          ids=["delayed", "current"])
-def test_a_pickled_model_trains_on_as_the_original(recipe, gen):
+def test_a_pickled_model_trains_on_as_the_original(recipe, round_trip, gen):
     """torch.save(model) / torch.load(weights_only=False) of a model of FP8 weights (it was
-    refused; Transformer Engine's FP8 tensors pickle): the loaded weights hold the same FP8
-    data and scales, cast into the loaded model's state, and training goes on bit for bit as
-    the original's (the original untouched by the copy's steps)."""
+    refused; Transformer Engine's FP8 tensors pickle), or pickle.dumps / loads: the loaded
+    weights hold the same FP8 data and scales, cast into the loaded model's state, and
+    training goes on bit for bit as the original's (the original untouched by the copy's
+    steps)."""
     from integration_compare import assert_bit_identical, train
 
     with tfp8.quantized_model_init(recipe=recipe):
@@ -280,10 +295,7 @@ def test_a_pickled_model_trains_on_as_the_original(recipe, gen):
                                     tfp8.LayerNormMLP(96, 128), tfp8.Linear(96, 32))
     batches = [randn(gen, 16, 64, scale=s) for s in (1.0, 4.0, 0.5, 2.0, 8.0, 1.0)]
     train(model, model, batches[:2], recipe)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = round_trip(model)
     weights = [(n, p) for n, p in loaded.named_parameters() if isinstance(p, Fp8Weight)]
     assert len(weights) == 4 and all(isinstance(p, torch.nn.Parameter) for _, p in weights)
     originals = dict(model.named_parameters())
@@ -291,11 +303,7 @@ def test_a_pickled_model_trains_on_as_the_original(recipe, gen):
         assert_bitwise_equal(weight.fp8_data, originals[name].fp8_data, name)
         assert weight.fp8_data.data_ptr() != originals[name].fp8_data.data_ptr()
     model[0].weight.main_grad = torch.zeros(96, 64)  # (a tensor's own attribute: kept)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    assert torch.equal(torch.load(buffer, weights_only=False)[0].weight.main_grad,
-                       torch.zeros(96, 64))
+    assert torch.equal(round_trip(model)[0].weight.main_grad, torch.zeros(96, 64))
     del model[0].weight.main_grad
     twin = copy.deepcopy(model)
     got = train(loaded, loaded, batches[2:], recipe)

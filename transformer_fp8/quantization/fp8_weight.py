@@ -201,9 +201,12 @@ class Fp8Weight(torch.Tensor):
         fp8 = self._fp8
         # (the tensor's own attributes too, as a Parameter's pickle keeps them: main_grad, ...)
         attributes = {k: v for k, v in self.__dict__.items() if k not in ("_fp8", "_is_param")}
-        return _unpickled_fp8_weight, (fp8.data, fp8.scale, fp8.scale_inv, fp8.cast,
-                                       fp8.hp_init, self.dtype, self.requires_grad,
-                                       getattr(self, "_is_param", False), attributes)
+        # The FP8 bytes as uint8 (pickle.dumps of a float8 tensor loads with an AttributeError
+        # in torch 2.11; torch.save's pickler takes either).
+        return _unpickled_fp8_weight, (fp8.data.view(torch.uint8), fp8.scale, fp8.scale_inv,
+                                       fp8.cast, fp8.hp_init, self.dtype, self.requires_grad,
+                                       getattr(self, "_is_param", False), attributes,
+                                       fp8.data.dtype)
 
     # ---- what the FP8 GEMMs and the rest of the package read ---------------------------------
 
@@ -339,7 +342,9 @@ class Fp8Weight(torch.Tensor):
 
 
 def _unpickled_fp8_weight(data, scale, scale_inv, cast, hp_init, dtype, requires_grad, is_param,
-                          attributes=None):
+                          attributes=None, fp8_dtype=None):
+    if fp8_dtype is not None:  # (the bytes as uint8; None: an older pickle, the FP8 tensor)
+        data = data.view(fp8_dtype)
     weight = Fp8Weight(Fp8Data(data, scale, scale_inv, cast, hp_init), dtype)
     weight = (torch.nn.Parameter(weight, requires_grad=requires_grad) if is_param
               else weight.requires_grad_(requires_grad))
