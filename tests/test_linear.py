@@ -482,6 +482,9 @@ def test_dtype_and_params_dtype_arguments():
         tfp8.Linear(32, 16, dtype=torch.bfloat16, params_dtype=torch.float16)
     with pytest.raises(TypeError, match="argument 'device' must be a device"):
         tfp8.Linear(32, 16, True, torch.bfloat16)
+    # Transformer Engine's positional order (in, out, sequence_parallel, fuse_wgrad_accumulation)
+    with pytest.raises(TypeError, match="pass Transformer Engine's options by keyword"):
+        tfp8.Linear(32, 16, False, True)
     # The FP8 state stays float32 whatever the parameters' dtype.
     assert tfp8.Linear(32, 16, dtype=torch.bfloat16).fp8_fwd_scale.dtype == torch.float32
 

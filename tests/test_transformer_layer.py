@@ -294,6 +294,11 @@ def test_attention_errors_name_the_argument():
         attn(q, k, v, core_attention_bias_type="post_scale_bias")
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         attn(q, k, v, bogus=1)
+    # Arguments Transformer Engine reads for packed "thd" sequences only: no effect here.
+    expected = attn(q, k, v)
+    assert torch.equal(attn(q, k, v, fast_zero_fill=False, pad_between_seqs=False), expected)
+    with pytest.raises(ValueError, match="pad_between_seqs=True is not supported"):
+        attn(q, k, v, pad_between_seqs=True)
     with pytest.raises(ValueError, match=r"num_gqa_groups must divide num_attention_heads "
                                          r"\(4\), got 3"):
         DotProductAttention(4, 16, num_gqa_groups=3)

@@ -120,6 +120,14 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
             raise TypeError(f"Linear: argument 'device' must be a device, got the dtype {device} "
                             "(the fourth argument is device, as in torch.nn.Linear; pass the "
                             "dtype as dtype= or params_dtype=)")
+        if isinstance(device, bool) or isinstance(dtype, bool):
+            # Transformer Engine's Linear takes (in, out, sequence_parallel,
+            # fuse_wgrad_accumulation, ...) positionally; this one torch.nn.Linear's order.
+            raise TypeError("Linear: positional arguments follow torch.nn.Linear (in_features, "
+                            "out_features, bias, device, dtype), not Transformer Engine's "
+                            "(in_features, out_features, sequence_parallel, "
+                            f"fuse_wgrad_accumulation, ...); got device={device!r}, "
+                            f"dtype={dtype!r}: pass Transformer Engine's options by keyword")
         in_features = _feature_count("in_features", in_features)
         out_features = _feature_count("out_features", out_features)
         rng = weight_rng("Linear", te_options.pop("get_rng_state_tracker", None),

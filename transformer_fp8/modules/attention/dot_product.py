@@ -61,6 +61,10 @@ _FORWARD_DEFAULTS = {"cu_seqlens_q": None, "cu_seqlens_kv": None, "cu_seqlens_q_
                      "score_mod_tensors": None, "score_mod_bprop_tensors": None,
                      "qkv_layer": None, "kv_layer": None, "qkv_interleave_dim": -3}
 
+# Forward arguments whose value changes nothing for "sbhd" / "bshd" (the formats served here):
+# fast_zero_fill (how the padding of packed sequences is zeroed) and pad_between_seqs=False.
+_NO_EFFECT_WITHOUT_THD = {"fast_zero_fill": (True, False), "pad_between_seqs": (False,)}
+
 
 class DotProductAttention(torch.nn.Module):
     """Transformer Engine's DotProductAttention, in high precision (inside fp8_autocast too).
@@ -177,6 +181,8 @@ class DotProductAttention(torch.nn.Module):
                 raise TypeError(f"{owner}.forward() got an unexpected keyword argument {name!r}")
             if name == "qkv_interleave_dim" and unsupported.get("qkv_layer") is None:
                 continue  # only read with a packed qkv_layer
+            if name in _NO_EFFECT_WITHOUT_THD and value in _NO_EFFECT_WITHOUT_THD[name]:
+                continue  # (Transformer Engine reads them for packed "thd" sequences only)
             if value is not None and value != _FORWARD_DEFAULTS[name]:
                 raise ValueError(f"{owner}.forward: {name}={value!r} is not supported; leave "
                                  f"it at {_FORWARD_DEFAULTS[name]!r}")
