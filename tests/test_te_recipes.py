@@ -156,3 +156,13 @@ def test_recipes_pickled_before_the_new_fields_load(cls):
 def test_override_linear_precision_is_named_whatever_is_given():
     with pytest.raises(ValueError, match="override_linear_precision=None"):
         tfp8.DelayedScaling(override_linear_precision=None)
+
+
+def test_format_values_carry_transformer_engines_maxima():
+    """Format.HYBRID.value.max_fwd (Transformer Engine's _FormatHelper fields) works, and the
+    value is still the format's name."""
+    from transformer_fp8.recipe import Format
+    assert [(f.value, f.value.max_fwd, f.value.max_bwd) for f in Format] == [
+        ("E4M3", 448.0, 448.0), ("E5M2", 57344.0, 57344.0), ("HYBRID", 448.0, 57344.0)]
+    assert all((f.max_fwd, f.max_bwd) == (f.value.max_fwd, f.value.max_bwd) for f in Format)
+    assert Format("HYBRID") is Format.HYBRID

@@ -10,17 +10,32 @@ from typing import Callable, Optional, Union
 import torch
 
 
+class _FormatValue(str):
+    """A Format's value: its name, which also carries max_fwd and max_bwd, as Transformer
+    Engine's _FormatHelper values do (``Format.HYBRID.value.max_fwd``)."""
+
+    def __new__(cls, name: str, max_fwd: float, max_bwd: float):
+        value = super().__new__(cls, name)
+        value.max_fwd, value.max_bwd = max_fwd, max_bwd
+        return value
+
+    def __reduce__(self):
+        return _FormatValue, (str(self), self.max_fwd, self.max_bwd)
+
+
 class Format(enum.Enum):
     """Which FP8 format each role uses.
 
     E4M3: everything E4M3 (max 448). E5M2: everything E5M2 (max 57344; Linear refuses it, as
     FP8 GEMMs take no E5M2 x E5M2 product). HYBRID: E4M3 for the forward tensors (inputs,
-    weights), E5M2 for gradients, which need range more than precision.
+    weights), E5M2 for gradients, which need range more than precision. Each value is the
+    format's name (``Format("HYBRID")``), with ``.max_fwd`` / ``.max_bwd`` as Transformer
+    Engine's.
     """
 
-    E4M3 = "E4M3"
-    E5M2 = "E5M2"
-    HYBRID = "HYBRID"
+    E4M3 = _FormatValue("E4M3", 448.0, 448.0)
+    E5M2 = _FormatValue("E5M2", 57344.0, 57344.0)
+    HYBRID = _FormatValue("HYBRID", 448.0, 57344.0)
 
     @property
     def fwd_dtype(self) -> torch.dtype:
