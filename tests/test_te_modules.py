@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -708,6 +709,9 @@ def test_zero_centered_gamma_must_be_a_bool(kind):
     with pytest.raises(TypeError, match="zero_centered_gamma must be True or False"):
         _any_norm_module(kind, zero_centered_gamma="no")
     assert _any_norm_module(kind, zero_centered_gamma=1).zero_centered_gamma is True
+    for false in (None, np.bool_(False), torch.tensor(False)):  # (as bool() takes them)
+        assert _any_norm_module(kind, zero_centered_gamma=false).zero_centered_gamma is False
+    assert _any_norm_module(kind, zero_centered_gamma=np.bool_(True)).zero_centered_gamma is True
 
 
 def _fused_twin(split: torch.nn.Module, fused: torch.nn.Module) -> torch.nn.Module:

@@ -41,7 +41,15 @@ def check_eps(eps) -> float:
 
 
 def check_zero_centered_gamma(value) -> bool:
-    """True or False (1 or 0 taken as them); anything else refused (bool() took "no" as True)."""
+    """True or False; None, 0 / 1, numpy and one-element tensor booleans taken as them (as
+    bool() takes them); anything else refused (bool() took the string "no" as True)."""
+    if value is None:
+        return False
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and (
+            value.dtype == torch.bool or not value.is_floating_point()):
+        value = value.item()
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        value = bool(value)  # (numpy's bool, without importing numpy)
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
     raise TypeError(f"zero_centered_gamma must be True or False, got {value!r}")
