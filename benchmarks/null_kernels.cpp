@@ -35,7 +35,7 @@ Tensor stats(const Tensor& x) { return like(x, {x.size(0)}, at::kFloat); }
 
 bool gated(const std::string& activation) {
   return activation == "swiglu" || activation == "geglu" || activation == "reglu" ||
-         activation == "qgeglu" || activation == "sreglu";
+         activation == "qgeglu" || activation == "sreglu" || activation == "glu";
 }
 
 Tensor amax(const Tensor& x) { return like(x, {}, at::kFloat); }

@@ -38,7 +38,7 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("rmsnorm_fwd_fp8(Tensor x, Tensor weight, float eps, bool zero_centered_gamma, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax, bool with_transpose, bool return_hp, int row_multiple) -> (Tensor y_fp8, Tensor y_t_fp8, Tensor y_hp, Tensor rstd)");
   // RMSNorm backward from the forward's rstd.
   m.def("rmsnorm_bwd(Tensor dy, Tensor x, Tensor rstd, Tensor weight, bool zero_centered_gamma) -> (Tensor dx, Tensor dweight)");
-  // gelu (tanh), relu, silu, qgelu, srelu on [M, N]; swiglu, geglu, reglu, qgeglu, sreglu:
+  // gelu (tanh), relu, silu, qgelu, srelu on [M, N]; swiglu, geglu, reglu, qgeglu, sreglu, glu:
   // act(x[:, :N]) * x[:, N:] on [M, 2N].
   m.def("activation_fwd(Tensor x, str activation) -> Tensor");
   // The activation emitting FP8 (and its transpose).

@@ -327,11 +327,11 @@ def test_norm_wide_rows(device, gen, norm, cols):
 def torch_activation(x32: torch.Tensor, activation: str) -> torch.Tensor:
     """The activation written with torch.nn.functional (differentiable)."""
     base = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu",
-            "sreglu": "srelu"}.get(activation, activation)
+            "sreglu": "srelu", "glu": "sigmoid"}.get(activation, activation)
     fn = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu, "silu": F.silu,
           # Transformer Engine's quick gelu and squared relu
           "qgelu": lambda t: t * torch.sigmoid(1.702 * t), "srelu": lambda t: F.relu(t) ** 2,
-          }[base]
+          "sigmoid": torch.sigmoid}[base]
     if activation in fo.GATED_ACTIVATIONS:
         a, b = x32.chunk(2, dim=1)
         return fn(a) * b

@@ -96,7 +96,7 @@ def test_fused_step_is_bit_identical_to_python_path(kind, normalization, case, d
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 @pytest.mark.parametrize("activation", ["relu", "silu", "qgelu", "srelu", "swiglu", "geglu",
-                                        "reglu", "qgeglu", "sreglu"])
+                                        "reglu", "qgeglu", "sreglu", "glu"])
 @pytest.mark.parametrize("kind", ["delayed", "current"])
 def test_every_activation_is_bit_identical_to_python_path(kind, activation, device, gen,
                                                           monkeypatch):

@@ -155,7 +155,7 @@ def rmsnorm_bwd_reference(dy, x, rstd, weight, zero_centered_gamma=False):
 
 
 _GATED_BASE = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu",
-               "sreglu": "srelu"}
+               "sreglu": "srelu", "glu": "sigmoid"}
 _QGELU_ALPHA = 1.702  # qgelu(a) = a sigmoid(1.702 a), Transformer Engine's "quick gelu"
 
 
@@ -182,6 +182,8 @@ def _pointwise(a: torch.Tensor, name: str) -> torch.Tensor:
     if name == "srelu":
         r = torch.relu(a)
         return r * r
+    if name == "sigmoid":
+        return torch.sigmoid(a)
     raise ValueError(f"unknown activation {name!r}")
 
 
@@ -203,6 +205,8 @@ def _pointwise_grad(d: torch.Tensor, a: torch.Tensor, name: str) -> torch.Tensor
         return d * (s + a * s * one_minus_s * _QGELU_ALPHA)
     if name == "srelu":
         return torch.ops.aten.threshold_backward(d * (a + a), a, 0)
+    if name == "sigmoid":
+        return d * (torch.sigmoid(a) * torch.sigmoid(-a))
     raise ValueError(f"unknown activation {name!r}")
 
 

@@ -85,9 +85,10 @@ inline Activation parse_activation(c10::string_view name) {
   if (name == "srelu") return Activation::Srelu;
   if (name == "qgeglu") return Activation::Qgeglu;
   if (name == "sreglu") return Activation::Sreglu;
+  if (name == "glu") return Activation::Glu;
   TORCH_CHECK(false, "transformer_fp8: argument 'activation' must be one of \"gelu\", \"relu\", "
               "\"silu\", \"qgelu\", \"srelu\", \"swiglu\", \"geglu\", \"reglu\", "
-              "\"qgeglu\", \"sreglu\", got \"", std::string(name), "\"");
+              "\"qgeglu\", \"sreglu\", \"glu\", got \"", std::string(name), "\"");
 }
 
 // x of an activation: 2-D, with an even last dimension for the gated ones. Returns the number

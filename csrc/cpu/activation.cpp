@@ -51,6 +51,7 @@ Tensor pointwise(const Tensor& a, Activation act) {
       const Tensor r = at::relu(a);
       return r * r;
     }
+    case Activation::Sigmoid: return at::sigmoid(a);
     default: return a;
   }
 }
@@ -64,6 +65,8 @@ Tensor pointwise_grad(const Tensor& d, const Tensor& a, Activation act) {
     case Activation::Silu: return at::silu_backward(d, a);
     case Activation::Qgelu: return qgelu_grad(d, a);
     case Activation::Srelu: return at::threshold_backward(d * (a + a), a, 0);
+    // d s (1 - s), 1 - s as sigmoid(-a) (no cancellation for large a)
+    case Activation::Sigmoid: return d * (at::sigmoid(a) * at::sigmoid(a.neg()));
     default: return d;
   }
 }

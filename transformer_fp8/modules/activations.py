@@ -1,7 +1,8 @@
 """The activations of LayerNormMLP, with Transformer Engine's names.
 
 gelu is the tanh approximation (as Transformer Engine's); qgelu the quick one, x sigmoid(1.702 x);
-srelu the squared relu, relu(x)^2. Gated ones (swiglu, geglu, qgeglu, reglu, sreglu) take
+srelu the squared relu, relu(x)^2. Gated ones (swiglu, geglu, qgeglu, reglu, sreglu, and glu:
+sigmoid gating) take
 [..., 2F] and return [..., F]: act(first half) * second half, so fc1 has 2F outputs.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _srelu(x):
 
 
 _PLAIN = {"gelu": _gelu, "relu": F.relu, "silu": F.silu, "qgelu": _qgelu, "srelu": _srelu}
-_GATED = {"swiglu": F.silu, "geglu": _gelu, "reglu": F.relu, "qgeglu": _qgelu, "sreglu": _srelu}
+_GATED = {"swiglu": F.silu, "geglu": _gelu, "reglu": F.relu, "qgeglu": _qgelu, "sreglu": _srelu,
+          "glu": torch.sigmoid}
 ACTIVATIONS = tuple(_PLAIN) + tuple(_GATED)
 
 

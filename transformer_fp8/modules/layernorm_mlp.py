@@ -162,9 +162,9 @@ class LayerNormMLP(TensorParallelMixin, NormFirstModule):
 
     Parameters: layer_norm_weight, layer_norm_bias (LayerNorm only), fc1_weight [F', hidden]
     (F' = 2 * ffn_hidden_size for the gated activations swiglu, geglu, reglu, qgeglu, sreglu,
-    else ffn_hidden_size), fc1_bias, fc2_weight [hidden, ffn_hidden_size], fc2_bias.
+    glu, else ffn_hidden_size), fc1_bias, fc2_weight [hidden, ffn_hidden_size], fc2_bias.
     activation: gelu (tanh approximation), relu, silu, qgelu (x sigmoid(1.702 x)), srelu
-    (relu(x)^2), swiglu, geglu, reglu, qgeglu, sreglu.
+    (relu(x)^2), swiglu, geglu, reglu, qgeglu, sreglu, glu (sigmoid(a) * b).
     Returns out; with return_bias, (out, fc2_bias) and fc2's bias is not added; with
     return_layernorm_output, the norm's output comes last.
     Weights as Transformer Engine initialises them (init_method for fc1, output_layer_init_method

@@ -19,7 +19,7 @@ take a 2-D x [M, N] (float32, bfloat16 or float16, any strides) and do all their
   ``x * sigmoid(2u)``, which is 0.5 x (1 + tanh(u)) without its cancellation for x below about
   -4, so that CPU and GPU give the same FP8 codes there), "relu", "silu", "qgelu"
   (``x * sigmoid(1.702 x)``), "srelu" (``relu(x) ** 2``), and the gated "swiglu", "geglu",
-  "reglu", "qgeglu", "sreglu", which take x [M, 2N] and return
+  "reglu", "qgeglu", "sreglu", "glu" (sigmoid gate), which take x [M, 2N] and return
   ``act(x[:, :N]) * x[:, N:]``: the first half is activated, the second half is the linear gate
   (Transformer Engine's convention; ``torch.nn.functional.glu`` gates the other way round).
 
@@ -37,8 +37,8 @@ from .checks import check_wrapper_arguments, register_fake
 _ops = torch.ops.transformer_fp8
 
 ACTIVATIONS = ("gelu", "relu", "silu", "qgelu", "srelu", "swiglu", "geglu", "reglu", "qgeglu",
-               "sreglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu", "qgeglu", "sreglu")
+               "sreglu", "glu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu", "qgeglu", "sreglu", "glu")
 
 Tensor = torch.Tensor
 

@@ -162,6 +162,9 @@ bool with_activation(Activation act, bool backward, Fn&& fn) {
       return direction(std::integral_constant<Activation, Activation::Qgeglu>{});
     case Activation::Sreglu:
       return direction(std::integral_constant<Activation, Activation::Sreglu>{});
+    case Activation::Glu: return direction(std::integral_constant<Activation, Activation::Glu>{});
+    case Activation::Sigmoid:
+      return false;  // (glu's first half only; no operator takes it alone)
     case Activation::Identity:
       if (backward) return false;
       fn(std::integral_constant<Activation, Activation::Identity>{}, std::false_type{});

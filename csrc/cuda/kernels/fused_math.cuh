@@ -41,6 +41,7 @@ __device__ __forceinline__ float pointwise(float v, Activation act) {
       const float r = v < 0.0f ? 0.0f : v;  // (relu's, -0.0 and NaN kept)
       return __fmul_rn(r, r);
     }
+    case Activation::Sigmoid: return sigmoid(v);
     default: return v;
   }
 }
@@ -72,6 +73,7 @@ __device__ __forceinline__ float pointwise_grad(float d, float v, Activation act
     }
     // d * 2v where v > 0 or v is NaN (relu's rule), else 0.
     case Activation::Srelu: return v <= 0.0f ? 0.0f : __fmul_rn(d, __fadd_rn(v, v));
+    case Activation::Sigmoid: return __fmul_rn(d, __fmul_rn(sigmoid(v), sigmoid(-v)));
     default: return d;
   }
 }
