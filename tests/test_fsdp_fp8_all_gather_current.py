@@ -234,11 +234,19 @@ def test_current_scaling_with_one_rank_fsdp_groups_reduces_nothing_across_ranks(
     assert not torch.equal(losses[0], losses[1]), "the ranks train different models"
 
 
-def _steps_in_one_context(rank: int, fp8_all_gather: bool) -> dict:
-    """STEPS training steps (forward, backward, SGD step) inside ONE fp8_autocast: the
+OPTIMIZERS = {  # (large steps: the weights' amaxes move)
+    "sgd": lambda params: torch.optim.SGD(params, lr=2.0, foreach=False),
+    # foreach and fused steps move no version counter of a DTensor Parameter
+    "sgd_foreach": lambda params: torch.optim.SGD(params, lr=2.0, foreach=True),
+    "adam_fused": lambda params: torch.optim.Adam(params, lr=0.3, fused=True),
+}
+
+
+def _steps_in_one_context(rank: int, fp8_all_gather: bool, optimizer: str = "sgd") -> dict:
+    """STEPS training steps (forward, backward, optimizer step) inside ONE fp8_autocast: the
     weights change between the gathers of one forward pass id."""
     model = _model(0, fp8_all_gather, recipe=CURRENT)
-    opt = torch.optim.SGD(model.parameters(), lr=2.0)  # (large: the weights' amaxes move)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     records = []
     with Counting(fsdp_current_scale, "all_reduce_max") as batched:
         with tfp8.fp8_autocast(fp8_recipe=CURRENT):
@@ -254,7 +262,8 @@ def _steps_in_one_context(rank: int, fp8_all_gather: bool) -> dict:
 
 def _worker_one_context_and_a_dead_model(rank, out_dir):
     import gc
-    result = {str(flag): _steps_in_one_context(rank, flag) for flag in (False, True)}
+    result = {f"{name}-{flag}": _steps_in_one_context(rank, flag, name)
+              for name in OPTIMIZERS for flag in (False, True)}
     # A model deleted but not yet collected (FSDP2's module and state refer to each other),
     # collected on rank 0 only: the next model's reduction covers its own weights alone.
     gc.disable()
@@ -269,18 +278,20 @@ def _worker_one_context_and_a_dead_model(rank, out_dir):
 
 
 def test_weights_changed_inside_one_fp8_autocast_are_gathered_with_their_new_amax(tmp_path):
-    """Optimizer steps inside one fp8_autocast: each step's gathers cast with the amaxes of
-    the weights as they are (they reused the first step's: losses 1-6% off from the second
-    step), bit for bit the high-precision all-gathers; one reduction per step. A deleted
+    """Optimizer steps inside one fp8_autocast (for-loop, foreach and fused ones): each
+    step's gathers cast with the amaxes of the weights as they are (they reused the first
+    step's: losses 1-6% off from the second step), bit for bit the high-precision
+    all-gathers; one reduction per step (per forward of the FSDP2 root). A deleted
     model that one rank's garbage collector has freed and the other's not does not enter the
     reduction (the ranks reduced different numbers of amaxes: gloo timed out)."""
     run_ranks(_worker_one_context_and_a_dead_model, (str(tmp_path),), tmp_path)
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        high, fp8 = result["False"], result["True"]
-        assert_bit_identical([StepRecord(**r) for r in fp8["steps"]],
-                             [StepRecord(**r) for r in high["steps"]])
-        assert [len(step) for step in fp8["batched"]] == [1] * STEPS, fp8["batched"]
-        assert fp8["batched"][0] == [len(WEIGHTS)]
+        for name in OPTIMIZERS:
+            high, fp8 = result[f"{name}-False"], result[f"{name}-True"]
+            assert_bit_identical([StepRecord(**r) for r in fp8["steps"]],
+                                 [StepRecord(**r) for r in high["steps"]])
+            assert [len(step) for step in fp8["batched"]] == [1] * STEPS, (name, fp8["batched"])
+            assert fp8["batched"][0] == [len(WEIGHTS)]
         assert_bit_identical([StepRecord(**r) for r in result["after"]["steps"]],
-                             [StepRecord(**r) for r in fp8["steps"]])
+                             [StepRecord(**r) for r in result["sgd-True"]["steps"]])

@@ -7,17 +7,20 @@ process group, and ONE all_reduce(MAX) of the stacked amaxes over that group giv
 each full weight's amax (the max of the shards' maxima is exactly the full weight's). A weight's
 scale is then computed from its amax as TensorQuantizer.current computes it, so each shard is
 cast exactly as the full weight would be: the gathered FP8 weight equals, bit for bit, the cast
-of the full weight. The amaxes are kept for the rest of the step (the later layers' all-gathers
-need no collective; the backward's re-gathers repeat the forward's form, fsdp/all_gather.py),
-unless a weight changed in place since (an optimizer step inside one fp8_autocast): then the
-amaxes are reduced again. The weights reduced together are those of the FSDP2 tree the
-gathered weight belongs to (its root's states), never another model's: a deleted model's
-state lives on in torch's registry until a garbage collection, which the ranks run at
-different times (their reductions would not match).
+of the full weight. The amaxes are kept for the rest of the root module's forward (the later
+layers' all-gathers need no collective; the backward's re-gathers repeat the forward's form,
+fsdp/all_gather.py). The next forward of an FSDP2 root reduces them again: the weights may have
+changed in between (an optimizer step inside one fp8_autocast), and no cheaper sign of it holds
+for every optimizer (foreach and fused steps move no version counter of a DTensor
+Parameter). The weights reduced together are those of the FSDP2 tree the gathered weight
+belongs to (its root's states), never another model's: a deleted model's state lives on in
+torch's registry until a garbage collection, which the ranks run at different times (their
+reductions would not match).
 """
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Optional
 
 import torch
@@ -31,15 +34,36 @@ from ...quantization.amax_step import all_reduce_max
 _serials = itertools.count()
 
 
+class _RootForwards:
+    """Counts the forwards of the FSDP2 roots whose weights were reduced (a forward pre-hook
+    put first on each root module, so that it runs before the root's own all-gather)."""
+
+    def __init__(self):
+        self.count = 0
+        self._hooked = weakref.WeakSet()
+
+    def watch(self, root_module: torch.nn.Module) -> None:
+        if root_module not in self._hooked:
+            self._hooked.add(root_module)
+            root_module.register_forward_pre_hook(self._counted, prepend=True)
+
+    def _counted(self, module, args) -> None:
+        self.count += 1
+
+
+_ROOT_FORWARDS = _RootForwards()
+
+
 class _StepAmaxes:
-    """The full weights' amaxes of one reduction (``serial``) in one step and one process
-    group. ``params``: each shard's FSDP2 Parameter (a DTensor), whose version counter tells
-    an in-place change (the optimizer's: the shard's own counter does not move, the change
-    reaching it below autograd), or None."""
+    """The full weights' amaxes of one reduction (``serial``) in one root forward and one
+    process group. ``params``: each shard's FSDP2 Parameter (a DTensor), whose version
+    counter also tells an in-place change between two gathers of one root forward (a
+    for-loop optimizer step moves it), or None."""
 
     def __init__(self, pass_id: int, ranks: frozenset, shards: list, params: list,
                  amaxes: torch.Tensor):
         self.pass_id, self.ranks, self.serial = pass_id, ranks, next(_serials)
+        self.root_forward = _ROOT_FORWARDS.count
         self.index = {id(shard): i for i, shard in enumerate(shards)}
         self.shards = shards  # held for the step: the ids above stay theirs
         self.params = params
@@ -47,11 +71,11 @@ class _StepAmaxes:
         self.amaxes = amaxes
 
     def amax_of(self, shard: torch.Tensor) -> Optional[torch.Tensor]:
-        """The full weight's amax, or None where this reduction did not cover the shard or
-        its weight changed since (every rank's optimizer changes its shard alike, so every
-        rank reduces again at the same gather)."""
+        """The full weight's amax, or None where this reduction did not cover the shard, or
+        is of an earlier root forward, or the weight changed since (every rank runs the same
+        forwards and optimizer steps, so every rank reduces again at the same gather)."""
         i = self.index.get(id(shard))
-        if i is None or self.shards[i] is not shard:
+        if i is None or self.shards[i] is not shard or self.root_forward != _ROOT_FORWARDS.count:
             return None
         param = self.params[i]
         if param is not None and param._version != self.versions[i]:
@@ -82,7 +106,10 @@ def _tree_states(shard: torch.Tensor) -> list:
     for state_ref in list(_module_state_mapping.values()):
         state = state_ref()
         if state is not None and any(_local(p) is shard for p in _fsdp_params(state)):
-            return list(state._state_ctx.all_states) or [state]
+            states = list(state._state_ctx.all_states) or [state]
+            root = next((s for s in states if getattr(s, "_is_root", False)), states[0])
+            _ROOT_FORWARDS.watch(root._modules[0])
+            return states
     return []
 
 
