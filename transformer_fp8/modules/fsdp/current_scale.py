@@ -45,13 +45,15 @@ class _RootForwards:
     def watch(self, root_module: torch.nn.Module) -> None:
         if root_module not in self._hooked:
             self._hooked.add(root_module)
-            root_module.register_forward_pre_hook(self._counted, prepend=True)
-
-    def _counted(self, module, args) -> None:
-        self.count += 1
+            root_module.register_forward_pre_hook(_count_root_forward, prepend=True)
 
 
 _ROOT_FORWARDS = _RootForwards()
+
+
+def _count_root_forward(module, args) -> None:
+    # (a function, not a bound method: a deepcopy of the model keeps counting here)
+    _ROOT_FORWARDS.count += 1
 
 
 class _StepAmaxes:
