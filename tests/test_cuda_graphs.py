@@ -432,11 +432,12 @@ def test_make_graphed_callables_of_fused_modules_replays_like_eager_steps(recipe
     assert_graphed_steps_like_eager(block, reference, recipe, seed=3)
 
 
-def assert_graphed_steps_like_eager(graphed, reference, recipe, seed):
+def assert_graphed_steps_like_eager(graphed, reference, recipe, seed, inputs=None):
     """Steps of a graphed module (its replays) and of its eager reference under fp8_autocast,
-    an SGD step on both after each: outputs, gradients and FP8 state bit for bit."""
+    an SGD step on both after each: outputs, gradients and FP8 state bit for bit. ``inputs``:
+    the steps' (x, grad_output), by default step_inputs(seed, 4, "cuda")."""
     got, expected = [], []
-    for x, g in step_inputs(seed, 4, "cuda"):
+    for x, g in step_inputs(seed, 4, "cuda") if inputs is None else inputs:
         for model in (graphed, reference):
             model.zero_grad(set_to_none=True)
         x_g, x_r = x.clone().requires_grad_(True), x.clone().requires_grad_(True)

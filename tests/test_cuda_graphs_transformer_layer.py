@@ -1,5 +1,5 @@
-"""CUDA graphs of a whole TransformerLayer (attention, fused LayerNormLinear / LayerNormMLP,
-rotary embedding): a training step reads no tensor value on the host (what capture forbids;
+"""CUDA graphs of a whole TransformerLayer (grouped-key attention, fused LayerNormLinear /
+LayerNormMLP with RMSNorm and SwiGLU): a training step reads no tensor value on the host (what capture forbids;
 checked on the CPU too), and tfp8.make_graphed_callables replays like eager steps."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 from conftest import CUDA_SKIP, DEVICE_PARAMS
-from integration_compare import STEP_SCALES, assert_bit_identical, record_step
-from test_cuda_graphs import RECIPE_IDS, RECIPES, _HostReads, sgd_in_place, step
+from integration_compare import STEP_SCALES
+from test_cuda_graphs import (RECIPE_IDS, RECIPES, _HostReads, assert_graphed_steps_like_eager,
+                              step)
 
 import transformer_fp8 as tfp8
 
@@ -52,16 +53,4 @@ def test_make_graphed_callables_of_a_transformer_layer_replays_like_eager_steps(
     reference = copy.deepcopy(layer)
     sample = (torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True),)
     tfp8.make_graphed_callables(layer, sample, fp8_enabled=True, fp8_recipe=recipe)
-    got, expected = [], []
-    for x, g in step_inputs(3, 4, "cuda"):
-        for model in (layer, reference):
-            model.zero_grad(set_to_none=True)
-        x_g, x_r = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        out = layer(x_g)
-        out.backward(g)
-        ref_out = step(reference, x_r, g, recipe)
-        torch.cuda.synchronize()
-        got.append(record_step(out, layer, {"input": x_g}))
-        expected.append(record_step(ref_out, reference, {"input": x_r}))
-        sgd_in_place(layer, reference)
-    assert_bit_identical(got, expected)
+    assert_graphed_steps_like_eager(layer, reference, recipe, 3, step_inputs(3, 4, "cuda"))
