@@ -57,7 +57,7 @@ def attention_ref(q, k, v, masked=None, causal=False, scale=None):
         blocked = blocked | torch.ones(s_q, k.shape[0], dtype=torch.bool,
                                        device=scores.device).triu(1)
     probs = torch.softmax(scores.masked_fill(blocked, -math.inf), dim=-1).nan_to_num(0.0)
-    return (probs @ v64).permute(2, 0, 1, 3).reshape(s_q, b, h * d)
+    return (probs @ v64).permute(2, 0, 1, 3).reshape(s_q, b, -1)  # (v's head size)
 
 
 def qkv(gen, s, b, h, g, d, device, dtype=torch.float32, s_kv=None):
@@ -159,6 +159,43 @@ def test_attention_against_float64(gen, device, mask_type, groups):
     assert out.shape == (12, 3, 64) and out.dtype == torch.float32
     ref = attention_ref(q, k, v, causal=mask_type == "causal")
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("softmax_type", ["vanilla", "off-by-one"])
+@pytest.mark.parametrize("mask_type", ["causal", "no_mask"])
+def test_attention_with_another_value_head_size(gen, device, mask_type, softmax_type):
+    """kv_channels=(16, 24): query and key heads of 16, value heads of 24 (Transformer
+    Engine's tuple; MLA-style models): the output [s, b, h * 24] and the gradients of q, k and
+    v those of float64 attention, the softmax scale 1 / sqrt(16)."""
+    q, k, _ = qkv(gen, 12, 3, 4, 2, 16, device)
+    v = randn(gen, 12, 3, 2, 24, device=device)
+    attn = DotProductAttention(4, (16, 24), num_gqa_groups=2, attn_mask_type=mask_type,
+                               softmax_type=softmax_type)
+    assert (attn.hidden_size_per_attention_head_k,
+            attn.hidden_size_per_attention_head_v) == (16, 24)
+    inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = attn(*inputs)
+    assert out.shape == (12, 3, 96)
+    grad = randn(gen, 12, 3, 96, device=device)
+    out.backward(grad)
+    ref_inputs = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    q64, k64, v64 = (t.permute(1, 2, 0, 3) for t in ref_inputs)
+    k64, v64 = k64.repeat_interleave(2, dim=1), v64.repeat_interleave(2, dim=1)
+    scores = q64 @ k64.transpose(-1, -2) / 4.0
+    if mask_type == "causal":
+        scores = scores.masked_fill(torch.ones(12, 12, dtype=torch.bool,
+                                               device=scores.device).triu(1), -math.inf)
+    if softmax_type == "off-by-one":  # (a sink: one more score of 0, with a zero value)
+        scores = torch.cat((scores, scores.new_zeros(*scores.shape[:-1], 1)), dim=-1)
+        v64 = torch.cat((v64, v64.new_zeros(*v64.shape[:2], 1, 24)), dim=2)
+    ref = (torch.softmax(scores, dim=-1) @ v64).permute(2, 0, 1, 3).reshape(12, 3, 96)
+    ref.backward(grad.double())
+    torch.testing.assert_close(out.double(), ref.detach(), atol=2e-6, rtol=2e-5)
+    for name, got, want in zip("qkv", inputs, ref_inputs):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-4,
+                                   msg=f"d{name}")
+    with pytest.raises(ValueError, match=r"value_layer must have shape \[s, b, 2, 24\]"):
+        attn(q, k, q[:, :, :2])
 
 
 def test_attention_bshd_is_sbhd_transposed(gen, device):

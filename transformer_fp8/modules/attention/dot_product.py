@@ -77,8 +77,10 @@ class DotProductAttention(torch.nn.Module):
     "no_mask", "padding" and "arbitrary" (None: bottom-right, Transformer Engine's default).
     inference_params needs layer_number (the key of this layer's cache) and a mask type with
     "causal" (made bottom-right) or "padding"/"no_mask"; 'arbitrary' is refused.
-    Dropout on the attention probabilities while training (attention_dropout). softmax_scale
-    defaults to 1 / sqrt(kv_channels). window_size: a sliding window (attention/masks.py), the
+    Dropout on the attention probabilities while training (attention_dropout). kv_channels:
+    the head size, or (that of query and key, that of value) as in Transformer Engine; the
+    output is then [..., h * value head size]. softmax_scale defaults to 1 / sqrt(kv_channels
+    of query and key). window_size: a sliding window (attention/masks.py), the
     constructor's unless forward gives one. softmax_type: "vanilla", "off-by-one" or
     "learnable" (attention sinks, attention/sink.py; "learnable" has the Parameter
     softmax_offset [h], float32, on device). get_rng_state_tracker (a callable returning a
@@ -121,7 +123,16 @@ class DotProductAttention(torch.nn.Module):
                                                                          get_rng_state_tracker)
         self.num_attention_heads = check_positive(owner, "num_attention_heads",
                                                   num_attention_heads)
-        self.kv_channels = check_positive(owner, "kv_channels", kv_channels)
+        if isinstance(kv_channels, (tuple, list)) and len(kv_channels) == 2:
+            # (head size of query and key, head size of value), as in Transformer Engine
+            head_k = check_positive(owner, "kv_channels[0]", kv_channels[0])
+            head_v = check_positive(owner, "kv_channels[1]", kv_channels[1])
+            self.kv_channels = (head_k, head_v)
+        else:
+            head_k = head_v = self.kv_channels = check_positive(owner, "kv_channels",
+                                                                kv_channels)
+        self.hidden_size_per_attention_head_k = head_k  # (Transformer Engine's names)
+        self.hidden_size_per_attention_head_v = head_v
         groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         check_positive(owner, "num_gqa_groups", groups)
         if num_attention_heads % groups:
@@ -141,7 +152,7 @@ class DotProductAttention(torch.nn.Module):
         self.attention_type = attention_type
         self.layer_number = layer_number
         if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(kv_channels)
+            softmax_scale = 1.0 / math.sqrt(head_k)
         elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
                 or not softmax_scale > 0:
             raise ValueError(f"{owner}: softmax_scale must be a number > 0, got "
@@ -228,9 +239,10 @@ class DotProductAttention(torch.nn.Module):
         come from a KV cache ("bshd", the sequences so far), q in fmt."""
         owner = "DotProductAttention"
         lead = "s, b" if fmt == "sbhd" else "b, s"
-        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
-        for name, t, heads in (("query_layer", q, h), ("key_layer", k, g),
-                               ("value_layer", v, g)):
+        h, g = self.num_attention_heads, self.num_gqa_groups
+        d_k, d_v = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
+        for name, t, heads, d in (("query_layer", q, h, d_k), ("key_layer", k, g, d_k),
+                                  ("value_layer", v, g, d_v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{owner}: {name} must be a torch.Tensor, got "
                                 f"{type(t).__name__}")
@@ -278,7 +290,7 @@ class DotProductAttention(torch.nn.Module):
                                                           self.softmax_scale)
             # (No query row is left without a key: the sink takes every row's mass.)
             out = self._sdpa_vanilla(q, k, v, allowed, is_causal, dropout)
-            return out[:, :, rows:, :self.kv_channels]
+            return out[:, :, rows:, :self.hidden_size_per_attention_head_v]
         return self._sdpa_vanilla(q, k, v, allowed, is_causal, dropout)
 
     def _sdpa_vanilla(self, q, k, v, allowed, is_causal, dropout):

@@ -46,7 +46,7 @@ def with_sink(q, k, v, allowed, is_causal, alpha, scale):
     k, v = (torch.cat((t, t.new_zeros(b, g, t.shape[2], 8)), dim=-1) for t in (k, v))
     sink_key = k.new_zeros(b, g, 1, d + 8)
     sink_key[..., d:d + 3] = 1.0
-    sink_value = v.new_zeros(b, g, 1, d + 8)
+    sink_value = v.new_zeros(b, g, 1, v.shape[-1])  # (v's head size may differ from q's)
     if is_causal:
         q = torch.cat((q.new_zeros(b, h, 1, d + 8), q), dim=2)
         return (q, torch.cat((sink_key, k), dim=2), torch.cat((sink_value, v), dim=2), None,
