@@ -153,8 +153,8 @@ MUTANTS = [
     Mutant("calibration recording no grad_output", "quantization/calibration.py",
            "            if out.requires_grad and bwd_state.step is backward_step.step:\n",
            "            if False:\n", ("tests/test_calibration_backward.py",)),
-    Mutant("FSDP2 current amaxes kept across root forwards", "modules/fsdp/current_scale.py",
-           " or self.root_forward != _ROOT_FORWARDS.count:\n", ":\n",
+    Mutant("FSDP2 current amaxes kept across optimizer steps", "modules/fsdp/current_scale.py",
+           "\n                or self.optimizer_steps != _OPTIMIZER_STEPS.count):\n", "):\n",
            ("tests/test_fsdp_fp8_all_gather_current.py",), "one_fp8_autocast"),
 ]
 

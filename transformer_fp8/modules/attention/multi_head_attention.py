@@ -92,6 +92,9 @@ class MultiheadAttention(torch.nn.Module):
                 raise ValueError(f"{owner}: hidden_size ({hidden_size}) must be a multiple of "
                                  f"num_attention_heads ({heads}) when kv_channels is not given")
             kv_channels = hidden_size // heads
+        # (one head size: a (q/k, v) pair, which DotProductAttention takes, is not
+        # Transformer Engine's here either)
+        kv_channels = check_positive(owner, "kv_channels", kv_channels)
         # layer_number keys the KV cache (inference_params): 1 unless given, as Transformer
         # Engine numbers it.
         core_attention = DotProductAttention(

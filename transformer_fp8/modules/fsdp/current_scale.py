@@ -7,20 +7,21 @@ process group, and ONE all_reduce(MAX) of the stacked amaxes over that group giv
 each full weight's amax (the max of the shards' maxima is exactly the full weight's). A weight's
 scale is then computed from its amax as TensorQuantizer.current computes it, so each shard is
 cast exactly as the full weight would be: the gathered FP8 weight equals, bit for bit, the cast
-of the full weight. The amaxes are kept for the rest of the root module's forward (the later
-layers' all-gathers need no collective; the backward's re-gathers repeat the forward's form,
-fsdp/all_gather.py). The next forward of an FSDP2 root reduces them again: the weights may have
-changed in between (an optimizer step inside one fp8_autocast), and no cheaper sign of it holds
-for every optimizer (foreach and fused steps move no version counter of a DTensor
-Parameter). The weights reduced together are those of the FSDP2 tree the gathered weight
-belongs to (its root's states), never another model's: a deleted model's state lives on in
-torch's registry until a garbage collection, which the ranks run at different times (their
+of the full weight. The amaxes are kept for the rest of the step (the later layers' all-gathers
+need no collective; the backward's re-gathers repeat the forward's form, fsdp/all_gather.py),
+until an optimizer steps or a weight Parameter is written in place: the next gather, whatever
+calls it (the root's forward, a method registered with register_fsdp_forward_method, an
+explicit unshard), reduces them again. Optimizer steps are counted by one global post-step
+hook, for-loop, foreach and fused alike (foreach and fused steps move no version counter of a
+DTensor Parameter); other writes through a Parameter (load_state_dict, copy_) by its version
+counter. The weights reduced together are those of the FSDP2 tree the gathered weight belongs
+to (its root's states), never another model's: a deleted model's state lives on in torch's
+registry until a garbage collection, which the ranks run at different times (their
 reductions would not match).
 """
 from __future__ import annotations
 
 import itertools
-import weakref
 from typing import Optional
 
 import torch
@@ -34,38 +35,36 @@ from ...quantization.amax_step import all_reduce_max
 _serials = itertools.count()
 
 
-class _RootForwards:
-    """Counts the forwards of the FSDP2 roots whose weights were reduced (a forward pre-hook
-    put first on each root module, so that it runs before the root's own all-gather)."""
+class _OptimizerSteps:
+    """Counts the steps of every torch.optim optimizer (one global post-step hook, registered
+    at the first reduction). Every rank steps alike, so every rank sees the same count."""
 
     def __init__(self):
         self.count = 0
-        self._hooked = weakref.WeakSet()
+        self._handle = None
 
-    def watch(self, root_module: torch.nn.Module) -> None:
-        if root_module not in self._hooked:
-            self._hooked.add(root_module)
-            root_module.register_forward_pre_hook(_count_root_forward, prepend=True)
-
-
-_ROOT_FORWARDS = _RootForwards()
+    def watch(self) -> None:
+        if self._handle is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+            self._handle = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
-def _count_root_forward(module, args) -> None:
-    # (a function, not a bound method: a deepcopy of the model keeps counting here)
-    _ROOT_FORWARDS.count += 1
+_OPTIMIZER_STEPS = _OptimizerSteps()
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS.count += 1
 
 
 class _StepAmaxes:
-    """The full weights' amaxes of one reduction (``serial``) in one root forward and one
-    process group. ``params``: each shard's FSDP2 Parameter (a DTensor), whose version
-    counter also tells an in-place change between two gathers of one root forward (a
-    for-loop optimizer step moves it), or None."""
+    """The full weights' amaxes of one reduction (``serial``) between two optimizer steps, in
+    one step and one process group. ``params``: each shard's FSDP2 Parameter (a DTensor),
+    whose version counter tells a write through it (load_state_dict, copy_), or None."""
 
     def __init__(self, pass_id: int, ranks: frozenset, shards: list, params: list,
                  amaxes: torch.Tensor):
         self.pass_id, self.ranks, self.serial = pass_id, ranks, next(_serials)
-        self.root_forward = _ROOT_FORWARDS.count
+        self.optimizer_steps = _OPTIMIZER_STEPS.count
         self.index = {id(shard): i for i, shard in enumerate(shards)}
         self.shards = shards  # held for the step: the ids above stay theirs
         self.params = params
@@ -73,11 +72,12 @@ class _StepAmaxes:
         self.amaxes = amaxes
 
     def amax_of(self, shard: torch.Tensor) -> Optional[torch.Tensor]:
-        """The full weight's amax, or None where this reduction did not cover the shard, or
-        is of an earlier root forward, or the weight changed since (every rank runs the same
-        forwards and optimizer steps, so every rank reduces again at the same gather)."""
+        """The full weight's amax, or None where this reduction did not cover the shard, or an
+        optimizer stepped since, or the weight changed since (every rank runs the same steps,
+        so every rank reduces again at the same gather)."""
         i = self.index.get(id(shard))
-        if i is None or self.shards[i] is not shard or self.root_forward != _ROOT_FORWARDS.count:
+        if (i is None or self.shards[i] is not shard
+                or self.optimizer_steps != _OPTIMIZER_STEPS.count):
             return None
         param = self.params[i]
         if param is not None and param._version != self.versions[i]:
@@ -108,10 +108,7 @@ def _tree_states(shard: torch.Tensor) -> list:
     for state_ref in list(_module_state_mapping.values()):
         state = state_ref()
         if state is not None and any(_local(p) is shard for p in _fsdp_params(state)):
-            states = list(state._state_ctx.all_states) or [state]
-            root = next((s for s in states if getattr(s, "_is_root", False)), states[0])
-            _ROOT_FORWARDS.watch(root._modules[0])
-            return states
+            return list(state._state_ctx.all_states) or [state]
     return []
 
 
@@ -134,6 +131,7 @@ def _shards_sharded_over(ranks: frozenset, kind: type, shard: torch.Tensor) -> t
 
 def _reduce_step_amaxes(ranks: frozenset, group, shard: torch.Tensor) -> _StepAmaxes:
     """The local amax of every weight shard of the group, one all_reduce(MAX) of them all."""
+    _OPTIMIZER_STEPS.watch()
     shards, params = _shards_sharded_over(ranks, type(shard), shard)
     if not any(s is shard for s in shards):
         shards.append(shard)  # not found in FSDP2's state: still reduced with the others
