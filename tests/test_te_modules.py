@@ -105,8 +105,14 @@ def test_bad_arguments_are_refused_with_their_names():
     # (LayerNormLinear takes it: without tensor parallelism it does nothing, as in Transformer
     # Engine; test_te_tensor_parallel_norm.py)
     assert not tfp8.LayerNormLinear(16, 16, sequence_parallel=True).sequence_parallel
-    with pytest.raises(ValueError, match="sequence_parallel=True is not supported"):
-        tfp8.RMSNorm(16, sequence_parallel=True)
+    # LayerNorm / RMSNorm: no communication; the weights are marked for Megatron-LM's sum of
+    # their gradients over the tensor-parallel ranks, as Transformer Engine marks them.
+    norm = tfp8.LayerNorm(16, sequence_parallel=True)
+    assert norm.sequence_parallel and norm.weight.sequence_parallel and norm.bias.sequence_parallel
+    assert tfp8.RMSNorm(16).weight.sequence_parallel is False
+    with pytest.raises(TypeError, match="RMSNorm: sequence_parallel must be True or False, got "
+                                        "'yes'"):
+        tfp8.RMSNorm(16, sequence_parallel="yes")
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         tfp8.LayerNormMLP(16, 16, bogus=1)
     with pytest.raises(ValueError, match="'dtype'.*'params_dtype'"):

@@ -108,9 +108,17 @@ def test_one_process_refusals_and_attributes():
         tfp8.Linear(32, 48, parallel_mode="row", tp_size=0)
     with pytest.raises(TypeError, match="tp_group must be a torch.distributed.ProcessGroup"):
         tfp8.Linear(32, 48, parallel_mode="row", tp_group="tp")
-    with pytest.raises(ValueError, match="parameters_split cannot be combined with "
-                                         "parallel_mode='column'"):
-        tfp8.Linear(32, 48, parallel_mode="column", tp_size=2, parameters_split=("a", "b"))
+    with pytest.raises(ValueError, match=r"Linear: parameters_split part 'a' \(31 rows\) is "
+                                         "not divisible by the 3 tensor-parallel ranks"):
+        tfp8.Linear(32, 48, parallel_mode="column", tp_size=3,
+                    parameters_split={"a": 31, "b": 17})
+    # Each part cut over the ranks, as Transformer Engine: the rank holds its rows of each.
+    split = tfp8.Linear(32, 48, parallel_mode="column", tp_size=2,
+                        parameters_split={"a": 32, "b": 16})
+    assert [tuple(p.shape) for p in split.parameters()] == [(16, 32), (8, 32), (16,), (8,)]
+    assert all(p.partition_dim == 0 for p in split.parameters())
+    split = tfp8.Linear(32, 48, parallel_mode="row", tp_size=2, parameters_split=("a", "b"))
+    assert [tuple(p.shape) for p in split.parameters()] == [(24, 16), (24, 16), (24,), (24,)]
     layer = tfp8.Linear(32, 48, parallel_mode="row", tp_size=2, sequence_parallel=True)
     assert tuple(layer.weight.shape) == (48, 16) and tuple(layer.bias.shape) == (48,)
     assert (layer.in_features, layer.out_features) == (16, 48)
@@ -134,5 +142,6 @@ def test_one_process_refusals_and_attributes():
     assert tfp8.Linear(32, 48).tp_size == 1
     # The other modules still refuse them, naming those that take them.
     with pytest.raises(ValueError, match="parallel_mode='column' is not supported .*Linear, "
-                                         "LayerNormLinear and LayerNormMLP take tp_group"):
+                                         "LayerNormLinear, LayerNormMLP, the attention modules "
+                                         "and TransformerLayer take tp_group"):
         tfp8.GroupedLinear(2, 32, 48, parallel_mode="column")

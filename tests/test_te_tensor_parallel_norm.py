@@ -116,10 +116,10 @@ def test_one_process_refusals():
         tfp8.LayerNormLinear(64, 96, parallel_mode="column", tp_group="tp")
     with pytest.raises(ValueError, match="LayerNormMLP: tp_size must be a positive integer"):
         tfp8.LayerNormMLP(64, 64, set_parallel_mode=True, tp_size=0)
-    with pytest.raises(ValueError, match="LayerNormLinear: parameters_split cannot be combined "
-                                         "with parallel_mode='column'"):
-        tfp8.LayerNormLinear(64, 96, parallel_mode="column", tp_size=2,
-                             parameters_split=("a", "b"))
+    with pytest.raises(ValueError, match=r"LayerNormLinear: parameters_split part 'a' \(55 "
+                                         r"rows\) is not divisible by the 3 tensor-parallel"):
+        tfp8.LayerNormLinear(64, 96, parallel_mode="column", tp_size=3,
+                             parameters_split={"a": 55, "b": 41})
     with pytest.raises(TypeError, match="LayerNormLinear: return_layernorm_output_gathered "
                                         "must be True or False"):
         tfp8.LayerNormLinear(64, 96, return_layernorm_output_gathered=1.5)

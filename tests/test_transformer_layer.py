@@ -343,10 +343,11 @@ def test_attention_errors_name_the_argument():
         DotProductAttention(4, 0)
     with pytest.raises(ValueError, match=r"attention_dropout must be in \[0, 1\), got 1.5"):
         DotProductAttention(4, 16, attention_dropout=1.5)
-    with pytest.raises(ValueError, match="sequence_parallel=True is not supported"):
-        DotProductAttention(4, 16, sequence_parallel=True)
-    with pytest.raises(ValueError, match="tp_size=2 is not supported"):
-        DotProductAttention(4, 16, tp_size=2)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be divisible by the "
+                                         "3 tensor-parallel ranks"):
+        DotProductAttention(4, 16, tp_size=3)
+    with pytest.raises(TypeError, match="sequence_parallel must be True or False"):
+        DotProductAttention(4, 16, sequence_parallel="yes")
     with pytest.raises(ValueError, match="cp_group=.* is not supported"):
         DotProductAttention(4, 16, cp_group=object())
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
@@ -500,8 +501,9 @@ def test_layer_errors_name_the_argument():
         TransformerLayer(32, 32, 2, self_attn_mask_type="window")
     with pytest.raises(ValueError, match="activation must be one of"):
         TransformerLayer(32, 32, 2, activation="tanh")
-    with pytest.raises(ValueError, match="set_parallel_mode=True is not supported"):
-        TransformerLayer(32, 32, 2, set_parallel_mode=True)
+    with pytest.raises(ValueError, match="TransformerLayer: tp_size=2 .* needs "
+                                         "set_parallel_mode=True"):
+        TransformerLayer(32, 32, 2, tp_size=2)
     with pytest.raises(ValueError, match="'dtype'.*'params_dtype'"):
         TransformerLayer(32, 32, 2, dtype=torch.float32, params_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):

@@ -140,17 +140,16 @@ class LayerNormLinear(TensorParallelMixin, NormFirstModule):
                  dtype: Optional[torch.dtype] = None, recipe: Optional[Recipe] = None):
         te_options = te_only_arguments(locals())
         super().__init__()
-        check_positive("LayerNormLinear", "out_features", out_features)
+        whole_out = check_positive("LayerNormLinear", "out_features", out_features)
         out_features, parallel, self._ln_out_gathered = \
             te_tensor_parallel_norm.configure_norm_linear(in_features, out_features, te_options)
-        te_tensor_parallel.check_combination("LayerNormLinear", parallel, parameters_split,
-                                             False)
         dtype = self._init_options(te_options, dtype, params_dtype, return_bias,
                                    return_layernorm_output, init_method,
                                    fuse_wgrad_accumulation, delay_wgrad_compute)
         self.in_features = check_positive("LayerNormLinear", "in_features", in_features)
         self.out_features = out_features  # (the rank's shard's, with parallel_mode="column")
-        parts = split_sizes("LayerNormLinear", parameters_split, out_features)
+        parts = split_sizes("LayerNormLinear", parameters_split, whole_out,
+                            te_tensor_parallel.split_shards(parallel))
         factory = dict(device=device, dtype=dtype)
         self._init_norm(in_features, eps, normalization, zero_centered_gamma, device, dtype)
         self._register_gemm_parameter("weight", torch.empty(out_features, in_features,

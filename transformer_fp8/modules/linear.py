@@ -132,15 +132,16 @@ class LinearLayer(TensorParallelMixin, TeModuleMixin, Fp8StateMixin, torch.nn.Mo
         out_features = _feature_count("out_features", out_features)
         rng = weight_rng("Linear", te_options.pop("get_rng_state_tracker", None),
                          te_options.pop("rng_tracker_name", None))
+        whole_out = out_features
         in_features, out_features, parallel = te_tensor_parallel.configure(
             "Linear", in_features, out_features, te_options)  # (the local shard's sizes)
         check_te_options("Linear", te_options)
-        te_tensor_parallel.check_combination("Linear", parallel, parameters_split,
-                                             fp8_all_gather)
+        te_tensor_parallel.check_combination("Linear", parallel, fp8_all_gather)
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
             raise ValueError(f"Linear: 'dtype' ({dtype}) and 'params_dtype' ({params_dtype}) are "
                              "two names for the parameters' dtype and must agree; pass one")
-        parts = split_sizes("Linear", parameters_split, out_features)
+        parts = split_sizes("Linear", parameters_split, whole_out,
+                            te_tensor_parallel.split_shards(parallel))
         check_fp8_all_gather("Linear", fp8_all_gather, parameters_split=parts,
                              fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                              delay_wgrad_compute=delay_wgrad_compute)

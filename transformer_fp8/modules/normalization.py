@@ -160,6 +160,11 @@ def _normalized_size(owner: str, normalized_shape, hidden_size) -> int:
 class _Norm(torch.nn.Module):
     normalization = "LayerNorm"
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
+    # Set by MultiheadAttention on its query/key norms under tensor parallelism (the
+    # te_tensor_parallel.TensorParallelOptions of its ranks): each rank normalises its own
+    # heads, so the weights' gradients are summed over the ranks in backward (every rank then
+    # holds the whole gradient, as a norm over all the heads computes it).
+    _grad_sum_over = None
 
     def __init__(self, normalized_shape=None, eps: float = 1e-5, sequence_parallel=None,
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
@@ -176,14 +181,21 @@ class _Norm(torch.nn.Module):
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
             raise ValueError(f"{owner}: 'dtype' ({dtype}) and 'params_dtype' "
                              f"({params_dtype}) name the same thing and must agree; pass one")
-        if sequence_parallel:
-            raise ValueError(f"{owner}: sequence_parallel={sequence_parallel!r} is "
-                             "not supported (no sequence parallelism); leave it at False")
+        if sequence_parallel not in (None, False, True):
+            raise TypeError(f"{owner}: sequence_parallel must be True or False, got "
+                            f"{sequence_parallel!r}")
+        # As Transformer Engine: no communication; the weights are marked so that
+        # Megatron-LM sums their gradients over the tensor-parallel ranks (each rank's covers
+        # its part of the sequence).
+        self.sequence_parallel = bool(sequence_parallel)
         self.hidden_size = hidden_size
         self.eps = check_eps(eps)
         self.zero_centered_gamma = check_zero_centered_gamma(zero_centered_gamma)
         _norm_parameters(self, hidden_size, self.normalization == "LayerNorm",
                          zero_centered_gamma, device, dtype or params_dtype)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.sequence_parallel = self.sequence_parallel
 
     def __setattr__(self, name, value):
         # Set after construction (norm.eps = ...): checked as the constructor checks them (a
@@ -209,6 +221,10 @@ class _Norm(torch.nn.Module):
             raise ValueError(f"{type(self).__name__}: input must have shape "
                              f"[..., {self.hidden_size}], got {tuple(inp.shape)}")
         weight, bias = self.weight, self.bias
+        if self._grad_sum_over is not None and torch.is_grad_enabled():
+            from .te_tensor_parallel import sum_gradient_over
+            weight = sum_gradient_over(weight, self._grad_sum_over.group)
+            bias = None if bias is None else sum_gradient_over(bias, self._grad_sum_over.group)
         if inp.is_floating_point():
             # Transformer Engine's dtype: the autocast dtype under torch.autocast, else the
             # weight's; the input and the parameters are cast to it first (float32 math after).

@@ -13,14 +13,14 @@ _PARALLEL = "no tensor, sequence or context parallelism, no communication overla
 # Linear, LayerNormLinear and LayerNormMLP take these (te_tensor_parallel.py,
 # te_tensor_parallel_norm.py) and never pass them here.
 _TP = ("no tensor or sequence parallelism in this module (transformer_fp8.Linear, "
-       "LayerNormLinear and LayerNormMLP take tp_group, tp_size, parallel_mode / "
-       "set_parallel_mode and sequence_parallel)")
+       "LayerNormLinear, LayerNormMLP, the attention modules and TransformerLayer take "
+       "tp_group, tp_size, parallel_mode / set_parallel_mode and sequence_parallel)")
 _RNG = ("this module draws nothing inside an RNG tracker's fork; the GEMM modules (weights) "
         "and the attention modules (dropout) take the tracker")
 
 # name -> (accepted values, first = Transformer Engine's default; why other values are refused)
 TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
-    # tensor / sequence parallelism (Linear's, LayerNormLinear's and LayerNormMLP's own:
+    # tensor / sequence parallelism (the GEMM, attention and TransformerLayer modules' own:
     # te_tensor_parallel.py, te_tensor_parallel_norm.py) and communication overlap
     "sequence_parallel": ((False, None), _TP),
     "tp_group": ((None,), _TP),

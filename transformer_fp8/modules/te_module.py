@@ -28,9 +28,13 @@ from . import wgrad
 from .once_differentiable import joined_weight
 
 
-def split_sizes(owner: str, parameters_split, out_features: int) -> Optional[list]:
+def split_sizes(owner: str, parameters_split, out_features: int,
+                shards: int = 1) -> Optional[list]:
     """Transformer Engine's parameters_split as [(name, rows)], or None (one Parameter).
-    A dict gives each part's rows; a sequence of names splits the rows evenly."""
+    A dict gives each part's rows; a sequence of names splits the rows evenly. ``shards``: the
+    tensor-parallel ranks of a column-parallel layer (out_features is then the whole layer's):
+    each part is cut into that many, and the rank holds one of each, as in Transformer Engine
+    (a rank's weight is [its query rows | its key rows | its value rows])."""
     if parameters_split is None:
         return None
     if isinstance(parameters_split, dict):
@@ -50,7 +54,12 @@ def split_sizes(owner: str, parameters_split, out_features: int) -> Optional[lis
             sum(s for _, s in parts) != out_features:
         raise ValueError(f"{owner}: parameters_split must split the {out_features} output "
                          f"features into positive parts, got {dict(parts)}")
-    return parts
+    for name, size in parts:
+        if size % shards:
+            raise ValueError(f"{owner}: parameters_split part {name!r} ({size} rows) is not "
+                             f"divisible by the {shards} tensor-parallel ranks "
+                             "(parallel_mode='column' cuts every part)")
+    return [(name, size // shards) for name, size in parts]
 
 
 _NOT_A_PARAMETER = object()

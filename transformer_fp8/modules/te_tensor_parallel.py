@@ -147,14 +147,18 @@ def _mark_sharded(param: torch.Tensor, dim: int) -> None:
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
 
 
-def check_combination(owner: str, options, parameters_split, fp8_all_gather) -> None:
-    if options is None or not options.communicates:
-        return
-    for name, on in (("parameters_split", parameters_split is not None),
-                     ("fp8_all_gather", fp8_all_gather)):
-        if on:
-            raise ValueError(f"{owner}: {name} cannot be combined with parallel_mode="
-                             f"{options.mode!r} (tensor parallelism); leave it at its default")
+def check_combination(owner: str, options, fp8_all_gather) -> None:
+    if options is not None and options.communicates and fp8_all_gather:
+        raise ValueError(f"{owner}: fp8_all_gather cannot be combined with parallel_mode="
+                         f"{options.mode!r} (tensor parallelism); leave it at its default")
+
+
+def split_shards(options) -> int:
+    """How many parts each parameters_split part of the whole layer is cut into: the ranks of
+    a column-parallel layer (its output features are sharded), else 1."""
+    if options is not None and options.mode == "column":
+        return options.size
+    return 1
 
 
 class TensorParallelMixin:
@@ -259,6 +263,12 @@ def reduce_output(partial: torch.Tensor, options: TensorParallelOptions) -> torc
     if options.sequence_parallel:
         return _ReduceScatterFirstDim.apply(partial, options.group)
     return _AllReduce.apply(partial, options.group)
+
+
+def sum_gradient_over(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``tensor`` as it is; its gradient summed over the ranks of ``group`` (a weight every
+    rank holds whole and applies to its own share of the data)."""
+    return _CopyToGroup.apply(tensor, group)
 
 
 # ---- the collectives, as autograd functions (dim 0: the sequence, in Megatron's layout) ------

@@ -104,9 +104,9 @@ def attach(module, options, sharded: dict, row_bias=None) -> None:
     module._te_tp = options
     module._fused_step = None  # (the Python path runs the GEMMs between the collectives)
     for name, dim in sharded.items():
-        param = getattr(module, name)
-        if param is not None:
-            tp._mark_sharded(param, dim)
+        for param in module._parameters_of(name):  # (each part of a parameters_split one)
+            if param is not None:
+                tp._mark_sharded(param, dim)
     bias = None if row_bias is None else getattr(module, row_bias)
     if bias is not None:
         bias.sequence_parallel = options.sequence_parallel

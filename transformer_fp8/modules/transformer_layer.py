@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .attention.dot_product import check_mask_type, check_qkv_format
 from .layernorm_mlp import LayerNormMLP
-from .attention.multi_head_attention import MultiheadAttention
+from .attention.multi_head_attention import MultiheadAttention, check_tensor_parallel
 from ..quantization.recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
                       te_only_arguments)
@@ -65,8 +65,13 @@ class TransformerLayer(torch.nn.Module):
     reaches DotProductAttention and the GEMM modules: attention dropout and the weights'
     initialisation inside the tracker's fork, hidden dropout on the default generator (as in
     Transformer Engine).
+    tp_group, tp_size, set_parallel_mode=True, sequence_parallel: Transformer Engine's tensor
+    parallelism, given to the self-attention (MultiheadAttention: heads split over the ranks)
+    and to LayerNormMLP (fc1 column-, fc2 row-parallel); with sequence_parallel,
+    hidden_states and the output are the rank's part of dim 0 (the sequence, "sbhd"), and
+    the residuals and hidden dropout run on that part.
     Not supported (refused with a ValueError): layer_type="decoder" (cross-attention),
-    output_layernorm=True (post-norm), and tensor/sequence/context parallelism.
+    output_layernorm=True (post-norm), and context parallelism.
     """
 
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
@@ -104,6 +109,8 @@ class TransformerLayer(torch.nn.Module):
             for switch in _UB_SWITCHES:
                 te_options.pop(switch)
         te_options.pop("get_rng_state_tracker")  # (dropout and the weights in its fork)
+        tp = {k: te_options.pop(k) for k in ("tp_group", "tp_size", "sequence_parallel",
+                                             "set_parallel_mode")}
         check_te_options(owner, te_options)
         super().__init__()
         if layer_type != "encoder":
@@ -130,13 +137,18 @@ class TransformerLayer(torch.nn.Module):
             apply_residual_connection_post_layernorm)
         self.attn_input_format = fmt
         self.layer_number = layer_number
+        check_tensor_parallel(owner, {k: tp[k] for k in ("tp_group", "tp_size",
+                                                         "sequence_parallel")},
+                              tp["set_parallel_mode"], check_positive(owner, "num_attention_heads",
+                                                                      num_attention_heads),
+                              num_gqa_groups or num_attention_heads)
         init_method = init_method or te_default_init
         output_layer_init_method = output_layer_init_method or te_default_init
         common = dict(params_dtype=dtype, device=device, recipe=recipe, bias=bias,
                       normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                       init_method=init_method, output_layer_init_method=output_layer_init_method,
                       return_layernorm_output=self.apply_residual_connection_post_layernorm,
-                      fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation, **tp)
         self.self_attention = MultiheadAttention(
             hidden_size, num_attention_heads, kv_channels=kv_channels, input_layernorm=True,
             attention_dropout=_check_dropout(owner, "attention_dropout", attention_dropout),
@@ -151,6 +163,24 @@ class TransformerLayer(torch.nn.Module):
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon,
                                           activation=activation,
                                           get_rng_state_tracker=get_rng_state_tracker, **common)
+
+    @property
+    def tp_size(self) -> int:
+        return self.self_attention.tp_size
+
+    @property
+    def tp_group(self):
+        return self.self_attention.tp_group
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layernorm_mlp.sequence_parallel
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Transformer Engine's: the tensor-parallel group, for a layer built with tp_size and
+        no tp_group, given to every submodule."""
+        self.self_attention.set_tensor_parallel_group(tp_group)
+        self.layernorm_mlp.set_tensor_parallel_group(tp_group)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 self_attn_mask_type: Optional[str] = None, window_size=None,

@@ -26,9 +26,11 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+import torch.distributed as dist
+
 from ... import distributed
 from ...quantization.replay import checkpoint
-from .. import te_checkpoint
+from .. import te_checkpoint, te_tensor_parallel
 from ..te_args import check_positive, check_te_options as check_unsupported
 from ..torchscript import refuse_torchscript
 from .inference import kv_cache_step
@@ -87,8 +89,12 @@ class DotProductAttention(torch.nn.Module):
     transformer_fp8.distributed.CudaRNGStatesTracker): the dropout mask is drawn inside
     ``get_rng_state_tracker().fork()`` (the state "model-parallel-rng"), as in Transformer
     Engine; checkpoint_core_attention then restores the tracker's states for the
-    recomputation. Tensor/sequence/context parallel options are accepted only at their
-    defaults.
+    recomputation. tp_size / tp_group (Transformer Engine's tensor parallelism): the
+    inputs hold this rank's num_attention_heads / tp_size query heads and num_gqa_groups /
+    tp_size key/value groups (MultiheadAttention's column-parallel QKV projection gives them);
+    attention itself needs no communication. sequence_parallel is accepted and changes
+    nothing here (the projections gather and scatter the sequence). Context-parallel options
+    are accepted only at their defaults.
     """
 
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
@@ -115,8 +121,12 @@ class DotProductAttention(torch.nn.Module):
         if return_max_logit:
             raise ValueError(f"{owner}: return_max_logit=True is not supported; leave it at "
                              "False")
-        check_unsupported(owner, dict(sequence_parallel=sequence_parallel, tp_size=tp_size,
-                                      tp_group=tp_group, name=name))
+        check_unsupported(owner, dict(name=name))
+        # (options kept with their group, which deepcopy shares and pickling drops)
+        _, _, self._te_parallel = te_tensor_parallel.configure(
+            owner, 1, 1, dict(tp_group=tp_group, tp_size=tp_size,
+                              sequence_parallel=sequence_parallel))
+        ranks = self.tp_size
         # Attention dropout runs inside get_rng_state_tracker().fork() (the getter is called at
         # each forward, so a model copy shares the caller's tracker).
         self.get_rng_state_tracker = distributed.check_rng_state_tracker(owner,
@@ -139,6 +149,15 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"{owner}: num_gqa_groups must divide num_attention_heads "
                              f"({num_attention_heads}), got {groups}")
         self.num_gqa_groups = groups
+        for name, count in (("num_attention_heads", num_attention_heads),
+                            ("num_gqa_groups", groups)):
+            if count % ranks:
+                raise ValueError(f"{owner}: {name} ({count}) must be divisible by the {ranks} "
+                                 "tensor-parallel ranks (each holds its share of the heads)")
+        # This rank's heads (all of them without tensor parallelism), as Transformer Engine's
+        # per-partition counts.
+        self.num_attention_heads_per_partition = num_attention_heads // ranks
+        self.num_gqa_groups_per_partition = groups // ranks
         if isinstance(attention_dropout, bool) or not isinstance(attention_dropout, (int, float)) \
                 or not 0 <= attention_dropout < 1:
             raise ValueError(f"{owner}: attention_dropout must be in [0, 1), got "
@@ -164,7 +183,33 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_type = check_softmax_type(owner, softmax_type)
         if softmax_type == "learnable":  # Transformer Engine's name, shape and start: zeros
             self.softmax_offset = torch.nn.Parameter(
-                torch.zeros(num_attention_heads, dtype=torch.float32, device=device))
+                torch.zeros(num_attention_heads // ranks, dtype=torch.float32, device=device))
+
+    def __setstate__(self, state: dict) -> None:
+        # (a module pickled whole before tensor parallelism: one rank holding every head)
+        state.setdefault("num_attention_heads_per_partition", state.get("num_attention_heads"))
+        state.setdefault("num_gqa_groups_per_partition", state.get("num_gqa_groups"))
+        state.setdefault("_te_parallel", None)
+        super().__setstate__(state)
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self._te_parallel is None else self._te_parallel.size
+
+    @property
+    def tp_group(self):
+        return None if self._te_parallel is None else self._te_parallel.group
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Transformer Engine's: the tensor-parallel group of a module built with tp_size
+        alone (attention needs none of it; kept for the callers that set it on every
+        module)."""
+        size = 1 if tp_group is None else dist.get_world_size(tp_group)
+        if size != self.tp_size:
+            raise ValueError(f"DotProductAttention.set_tensor_parallel_group: tp_group has "
+                             f"{size} ranks, the module was built for tp_size={self.tp_size}")
+        if self._te_parallel is not None:
+            self._te_parallel = self._te_parallel.with_group(tp_group)
 
     def reset_parameters(self) -> None:
         """The learnable sink's offset back to its start, zeros (a module materialised from
@@ -217,7 +262,8 @@ class DotProductAttention(torch.nn.Module):
                 bottom_right, query_layer.shape[0 if fmt == "sbhd" else 1])
         q, k, v = self._to_bhsd(query_layer, key_layer, value_layer, fmt, cached)
         allowed, is_causal = allowed_mask(mask_type, attention_mask, q.shape[0],
-                                          self.num_attention_heads, q.shape[2], k.shape[2],
+                                          self.num_attention_heads_per_partition, q.shape[2],
+                                          k.shape[2],
                                           q.device, window, bottom_right)
         dropout = self.attention_dropout if self.training else 0.0
         if checkpoint_core_attention and torch.is_grad_enabled():
@@ -239,7 +285,7 @@ class DotProductAttention(torch.nn.Module):
         come from a KV cache ("bshd", the sequences so far), q in fmt."""
         owner = "DotProductAttention"
         lead = "s, b" if fmt == "sbhd" else "b, s"
-        h, g = self.num_attention_heads, self.num_gqa_groups
+        h, g = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition
         d_k, d_v = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
         for name, t, heads, d in (("query_layer", q, h, d_k), ("key_layer", k, g, d_k),
                                   ("value_layer", v, g, d_v)):
@@ -285,7 +331,8 @@ class DotProductAttention(torch.nn.Module):
     def _sdpa_sink(self, q, k, v, allowed, is_causal, dropout):
         if self.softmax_type != "vanilla":
             alpha = (self.softmax_offset if self.softmax_type == "learnable"
-                     else q.new_zeros(self.num_attention_heads, dtype=torch.float32))
+                     else q.new_zeros(self.num_attention_heads_per_partition,
+                                      dtype=torch.float32))
             q, k, v, allowed, is_causal, rows = with_sink(q, k, v, allowed, is_causal, alpha,
                                                           self.softmax_scale)
             # (No query row is left without a key: the sink takes every row's mass.)

@@ -11,6 +11,16 @@ QKV layout of the projection's output: with fuse_qkv_params and qkv_weight_inter
 (Transformer Engine's fused layout) per key/value group: its h/g query heads, its key, its
 value; otherwise [all queries | all keys | all values], which is also how the query, key and
 value Parameters are joined.
+
+Tensor parallelism (Transformer Engine's, set_parallel_mode=True with tp_group / tp_size,
+sequence_parallel): each of the n ranks holds h/n query heads and g/n key/value groups. The
+QKV projection is column-parallel (a rank's query, key and value weights are its rows of each;
+with fuse_qkv_params its rows of the fused weight, whole groups in the interleaved layout,
+[its queries | its keys | its values] otherwise), attention runs on the rank's heads with no
+communication, and proj is row-parallel (its input columns are the rank's heads; the partial
+outputs are summed, or reduce-scattered along dim 0 with sequence_parallel, whose input is the
+rank's part of dim 0, all-gathered before the QKV projection). te_tensor_parallel.py runs the
+collectives.
 """
 from __future__ import annotations
 
@@ -26,6 +36,7 @@ from .inference import InferenceParams
 from .qk_norm import qk_norm_modules
 from ..te_args import check_positive, check_te_options, one_dtype, te_default_init, \
     te_only_arguments
+from ..te_tensor_parallel import configure as configure_tensor_parallel
 from ..torchscript import refuse_torchscript
 
 
@@ -79,6 +90,8 @@ class MultiheadAttention(torch.nn.Module):
         owner = "MultiheadAttention"
         te_options = te_only_arguments(locals())
         te_options.pop("get_rng_state_tracker")  # (dropout and the weights in its fork)
+        tp = {k: te_options.pop(k) for k in ("tp_group", "tp_size", "sequence_parallel")}
+        te_options.pop("set_parallel_mode")
         check_te_options(owner, te_options)
         super().__init__()
         if attention_type != "self":
@@ -95,6 +108,8 @@ class MultiheadAttention(torch.nn.Module):
         # (one head size: a (q/k, v) pair, which DotProductAttention takes, is not
         # Transformer Engine's here either)
         kv_channels = check_positive(owner, "kv_channels", kv_channels)
+        ranks = check_tensor_parallel(owner, tp, set_parallel_mode, heads,
+                                      num_gqa_groups or heads)
         # layer_number keys the KV cache (inference_params): 1 unless given, as Transformer
         # Engine numbers it.
         core_attention = DotProductAttention(
@@ -104,12 +119,15 @@ class MultiheadAttention(torch.nn.Module):
             bottom_right_diagonal=bottom_right_diagonal,
             layer_number=1 if layer_number is None else layer_number,
             softmax_scale=softmax_scale, softmax_type=softmax_type,
-            get_rng_state_tracker=get_rng_state_tracker, device=device)
+            get_rng_state_tracker=get_rng_state_tracker, device=device, **tp)
         self.q_norm, self.k_norm = qk_norm_modules(owner, qk_norm_type, qk_norm_eps, kv_channels,
                                                    dtype, device)
         self.qk_norm_before_rope = bool(qk_norm_before_rope)
         self.num_attention_heads, self.kv_channels = heads, kv_channels
         self.num_gqa_groups = groups = core_attention.num_gqa_groups
+        # This rank's share of the heads (all of them on one rank), Transformer Engine's names.
+        self.num_attention_heads_per_partition = heads // ranks
+        self.num_gqa_groups_per_partition = groups // ranks
         self.qkv_format = core_attention.qkv_format
         self.input_layernorm = bool(input_layernorm)
         self.qkv_weight_interleaved = bool(fuse_qkv_params and qkv_weight_interleaved)
@@ -122,7 +140,8 @@ class MultiheadAttention(torch.nn.Module):
                                               "value": groups * kv_channels}
         common = dict(params_dtype=dtype, device=device, recipe=recipe, bias=bias,
                       fuse_wgrad_accumulation=fuse_wgrad_accumulation, parameters_split=split,
-                      get_rng_state_tracker=get_rng_state_tracker)  # (weights in its fork)
+                      get_rng_state_tracker=get_rng_state_tracker,  # (weights in its fork)
+                      parallel_mode="column" if set_parallel_mode else None, **tp)
         qkv_out = (heads + 2 * groups) * kv_channels
         if self.input_layernorm:
             self.layernorm_qkv = LayerNormLinear(
@@ -133,13 +152,41 @@ class MultiheadAttention(torch.nn.Module):
             self.qkv = Linear(hidden_size, qkv_out, init_method=init_method, **common)
         self.core_attention = core_attention
         common["parameters_split"] = None
+        common["parallel_mode"] = "row" if set_parallel_mode else None
         self.proj = Linear(heads * kv_channels, hidden_size, init_method=output_layer_init_method,
                            return_bias=return_bias, **common)
+        self._share_qk_norm_gradients()
+
+    @property
+    def tp_size(self) -> int:
+        return self.core_attention.tp_size
+
+    @property
+    def tp_group(self):
+        return self.core_attention.tp_group
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Transformer Engine's: the tensor-parallel group, for a module built with tp_size
+        and no tp_group, given to every submodule."""
+        for module in (self.layernorm_qkv if self.input_layernorm else self.qkv,
+                       self.core_attention, self.proj):
+            module.set_tensor_parallel_group(tp_group)
+        self._share_qk_norm_gradients()
+
+    def _share_qk_norm_gradients(self) -> None:
+        """Under tensor parallelism each rank's query/key norms see its heads only: their
+        weight gradients are summed over the ranks (normalization._Norm._grad_sum_over)."""
+        options = self.core_attention._te_parallel
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None and any(True for _ in norm.parameters()):
+                norm._grad_sum_over = (options if options is not None and options.size > 1
+                                       else None)
 
     def split_qkv(self, mixed: torch.Tensor):
         """The QKV projection's output [..., (h + 2g) * d] as q [..., h, d], k and v
-        [..., g, d] (views where the layout allows)."""
-        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        [..., g, d] (views where the layout allows; h and g this rank's heads)."""
+        h, g = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition
+        d = self.kv_channels
         lead = mixed.shape[:-1]
         if self.qkv_weight_interleaved:
             per_group = mixed.view(*lead, g, h // g + 2, d)
@@ -147,6 +194,12 @@ class MultiheadAttention(torch.nn.Module):
             return q.reshape(*lead, h, d), k.reshape(*lead, g, d), v.reshape(*lead, g, d)
         q, k, v = mixed.split([h * d, g * d, g * d], dim=-1)
         return q.view(*lead, h, d), k.view(*lead, g, d), v.view(*lead, g, d)
+
+    def __setstate__(self, state: dict) -> None:
+        # (a module pickled whole before tensor parallelism: one rank holding every head)
+        state.setdefault("num_attention_heads_per_partition", state.get("num_attention_heads"))
+        state.setdefault("num_gqa_groups_per_partition", state.get("num_gqa_groups"))
+        super().__setstate__(state)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output=None,
                 attn_mask_type: Optional[str] = None, window_size=None,
@@ -190,3 +243,26 @@ class MultiheadAttention(torch.nn.Module):
         if self.return_layernorm_output:
             outputs.append(ln_out)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def check_tensor_parallel(owner: str, tp: dict, set_parallel_mode, heads: int,
+                          groups: int) -> int:
+    """The tensor-parallel ranks the module is built for (tp: its tp_group, tp_size and
+    sequence_parallel; checked, not consumed), after the checks: set_parallel_mode a bool,
+    True where there is more than one rank (Transformer Engine shards the heads by tp_size
+    whatever set_parallel_mode is, and without it runs no collective: each rank's output
+    would be a partial sum), heads and groups divisible by the ranks."""
+    if set_parallel_mode not in (False, True):
+        raise TypeError(f"{owner}: set_parallel_mode must be True or False, got "
+                        f"{set_parallel_mode!r}")
+    _, _, parallel = configure_tensor_parallel(owner, 1, 1, dict(tp))
+    ranks = 1 if parallel is None else parallel.size
+    if ranks > 1 and not set_parallel_mode:
+        raise ValueError(f"{owner}: tp_size={ranks} (or a tp_group of that many ranks) needs "
+                         "set_parallel_mode=True (QKV projection column-parallel, proj "
+                         "row-parallel): without it the ranks' outputs would be partial sums")
+    for name, count in (("num_attention_heads", heads), ("num_gqa_groups", groups)):
+        if isinstance(count, int) and count % ranks:
+            raise ValueError(f"{owner}: {name} ({count}) must be divisible by the {ranks} "
+                             "tensor-parallel ranks (each holds its share of the heads)")
+    return ranks
