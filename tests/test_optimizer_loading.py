@@ -61,3 +61,119 @@ def test_fused_adam_refuses_a_group_with_a_switch_its_step_lacks(switch):
     with pytest.raises(ValueError, match=f"FusedAdam: argument '{switch}' must be False"):
         ours.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], switch: True})
     assert len(ours.param_groups) == 1
+
+
+# ---- Transformer Engine's FusedAdam state dicts ---------------------------------------------
+
+def _te_split(master: torch.Tensor):
+    """Transformer Engine's store_param_remainders split of a float32 master: the bfloat16
+    parameter (its high 16 bits, plus one where the low 16 bits, read as int16, are negative:
+    rounded to nearest) and the int16 remainder (the low 16 bits)."""
+    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    low = bits & 0xFFFF
+    high = (bits >> 16) + (low >= 0x8000).to(torch.int64)
+    signed = lambda v: (v & 0xFFFF) - ((v & 0xFFFF) >= 0x8000).to(torch.int64) * 0x10000  # noqa: E731
+    return (signed(high).to(torch.int16).view(torch.bfloat16),
+            signed(low).to(torch.int16))
+
+
+def _te_state_dict(optimizer, params, remainders: bool) -> dict:
+    """What Transformer Engine's FusedAdam.state_dict() gives for the state of ``optimizer``:
+    the step count in the group, float32 moments, masters whole or as int16 remainders."""
+    saved = optimizer.state_dict()
+    steps = {float(entry["step"]) for entry in saved["state"].values()}
+    assert len(steps) == 1
+    group = dict(saved["param_groups"][0], step=int(steps.pop()))
+    state = {}
+    for key, entry in saved["state"].items():
+        entry = {k: v for k, v in entry.items() if k != "step"}
+        if remainders:
+            param_bits, entry["master_param"] = _te_split(entry["master_param"])
+            assert torch.equal(param_bits, params[key].detach()), "the split's parameter"
+        state[key] = entry
+    return {"state": state, "param_groups": [group]}
+
+
+def _adam_run(params, steps, seed, optimizer=None):
+    optimizer = optimizer or FusedAdam(params, lr=1e-2, master_weights=True,
+                                       store_param_remainders=True)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("remainders", [True, False])
+@pytest.mark.parametrize("weights_first", [True, False])
+def test_fused_adam_loads_transformer_engine_state_dicts(remainders, weights_first):
+    """Transformer Engine's FusedAdam keeps the step count in the group and, with
+    store_param_remainders, a bfloat16 parameter's master as the int16 low 16 bits: loaded,
+    training continues bit for bit as from the float32 state (the masters rebuilt exactly),
+    whether the model's weights are loaded before or after the optimizer."""
+    torch.manual_seed(0)
+    # Masters whose bfloat16 rounding goes both ways and crosses signs, as the split defines it.
+    masters = [torch.randn(33) * 3, torch.randn(4, 5) * 1e-3]
+    params = [torch.nn.Parameter(_te_split(m)[0].clone()) for m in masters]
+    source = _adam_run(params, 3, seed=1)
+    for p, m in zip(params, masters):  # (rounded as Transformer Engine rounds them)
+        with torch.no_grad():
+            p.copy_(_te_split(source.state[p]["master_param"])[0])
+    te_dict = _te_state_dict(source, params, remainders)
+    expected = [p.detach().clone() for p in params]
+    reference = FusedAdam([torch.nn.Parameter(e.clone()) for e in expected], lr=1e-2,
+                          master_weights=True)
+    reference.load_state_dict(source.state_dict())
+    ref_params = [p for g in reference.param_groups for p in g["params"]]
+
+    loaded = [torch.nn.Parameter(torch.zeros_like(e)) for e in expected]
+    target = FusedAdam(loaded, lr=1e-2, master_weights=True, store_param_remainders=True)
+    if weights_first:
+        with torch.no_grad():
+            for p, e in zip(loaded, expected):
+                p.copy_(e)
+    target.load_state_dict(te_dict)
+    if not weights_first:
+        with torch.no_grad():
+            for p, e in zip(loaded, expected):
+                p.copy_(e)
+    assert "step" not in target.param_groups[0]
+    _adam_run(loaded, 2, seed=2, optimizer=target)
+    _adam_run(ref_params, 2, seed=2, optimizer=reference)
+    for p, q in zip(loaded, ref_params):
+        assert torch.equal(p, q)
+        assert torch.equal(target.state[p]["master_param"], reference.state[q]["master_param"])
+        assert float(target.state[p]["step"]) == 5.0
+
+
+def test_fused_adam_refuses_transformer_engine_states_it_cannot_continue():
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    source = _adam_run([param], 1, seed=3)
+    te_dict = _te_state_dict(source, [param], remainders=True)
+    before = {k: v.clone() for k, v in source.state[param].items()}
+    no_step = {"state": te_dict["state"],
+               "param_groups": [{k: v for k, v in te_dict["param_groups"][0].items()
+                                 if k != "step"}]}
+    with pytest.raises(ValueError, match="the state of parameter 0 has moments but no step "
+                                         "count"):
+        source.load_state_dict(no_step)
+    float_param = torch.nn.Parameter(torch.zeros(4))
+    other = FusedAdam([float_param], master_weights=True)
+    with pytest.raises(ValueError, match=r"'master_param' of parameter 0 is int16 .* belongs to "
+                                         r"a torch.float32 parameter of shape \(4,\)"):
+        other.load_state_dict(te_dict)
+    for name, value in before.items():  # (nothing loaded by the refused calls)
+        assert torch.equal(source.state[param][name], value)
+    assert other.state == {} or not other.state[float_param]
+
+
+def test_named_parameters_are_taken_as_torch_optim_takes_them():
+    model = torch.nn.Linear(4, 3)
+    for make in (lambda ps: FusedAdam(ps, lr=0.1), lambda ps: FusedSGD(ps, lr=0.1)):
+        optimizer = make(model.named_parameters())
+        assert optimizer.param_groups[0]["param_names"] == ["weight", "bias"]
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    with pytest.raises(ValueError, match="parameters must be float32, bfloat16, float16"):
+        FusedAdam([("w", torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)))])

@@ -34,6 +34,18 @@ def master_start(param) -> torch.Tensor:
     return param.dequantize()
 
 
+def master_from_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The float32 master of a bfloat16 parameter from Transformer Engine's int16 remainder (its
+    low 16 bits): the high 16 bits are the parameter's, less one where the remainder is
+    negative (the bfloat16 value was rounded up from the master)."""
+    high = param.detach().view(torch.int16).to(torch.int64)
+    low = remainder.to(device=param.device, dtype=torch.int64)
+    high = (high - (low < 0).to(torch.int64)) & 0xFFFF
+    bits = (high << 16) | (low & 0xFFFF)
+    bits = bits - (bits >= 2 ** 31).to(torch.int64) * 2 ** 32  # (as a signed 32-bit word)
+    return bits.to(torch.int32).view(torch.float32)
+
+
 class MasterWeightOptimizer(torch.optim.Optimizer):
     """The shared part of the package's optimizers (see the module docstring)."""
 
@@ -93,7 +105,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if not isinstance(params, (torch.Tensor, set)):  # (a generator is read once, here)
             params = param_group["params"] = list(params)
         for p in [params] if isinstance(params, torch.Tensor) else params:
-            if p.dtype not in PARAM_DTYPES:
+            if isinstance(p, tuple) and len(p) == 2:  # (name, parameter): named_parameters()
+                p = p[1]
+            if isinstance(p, torch.Tensor) and p.dtype not in PARAM_DTYPES:
                 raise ValueError(f"{self._NAME}: parameters must be float32, bfloat16, float16 "
                                  f"or FP8 weights, got one of dtype {p.dtype} and shape "
                                  f"{tuple(p.shape)}")
@@ -108,6 +122,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         one), or None."""
         if not self._needs_master(param):
             return None
+        master = state.get("master_param")
+        if master is not None and master.dtype == torch.int16:  # (a loaded remainder)
+            state["master_param"] = master_from_remainder(param, master)
         if "master_param" not in state:
             state["master_param"] = master_start(param).to(
                 device=param.device, dtype=self.master_weight_dtype, copy=True)

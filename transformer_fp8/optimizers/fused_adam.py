@@ -26,6 +26,15 @@ those with a scale of their own; without it small moments flush to zero), parame
 not float32, bfloat16, float16 or FP8 weights (complex, float64), sparse gradients.
 ``store_param_remainders`` is accepted and keeps the whole float32 master (the same numbers;
 Transformer Engine stores 16 bits of it).
+
+``load_state_dict`` also takes Transformer Engine's FusedAdam state dicts: the step count kept
+per parameter group (``group["step"]``, given to each parameter's state), and with
+``store_param_remainders`` a bfloat16 parameter's master as its int16 low 16 bits, from which
+the float32 master is rebuilt with the parameter's bits at its next step (Transformer Engine's
+rule: the bfloat16 value was rounded to nearest from the master; the model's weights may be
+loaded before or after the optimizer). Checked before anything is loaded: a
+state with moments and no step count anywhere, or an int16 master of a parameter that is not
+bfloat16, is refused naming the parameter.
 """
 from __future__ import annotations
 
@@ -99,7 +108,22 @@ class FusedAdam(MasterWeightOptimizer):
     def _restored(self, name: str, value, param) -> Optional[torch.Tensor]:
         if name == "step":  # (on the host: the step reads it there)
             return torch.tensor(float(value), dtype=torch.float32)
+        if name == "master_param" and value is not None and value.dtype == torch.int16:
+            # Kept as it is: the master is rebuilt with the parameter's bits at its next step
+            # (_base.master_from_remainder), when the parameter holds its loaded value too.
+            return value.to(device=param.device, copy=True)
         return super()._restored(name, value, param)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        _check_loadable(state_dict, self.param_groups)
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            # Transformer Engine counts the steps per group: each parameter's state takes it.
+            group_step = group.pop("step", None)
+            for param in group["params"]:
+                state = self.state.get(param)
+                if state and "step" not in state:
+                    state["step"] = torch.tensor(float(group_step), dtype=torch.float32)
 
     def _init_state(self, param) -> dict:
         state = self.state[param]
@@ -147,3 +171,32 @@ class FusedAdam(MasterWeightOptimizer):
         if v is not exp_avg_sq:
             exp_avg_sq.copy_(v)
         self._write_back(param, master, stored, value)
+
+
+def _check_loadable(state_dict: dict, groups: list) -> None:
+    """What a load of ``state_dict`` would need and lack, refused before anything is loaded:
+    a step count for every state with moments (its own, or its group's, Transformer Engine's
+    place for it), and a bfloat16 parameter for every int16 master (a remainder)."""
+    saved_groups = state_dict.get("param_groups", [])
+    states = state_dict.get("state", {})
+    params = [p for g in groups for p in g["params"]]
+    keys = [(k, g) for g in saved_groups for k in g.get("params", [])]
+    for index, (key, group) in enumerate(keys):
+        entry = states.get(key)
+        if not entry:
+            continue
+        if ("exp_avg" in entry or "exp_avg_sq" in entry) and "step" not in entry \
+                and "step" not in group:
+            raise ValueError(f"FusedAdam.load_state_dict: the state of parameter {key} has "
+                             "moments but no step count, neither its own ('step') nor its "
+                             "group's (Transformer Engine's)")
+        master = entry.get("master_param")
+        if isinstance(master, torch.Tensor) and master.dtype == torch.int16 and (
+                index >= len(params) or params[index].dtype != torch.bfloat16
+                or tuple(params[index].shape) != tuple(master.shape)):
+            got = "no parameter" if index >= len(params) else (
+                f"a {params[index].dtype} parameter of shape {tuple(params[index].shape)}")
+            raise ValueError(f"FusedAdam.load_state_dict: 'master_param' of parameter {key} is "
+                             "int16 (Transformer Engine's store_param_remainders: the low 16 "
+                             f"bits of a bfloat16 parameter's float32 master), of shape "
+                             f"{tuple(master.shape)}, but it belongs to {got}")
