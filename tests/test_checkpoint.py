@@ -483,3 +483,43 @@ def test_a_partial_load_leaves_the_fp8_state_of_layers_it_holds_nothing_of(gen, 
             assert torch.equal(value, fp8_before[key]), key
     if partial != "other_layer":
         assert train(model, opts[0], batches[2:]) == train(twin, opts[1], batches[2:])
+
+
+def test_a_checkpoint_loads_alike_into_a_trained_and_a_fresh_layer():
+    """A state_dict taken inside fp8_autocast after the forward holds that step's amaxes in
+    history row 0. Loaded into a layer that trained before (so a step kept from then covered
+    it) and into a freshly built one, it must give the same state through another model's
+    steps that neither layer runs in: the trained one's history was rolled, its saved row 0
+    folded in as the other model's step."""
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    source = tfp8.Linear(32, 32)
+    for step in range(2):
+        with fp8_autocast(fp8_recipe=recipe):
+            y = source(torch.randn(16, 32) * 3)
+            if step == 1:
+                saved = {k: v.clone() for k, v in source.state_dict().items()}
+        y.sum().backward()
+    assert saved["fp8_fwd_amax_history"][0].abs().sum() > 0  # (row 0 holds amaxes)
+    fresh = tfp8.Linear(32, 32)
+    fresh.load_state_dict(saved)
+    trained = tfp8.Linear(32, 32)
+    with fp8_autocast(fp8_recipe=recipe):
+        trained(torch.randn(16, 32)).sum().backward()
+    trained.load_state_dict(saved)
+    other = tfp8.Linear(32, 32)
+    for _ in range(2):
+        with fp8_autocast(fp8_recipe=recipe):
+            other(torch.randn(16, 32)).sum().backward()
+    for key, value in fresh.state_dict().items():
+        if "fp8_" in key:
+            assert torch.equal(trained.state_dict()[key], value), key
+            assert torch.equal(value, saved[key]), key  # (a layer that did not run: unchanged)
+    # Both join a step again when they run, and then train alike.
+    for layer in (fresh, trained):
+        torch.manual_seed(5)
+        with fp8_autocast(fp8_recipe=recipe):
+            layer(torch.randn(16, 32)).sum().backward()
+    for key, value in fresh.state_dict().items():
+        if "fp8_" in key:
+            assert torch.equal(trained.state_dict()[key], value), key

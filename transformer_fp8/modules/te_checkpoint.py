@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from ..quantization import amax_step
 from ..quantization.recipe import MAX_MARGIN
 from ..quantization.state_validation import fp8_state_error
 from ..quantization.transforms import outside_inference_mode
@@ -234,6 +235,9 @@ def apply_extra_state(module, tensors: dict) -> None:
         if "fp8_recipe_fields" in tensors:
             module.fp8_recipe_fields.copy_(tensors["fp8_recipe_fields"])
     module.note_saved_recipe()
+    module._bind_scaling_states()  # (histories of another length)
+    for state in module._scaling_states:  # (as state_loading.took_loaded_state)
+        amax_step.AmaxStep.leave(state)
     # The update the checkpoint owes runs at the next FP8 forward, under its recipe, before
     # anything is cast (quantization/owed_update.py), as Transformer Engine <= 1.5 did.
     module._te_pending_update = tensors.get(PENDING_UPDATE, ())

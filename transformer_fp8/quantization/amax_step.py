@@ -182,6 +182,16 @@ class AmaxStep:
             self._refs.pop(state.key, None)
             self._plan = self._others = None  # (the mask's plan may be this one)
 
+    @staticmethod
+    def leave(state: ScalingState) -> None:
+        """``state`` leaves the step that covers it, if any (a loaded state: its history's row
+        0 may hold amaxes of the step it was saved in, which a step that covered it without its
+        module running would fold in as this step's; it joins a step again when it records)."""
+        if state.step is not None:
+            state.step._remove(state)
+            state.step = None
+            _OWNERSHIP[0] += 1  # (the other steps' masks of it are made again: _others_states)
+
     def _freed(self, ref: weakref.ref) -> None:
         """A covered state's module was freed (called by the garbage collector, any thread, at
         a moment that differs from rank to rank): it leaves the step. Where ranks reduce, the

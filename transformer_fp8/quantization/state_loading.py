@@ -1,7 +1,10 @@
 """An FP8 state saved to and loaded from a state_dict: the state_dict half of Fp8State
 (state.py), which inherits it and whose methods it calls (reset_fp8_state, _bind_scaling_states,
 _await_recipe, _fp8_state_to_local). A loaded state is checked first (state_validation.py); a
-failed load puts back the state as it was; a checkpoint without FP8 state leaves a fresh one.
+load that fails on one of the module's own FP8 entries puts back its state as it was (a key
+that torch reports missing or unexpected after every module loaded does not: the module cannot
+tell, as torch leaves Parameters loaded then too); a checkpoint without FP8 state leaves a
+fresh one.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import warnings
 import torch
 
 from .._dtensor import is_dtensor
-from . import backward_step, recipe_switch
+from . import amax_step, backward_step, recipe_switch
 from .state_layout import FP8_FLOAT_STATE, FP8_STATE_KEYS, HISTORIES
 from .state_materialisation import fresh_state_off_meta
 from .state_validation import assigned_state_made_usable, fp8_state_error
@@ -42,6 +45,11 @@ class Fp8StateLoading:
         self.note_saved_recipe()
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
         self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
+        # Covered by no step until it records again, as a freshly built module that loaded the
+        # same checkpoint (a step kept from before the load would fold a row 0 saved mid-step
+        # into an update of a step the module did not run in).
+        for state in self._scaling_states:
+            amax_step.AmaxStep.leave(state)
         self._await_recipe()
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
