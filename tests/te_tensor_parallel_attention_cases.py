@@ -54,14 +54,18 @@ _LAYER = [
          qk_norm="RMSNorm", rotary=True),
     dict(module="layer", sp=True, recipe="delayed", post_ln=True, fuse=True),
     dict(module="layer", sp=False, recipe="high", fmt="bshd", act="geglu"),
+    # Transformer Engine's variants: parallel branches, an output norm (sequence-parallel: its
+    # weights marked, their gradients the rank's part of the sequence)
+    dict(module="layer", sp=True, recipe="current", output_ln=True, parallel=True),
+    dict(module="layer", sp=False, recipe="delayed", output_ln=True, norm="RMSNorm"),
 ]
 CASES = _MHA + _LAYER
 
 
 def case_name(case: dict) -> str:
     parts = [case["module"], "sp" if case["sp"] else "nosp"]
-    parts += [k for k in ("ln", "fuse", "rotary", "return_bias", "ln_out", "post_ln")
-              if case.get(k)]
+    parts += [k for k in ("ln", "fuse", "rotary", "return_bias", "ln_out", "post_ln",
+                          "output_ln", "parallel") if case.get(k)]
     parts += ["plain_qkv"] * (case.get("interleaved") is False)
     parts += ["nobias"] * (case.get("bias") is False)
     parts += [str(case[k]) for k in ("qk_norm", "softmax", "fmt", "norm", "act") if k in case]
@@ -94,7 +98,9 @@ def build(case, group=None, ranks=1):
     return tfp8.TransformerLayer(
         HIDDEN, FFN, HEADS, hidden_dropout=0.0, attn_input_format=fmt,
         activation=case.get("act", "gelu"),
-        apply_residual_connection_post_layernorm=case.get("post_ln", False), **kw)
+        apply_residual_connection_post_layernorm=case.get("post_ln", False),
+        output_layernorm=case.get("output_ln", False),
+        parallel_attention_mlp=case.get("parallel", False), **kw)
 
 
 def _rows(t, rank, ranks):

@@ -347,7 +347,6 @@ TE_DEFAULT_ONLY = {
                              enc_dec_bottom_right_diagonal=None, enc_dec_window_size=None,
                              tp_group=None, tp_size=1, get_rng_state_tracker=None,
                              seq_length=None, micro_batch_size=None, sequence_parallel=False,
-                             parallel_attention_mlp=False, drop_path_rate=0.0,
                              set_parallel_mode=False, rotary_pos_interleaved=False,
                              ub_tp_comm_overlap=False, ub_overlap_ag=True, ub_overlap_rs=True,
                              ub_overlap_rs_dgrad=False, ub_bulk_dgrad=True, ub_bulk_wgrad=True,

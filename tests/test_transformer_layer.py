@@ -484,10 +484,14 @@ def test_dtype_device_and_recipe_reach_every_submodule():
 def test_layer_errors_name_the_argument():
     with pytest.raises(ValueError, match="layer_type='decoder' is not supported"):
         TransformerLayer(32, 32, 2, layer_type="decoder")
-    with pytest.raises(ValueError, match="output_layernorm=True is not supported"):
-        TransformerLayer(32, 32, 2, output_layernorm=True)
-    with pytest.raises(ValueError, match="drop_path_rate=0.1 is not supported"):
-        TransformerLayer(32, 32, 2, drop_path_rate=0.1)
+    with pytest.raises(ValueError, match=r"drop_path_rate must be in \[0, 1\), got 1.0"):
+        TransformerLayer(32, 32, 2, drop_path_rate=1.0)
+    with pytest.raises(TypeError, match="output_layernorm must be True or False, got 'yes'"):
+        TransformerLayer(32, 32, 2, output_layernorm="yes")
+    with pytest.raises(ValueError, match="parallel_attention_mlp=True cannot be combined with "
+                                         "apply_residual_connection_post_layernorm=True"):
+        TransformerLayer(32, 32, 2, parallel_attention_mlp=True,
+                         apply_residual_connection_post_layernorm=True)
     with pytest.raises(ValueError, match="'qkv_format'.*'attn_input_format'.*must agree"):
         TransformerLayer(32, 32, 2, qkv_format="sbhd", attn_input_format="bshd")
     with pytest.raises(ValueError, match="attn_input_format must be one of"):
@@ -582,6 +586,93 @@ def test_bshd_is_sbhd_transposed(gen, device):
     x = randn(gen, 9, 2, 64, device=device)
     torch.testing.assert_close(bshd(x.transpose(0, 1)).transpose(0, 1), sbhd(x), atol=1e-6,
                                rtol=1e-5)
+
+
+# ---- Transformer Engine's variants: parallel branches, output norm, stochastic depth -----------
+
+def _composed(layer, x, rotary=None):
+    """What TransformerLayer computes, from its submodules, as Transformer Engine's forward
+    writes it (dropout 0): the parallel branches, the post-norm residuals, the output norm,
+    DropPath on each branch (drawn attention branch first)."""
+    attn = layer.self_attention(x, rotary_pos_emb=rotary)
+    post_ln = layer.apply_residual_connection_post_layernorm
+    drop = layer.drop_path if layer.drop_path is not None else (lambda t: t)
+    if layer.parallel_attention_mlp:
+        out = x + drop(attn + layer.layernorm_mlp(x))
+    else:
+        attn, residual = attn if post_ln and not layer.output_layernorm else (attn, x)
+        hidden = residual + drop(attn)
+        mlp = layer.layernorm_mlp(hidden)
+        mlp, residual = mlp if post_ln else (mlp, hidden)
+        out = residual + drop(mlp)
+    return layer.layernorm(out) if layer.output_layernorm else out
+
+
+VARIANTS = {
+    "parallel": dict(parallel_attention_mlp=True),
+    "output_layernorm": dict(output_layernorm=True),
+    "output_rmsnorm-post_ln": dict(output_layernorm=True, normalization="RMSNorm",
+                                   apply_residual_connection_post_layernorm=True),
+    "parallel-output_layernorm-bshd": dict(parallel_attention_mlp=True, output_layernorm=True,
+                                           attn_input_format="bshd"),
+    "drop_path": dict(drop_path_rate=0.4),
+    "drop_path-parallel": dict(drop_path_rate=0.4, parallel_attention_mlp=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("recipe", [None] + RECIPES, ids=["high"] + RECIPE_IDS)
+def test_variants_are_exactly_their_composition(gen, variant, recipe):
+    """Outside and inside fp8_autocast (one step each on copies with the same FP8 state):
+    output, every gradient and the FP8 state bit for bit the composition of the submodules;
+    DropPath's draws the same (the same seed before each)."""
+    torch.manual_seed(4)
+    layer = TransformerLayer(64, 64, 4, num_gqa_groups=2, hidden_dropout=0.0,
+                             attention_dropout=0.0, **VARIANTS[variant])
+    randomize_norms(layer, gen)
+    if layer.output_layernorm:
+        assert layer.self_attention.input_layernorm is False
+        assert isinstance(layer.layernorm, torch.nn.Module)
+    copy_ = copy.deepcopy(layer)
+    x = randn(gen, 8, 2, 64)
+    rotary = RotaryPositionEmbedding(16)(8)
+    results = []
+    for module, run in ((layer, lambda m, t: m(t, rotary_pos_emb=rotary)),
+                        (copy_, lambda m, t: _composed(m, t, rotary))):
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(7)
+        with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            out = run(module, xi)
+        out.square().mean().backward()
+        results.append([out, xi.grad] + [p.grad for p in module.parameters()]
+                       + [v for k, v in module.state_dict().items() if "fp8_" in k])
+    assert len(results[0]) == len(results[1])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert a is not None and torch.equal(a, b), (variant, i)
+
+
+def test_drop_path_draws_as_transformer_engine():
+    """One draw per index of dim 0, the branch zeroed or scaled by 1 / keep; none in
+    evaluation; the draws change the output in training."""
+    from transformer_fp8.modules.transformer_layer import DropPath
+    drop = DropPath(0.25)
+    x = torch.ones(1000, 2, 3)
+    torch.manual_seed(0)
+    out = drop(x)
+    torch.manual_seed(0)
+    kept = (0.75 + torch.rand(1000, 1, 1)).floor_()
+    assert torch.equal(out, x.div(0.75) * kept)
+    per_row = out[:, 0, 0]
+    assert set(per_row.unique().tolist()) == {0.0, torch.tensor(1 / 0.75).item()}
+    assert (out == out[:, :1, :1]).all()  # (one draw per index of dim 0)
+    assert 0.2 < (per_row == 0).float().mean() < 0.3
+    assert torch.equal(drop.eval()(x), x)
+    layer = TransformerLayer(32, 32, 2, hidden_dropout=0.0, attention_dropout=0.0,
+                             drop_path_rate=0.5)
+    y = torch.randn(6, 2, 32)
+    assert not torch.equal(layer(y), layer(y))
+    layer.eval()
+    assert torch.equal(layer(y), layer(y))
 
 
 def test_hidden_dropout_in_training_only(gen):

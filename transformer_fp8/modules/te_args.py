@@ -50,8 +50,6 @@ TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
     # attention
     "rotary_pos_interleaved": ((False,), "rotary embeddings rotate halves, not pairs"),
     # TransformerLayer
-    "drop_path_rate": ((0.0, 0), "no stochastic depth"),
-    "parallel_attention_mlp": ((False,), "attention and MLP run one after the other"),
     "enc_dec_attn_mask_type": (("no_mask",), "no cross-attention"),
     "enc_dec_window_size": ((None,), "no cross-attention"),
     "enc_dec_bottom_right_diagonal": ((None,), "no cross-attention"),

@@ -9,6 +9,10 @@
 
 Pre-norm residuals, as Transformer Engine: x + drop(proj(attn(ln(x)))), then the same with the
 MLP; with apply_residual_connection_post_layernorm the residual is the norm's output instead.
+Transformer Engine's variants: parallel_attention_mlp (x + drop(attn(ln(x)) + mlp(ln(x))), as
+GPT-J / Falcon), output_layernorm (no norm before the attention; a norm over the output, as
+BERT's post-norm layers: layernorm), drop_path_rate (stochastic depth: DropPath on each
+branch after its dropout).
 Inside fp8_autocast the four GEMMs run in FP8 through the submodules, each with its own scales;
 outside it the layer computes exactly the high-precision composition of their torch forms.
 """
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 
 from .attention.dot_product import check_mask_type, check_qkv_format
 from .layernorm_mlp import LayerNormMLP
+from .normalization import LayerNorm, RMSNorm
 from .attention.multi_head_attention import MultiheadAttention, check_tensor_parallel
 from ..quantization.recipe import Recipe
 from .te_args import (check_positive, check_te_options, one_dtype, te_default_init,
@@ -33,6 +38,29 @@ def _check_dropout(owner: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(f"{owner}: {name} must be in [0, 1), got {value!r}")
     return float(value)
+
+
+class DropPath(torch.nn.Module):
+    """Transformer Engine's DropPath (stochastic depth) while training: the branch zeroed with
+    probability drop_prob, else scaled by 1 / (1 - drop_prob), one draw per index of dim 0 (the
+    batch with "bshd", the sequence position with "sbhd", as Transformer Engine draws it), from
+    the default generator in the branch's dtype."""
+
+    def __init__(self, drop_prob: float = 0.0):
+        super().__init__()
+        self.drop_prob = _check_dropout("DropPath", "drop_prob", drop_prob)
+
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return hidden_state
+        keep = 1.0 - self.drop_prob
+        shape = (hidden_state.shape[0],) + (1,) * (hidden_state.dim() - 1)
+        kept = (keep + torch.rand(shape, dtype=hidden_state.dtype,
+                                  device=hidden_state.device)).floor_()  # 1 kept, 0 dropped
+        return hidden_state.div(keep) * kept
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob}"
 
 
 # The communication-overlap switches only count with ub_tp_comm_overlap=True (several default
@@ -70,8 +98,12 @@ class TransformerLayer(torch.nn.Module):
     and to LayerNormMLP (fc1 column-, fc2 row-parallel); with sequence_parallel,
     hidden_states and the output are the rank's part of dim 0 (the sequence, "sbhd"), and
     the residuals and hidden dropout run on that part.
+    parallel_attention_mlp, output_layernorm and drop_path_rate: see the module docstring
+    (output_layernorm's norm is the submodule layernorm, LayerNorm or RMSNorm as normalization
+    says; the self-attention then projects its input as it is, MultiheadAttention's qkv).
     Not supported (refused with a ValueError): layer_type="decoder" (cross-attention),
-    output_layernorm=True (post-norm), and context parallelism.
+    parallel_attention_mlp with apply_residual_connection_post_layernorm (which Transformer
+    Engine cannot run either), and context parallelism.
     """
 
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
@@ -117,9 +149,18 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError(f"{owner}: layer_type={layer_type!r} is not supported (no "
                              "cross-attention: a decoder-only model's blocks are 'encoder' "
                              "layers with a causal mask); leave it at 'encoder'")
-        if output_layernorm:
-            raise ValueError(f"{owner}: output_layernorm=True is not supported (post-norm "
-                             "layers); leave it at False")
+        for name, value in (("output_layernorm", output_layernorm),
+                            ("parallel_attention_mlp", parallel_attention_mlp)):
+            if value not in (False, True):
+                raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")
+        if parallel_attention_mlp and apply_residual_connection_post_layernorm:
+            raise ValueError(f"{owner}: parallel_attention_mlp=True cannot be combined with "
+                             "apply_residual_connection_post_layernorm=True (one residual, the "
+                             "input, for both branches; Transformer Engine fails there too)")
+        self.output_layernorm = bool(output_layernorm)
+        self.parallel_attention_mlp = bool(parallel_attention_mlp)
+        self.drop_path = (DropPath(_check_dropout(owner, "drop_path_rate", drop_path_rate))
+                          if drop_path_rate else None)
         if qkv_format is not None and attn_input_format is not None \
                 and qkv_format != attn_input_format:
             raise ValueError(f"{owner}: 'qkv_format' ({qkv_format!r}) and 'attn_input_format' "
@@ -150,7 +191,8 @@ class TransformerLayer(torch.nn.Module):
                       return_layernorm_output=self.apply_residual_connection_post_layernorm,
                       fuse_wgrad_accumulation=fuse_wgrad_accumulation, **tp)
         self.self_attention = MultiheadAttention(
-            hidden_size, num_attention_heads, kv_channels=kv_channels, input_layernorm=True,
+            hidden_size, num_attention_heads, kv_channels=kv_channels,
+            input_layernorm=not self.output_layernorm,
             attention_dropout=_check_dropout(owner, "attention_dropout", attention_dropout),
             layernorm_epsilon=layernorm_epsilon, layer_number=layer_number,
             attn_mask_type=self.self_attn_mask_type, num_gqa_groups=num_gqa_groups,
@@ -163,6 +205,11 @@ class TransformerLayer(torch.nn.Module):
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon,
                                           activation=activation,
                                           get_rng_state_tracker=get_rng_state_tracker, **common)
+        if self.output_layernorm:
+            norm = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[normalization]
+            self.layernorm = norm(hidden_size, eps=layernorm_epsilon,
+                                  sequence_parallel=self.sequence_parallel, params_dtype=dtype,
+                                  zero_centered_gamma=zero_centered_gamma, device=device)
 
     @property
     def tp_size(self) -> int:
@@ -220,18 +267,31 @@ class TransformerLayer(torch.nn.Module):
                                    is_first_microbatch=is_first_microbatch,
                                    checkpoint_core_attention=checkpoint_core_attention,
                                    **options)
-        attn, residual = attn if post_ln else (attn, hidden_states)
-        hidden = residual + self._dropout(attn)
-        mlp = self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch)
-        mlp, residual = mlp if post_ln else (mlp, hidden)
-        return residual + self._dropout(mlp)
+        if self.parallel_attention_mlp:  # both branches from the input, one residual
+            mlp = self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch)
+            out = self._residual(hidden_states, attn + mlp)
+        else:
+            # (the attention returns its norm's output only where it has the norm)
+            attn, residual = (attn if post_ln and not self.output_layernorm
+                              else (attn, hidden_states))
+            hidden = self._residual(residual, attn)
+            mlp = self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch)
+            mlp, residual = mlp if post_ln else (mlp, hidden)
+            out = self._residual(residual, mlp)
+        return self.layernorm(out) if self.output_layernorm else out
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        if self.hidden_dropout == 0.0 or not self.training:
-            return x
-        return F.dropout(x, self.hidden_dropout, training=True)
+    def _residual(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        """residual + drop_path(dropout(branch)), as Transformer Engine's (dropout drawn
+        first)."""
+        if self.hidden_dropout != 0.0 and self.training:
+            branch = F.dropout(branch, self.hidden_dropout, training=True)
+        if self.drop_path is not None:
+            branch = self.drop_path(branch)
+        return residual + branch
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"attn_input_format={self.attn_input_format}, "
-                f"hidden_dropout={self.hidden_dropout}")
+                f"hidden_dropout={self.hidden_dropout}"
+                + ", parallel_attention_mlp=True" * self.parallel_attention_mlp
+                + ", output_layernorm=True" * self.output_layernorm)
