@@ -173,3 +173,24 @@ def test_bad_tracker_arguments_refused():
         tfp8.Linear(16, 16, get_rng_state_tracker=CudaRNGStatesTracker())
     with pytest.raises(ValueError, match="'model-parallel-rng' is not added"):
         tfp8.Linear(16, 16, get_rng_state_tracker=CudaRNGStatesTracker)
+
+
+def test_sequence_parallel_attention_dropout_draws_outside_the_fork():
+    """As Transformer Engine: with sequence_parallel the caller's region is already inside the
+    tracker's fork (Megatron-LM), so the mask comes from the default generator; a fork nested
+    in the caller's would draw the numbers of the caller's next dropout."""
+    q, k, v = _qkv()
+    tracker = _tracker(10)
+    before = tracker.get_states()
+    torch.manual_seed(0)
+    attn = tfp8.DotProductAttention(2, 8, attention_dropout=0.5, attn_mask_type="no_mask",
+                                    sequence_parallel=True,
+                                    get_rng_state_tracker=(lambda: tracker))
+    torch.manual_seed(9)
+    out = attn(q, k, v)
+    after_default = torch.rand(4)
+    assert tracker.get_states() == before  # (states are replaced, never changed in place)
+    torch.manual_seed(9)
+    plain = tfp8.DotProductAttention(2, 8, attention_dropout=0.5, attn_mask_type="no_mask")
+    assert torch.equal(plain(q, k, v), out)  # (the default generator's mask)
+    assert torch.equal(torch.rand(4), after_default)

@@ -172,3 +172,34 @@ def test_one_process_refusals():
                                 set_parallel_mode=True, tp_size=1)
     x = torch.randn(6, 2, 64)
     assert torch.equal(plain(x), one(x))
+
+
+def test_megatron_marks_survive_meta_initialisation():
+    """to_empty() out of "meta" makes new Parameters: Transformer Engine's marks, which decide
+    Megatron-LM's sums of gradients over the ranks, are set on them again."""
+    def marks(module):
+        return {n: (getattr(p, "sequence_parallel", None), getattr(p, "partition_dim", None))
+                for n, p in module.named_parameters()}
+    kwargs = dict(tp_size=2, set_parallel_mode=True, sequence_parallel=True,
+                  output_layernorm=True, num_gqa_groups=2)
+    expected = marks(tfp8.TransformerLayer(64, 64, 4, **kwargs))
+    assert expected["layernorm.weight"] == (True, None)
+    assert expected["self_attention.proj.bias"] == (True, None)
+    assert expected["self_attention.qkv.key_weight"] == (None, 0)
+    layer = tfp8.TransformerLayer(64, 64, 4, device="meta", **kwargs)
+    layer.to_empty(device="cpu")
+    assert marks(layer) == expected
+    for module in layer.modules():
+        if module is not layer and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert marks(layer) == expected
+    norm = tfp8.RMSNorm(16, sequence_parallel=True, device="meta").to_empty(device="cpu")
+    assert norm.weight.sequence_parallel is True
+
+
+def test_query_key_norms_need_the_group_before_their_gradient_sum():
+    mha = tfp8.MultiheadAttention(64, 4, tp_size=2, set_parallel_mode=True,
+                                  qk_norm_type="RMSNorm")
+    with pytest.raises(RuntimeError, match="RMSNorm: a query/key norm of a MultiheadAttention "
+                                           "built with tp_size and no tp_group"):
+        mha.q_norm(torch.randn(3, 16))

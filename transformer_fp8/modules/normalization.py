@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import _param_marks as param_marks
 from ..quantization.torch_autocast import autocast_dtype
 from .torchscript import refuse_torchscript
 
@@ -193,9 +194,8 @@ class _Norm(torch.nn.Module):
         self.zero_centered_gamma = check_zero_centered_gamma(zero_centered_gamma)
         _norm_parameters(self, hidden_size, self.normalization == "LayerNorm",
                          zero_centered_gamma, device, dtype or params_dtype)
-        for param in (self.weight, self.bias):
-            if param is not None:
-                param.sequence_parallel = self.sequence_parallel
+        for name in ("weight", "bias"):
+            param_marks.mark(self, name, sequence_parallel=self.sequence_parallel)
 
     def __setattr__(self, name, value):
         # Set after construction (norm.eps = ...): checked as the constructor checks them (a
@@ -210,6 +210,12 @@ class _Norm(torch.nn.Module):
         if defer_init:  # (Transformer Engine's: the caller initialises later)
             return
         reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
+        param_marks.mark_again(self)  # (Parameters made again by to_empty())
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        param_marks.mark_again(self)  # (a move that made new Parameters)
+        return self
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         from . import te_checkpoint
@@ -223,8 +229,14 @@ class _Norm(torch.nn.Module):
         weight, bias = self.weight, self.bias
         if self._grad_sum_over is not None and torch.is_grad_enabled():
             from .te_tensor_parallel import sum_gradient_over
-            weight = sum_gradient_over(weight, self._grad_sum_over.group)
-            bias = None if bias is None else sum_gradient_over(bias, self._grad_sum_over.group)
+            group = self._grad_sum_over.group
+            if group is None:  # (never the whole world by default)
+                raise RuntimeError(f"{type(self).__name__}: a query/key norm of a "
+                                   "MultiheadAttention built with tp_size and no tp_group: call "
+                                   "set_tensor_parallel_group(tp_group) on the "
+                                   "MultiheadAttention (or its TransformerLayer)")
+            weight = sum_gradient_over(weight, group)
+            bias = None if bias is None else sum_gradient_over(bias, group)
         if inp.is_floating_point():
             # Transformer Engine's dtype: the autocast dtype under torch.autocast, else the
             # weight's; the input and the parameters are cast to it first (float32 math after).

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import _param_marks as param_marks
 from .._dtensor import is_dtensor
 from ..quantization import autocast as _autocast
 from .te_args import check_forward_flags, check_positive
@@ -126,15 +127,13 @@ def attach(layer, options: Optional[TensorParallelOptions]) -> None:
     if options.mode == "row":  # (on the instance: nothing more to ask on every other layer)
         layer._gemm_bias = no_gemm_bias
     dim = 0 if options.mode == "column" else 1
-    for weight in layer._parameters_of("weight"):
-        _mark_sharded(weight, dim)
-    for bias in layer._parameters_of("bias"):
-        if bias is None:
-            continue
+    for name in layer._parts.get("weight", ["weight"]):
+        mark_sharded(layer, name, dim)
+    for name in layer._parts.get("bias", ["bias"]):
         if options.mode == "column":
-            _mark_sharded(bias, 0)
+            mark_sharded(layer, name, 0)
         else:
-            bias.sequence_parallel = options.sequence_parallel
+            param_marks.mark(layer, name, sequence_parallel=options.sequence_parallel)
 
 
 def no_gemm_bias():
@@ -143,8 +142,10 @@ def no_gemm_bias():
     return None
 
 
-def _mark_sharded(param: torch.Tensor, dim: int) -> None:
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+def mark_sharded(module, name: str, dim: int) -> None:
+    """Transformer Engine's marks of a Parameter sharded along ``dim`` (_param_marks.py)."""
+    param_marks.mark(module, name, tensor_model_parallel=True, partition_dim=dim,
+                     partition_stride=1)
 
 
 def check_combination(owner: str, options, fp8_all_gather) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _param_marks as param_marks
 from ..ops import fused as fused_ops
 from . import te_tensor_parallel as tp
 from .activations import activation_hp
@@ -96,20 +97,17 @@ def attach(module, options, sharded: dict, row_bias=None) -> None:
     if options is None:
         return
     module._te_parallel = options
-    for param in (module.layer_norm_weight, module.layer_norm_bias):
-        if param is not None:
-            param.sequence_parallel = options.sequence_parallel
+    for name in ("layer_norm_weight", "layer_norm_bias"):
+        param_marks.mark(module, name, sequence_parallel=options.sequence_parallel)
     if not options.communicates:
         return
     module._te_tp = options
     module._fused_step = None  # (the Python path runs the GEMMs between the collectives)
-    for name, dim in sharded.items():
-        for param in module._parameters_of(name):  # (each part of a parameters_split one)
-            if param is not None:
-                tp._mark_sharded(param, dim)
-    bias = None if row_bias is None else getattr(module, row_bias)
-    if bias is not None:
-        bias.sequence_parallel = options.sequence_parallel
+    for logical, dim in sharded.items():
+        for name in module._parts.get(logical, [logical]):  # (each part of a split one)
+            tp.mark_sharded(module, name, dim)
+    if row_bias is not None:
+        param_marks.mark(module, row_bias, sequence_parallel=options.sequence_parallel)
 
 
 def norm_linear(module, inp, norm, linear):

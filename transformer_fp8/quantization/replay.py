@@ -151,8 +151,9 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
     set_states()): the tracker's states are saved when the forward starts and put back for
     each recomputation (then restored to what they were before it), so dropout drawn inside
     its forks gives the recomputation the forward's masks; torch restores the default
-    generators itself. distribute_saved_activations serves Transformer Engine's tensor
-    parallelism, which this library does not have: True is refused rather than ignored.
+    generators itself. distribute_saved_activations (Transformer Engine's: the saved inputs
+    sharded over the tensor-parallel ranks, gathered for the recomputation) is not done here:
+    True is refused rather than ignored.
     Transformer Engine's older positional form, ``checkpoint(function,
     distribute_saved_activations, get_rng_state_tracker, tp_group, *args)`` (Megatron-LM's),
     is recognised as Transformer Engine recognises it, with its DeprecationWarning.

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .. import _param_marks as param_marks
 from .._dtensor import is_dtensor
 from . import adoption_undo, amax_step, recipe_switch
 from . import replay
@@ -267,6 +268,7 @@ class Fp8State(Fp8StateLoading):
             # Out of "meta" (to_empty, the FSDP2 / large-model pattern): the new buffers hold
             # uninitialised memory and nobody may call reset_parameters(): start a fresh state.
             self.reset_fp8_state()
+        param_marks.mark_again(self)  # (Megatron-LM's marks on Parameters made anew)
         return self
 
     def _adopt_recipe(self, recipe: DelayedScaling, running: bool = True) -> None:

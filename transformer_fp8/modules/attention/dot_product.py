@@ -92,9 +92,11 @@ class DotProductAttention(torch.nn.Module):
     recomputation. tp_size / tp_group (Transformer Engine's tensor parallelism): the
     inputs hold this rank's num_attention_heads / tp_size query heads and num_gqa_groups /
     tp_size key/value groups (MultiheadAttention's column-parallel QKV projection gives them);
-    attention itself needs no communication. sequence_parallel is accepted and changes
-    nothing here (the projections gather and scatter the sequence). Context-parallel options
-    are accepted only at their defaults.
+    attention itself needs no communication. sequence_parallel=True: the dropout mask is drawn
+    from the default generator, not inside the tracker's fork, as in Transformer Engine
+    (Megatron-LM runs a sequence-parallel block inside the tracker's fork already, and a fork
+    nested in it would draw the numbers the block's next dropout draws). Context-parallel
+    options are accepted only at their defaults.
     """
 
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
@@ -127,6 +129,8 @@ class DotProductAttention(torch.nn.Module):
             owner, 1, 1, dict(tp_group=tp_group, tp_size=tp_size,
                               sequence_parallel=sequence_parallel))
         ranks = self.tp_size
+        # (the flag as given, whatever the ranks: Transformer Engine's test for the fork)
+        self._dropout_outside_fork = bool(sequence_parallel)
         # Attention dropout runs inside get_rng_state_tracker().fork() (the getter is called at
         # each forward, so a model copy shares the caller's tracker).
         self.get_rng_state_tracker = distributed.check_rng_state_tracker(owner,
@@ -190,6 +194,7 @@ class DotProductAttention(torch.nn.Module):
         state.setdefault("num_attention_heads_per_partition", state.get("num_attention_heads"))
         state.setdefault("num_gqa_groups_per_partition", state.get("num_gqa_groups"))
         state.setdefault("_te_parallel", None)
+        state.setdefault("_dropout_outside_fork", False)
         super().__setstate__(state)
 
     @property
@@ -321,7 +326,8 @@ class DotProductAttention(torch.nn.Module):
         return q.permute(perm), k.permute(perm), v.permute(perm)
 
     def _sdpa(self, q, k, v, allowed, is_causal, dropout):
-        if dropout > 0.0 and self.get_rng_state_tracker is not None:
+        if (dropout > 0.0 and self.get_rng_state_tracker is not None
+                and not self._dropout_outside_fork):
             # The dropout mask from the tracker's stream (Transformer Engine's default name);
             # the default generators are left as if nothing had been drawn.
             with self.get_rng_state_tracker().fork(distributed.DEFAULT_RNG_TRACKER_NAME):
