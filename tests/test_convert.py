@@ -210,6 +210,31 @@ def test_skipped_layers_are_reported_with_reasons():
         tfp8.convert_to_fp8(torch.nn.Linear(8, 8))
 
 
+class FusedExperts(torch.nn.Module):
+    """transformers 5's fused MoE experts (MixtralExperts): 3-D weights, no nn.Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 64, 32))
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 32, 32))
+
+
+def test_fused_moe_experts_are_reported_as_left_in_high_precision():
+    """Their matrix products are no nn.Linear layers, so nothing converts them: the warning
+    names them (a summary of "converted 2 of 2" hid most of a MoE model's GEMMs); a
+    convolution's weights, 4-D, are not reported."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), FusedExperts(), torch.nn.Conv2d(3, 8, 3),
+                                torch.nn.Linear(32, 32))
+    with pytest.warns(UserWarning) as record:
+        summary = tfp8.convert_to_fp8(model, return_summary=True)
+    message = str(record[0].message)
+    assert "converted 2 of 2 linear layers" in message
+    assert list(summary.not_linear) == ["1"] and not summary.skipped
+    assert ("not converted 1: FusedExperts holds gate_up_proj [4, 64, 32], down_proj [4, 32, "
+            "32]: its matrix products are not torch.nn.Linear layers") in message
+    assert "GroupedLinear" in message
+
+
 def test_a_converted_conv1d_is_no_torch_nn_linear():
     """Its weight is [in, out], as transformers' Conv1D's (which is no nn.Linear either): code
     written for nn.Linear takes the weight as [out, in] (peft merged LoRA deltas untransposed

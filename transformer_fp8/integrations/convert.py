@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -125,12 +125,17 @@ class ConversionSummary:
 
     converted: list
     skipped: dict  # name -> reason
+    # Modules whose matrix products are not torch.nn.Linear layers (transformers' fused MoE
+    # experts, 3-D weights): name -> what they hold. They stay in high precision.
+    not_linear: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
         total = len(self.converted) + len(self.skipped)
         lines = [f"convert_to_fp8: converted {len(self.converted)} of {total} linear layers"]
         lines += [f"  skipped {name or '(the module itself)'}: {reason}"
                   for name, reason in self.skipped.items()]
+        lines += [f"  not converted {name or '(the module itself)'}: {what}"
+                  for name, what in self.not_linear.items()]
         return "\n".join(lines)
 
 
@@ -197,6 +202,10 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
             if isinstance(child, torch.nn.Linear):
                 summary.skipped[name] = (f"{type(child).__name__} is a subclass of "
                                          "torch.nn.Linear, which may use its weight its own way")
+            else:
+                stacked = _stacked_weights(child)
+                if stacked:
+                    summary.not_linear[name] = stacked
             continue
         if not filter_fn(child, name):
             summary.skipped[name] = _skip_reason(child, filter_fn, name)
@@ -218,9 +227,25 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
                 warnings.warn(f"convert_to_fp8: the weight of {name or '(the module itself)'} "
                               f"({type(layer).__name__}) is all-gathered in high precision",
                               stacklevel=2)
-    if summary.skipped or not summary.converted:
+    if summary.skipped or summary.not_linear or not summary.converted:
         warnings.warn(str(summary), stacklevel=2)
     return summary if return_summary else module
+
+
+def _stacked_weights(module: torch.nn.Module) -> Optional[str]:
+    """What a module that multiplies by weights stacked in 3-D Parameters of its own holds
+    (transformers' fused MoE experts, MixtralExperts' gate_up_proj [experts, 2 * ffn, hidden]),
+    or None. Convolutions, whose weights are 3-D and more too, are not matrix products of this
+    kind and are not reported."""
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        return None
+    stacked = [f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False)
+               if p.dim() >= 3 and p.is_floating_point()]
+    if not stacked:
+        return None
+    return (f"{type(module).__name__} holds {', '.join(stacked)}: its matrix products are not "
+            "torch.nn.Linear layers (fused MoE experts) and stay in high precision; "
+            "transformer_fp8.GroupedLinear runs experts in FP8")
 
 
 def _skip_reason(layer, filter_fn, name: str) -> str:
