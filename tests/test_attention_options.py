@@ -223,3 +223,57 @@ def test_learnable_sink_offset_is_reset_after_meta_init():
                            if not k.endswith("softmax_offset")}, strict=False)
     x = torch.randn(6, 2, 32)
     assert torch.equal(layer(x), built(x))
+
+
+def test_apply_rotary_pos_emb_takes_transformer_engines_arguments():
+    """TE's MultiheadAttention calls it with fused=True; the other arguments at their defaults
+    change nothing, other values are refused by name."""
+    from transformer_fp8.modules.attention import RotaryPositionEmbedding, apply_rotary_pos_emb
+    t = torch.randn(5, 2, 3, 16)
+    freqs = RotaryPositionEmbedding(16)(5)
+    plain = apply_rotary_pos_emb(t, freqs, "sbhd")
+    assert torch.equal(apply_rotary_pos_emb(t, freqs, "sbhd", None, interleaved=False,
+                                            fused=True, cu_seqlens=None, cp_size=1, cp_rank=0),
+                       plain)
+    for name, value in (("interleaved", True), ("cp_size", 2), ("cp_rank", 1),
+                        ("cu_seqlens", torch.tensor([0, 5]))):
+        with pytest.raises(ValueError, match=f"apply_rotary_pos_emb: {name}=.* is not "
+                                             "supported"):
+            apply_rotary_pos_emb(t, freqs, "sbhd", **{name: value})
+
+
+def test_an_odd_rotary_dimension_follows_transformer_engine():
+    """dim * rotary_percent = 9: Transformer Engine makes ceil(9 / 2) = 5 frequencies over 9
+    and angles for 10 features (it was refused here)."""
+    from transformer_fp8.modules.attention import RotaryPositionEmbedding
+    rope = RotaryPositionEmbedding(12, rotary_percent=0.75)
+    expected_inv = 1.0 / (10000.0 ** (torch.arange(0, 9, 2, dtype=torch.float32) / 9))
+    assert torch.equal(rope.inv_freq, expected_inv) and rope.dim == 10
+    angles = rope(4)
+    assert angles.shape == (4, 1, 1, 10)
+    positions = torch.arange(4, dtype=torch.float32)
+    assert torch.equal(angles[:, 0, 0, :5], torch.outer(positions, expected_inv))
+    assert torch.equal(angles[..., 5:], angles[..., :5])
+    with pytest.raises(ValueError, match="the rotary dimension"):
+        RotaryPositionEmbedding(3, rotary_percent=0.2)
+
+
+def test_float64_sinks_and_l2_norms_keep_float64_accuracy():
+    """The sink's logit and L2Normalization were formed in float32 (errors ~1e-8 in float64)."""
+    import math
+    torch.manual_seed(0)
+    h, d, s = 4, 8, 6
+    attn = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="no_mask",
+                               softmax_type="learnable").double()
+    with torch.no_grad():
+        attn.softmax_offset.copy_(torch.tensor([0.3, -1.7, 2.9, 0.1]))
+    q, k, v = (torch.randn(1, s, h, d, dtype=torch.float64) for _ in range(3))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    sink = attn.softmax_offset.detach().view(1, h, 1, 1).expand(1, h, s, 1)
+    probs = torch.softmax(torch.cat((scores, sink), -1), -1)[..., :s]
+    expected = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(1, s, h * d)
+    assert (attn(q, k, v) - expected).abs().max() < 1e-13
+    from transformer_fp8.modules.attention.qk_norm import L2Normalization
+    x = torch.randn(5, 8, dtype=torch.float64)
+    ref = x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+    assert (L2Normalization(1e-6)(x) - ref).abs().max() < 1e-14

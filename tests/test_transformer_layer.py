@@ -376,8 +376,9 @@ def test_rotary_angles_follow_transformer_engine():
     # rotary_percent rotates the first features only.
     assert RotaryPositionEmbedding(16, rotary_percent=0.5)(4).shape == (4, 1, 1, 8)
     assert "inv_freq" in rope.state_dict()
-    with pytest.raises(ValueError, match="must be even"):
-        RotaryPositionEmbedding(15)
+    # An odd dimension: ceil(15 / 2) frequencies over 15, angles for 16 features (as
+    # Transformer Engine; test_attention_options.py).
+    assert RotaryPositionEmbedding(15)(3).shape == (3, 1, 1, 16)
     with pytest.raises(ValueError, match="interleaved=True is not supported"):
         RotaryPositionEmbedding(16, interleaved=True)
     with pytest.raises(ValueError, match=r"rotary_percent must be in \(0, 1\]"):

@@ -4,7 +4,8 @@ q_norm and k_norm act over the head dimension of q [.., h, d] and k [.., g, d], 
 rotary embedding (before it with qk_norm_before_rope), as in Qwen3, OLMo2 or Llama 4:
   "RMSNorm" / "LayerNorm"  two norms with weights [d] (LayerNorm: and biases), ones at first:
                            q_norm.weight, k_norm.weight in the state_dict
-  "L2Normalization"        x / sqrt(sum x^2 + eps) in float32, returned in x's dtype;
+  "L2Normalization"        x / sqrt(sum x^2 + eps) in float32 (float64 for float64 x),
+                           returned in x's dtype;
                            parameter-free, one module serving as both
 eps: qk_norm_eps (1e-6 by default).
 """
@@ -28,7 +29,7 @@ class L2Normalization(torch.nn.Module):
         self.eps = check_eps(eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # (float64 stays float64)
         return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, *args):

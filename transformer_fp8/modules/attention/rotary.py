@@ -25,9 +25,9 @@ def check_qkv_format(owner: str, name: str, value) -> str:
 
 class RotaryPositionEmbedding(torch.nn.Module):
     """Transformer Engine's RotaryPositionEmbedding: forward(max_seq_len, offset=0) returns the
-    float32 angles [max_seq_len, 1, 1, dim'] (dim' = int(dim * rotary_percent)), position p and
-    feature j holding p * base^(-2 (j mod dim'/2) / dim'): the frequencies repeated, not
-    interleaved. seq_len_interpolation_factor with pretrained_max_position_embeddings divides
+    float32 angles [max_seq_len, 1, 1, dim'], r = int(dim * rotary_percent) and dim' = 2 *
+    ceil(r / 2) (r itself when even; as Transformer Engine), position p and feature j holding
+    p * base^(-2 (j mod dim'/2) / r): the frequencies repeated, not interleaved. seq_len_interpolation_factor with pretrained_max_position_embeddings divides
     the positions (position interpolation): by the factor, or by max_seq_len / pretrained when
     max_seq_len exceeds pretrained * factor.
     The inverse frequencies are a buffer, inv_freq (in the state_dict, as Transformer Engine
@@ -52,15 +52,16 @@ class RotaryPositionEmbedding(torch.nn.Module):
             raise ValueError("RotaryPositionEmbedding: rotary_base must be a number > 0, got "
                              f"{rotary_base!r}")
         rot_dim = int(dim * rotary_percent) if rotary_percent < 1 else dim
-        if rot_dim < 2 or rot_dim % 2:
+        if rot_dim < 1:
             raise ValueError("RotaryPositionEmbedding: the rotary dimension (dim * "
-                             f"rotary_percent = {rot_dim}) must be even and >= 2")
-        self.dim = rot_dim
+                             f"rotary_percent = {dim * rotary_percent}) must be >= 1")
         self.rotary_base = float(rotary_base)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
+        # (an odd rotary dimension r: ceil(r / 2) frequencies over r, as Transformer Engine)
         exponents = torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim
         self.register_buffer("inv_freq", 1.0 / (self.rotary_base ** exponents))
+        self.dim = 2 * exponents.numel()  # (the angles' features)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         check_positive("RotaryPositionEmbedding", "max_seq_len", max_seq_len)
@@ -87,14 +88,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str = "sbhd",
-                         start_positions=None) -> torch.Tensor:
+                         start_positions=None, interleaved: bool = False, fused: bool = False,
+                         cu_seqlens=None, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
     """t [s, b, h, d] (or [b, s, h, d] with "bshd") rotated by the angles freqs [s2, 1, 1, d2]
     (s2 >= s, even d2 <= d): the first d2 features become t * cos + rotate_half(t) * sin, the
     rest pass through. cos and sin are taken in float32, then cast to t's dtype.
     start_positions ([b] ints, a tensor or a list): sequence b's token j takes the angles of
     position start_positions[b] + j (s2 >= max(start_positions) + s; a tensor is read on the
-    host for that check)."""
+    host for that check). Transformer Engine's other arguments: fused (its kernel or not: the
+    same numbers) is accepted and changes nothing; interleaved, cu_seqlens (packed "thd"),
+    cp_size and cp_rank (context parallelism) only at their defaults."""
     owner = "apply_rotary_pos_emb"
+    for name, value, default in (("interleaved", interleaved, False),
+                                 ("cu_seqlens", cu_seqlens, None), ("cp_size", cp_size, 1),
+                                 ("cp_rank", cp_rank, 0)):
+        if not (value is default or (default is not None and not isinstance(value, bool)
+                                     and value == default)):
+            raise ValueError(f"{owner}: {name}={value!r} is not supported (rotate-half "
+                             "embeddings of sbhd / bshd tensors, no context parallelism); leave "
+                             f"it at {default!r}")
     check_qkv_format(owner, "tensor_format", tensor_format)
     if t.dim() != 4:
         raise ValueError(f"{owner}: t must be 4-D [{', '.join(tensor_format)}], got shape "

@@ -37,11 +37,13 @@ def with_sink(q, k, v, allowed, is_causal, alpha, scale):
     front, so that query i + 1 sees the sink and keys 0..i with SDPA's own causal kernels."""
     b, h, s_q, d = q.shape
     g = k.shape[1]
-    target = (alpha.float() / scale).view(1, h, 1, 1).expand(b, h, s_q, 1)
+    # (in float32, or float64 for float64 inputs: the parts' sum keeps q's accuracy)
+    work = torch.promote_types(q.dtype, torch.float32)
+    target = (alpha.to(work) / scale).view(1, h, 1, 1).expand(b, h, s_q, 1)
     parts, rest = [], target
     for _ in range(3):  # (the gradient reaches alpha through the first part only, once)
         parts.append(rest.to(q.dtype))
-        rest = rest - parts[-1].float()
+        rest = rest - parts[-1].to(work)
     q = torch.cat((q, *parts, q.new_zeros(b, h, s_q, 5)), dim=-1)
     k, v = (torch.cat((t, t.new_zeros(b, g, t.shape[2], 8)), dim=-1) for t in (k, v))
     sink_key = k.new_zeros(b, g, 1, d + 8)
