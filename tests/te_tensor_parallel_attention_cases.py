@@ -25,6 +25,7 @@ from integration_compare import STEP_SCALES
 import transformer_fp8 as tfp8
 
 SEQ, BATCH, HIDDEN, HEADS, GROUPS, FFN = 8, 2, 64, 4, 2, 64  # local GEMMs: multiples of 16
+SEQ_ENC = 6  # (the encoder output's sequence, for the decoder layers)
 HEAD = HIDDEN // HEADS
 STEPS = 3
 WEIGHT_FACTORS = (1.0, 3.0, 0.5)  # weights and norm weights scaled at each step: scales change
@@ -58,6 +59,11 @@ _LAYER = [
     # weights marked, their gradients the rank's part of the sequence)
     dict(module="layer", sp=True, recipe="current", output_ln=True, parallel=True),
     dict(module="layer", sp=False, recipe="delayed", output_ln=True, norm="RMSNorm"),
+    # decoder layers: the cross-attention's query and key/value projections (split, and fused
+    # in the plain layout) column-parallel, the encoder output the rank's part of dim 0 too
+    dict(module="layer", sp=True, recipe="delayed", decoder=True, rotary=True),
+    dict(module="layer", sp=False, recipe="high", decoder=True, fuse=True, interleaved=False),
+    dict(module="layer", sp=True, recipe="current", decoder=True, fuse=True),
 ]
 CASES = _MHA + _LAYER
 
@@ -65,7 +71,7 @@ CASES = _MHA + _LAYER
 def case_name(case: dict) -> str:
     parts = [case["module"], "sp" if case["sp"] else "nosp"]
     parts += [k for k in ("ln", "fuse", "rotary", "return_bias", "ln_out", "post_ln",
-                          "output_ln", "parallel") if case.get(k)]
+                          "output_ln", "parallel", "decoder") if case.get(k)]
     parts += ["plain_qkv"] * (case.get("interleaved") is False)
     parts += ["nobias"] * (case.get("bias") is False)
     parts += [str(case[k]) for k in ("qk_norm", "softmax", "fmt", "norm", "act") if k in case]
@@ -100,16 +106,18 @@ def build(case, group=None, ranks=1):
         activation=case.get("act", "gelu"),
         apply_residual_connection_post_layernorm=case.get("post_ln", False),
         output_layernorm=case.get("output_ln", False),
-        parallel_attention_mlp=case.get("parallel", False), **kw)
+        parallel_attention_mlp=case.get("parallel", False),
+        layer_type="decoder" if case.get("decoder") else "encoder", **kw)
 
 
 def _rows(t, rank, ranks):
     return t.chunk(ranks, 0)[rank]
 
 
-def _fused_plain_rows(t, rank, ranks):
-    """The rank's rows of a fused QKV weight in the [queries | keys | values] layout."""
-    parts = t.split([HEADS * HEAD, GROUPS * HEAD, GROUPS * HEAD])
+def _fused_plain_rows(t, rank, ranks, sizes=(HEADS * HEAD, GROUPS * HEAD, GROUPS * HEAD)):
+    """The rank's rows of a fused weight in the [queries | keys | values] layout (a fused
+    key/value weight: [keys | values])."""
+    parts = t.split(list(sizes))
     return torch.cat([_rows(p, rank, ranks) for p in parts])
 
 
@@ -122,6 +130,13 @@ def shard_of(case, name: str, rank: int, ranks: int):
         if case.get("interleaved", True):
             return lambda t: _rows(t, rank, ranks)
         return lambda t: _fused_plain_rows(t, rank, ranks)
+    if name.endswith(("key_value.weight", "key_value.bias")):  # (cross-attention, fused)
+        if case.get("interleaved", True):  # (per group: its key, its value)
+            return lambda t: _rows(t, rank, ranks)
+        return lambda t: _fused_plain_rows(t, rank, ranks, (GROUPS * HEAD, GROUPS * HEAD))
+    if name.endswith(("query_layer.weight", "query_layer.bias", "layernorm_query.weight",
+                      "layernorm_query.bias")):
+        return lambda t: _rows(t, rank, ranks)
     if name.endswith("proj.weight") or name.endswith("fc2_weight"):
         return lambda t: t.chunk(ranks, 1)[rank]
     if leaf in ("fc1_weight", "fc1_bias"):
@@ -182,11 +197,16 @@ def _run_case(case, rank, ranks, group):
         x = (torch.randn(*shape, generator=gen) * STEP_SCALES[step]).to(dtype)
         upstream = torch.randn(*shape, generator=gen).to(dtype)
         upstream_ln = torch.randn(*shape, generator=gen).to(dtype)
+        enc = (torch.randn(SEQ_ENC, BATCH, HIDDEN, generator=gen).to(dtype)
+               if case.get("decoder") else None)
+        cross = {} if enc is None else {"encoder_output": enc}
+        cross_local = {} if enc is None else {"encoder_output": seq_part(enc)}
         full_x = x.clone().requires_grad_()
         x_local = seq_part(x).clone().requires_grad_()
         with tfp8.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-            ref, ref_bias, ref_ln = _outputs(case, full(full_x, rotary_pos_emb=rotary))
-            got, got_bias, got_ln = _outputs(case, module(x_local, rotary_pos_emb=rotary))
+            ref, ref_bias, ref_ln = _outputs(case, full(full_x, rotary_pos_emb=rotary, **cross))
+            got, got_bias, got_ln = _outputs(case, module(x_local, rotary_pos_emb=rotary,
+                                                          **cross_local))
         if ref_bias is not None:
             ref, got = ref + ref_bias, got + got_bias
         loss_ref = (ref * upstream).sum()

@@ -222,9 +222,12 @@ class FusedExperts(torch.nn.Module):
 def test_fused_moe_experts_are_reported_as_left_in_high_precision():
     """Their matrix products are no nn.Linear layers, so nothing converts them: the warning
     names them (a summary of "converted 2 of 2" hid most of a MoE model's GEMMs); a
-    convolution's weights, 4-D, are not reported."""
+    convolution's weights, 4-D, and a ViT's embeddings are not reported."""
+    embeddings = torch.nn.Module()  # (a ViT's: cls_token [1, 1, d], positions [1, n, d])
+    embeddings.cls_token = torch.nn.Parameter(torch.zeros(1, 1, 32))
+    embeddings.position_embeddings = torch.nn.Parameter(torch.zeros(1, 5, 32))
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), FusedExperts(), torch.nn.Conv2d(3, 8, 3),
-                                torch.nn.Linear(32, 32))
+                                torch.nn.Linear(32, 32), embeddings)
     with pytest.warns(UserWarning) as record:
         summary = tfp8.convert_to_fp8(model, return_summary=True)
     message = str(record[0].message)

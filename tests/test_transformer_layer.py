@@ -483,8 +483,8 @@ def test_dtype_device_and_recipe_reach_every_submodule():
 
 
 def test_layer_errors_name_the_argument():
-    with pytest.raises(ValueError, match="layer_type='decoder' is not supported"):
-        TransformerLayer(32, 32, 2, layer_type="decoder")
+    with pytest.raises(ValueError, match="layer_type must be 'encoder' or 'decoder'"):
+        TransformerLayer(32, 32, 2, layer_type="encdec")
     with pytest.raises(ValueError, match=r"drop_path_rate must be in \[0, 1\), got 1.0"):
         TransformerLayer(32, 32, 2, drop_path_rate=1.0)
     with pytest.raises(TypeError, match="output_layernorm must be True or False, got 'yes'"):
@@ -522,7 +522,7 @@ def test_layer_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"hidden_states must have shape \[s, b, 32\].*got "
                                          r"\(4, 2, 16\)"):
         layer(torch.randn(4, 2, 16))
-    with pytest.raises(ValueError, match="encoder_output is not supported"):
+    with pytest.raises(ValueError, match="encoder_output is for layer_type='decoder'"):
         layer(torch.randn(4, 2, 32), encoder_output=torch.randn(4, 2, 32))
 
 
@@ -650,6 +650,25 @@ def test_variants_are_exactly_their_composition(gen, variant, recipe):
     assert len(results[0]) == len(results[1])
     for i, (a, b) in enumerate(zip(*results)):
         assert a is not None and torch.equal(a, b), (variant, i)
+
+
+def test_a_layer_pickled_before_the_variants_runs():
+    """A whole-layer pickle made before parallel_attention_mlp, output_layernorm, drop_path
+    and layer_type existed (their attributes absent) runs as the pre-norm encoder it was."""
+    import pickle
+    torch.manual_seed(6)
+    layer = TransformerLayer(32, 32, 2, hidden_dropout=0.0, attention_dropout=0.0)
+    x = torch.randn(5, 2, 32)
+    expected = layer(x)
+    state = pickle.loads(pickle.dumps(layer)).__dict__
+    for name in ("layer_type", "output_layernorm", "parallel_attention_mlp", "drop_path"):
+        state.pop(name, None)
+        state["_modules"].pop(name, None)
+    old = TransformerLayer.__new__(TransformerLayer)
+    old.__setstate__(state)
+    assert torch.equal(old(x), expected)
+    # (and a copy keeps a DropPath submodule: drop_path lives in _modules then)
+    assert copy.deepcopy(TransformerLayer(32, 32, 2, drop_path_rate=0.2)).drop_path is not None
 
 
 def test_drop_path_draws_as_transformer_engine():

@@ -15,6 +15,7 @@ _PARALLEL = "no tensor, sequence or context parallelism, no communication overla
 _TP = ("no tensor or sequence parallelism in this module (transformer_fp8.Linear, "
        "LayerNormLinear, LayerNormMLP, the attention modules and TransformerLayer take "
        "tp_group, tp_size, parallel_mode / set_parallel_mode and sequence_parallel)")
+_ENCODER = "an encoder layer has no cross-attention (layer_type='decoder' has)"
 _RNG = ("this module draws nothing inside an RNG tracker's fork; the GEMM modules (weights) "
         "and the attention modules (dropout) take the tracker")
 
@@ -50,9 +51,9 @@ TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
     # attention
     "rotary_pos_interleaved": ((False,), "rotary embeddings rotate halves, not pairs"),
     # TransformerLayer
-    "enc_dec_attn_mask_type": (("no_mask",), "no cross-attention"),
-    "enc_dec_window_size": ((None,), "no cross-attention"),
-    "enc_dec_bottom_right_diagonal": ((None,), "no cross-attention"),
+    "enc_dec_attn_mask_type": (("no_mask",), _ENCODER),
+    "enc_dec_window_size": ((None,), _ENCODER),
+    "enc_dec_bottom_right_diagonal": ((None,), _ENCODER),
 }
 
 # Accepted with any value, unused: a debugging label, sizes Transformer Engine uses for

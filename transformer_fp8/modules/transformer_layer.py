@@ -9,7 +9,8 @@
 
 Pre-norm residuals, as Transformer Engine: x + drop(proj(attn(ln(x)))), then the same with the
 MLP; with apply_residual_connection_post_layernorm the residual is the norm's output instead.
-Transformer Engine's variants: parallel_attention_mlp (x + drop(attn(ln(x)) + mlp(ln(x))), as
+layer_type="decoder" adds cross-attention (inter_attention) between the two: x + drop(
+cross_attn(ln(x), encoder_output)). Transformer Engine's variants: parallel_attention_mlp (x + drop(attn(ln(x)) + mlp(ln(x))), as
 GPT-J / Falcon), output_layernorm (no norm before the attention; a norm over the output, as
 BERT's post-norm layers: layernorm), drop_path_rate (stochastic depth: DropPath on each
 branch after its dropout).
@@ -101,9 +102,16 @@ class TransformerLayer(torch.nn.Module):
     parallel_attention_mlp, output_layernorm and drop_path_rate: see the module docstring
     (output_layernorm's norm is the submodule layernorm, LayerNorm or RMSNorm as normalization
     says; the self-attention then projects its input as it is, MultiheadAttention's qkv).
-    Not supported (refused with a ValueError): layer_type="decoder" (cross-attention),
-    parallel_attention_mlp with apply_residual_connection_post_layernorm (which Transformer
-    Engine cannot run either), and context parallelism.
+    layer_type="decoder": a cross-attention (inter_attention, a MultiheadAttention with
+    attention_type="cross" and its own norm) after the self-attention, on forward's
+    encoder_output ([s_enc, b, hidden], required), masked by enc_dec_attn_mask /
+    enc_dec_attn_mask_type (the constructor's default "no_mask"), with enc_dec_window_size and
+    enc_dec_bottom_right_diagonal, and given rotary_pos_emb too, as Transformer Engine does
+    (no DropPath on its branch, as there).
+    Not supported (refused with a ValueError): parallel_attention_mlp with
+    apply_residual_connection_post_layernorm (which Transformer Engine cannot run either) or
+    with layer_type="decoder", inference_params with a decoder layer (no cache of the encoder's
+    keys), and context parallelism.
     """
 
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
@@ -141,14 +149,18 @@ class TransformerLayer(torch.nn.Module):
             for switch in _UB_SWITCHES:
                 te_options.pop(switch)
         te_options.pop("get_rng_state_tracker")  # (dropout and the weights in its fork)
+        if layer_type == "decoder":  # (the cross-attention's; an encoder has none to take them)
+            for name in ("enc_dec_attn_mask_type", "enc_dec_window_size",
+                         "enc_dec_bottom_right_diagonal"):
+                te_options.pop(name)
         tp = {k: te_options.pop(k) for k in ("tp_group", "tp_size", "sequence_parallel",
                                              "set_parallel_mode")}
         check_te_options(owner, te_options)
         super().__init__()
-        if layer_type != "encoder":
-            raise ValueError(f"{owner}: layer_type={layer_type!r} is not supported (no "
-                             "cross-attention: a decoder-only model's blocks are 'encoder' "
-                             "layers with a causal mask); leave it at 'encoder'")
+        if layer_type not in ("encoder", "decoder"):
+            raise ValueError(f"{owner}: layer_type must be 'encoder' or 'decoder', got "
+                             f"{layer_type!r}")
+        self.layer_type = layer_type
         for name, value in (("output_layernorm", output_layernorm),
                             ("parallel_attention_mlp", parallel_attention_mlp)):
             if value not in (False, True):
@@ -157,6 +169,10 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError(f"{owner}: parallel_attention_mlp=True cannot be combined with "
                              "apply_residual_connection_post_layernorm=True (one residual, the "
                              "input, for both branches; Transformer Engine fails there too)")
+        if parallel_attention_mlp and layer_type == "decoder":
+            raise ValueError(f"{owner}: parallel_attention_mlp=True cannot be combined with "
+                             "layer_type='decoder' (the cross-attention would run between two "
+                             "branches that share one input)")
         self.output_layernorm = bool(output_layernorm)
         self.parallel_attention_mlp = bool(parallel_attention_mlp)
         self.drop_path = (DropPath(_check_dropout(owner, "drop_path_rate", drop_path_rate))
@@ -202,6 +218,21 @@ class TransformerLayer(torch.nn.Module):
             softmax_type=softmax_type, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
             qk_norm_before_rope=qk_norm_before_rope,
             get_rng_state_tracker=get_rng_state_tracker, **common)
+        if layer_type == "decoder":
+            self.enc_dec_attn_mask_type = check_mask_type(owner, "enc_dec_attn_mask_type",
+                                                          enc_dec_attn_mask_type)
+            self.inter_attention = MultiheadAttention(
+                hidden_size, num_attention_heads, kv_channels=kv_channels, input_layernorm=True,
+                attention_type="cross",
+                attention_dropout=_check_dropout(owner, "attention_dropout", attention_dropout),
+                layernorm_epsilon=layernorm_epsilon, layer_number=layer_number,
+                attn_mask_type=self.enc_dec_attn_mask_type, num_gqa_groups=num_gqa_groups,
+                fuse_qkv_params=fuse_qkv_params, qkv_weight_interleaved=qkv_weight_interleaved,
+                qkv_format=fmt, softmax_scale=softmax_scale, window_size=enc_dec_window_size,
+                bottom_right_diagonal=enc_dec_bottom_right_diagonal,
+                softmax_type=softmax_type, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
+                qk_norm_before_rope=qk_norm_before_rope,
+                get_rng_state_tracker=get_rng_state_tracker, **common)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon,
                                           activation=activation,
                                           get_rng_state_tracker=get_rng_state_tracker, **common)
@@ -210,6 +241,15 @@ class TransformerLayer(torch.nn.Module):
             self.layernorm = norm(hidden_size, eps=layernorm_epsilon,
                                   sequence_parallel=self.sequence_parallel, params_dtype=dtype,
                                   zero_centered_gamma=zero_centered_gamma, device=device)
+
+    def __setstate__(self, state: dict) -> None:
+        # (a layer pickled whole before these options: a pre-norm encoder layer)
+        for name, value in (("layer_type", "encoder"), ("output_layernorm", False),
+                            ("parallel_attention_mlp", False)):
+            state.setdefault(name, value)
+        if "drop_path" not in state.get("_modules", {}):  # (a submodule, or None, since)
+            state.setdefault("drop_path", None)
+        super().__setstate__(state)
 
     @property
     def tp_size(self) -> int:
@@ -227,6 +267,8 @@ class TransformerLayer(torch.nn.Module):
         """Transformer Engine's: the tensor-parallel group, for a layer built with tp_size and
         no tp_group, given to every submodule."""
         self.self_attention.set_tensor_parallel_group(tp_group)
+        if self.layer_type == "decoder":
+            self.inter_attention.set_tensor_parallel_group(tp_group)
         self.layernorm_mlp.set_tensor_parallel_group(tp_group)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
@@ -237,14 +279,22 @@ class TransformerLayer(torch.nn.Module):
                 checkpoint_core_attention: bool = False, inference_params=None,
                 rotary_pos_emb: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
         owner = "TransformerLayer"
-        for name, value in (("encoder_output", encoder_output),
-                            ("enc_dec_attn_mask", enc_dec_attn_mask),
-                            ("enc_dec_attn_mask_type", enc_dec_attn_mask_type),
-                            ("enc_dec_window_size", enc_dec_window_size),
-                            ("enc_dec_bottom_right_diagonal", enc_dec_bottom_right_diagonal)):
-            if value not in (None, "no_mask"):
-                raise ValueError(f"{owner}.forward: {name} is not supported (no "
-                                 "cross-attention); leave it at None")
+        cross = dict(encoder_output=encoder_output, attention_mask=enc_dec_attn_mask,
+                     attn_mask_type=enc_dec_attn_mask_type, window_size=enc_dec_window_size,
+                     bottom_right_diagonal=enc_dec_bottom_right_diagonal)
+        if self.layer_type == "encoder":
+            for name, value in (("encoder_output", encoder_output),
+                                ("enc_dec_attn_mask", enc_dec_attn_mask),
+                                ("enc_dec_attn_mask_type", enc_dec_attn_mask_type),
+                                ("enc_dec_window_size", enc_dec_window_size),
+                                ("enc_dec_bottom_right_diagonal", enc_dec_bottom_right_diagonal)):
+                if value not in (None, "no_mask"):
+                    raise ValueError(f"{owner}.forward: {name} is for layer_type='decoder' "
+                                     "(cross-attention); this layer is an encoder: leave it at "
+                                     "None")
+        elif inference_params is not None:
+            raise ValueError(f"{owner}.forward: inference_params with layer_type='decoder' is "
+                             "not supported (no cache of the encoder's keys and values)")
         options.update(window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
                        inference_params=inference_params)
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 \
@@ -275,17 +325,24 @@ class TransformerLayer(torch.nn.Module):
             attn, residual = (attn if post_ln and not self.output_layernorm
                               else (attn, hidden_states))
             hidden = self._residual(residual, attn)
+            if self.layer_type == "decoder":
+                inter = self.inter_attention(hidden, is_first_microbatch=is_first_microbatch,
+                                             checkpoint_core_attention=checkpoint_core_attention,
+                                             rotary_pos_emb=rotary_pos_emb, **cross)
+                inter, residual = inter if post_ln else (inter, hidden)
+                hidden = self._residual(residual, inter, drop_path=False)
             mlp = self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch)
             mlp, residual = mlp if post_ln else (mlp, hidden)
             out = self._residual(residual, mlp)
         return self.layernorm(out) if self.output_layernorm else out
 
-    def _residual(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    def _residual(self, residual: torch.Tensor, branch: torch.Tensor,
+                  drop_path: bool = True) -> torch.Tensor:
         """residual + drop_path(dropout(branch)), as Transformer Engine's (dropout drawn
-        first)."""
+        first; the cross-attention's branch has no DropPath there)."""
         if self.hidden_dropout != 0.0 and self.training:
             branch = F.dropout(branch, self.hidden_dropout, training=True)
-        if self.drop_path is not None:
+        if drop_path and self.drop_path is not None:
             branch = self.drop_path(branch)
         return residual + branch
 

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from .._dtensor import is_dtensor
+
 MASTER_DTYPES = (torch.float32,)
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,11 +39,19 @@ def master_start(param) -> torch.Tensor:
 def master_from_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The float32 master of a bfloat16 parameter from Transformer Engine's int16 remainder (its
     low 16 bits): the high 16 bits are the parameter's, less one where the remainder is
-    negative (the bfloat16 value was rounded up from the master)."""
+    negative (the bfloat16 value was rounded up from the master). A DTensor parameter's from
+    its local shard (bit operations on DTensors are not all sharded: ``<<`` returned its input),
+    returned as a DTensor of the parameter's layout."""
+    if is_dtensor(param):
+        from torch.distributed.tensor import DTensor
+        local_remainder = remainder.to_local() if is_dtensor(remainder) else remainder
+        local = master_from_remainder(param.to_local(), local_remainder)
+        return DTensor.from_local(local, param.device_mesh, param.placements,
+                                  shape=param.size(), stride=param.stride())
     high = param.detach().view(torch.int16).to(torch.int64)
     low = remainder.to(device=param.device, dtype=torch.int64)
     high = (high - (low < 0).to(torch.int64)) & 0xFFFF
-    bits = (high << 16) | (low & 0xFFFF)
+    bits = high * 65536 + (low & 0xFFFF)
     bits = bits - (bits >= 2 ** 31).to(torch.int64) * 2 ** 32  # (as a signed 32-bit word)
     return bits.to(torch.int32).view(torch.float32)
 

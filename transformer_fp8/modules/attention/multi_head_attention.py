@@ -1,8 +1,16 @@
-"""Transformer Engine's MultiheadAttention (self-attention), with its arguments and names.
+"""Transformer Engine's MultiheadAttention (self- and cross-attention), with its arguments and
+names.
 
     qkv (Linear) or, with input_layernorm=True, layernorm_qkv (LayerNormLinear):
         hidden -> (h + 2g) * d; Parameters query_weight, key_weight, value_weight (and
         *_bias) by default, one weight (and bias) with fuse_qkv_params=True
+    attention_type="cross" instead (queries from the input, keys and values from forward's
+    encoder_output, [s_kv, b, hidden]):
+        query_layer (Linear) or layernorm_query (LayerNormLinear, its Parameter query_weight
+        unless fuse_qkv_params): hidden -> h * d
+        key_value (Linear): hidden -> 2g * d; key_weight, value_weight (one weight with
+        fuse_qkv_params: per group its key then its value with qkv_weight_interleaved, else
+        [all keys | all values])
     q_norm, k_norm: with qk_norm_type, norms over the head dimension (attention/qk_norm.py)
     core_attention: DotProductAttention (high precision; window_size, softmax_type)
     proj: Linear, h * d -> hidden
@@ -60,8 +68,11 @@ class MultiheadAttention(torch.nn.Module):
     each sequence's cached length, and the new tokens attend to the whole sequence.
     get_rng_state_tracker reaches DotProductAttention (attention dropout inside its fork) and
     the projections (their weights drawn inside its fork, weight_rng.py).
-    Not supported (refused): attention_type="cross", encoder_output, and the options te_args
-    lists at other values than their defaults.
+    attention_type="cross" (see the module docstring): forward's encoder_output is required,
+    attention_mask / attn_mask_type mask the encoder's keys (a padding mask as the pair (query
+    mask, key mask)), rotary_pos_emb's pair gives the keys their own angles.
+    Not supported (refused): inference_params with cross-attention (no cache of the encoder's
+    keys), and the options te_args lists at other values than their defaults.
     """
 
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
@@ -94,9 +105,10 @@ class MultiheadAttention(torch.nn.Module):
         te_options.pop("set_parallel_mode")
         check_te_options(owner, te_options)
         super().__init__()
-        if attention_type != "self":
-            raise ValueError(f"{owner}: attention_type={attention_type!r} is not supported "
-                             "(no cross-attention); leave it at 'self'")
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"{owner}: attention_type must be 'self' or 'cross', got "
+                             f"{attention_type!r}")
+        self.attention_type = attention_type
         dtype = one_dtype(owner, dtype, params_dtype)
         self.hidden_size = check_positive(owner, "hidden_size", hidden_size)
         heads = check_positive(owner, "num_attention_heads", num_attention_heads)
@@ -119,7 +131,8 @@ class MultiheadAttention(torch.nn.Module):
             bottom_right_diagonal=bottom_right_diagonal,
             layer_number=1 if layer_number is None else layer_number,
             softmax_scale=softmax_scale, softmax_type=softmax_type,
-            get_rng_state_tracker=get_rng_state_tracker, device=device, **tp)
+            get_rng_state_tracker=get_rng_state_tracker, device=device,
+            attention_type=attention_type, **tp)
         self.q_norm, self.k_norm = qk_norm_modules(owner, qk_norm_type, qk_norm_eps, kv_channels,
                                                    dtype, device)
         self.qk_norm_before_rope = bool(qk_norm_before_rope)
@@ -142,20 +155,49 @@ class MultiheadAttention(torch.nn.Module):
                       fuse_wgrad_accumulation=fuse_wgrad_accumulation, parameters_split=split,
                       get_rng_state_tracker=get_rng_state_tracker,  # (weights in its fork)
                       parallel_mode="column" if set_parallel_mode else None, **tp)
-        qkv_out = (heads + 2 * groups) * kv_channels
-        if self.input_layernorm:
+        norm_options = dict(eps=layernorm_epsilon, init_method=init_method,
+                            normalization=normalization,
+                            return_layernorm_output=return_layernorm_output,
+                            zero_centered_gamma=zero_centered_gamma)
+        if attention_type == "cross":
+            self._build_cross_projections(hidden_size, heads, groups, kv_channels,
+                                          fuse_qkv_params, init_method, norm_options, common)
+        elif self.input_layernorm:
             self.layernorm_qkv = LayerNormLinear(
-                hidden_size, qkv_out, eps=layernorm_epsilon, init_method=init_method,
-                normalization=normalization, return_layernorm_output=return_layernorm_output,
-                zero_centered_gamma=zero_centered_gamma, **common)
+                hidden_size, (heads + 2 * groups) * kv_channels, **norm_options, **common)
         else:
-            self.qkv = Linear(hidden_size, qkv_out, init_method=init_method, **common)
+            self.qkv = Linear(hidden_size, (heads + 2 * groups) * kv_channels,
+                              init_method=init_method, **common)
         self.core_attention = core_attention
         common["parameters_split"] = None
         common["parallel_mode"] = "row" if set_parallel_mode else None
         self.proj = Linear(heads * kv_channels, hidden_size, init_method=output_layer_init_method,
                            return_bias=return_bias, **common)
         self._share_qk_norm_gradients()
+
+    def _build_cross_projections(self, hidden_size, heads, groups, kv_channels,
+                                 fuse_qkv_params, init_method, norm_options, common) -> None:
+        """Cross-attention's projections, as Transformer Engine names and splits them: the
+        queries' (layernorm_query or query_layer) and the encoder output's keys and values
+        (key_value)."""
+        queries, keys = heads * kv_channels, groups * kv_channels
+        if self.input_layernorm:
+            self.layernorm_query = LayerNormLinear(
+                hidden_size, queries, **norm_options,
+                **dict(common, parameters_split=None if fuse_qkv_params else ("query",)))
+        else:
+            self.query_layer = Linear(hidden_size, queries, init_method=init_method,
+                                      **dict(common, parameters_split=None))
+        self.key_value = Linear(
+            hidden_size, 2 * keys, init_method=init_method,
+            **dict(common, parameters_split=None if fuse_qkv_params else {"key": keys,
+                                                                          "value": keys}))
+
+    def _projections(self) -> list:
+        if self.attention_type == "cross":
+            query = self.layernorm_query if self.input_layernorm else self.query_layer
+            return [query, self.key_value, self.proj]
+        return [self.layernorm_qkv if self.input_layernorm else self.qkv, self.proj]
 
     @property
     def tp_size(self) -> int:
@@ -168,8 +210,7 @@ class MultiheadAttention(torch.nn.Module):
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Transformer Engine's: the tensor-parallel group, for a module built with tp_size
         and no tp_group, given to every submodule."""
-        for module in (self.layernorm_qkv if self.input_layernorm else self.qkv,
-                       self.core_attention, self.proj):
+        for module in (*self._projections(), self.core_attention):
             module.set_tensor_parallel_group(tp_group)
         self._share_qk_norm_gradients()
 
@@ -195,10 +236,23 @@ class MultiheadAttention(torch.nn.Module):
         q, k, v = mixed.split([h * d, g * d, g * d], dim=-1)
         return q.view(*lead, h, d), k.view(*lead, g, d), v.view(*lead, g, d)
 
+    def split_kv(self, mixed: torch.Tensor):
+        """Cross-attention's key/value projection [..., 2g * d] as k and v [..., g, d] (g
+        this rank's groups)."""
+        g, d = self.num_gqa_groups_per_partition, self.kv_channels
+        lead = mixed.shape[:-1]
+        if self.qkv_weight_interleaved:
+            k, v = mixed.view(*lead, g, 2 * d).split([d, d], dim=-1)
+            return k, v
+        k, v = mixed.view(*lead, 2 * g, d).split([g, g], dim=-2)
+        return k, v
+
     def __setstate__(self, state: dict) -> None:
-        # (a module pickled whole before tensor parallelism: one rank holding every head)
+        # (a module pickled whole before tensor parallelism: one rank holding every head;
+        # before cross-attention: self-attention)
         state.setdefault("num_attention_heads_per_partition", state.get("num_attention_heads"))
         state.setdefault("num_gqa_groups_per_partition", state.get("num_gqa_groups"))
+        state.setdefault("attention_type", "self")
         super().__setstate__(state)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output=None,
@@ -206,20 +260,32 @@ class MultiheadAttention(torch.nn.Module):
                 bottom_right_diagonal=None, is_first_microbatch: Optional[bool] = None,
                 checkpoint_core_attention: bool = False, inference_params=None,
                 rotary_pos_emb: Optional[torch.Tensor] = None, **attention_options):
-        if encoder_output is not None:
-            raise ValueError("MultiheadAttention.forward: encoder_output is not supported (no "
-                             "cross-attention); leave it at None")
+        owner = "MultiheadAttention.forward"
+        if self.attention_type == "self" and encoder_output is not None:
+            raise ValueError(f"{owner}: encoder_output is for attention_type='cross'; this "
+                             "module is self-attention: leave it at None")
+        if self.attention_type == "cross" and not isinstance(encoder_output, torch.Tensor):
+            raise ValueError(f"{owner}: attention_type='cross' needs encoder_output (the "
+                             "tensor the keys and values are projected from), got "
+                             f"{type(encoder_output).__name__}")
         if inference_params is not None and not isinstance(inference_params, InferenceParams):
-            raise TypeError("MultiheadAttention.forward: inference_params must be a "
+            raise TypeError(f"{owner}: inference_params must be a "
                             "transformer_fp8.InferenceParams, got "
                             f"{type(inference_params).__name__}")
-        ln_out = None
-        if self.input_layernorm:
-            out = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
-            mixed, ln_out = out if self.return_layernorm_output else (out, None)
+        if inference_params is not None and self.attention_type == "cross":
+            raise ValueError(f"{owner}: inference_params with attention_type='cross' is not "
+                             "supported (no cache of the encoder's keys and values)")
+        if self.attention_type == "cross":
+            q, k, v, ln_out = self._cross_projections(hidden_states, encoder_output,
+                                                      is_first_microbatch)
         else:
-            mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
-        q, k, v = self.split_qkv(mixed)
+            ln_out = None
+            if self.input_layernorm:
+                out = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+                mixed, ln_out = out if self.return_layernorm_output else (out, None)
+            else:
+                mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+            q, k, v = self.split_qkv(mixed)
         if self.q_norm is not None and self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary_pos_emb is not None:
@@ -243,6 +309,21 @@ class MultiheadAttention(torch.nn.Module):
         if self.return_layernorm_output:
             outputs.append(ln_out)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _cross_projections(self, hidden_states, encoder_output, is_first_microbatch):
+        """q [..., h, d] from the input, k and v [..., g, d] from encoder_output, and the
+        queries' norm output (or None)."""
+        k, v = self.split_kv(self.key_value(encoder_output,
+                                            is_first_microbatch=is_first_microbatch))
+        ln_out = None
+        if self.input_layernorm:
+            out = self.layernorm_query(hidden_states, is_first_microbatch=is_first_microbatch)
+            query, ln_out = out if self.return_layernorm_output else (out, None)
+        else:
+            query = self.query_layer(hidden_states, is_first_microbatch=is_first_microbatch)
+        q = query.view(*query.shape[:-1], self.num_attention_heads_per_partition,
+                       self.kv_channels)
+        return q, k, v, ln_out
 
 
 def check_tensor_parallel(owner: str, tp: dict, set_parallel_mode, heads: int,
