@@ -163,9 +163,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def default_device() -> str:
+    """cuda where this build runs FP8 on the current GPU, else cpu (saying why: a build made
+    without the CUDA toolkit has CPU kernels only; a GPU older than compute capability 8.9 has
+    no FP8 tensor cores)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    available, reason = tf8.is_fp8_available(return_reason=True)
+    if available:
+        return "cuda"
+    print(f"(a GPU is present, but FP8 on it is not available: {reason}; running on the CPU)")
+    return "cpu"
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device or default_device())
     torch.manual_seed(args.seed)
     print(f"transformer_fp8 {tf8.__version__}, torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else

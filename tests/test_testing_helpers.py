@@ -77,7 +77,12 @@ def test_compare_matches_a_step_computed_by_hand(gen, device):
     loss_fn = lambda out: (out ** 2).mean()  # noqa: E731
     report = compare_to_reference(model, reference, x, loss_fn=loss_fn, recipe=RECIPE, steps=2)
 
-    for _ in range(2):  # the same two FP8 steps, by hand
+    # The same steps by hand: a calibrating high-precision step with its backward (every
+    # delayed scale from these inputs), then two FP8 steps.
+    with tfp8.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=RECIPE):
+        out = by_hand(x.clone().requires_grad_(True))
+    loss_fn(out).backward()
+    for _ in range(2):
         x_fp8 = x.clone().requires_grad_(True)
         by_hand.zero_grad()
         with tfp8.fp8_autocast(fp8_recipe=RECIPE):
@@ -300,6 +305,68 @@ def test_a_gradient_that_is_zero_in_math_is_measured_against_the_noise_floor(gen
     with pytest.raises(AssertionError, match="key_bias"):
         assert_fp8_parity(leaky, copy.deepcopy(leaky), x, recipe=RECIPE)
     assert 0 < GRAD_NOISE_FLOOR < 1e-3
+
+
+class LayerScaleBlock(torch.nn.Module):
+    """x + gamma * fc2(gelu(fc1(x))) with a tiny gamma (LayerScale, as CaiT and DINOv2 start
+    it): fc1's and fc2's gradients are real but ~gamma times the others."""
+
+    def __init__(self, gamma: float):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)
+        self.gamma = torch.nn.Parameter(torch.full((256,), gamma))
+
+    def forward(self, x):
+        return x + self.gamma * self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("gamma", [1e-5, 1e-6])
+def test_a_small_real_gradient_is_not_taken_for_noise(gen, gamma):
+    """A LayerScale branch's weight gradients fall under the noise floor, but a float64 run
+    shows them real: measured against their own size, a gradient doubled, zeroed or negated by
+    the FP8 path fails (it passed at 14-35 dB against the floor); the correct model passes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), LayerScaleBlock(gamma),
+                                torch.nn.Linear(256, 256))
+    tfp8.convert_to_fp8(model)
+    x = randn(gen, 4, 64, 256)
+    assert_fp8_parity(model, copy.deepcopy(model), x, recipe=RECIPE)
+    for factor in (2.0, 0.0, -1.0):
+        broken = copy.deepcopy(model)
+        broken[1].fc1.weight.register_hook(
+            lambda g, factor=factor: g * factor if current_state() is not None else g)
+        with pytest.raises(AssertionError, match="grad:1.fc1.weight"):
+            assert_fp8_parity(broken, copy.deepcopy(model), x, recipe=RECIPE)
+
+
+def test_a_deep_model_with_a_loss_passes_with_the_default_steps(gen):
+    """A correct 4-layer MLP with an MSE loss: a first FP8 step at gradient scale 1 flushed the
+    small E5M2 gradients to zero, and the zeros cascaded one layer per step (0 dB for the first
+    layer's gradients at steps=2). The calibrating step before the FP8 steps sets every scale."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(256, 256), torch.nn.GELU()]
+    model = tfp8.convert_to_fp8(torch.nn.Sequential(*layers))
+    x, y = randn(gen, 8, 64, 256), randn(gen, 8, 64, 256)
+    report = assert_fp8_parity(model, copy.deepcopy(model), x,
+                               loss_fn=lambda out: torch.nn.functional.mse_loss(out, y),
+                               recipe=tfp8.DelayedScaling(amax_history_len=16))
+    assert report["grad:0.weight"].sqnr_db > 15
+
+
+def test_parity_fails_when_nothing_ran_in_fp8(gen):
+    """A model that was never converted, or whose layers convert_to_fp8 skipped: the FP8 run
+    is the reference bit for bit (every tensor at inf dB), which must not pass as parity."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    x = randn(gen, 8, 64)
+    with pytest.raises(AssertionError, match="nothing ran in FP8"):
+        assert_fp8_parity(plain, copy.deepcopy(plain), x, recipe=RECIPE)
+    with pytest.warns(UserWarning, match="converted 0 of 1"):
+        skipped = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(50, 30)))
+    with pytest.raises(AssertionError, match="nothing ran in FP8"):
+        assert_fp8_parity(skipped, copy.deepcopy(skipped), randn(gen, 8, 50), recipe=RECIPE)
 
 
 def test_an_output_dtype_changed_by_the_fp8_path_fails(gen):

@@ -6,12 +6,18 @@
 float32 / bfloat16 copy, or the same model, which then runs outside the context) on the same
 inputs, and reports the SQNR and relative error of the output, the loss, every input gradient
 and every parameter gradient, by parameter name. ``assert_fp8_parity`` raises AssertionError
-naming the tensors under the thresholds. Nothing here changes the parameters or their ``.grad``
-(gradients come from ``torch.autograd.grad``); the FP8 model's delayed-scaling state advances as
-``steps`` training steps' would (default 2). A gradient that one run produces and the other does
-not (an FP8 path that cuts the graph) reads -inf dB and fails; a gradient that is zero in math
-is measured against GRAD_NOISE_FLOOR; an output dtype the FP8 path changed fails (where model
-and reference have one parameter dtype); the reference runs outside FP8 even inside a
+naming the tensors under the thresholds, and also when the FP8 run equals the reference bit
+for bit (nothing ran in FP8: layers not converted, or skipped). Nothing here changes the
+parameters or their ``.grad`` (gradients come from ``torch.autograd.grad``); under delayed
+scaling the FP8 model first runs one calibrating high-precision step with its backward (every
+scale, the gradients' included, set from these inputs: a first FP8 step at scale 1 flushes
+small E5M2 gradients to zero, and the zeros cascade one layer per step), then ``steps`` FP8
+training steps (default 2), the last one compared; its FP8 state advances as those steps'
+would. A gradient that one run produces and the other does not (an FP8 path that cuts the
+graph) reads -inf dB and fails; a gradient that is zero in math (its float64 value, computed
+then, a thousandth of the reference's or less) is measured against GRAD_NOISE_FLOOR, and a
+small gradient that is not (a LayerScale branch's) against its own size; an output dtype the
+FP8 path changed fails (where model and reference have one parameter dtype); the reference runs outside FP8 even inside a
 caller's ``fp8_autocast``, and both runs record their graphs under a caller's no_grad too. Models with fuse_wgrad_accumulation or
 delay_wgrad_compute, whose weight gradients bypass autograd, are refused.
 
@@ -28,7 +34,9 @@ deeper than a few layers loses more: measure it with compare_to_reference and pa
 """
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -36,13 +44,18 @@ import torch
 from torch.utils import _pytree
 
 from .quantization.autocast import fp8_autocast
+from .quantization.recipe import DelayedScaling
 
 DEFAULT_MIN_SQNR_DB = 15.0       # output and loss
 DEFAULT_GRAD_MIN_SQNR_DB = 10.0  # input and parameter gradients
 # A gradient whose reference norm is under this fraction of the largest of its kind (input or
-# parameter gradients) is zero in math (a key bias before a softmax, a bias before a
-# batch norm): both runs hold rounding noise, so its noise is measured against that floor.
+# parameter gradients) may be zero in math (a key bias before a softmax, a bias before a
+# batch norm): both runs then hold rounding noise. A float64 run of the reference tells: where
+# its gradient is a thousandth of the reference's or less (rounding noise, gone in float64),
+# the noise is measured against this floor; where not, the gradient is real (a LayerScale
+# branch's, gamma 1e-6) and is measured against its own size.
 GRAD_NOISE_FLOOR = 1e-5
+_ZERO_IN_MATH = 1e-3
 _PROBE_SEED = 0x5EED  # the random grad_output of the default loss
 _RUN_SEED = 0x0F8     # both runs start from this RNG state (dropout draws the same masks)
 
@@ -264,6 +277,11 @@ def compare_to_reference(model: torch.nn.Module, reference: torch.nn.Module, inp
         with fp8_autocast(enabled=False):  # (high precision inside a caller's fp8_autocast)
             ref_out, ref_loss, ref_grads = _one_run(reference, inputs, loss_fn,
                                                     _float_dtype(reference), seed_devices)
+        if recipe is None or isinstance(recipe, DelayedScaling):
+            # Every delayed scale, the gradients' included, from these inputs first.
+            with fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe,
+                              fp8_group=fp8_group):
+                _one_run(model, inputs, loss_fn, None, seed_devices)
         for _ in range(steps):
             with fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=fp8_group):
                 fp8_out, fp8_loss, fp8_grads = _one_run(model, inputs, loss_fn, None,
@@ -279,6 +297,8 @@ def compare_to_reference(model: torch.nn.Module, reference: torch.nn.Module, inp
         [torch.linalg.vector_norm(g.detach().double()).item() for n, g in ref_grads.items()
          if n.startswith("input_grad") == (kind == "input_grad") and g.isfinite().all()],
         default=0.0) for kind in ("input_grad", "param_grad")}
+    floors = _floors_where_zero_in_math(reference, inputs, loss_fn, ref_grads, floors,
+                                        seed_devices)
 
     def add(name, kind, actual, expected, floor=0.0):
         noise, signal = _noise_and_signal(actual, expected, name)
@@ -298,11 +318,41 @@ def compare_to_reference(model: torch.nn.Module, reference: torch.nn.Module, inp
     for name in [*ref_grads, *(n for n in fp8_grads if n not in ref_grads)]:
         kind = "input_grad" if name.startswith("input_grad") else "param_grad"
         if name in ref_grads and name in fp8_grads:
-            add(name, kind, fp8_grads[name], ref_grads[name], floors[kind])
+            add(name, kind, fp8_grads[name], ref_grads[name], floors.get(name, 0.0))
         else:  # one run produced it, the other not (a graph cut): fails
             shape = tuple((ref_grads.get(name, fp8_grads.get(name))).shape)
             report.entries.append(TensorParity(name, kind, shape, -math.inf, math.inf))
     return report
+
+
+def _floors_where_zero_in_math(reference, inputs, loss_fn, ref_grads: dict, floors: dict,
+                               seed_devices) -> dict:
+    """{gradient name: the noise floor it is measured against}, for the reference gradients
+    under their kind's floor that a float64 run of the reference shows zero in math (see
+    GRAD_NOISE_FLOOR); none where the float64 run cannot be made (then every such gradient
+    keeps the floor, as before such runs)."""
+    small = {}
+    for name, g in ref_grads.items():
+        floor = floors["input_grad" if name.startswith("input_grad") else "param_grad"]
+        if torch.linalg.vector_norm(g.detach().double()).item() < floor:
+            small[name] = floor
+    if not small:
+        return {}
+    try:
+        ref64 = copy.deepcopy(reference).double()
+        with warnings.catch_warnings(), fp8_autocast(enabled=False):
+            warnings.simplefilter("ignore")  # (FP8 layers warn of float64 inputs)
+            _, _, grads64 = _one_run(ref64, inputs, loss_fn, torch.float64, seed_devices)
+    except Exception:  # noqa: BLE001 (a model that cannot run in float64: floors as they were)
+        return small
+    floors_kept = {}
+    for name, floor in small.items():
+        norm32 = torch.linalg.vector_norm(ref_grads[name].detach().double()).item()
+        g64 = grads64.get(name)
+        norm64 = 0.0 if g64 is None else torch.linalg.vector_norm(g64.detach()).item()
+        if norm64 <= _ZERO_IN_MATH * norm32 or norm32 == 0.0:
+            floors_kept[name] = floor
+    return floors_kept
 
 
 def assert_fp8_parity(model: torch.nn.Module, reference: torch.nn.Module, inputs,
@@ -318,6 +368,11 @@ def assert_fp8_parity(model: torch.nn.Module, reference: torch.nn.Module, inputs
             raise ValueError(f"{name} must be a number of dB, got {value!r}")
     report = compare_to_reference(model, reference, inputs, loss_fn=loss_fn, recipe=recipe,
                                   steps=steps, fp8_group=fp8_group)
+    if report.entries and all(e.sqnr_db == math.inf for e in report.entries):
+        raise AssertionError("FP8 parity: the FP8 run equals the reference bit for bit, so "
+                             "nothing ran in FP8 (no layer converted, or every one skipped: "
+                             "feature sizes must be multiples of 16; see convert_to_fp8's "
+                             f"warning)\n{report.table()}")
     failed = report.failures(min_sqnr_db, grad_min_sqnr_db)
     if failed:
         listed = "; ".join(
