@@ -235,11 +235,12 @@ def test_apply_rotary_pos_emb_takes_transformer_engines_arguments():
     assert torch.equal(apply_rotary_pos_emb(t, freqs, "sbhd", None, interleaved=False,
                                             fused=True, cu_seqlens=None, cp_size=1, cp_rank=0),
                        plain)
-    for name, value in (("interleaved", True), ("cp_size", 2), ("cp_rank", 1),
-                        ("cu_seqlens", torch.tensor([0, 5]))):
+    for name, value in (("interleaved", True), ("cp_size", 2), ("cp_rank", 1)):
         with pytest.raises(ValueError, match=f"apply_rotary_pos_emb: {name}=.* is not "
                                              "supported"):
             apply_rotary_pos_emb(t, freqs, "sbhd", **{name: value})
+    with pytest.raises(ValueError, match="cu_seqlens is for tensor_format='thd'"):
+        apply_rotary_pos_emb(t, freqs, "sbhd", cu_seqlens=torch.tensor([0, 5]))
 
 
 def test_an_odd_rotary_dimension_follows_transformer_engine():

@@ -324,8 +324,10 @@ def test_attention_errors_name_the_argument():
                  attention_mask=torch.zeros(shape, dtype=torch.bool))
     with pytest.raises(ValueError, match="attn_mask_type must be one of"):
         attn(q, k, v, attn_mask_type="sliding")
-    with pytest.raises(ValueError, match="qkv_format must be one of.*'thd', packed"):
-        attn(q, k, v, qkv_format="thd")
+    with pytest.raises(ValueError, match="qkv_format must be one of"):
+        attn(q, k, v, qkv_format="tbhd")
+    with pytest.raises(ValueError, match="qkv_format 'thd' needs a 'padding' mask type"):
+        attn(q, k, v, qkv_format="thd")  # (packed sequences: test_packed_sequences.py)
     with pytest.raises(ValueError, match="core_attention_bias_type='post_scale_bias' is not "
                                          "supported"):
         attn(q, k, v, core_attention_bias_type="post_scale_bias")
@@ -496,7 +498,9 @@ def test_layer_errors_name_the_argument():
     with pytest.raises(ValueError, match="'qkv_format'.*'attn_input_format'.*must agree"):
         TransformerLayer(32, 32, 2, qkv_format="sbhd", attn_input_format="bshd")
     with pytest.raises(ValueError, match="attn_input_format must be one of"):
-        TransformerLayer(32, 32, 2, attn_input_format="thd")
+        TransformerLayer(32, 32, 2, attn_input_format="tbhd")
+    with pytest.raises(ValueError, match="'thd' .* with layer_type='decoder' is not supported"):
+        TransformerLayer(32, 32, 2, attn_input_format="thd", layer_type="decoder")
     with pytest.raises(ValueError, match=r"hidden_size \(30\) must be a multiple of "
                                          r"num_attention_heads \(4\)"):
         TransformerLayer(30, 32, 4)

@@ -76,7 +76,9 @@ class TransformerLayer(torch.nn.Module):
     LayerNormMLP; inside fp8_autocast every GEMM runs in FP8.
 
     hidden_states: [s, b, hidden] with attn_input_format "sbhd" (the default), [b, s, hidden]
-    with "bshd" (qkv_format is accepted as another name for it). forward takes Transformer
+    with "bshd", [t, hidden] with "thd" (packed sequences: forward's cu_seqlens_q /
+    cu_seqlens_kv, and *_padded, reach the self-attention; qkv_format is accepted as another
+    name for attn_input_format). forward takes Transformer
     Engine's arguments in its order (hidden_states, attention_mask, self_attn_mask_type, ...,
     is_first_microbatch, checkpoint_core_attention, inference_params, rotary_pos_emb, ...):
     attention_mask and the mask types as DotProductAttention's (True = masked out; ignored
@@ -183,7 +185,10 @@ class TransformerLayer(torch.nn.Module):
                              f"({attn_input_format!r}) name the same thing and must agree; "
                              "pass one")
         fmt = check_qkv_format(owner, "attn_input_format",
-                               attn_input_format or qkv_format or "sbhd")
+                               attn_input_format or qkv_format or "sbhd", packed=True)
+        if fmt == "thd" and layer_type == "decoder":
+            raise ValueError(f"{owner}: attn_input_format 'thd' (packed sequences) with "
+                             "layer_type='decoder' is not supported")
         dtype = one_dtype(owner, dtype, params_dtype)
         self.hidden_size = check_positive(owner, "hidden_size", hidden_size)
         self.ffn_hidden_size = check_positive(owner, "ffn_hidden_size", ffn_hidden_size)
@@ -297,9 +302,10 @@ class TransformerLayer(torch.nn.Module):
                              "not supported (no cache of the encoder's keys and values)")
         options.update(window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
                        inference_params=inference_params)
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 \
+        rank = 2 if self.attn_input_format == "thd" else 3  # ([t, hidden] packed)
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != rank \
                 or hidden_states.shape[-1] != self.hidden_size:
-            lead = "s, b" if self.attn_input_format == "sbhd" else "b, s"
+            lead = {"sbhd": "s, b", "bshd": "b, s", "thd": "t"}[self.attn_input_format]
             got = (tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor)
                    else type(hidden_states).__name__)
             raise ValueError(f"{owner}: hidden_states must have shape [{lead}, "

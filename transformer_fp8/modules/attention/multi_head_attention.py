@@ -295,8 +295,14 @@ class MultiheadAttention(torch.nn.Module):
             # With a KV cache the new tokens start at each sequence's cached length.
             starts = None if inference_params is None else inference_params.start_positions(
                 "MultiheadAttention", q.shape[1 if self.qkv_format == "sbhd" else 0])
-            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, start_positions=starts)
-            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, start_positions=starts)
+            # Packed sequences ("thd"): positions restart at each sequence (its padded offset
+            # where sequences are padded apart, as Transformer Engine takes them).
+            cu_q, cu_kv = (_packed_rotary_offsets(attention_options)
+                           if self.qkv_format == "thd" else (None, None))
+            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, start_positions=starts,
+                                     cu_seqlens=cu_q)
+            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, start_positions=starts,
+                                     cu_seqlens=cu_kv)
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         context = self.core_attention(q, k, v, attention_mask=attention_mask,
@@ -324,6 +330,15 @@ class MultiheadAttention(torch.nn.Module):
         q = query.view(*query.shape[:-1], self.num_attention_heads_per_partition,
                        self.kv_channels)
         return q, k, v, ln_out
+
+
+def _packed_rotary_offsets(options: dict) -> tuple:
+    """The cumulative lengths rotary embeddings of packed queries and keys follow: the padded
+    ones where given, else cu_seqlens_q / cu_seqlens_kv."""
+    def pick(side):
+        padded = options.get(f"cu_seqlens_{side}_padded")
+        return padded if padded is not None else options.get(f"cu_seqlens_{side}")
+    return pick("q"), pick("kv")
 
 
 def check_tensor_parallel(owner: str, tp: dict, set_parallel_mode, heads: int,

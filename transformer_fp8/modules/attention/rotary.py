@@ -17,10 +17,13 @@ from ..torchscript import refuse_torchscript
 QKV_FORMATS = ("sbhd", "bshd")
 
 
-def check_qkv_format(owner: str, name: str, value) -> str:
-    if value not in QKV_FORMATS:
-        extra = " ('thd', packed sequences, is not supported)" if value == "thd" else ""
-        raise ValueError(f"{owner}: {name} must be one of {QKV_FORMATS}, got {value!r}{extra}")
+def check_qkv_format(owner: str, name: str, value, packed: bool = False) -> str:
+    """sbhd or bshd; also thd (packed sequences, attention/packed.py) where ``packed``."""
+    formats = QKV_FORMATS + ("thd",) if packed else QKV_FORMATS
+    if value not in formats:
+        extra = (" ('thd', packed sequences, is DotProductAttention's only)"
+                 if value == "thd" else "")
+        raise ValueError(f"{owner}: {name} must be one of {formats}, got {value!r}{extra}")
     return value
 
 class RotaryPositionEmbedding(torch.nn.Module):
@@ -95,19 +98,25 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     rest pass through. cos and sin are taken in float32, then cast to t's dtype.
     start_positions ([b] ints, a tensor or a list): sequence b's token j takes the angles of
     position start_positions[b] + j (s2 >= max(start_positions) + s; a tensor is read on the
-    host for that check). Transformer Engine's other arguments: fused (its kernel or not: the
-    same numbers) is accepted and changes nothing; interleaved, cu_seqlens (packed "thd"),
-    cp_size and cp_rank (context parallelism) only at their defaults."""
+    host for that check). tensor_format "thd" (packed sequences, t [tokens, h, d]) needs
+    cu_seqlens ([b + 1] cumulative lengths, covering the tokens: Transformer Engine's
+    cu_seqlens_padded where sequences are padded apart): each sequence's positions start at 0
+    (at start_positions[b] with them). Transformer Engine's other arguments: fused (its kernel
+    or not: the same numbers) is accepted and changes nothing; interleaved, cp_size and cp_rank
+    (context parallelism) only at their defaults, cu_seqlens with "thd" only."""
     owner = "apply_rotary_pos_emb"
-    for name, value, default in (("interleaved", interleaved, False),
-                                 ("cu_seqlens", cu_seqlens, None), ("cp_size", cp_size, 1),
+    for name, value, default in (("interleaved", interleaved, False), ("cp_size", cp_size, 1),
                                  ("cp_rank", cp_rank, 0)):
-        if not (value is default or (default is not None and not isinstance(value, bool)
-                                     and value == default)):
+        if not (value is default or (not isinstance(value, bool) and value == default)):
             raise ValueError(f"{owner}: {name}={value!r} is not supported (rotate-half "
-                             "embeddings of sbhd / bshd tensors, no context parallelism); leave "
-                             f"it at {default!r}")
-    check_qkv_format(owner, "tensor_format", tensor_format)
+                             "embeddings, no context parallelism); leave it at "
+                             f"{default!r}")
+    check_qkv_format(owner, "tensor_format", tensor_format, packed=True)
+    if tensor_format == "thd":
+        return _apply_packed(owner, t, freqs, cu_seqlens, start_positions)
+    if cu_seqlens is not None:
+        raise ValueError(f"{owner}: cu_seqlens is for tensor_format='thd' (packed sequences); "
+                         f"leave it at None with {tensor_format!r}")
     if t.dim() != 4:
         raise ValueError(f"{owner}: t must be 4-D [{', '.join(tensor_format)}], got shape "
                          f"{tuple(t.shape)}")
@@ -140,6 +149,47 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
         freqs = freqs.transpose(0, 1)  # [1 or b, s, 1, d2]
     cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
     rot_dim = freqs.shape[-1]
+    rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
+    rotated = rotated * cos + _rotate_half(rotated) * sin
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+
+
+def _apply_packed(owner: str, t, freqs, cu_seqlens, start_positions) -> torch.Tensor:
+    """apply_rotary_pos_emb of a "thd" tensor: row r of sequence b at position r - cu[b] (plus
+    start_positions[b]); rows past cu_seqlens' last entry are refused."""
+    from .packed import layout, positions
+    if cu_seqlens is None:
+        raise ValueError(f"{owner}: tensor_format='thd' needs cu_seqlens (the cumulative "
+                         "sequence lengths of the packed tokens)")
+    if t.dim() != 3:
+        raise ValueError(f"{owner}: t must be 3-D [t, h, d] with tensor_format='thd', got "
+                         f"shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{owner}: t must be a floating-point tensor, got {t.dtype}")
+    packed = layout(owner, "cu_seqlens", cu_seqlens, None, t.shape[0])
+    end = sum(packed.lengths)
+    if end != t.shape[0]:
+        raise ValueError(f"{owner}: cu_seqlens must cover the {t.shape[0]} packed tokens "
+                         f"(give the padded cumulative lengths where sequences are padded "
+                         f"apart), it ends at {end}")
+    starts = _start_positions(owner, start_positions, packed.batch)
+    rows = positions(packed, t.device)
+    if starts:
+        batch, _, row = packed.indices(t.device)
+        seq_of_row = torch.zeros(t.shape[0], dtype=torch.long,
+                                 device=t.device).index_put((row,), batch)
+        rows = rows + torch.tensor(starts, device=t.device)[seq_of_row]
+    needed = int(rows.max()) + 1 if rows.numel() else 0
+    if (not isinstance(freqs, torch.Tensor) or freqs.dim() != 4 or freqs.shape[1:3] != (1, 1)
+            or freqs.shape[0] < needed or freqs.shape[3] > t.shape[2] or freqs.shape[3] % 2
+            or freqs.is_complex() or freqs.device != t.device):
+        got = tuple(freqs.shape) if isinstance(freqs, torch.Tensor) else type(freqs).__name__
+        raise ValueError(f"{owner}: rotary_pos_emb must be real angles on t's device of shape "
+                         f"[s2, 1, 1, d2] with s2 >= {needed} (the longest sequence, plus its "
+                         f"start position) and an even d2 <= {t.shape[2]}, got {got}")
+    angles = freqs[:, 0].float()[rows.to(freqs.device)]  # [t, 1, d2]
+    cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
+    rot_dim = angles.shape[-1]
     rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
     rotated = rotated * cos + _rotate_half(rotated) * sin
     return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated

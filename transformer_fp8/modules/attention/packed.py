@@ -1,0 +1,111 @@
+"""Transformer Engine's packed sequences, qkv_format "thd": the tokens of a batch's sequences
+one after another, [t, heads, d], with cu_seqlens (cumulative lengths, [b + 1]) saying where
+each sequence starts and how long it is. With cu_seqlens_padded the sequences start at those
+offsets instead and the tokens between them (padding inserted between sequences) take part in
+nothing; their outputs are zeros.
+
+Attention runs on the sequences laid out as a padded "bshd" batch ([b, s, heads, d], s the
+longest sequence) with a padding mask from their lengths, then goes back to "thd": the same
+numbers as attention per sequence. The layout is read on the host (cu_seqlens .tolist(), as
+Transformer Engine does where max_seqlen is not given).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class PackedLayout:
+    """Where each sequence of a "thd" tensor is: its tokens are rows offsets[i] to
+    offsets[i] + lengths[i] - 1."""
+
+    offsets: list
+    lengths: list
+    tokens: int  # rows of the thd tensor
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths, default=0)
+
+    def indices(self, device):
+        """(batch index, position, row) of every token in a sequence."""
+        batch = torch.cat([torch.full((n,), i, dtype=torch.long)
+                           for i, n in enumerate(self.lengths)] or [torch.empty(0, dtype=torch.long)])
+        position = torch.cat([torch.arange(n) for n in self.lengths]
+                             or [torch.empty(0, dtype=torch.long)])
+        row = torch.cat([torch.arange(o, o + n) for o, n in zip(self.offsets, self.lengths)]
+                        or [torch.empty(0, dtype=torch.long)])
+        return batch.to(device), position.to(device), row.to(device)
+
+    def padding_mask(self, width: int, device) -> torch.Tensor:
+        """[b, 1, 1, width], True at the positions past each sequence's length."""
+        lengths = torch.tensor(self.lengths, device=device).view(-1, 1, 1, 1)
+        return torch.arange(width, device=device).view(1, 1, 1, -1) >= lengths
+
+
+def layout(owner: str, name: str, cu_seqlens, cu_seqlens_padded, tokens: int) -> PackedLayout:
+    """The layout of a thd tensor of ``tokens`` rows from Transformer Engine's cu_seqlens
+    (and cu_seqlens_padded), checked: 1-D integer tensors of b + 1 non-decreasing entries from
+    0, each padded sequence at least as long as its sequence, all within the rows."""
+    cu = _cumulative(owner, name, cu_seqlens)
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if cu_seqlens_padded is None:
+        offsets = cu[:-1]
+        end = cu[-1]
+    else:
+        padded = _cumulative(owner, name + "_padded", cu_seqlens_padded)
+        if len(padded) != len(cu):
+            raise ValueError(f"{owner}: {name}_padded must have {name}'s {len(cu)} entries, "
+                             f"got {len(padded)}")
+        room = [b - a for a, b in zip(padded, padded[1:])]
+        if any(n > r for n, r in zip(lengths, room)):
+            raise ValueError(f"{owner}: {name}_padded must leave each sequence at least its "
+                             f"length ({lengths}), got room for {room}")
+        offsets, end = padded[:-1], padded[-1]
+    if end > tokens:
+        raise ValueError(f"{owner}: {name} reaches row {end}, past the {tokens} rows of the "
+                         "packed tensor")
+    return PackedLayout(offsets, lengths, tokens)
+
+
+def _cumulative(owner: str, name: str, value) -> list:
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() < 2 \
+            or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        got = (f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+               else type(value).__name__)
+        raise ValueError(f"{owner}: {name} must be a 1-D integer tensor [batch + 1] of "
+                         f"cumulative sequence lengths (qkv_format 'thd'), got {got}")
+    cu = [int(v) for v in value.tolist()]
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{owner}: {name} must start at 0 and never decrease, got {cu}")
+    return cu
+
+
+def to_padded(t: torch.Tensor, packed: PackedLayout, width: Optional[int] = None):
+    """thd [t, ...] -> bshd [b, width, ...] (zeros past each sequence), differentiable."""
+    width = packed.longest if width is None else width
+    batch, position, row = packed.indices(t.device)
+    out = t.new_zeros(packed.batch, width, *t.shape[1:])
+    return out.index_put((batch, position), t[row])
+
+
+def to_packed(t: torch.Tensor, packed: PackedLayout) -> torch.Tensor:
+    """bshd [b, s, ...] -> thd [tokens, ...]: each sequence's positions at its rows, zeros in
+    the rows between sequences, differentiable."""
+    batch, position, row = packed.indices(t.device)
+    out = t.new_zeros(packed.tokens, *t.shape[2:])
+    return out.index_put((row,), t[batch, position])
+
+
+def positions(packed: PackedLayout, device) -> torch.Tensor:
+    """Each row's position in its sequence ([tokens], 0 for rows between sequences)."""
+    _, position, row = packed.indices(device)
+    out = torch.zeros(packed.tokens, dtype=torch.long, device=device)
+    return out.index_put((row,), position)
