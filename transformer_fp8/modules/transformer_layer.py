@@ -211,33 +211,28 @@ class TransformerLayer(torch.nn.Module):
                       init_method=init_method, output_layer_init_method=output_layer_init_method,
                       return_layernorm_output=self.apply_residual_connection_post_layernorm,
                       fuse_wgrad_accumulation=fuse_wgrad_accumulation, **tp)
-        self.self_attention = MultiheadAttention(
-            hidden_size, num_attention_heads, kv_channels=kv_channels,
-            input_layernorm=not self.output_layernorm,
+        # What the self-attention and a decoder's cross-attention share, as in Transformer
+        # Engine (its common_attention_kwargs).
+        attention = dict(
+            kv_channels=kv_channels, layernorm_epsilon=layernorm_epsilon,
             attention_dropout=_check_dropout(owner, "attention_dropout", attention_dropout),
-            layernorm_epsilon=layernorm_epsilon, layer_number=layer_number,
-            attn_mask_type=self.self_attn_mask_type, num_gqa_groups=num_gqa_groups,
+            layer_number=layer_number, num_gqa_groups=num_gqa_groups,
             fuse_qkv_params=fuse_qkv_params, qkv_weight_interleaved=qkv_weight_interleaved,
-            qkv_format=fmt, softmax_scale=softmax_scale, window_size=window_size,
-            bottom_right_diagonal=bottom_right_diagonal,
-            softmax_type=softmax_type, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
+            qkv_format=fmt, softmax_scale=softmax_scale, softmax_type=softmax_type,
+            qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
             qk_norm_before_rope=qk_norm_before_rope,
             get_rng_state_tracker=get_rng_state_tracker, **common)
+        self.self_attention = MultiheadAttention(
+            hidden_size, num_attention_heads, input_layernorm=not self.output_layernorm,
+            attn_mask_type=self.self_attn_mask_type, window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal, **attention)
         if layer_type == "decoder":
             self.enc_dec_attn_mask_type = check_mask_type(owner, "enc_dec_attn_mask_type",
                                                           enc_dec_attn_mask_type)
             self.inter_attention = MultiheadAttention(
-                hidden_size, num_attention_heads, kv_channels=kv_channels, input_layernorm=True,
-                attention_type="cross",
-                attention_dropout=_check_dropout(owner, "attention_dropout", attention_dropout),
-                layernorm_epsilon=layernorm_epsilon, layer_number=layer_number,
-                attn_mask_type=self.enc_dec_attn_mask_type, num_gqa_groups=num_gqa_groups,
-                fuse_qkv_params=fuse_qkv_params, qkv_weight_interleaved=qkv_weight_interleaved,
-                qkv_format=fmt, softmax_scale=softmax_scale, window_size=enc_dec_window_size,
-                bottom_right_diagonal=enc_dec_bottom_right_diagonal,
-                softmax_type=softmax_type, qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
-                qk_norm_before_rope=qk_norm_before_rope,
-                get_rng_state_tracker=get_rng_state_tracker, **common)
+                hidden_size, num_attention_heads, input_layernorm=True, attention_type="cross",
+                attn_mask_type=self.enc_dec_attn_mask_type, window_size=enc_dec_window_size,
+                bottom_right_diagonal=enc_dec_bottom_right_diagonal, **attention)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon,
                                           activation=activation,
                                           get_rng_state_tracker=get_rng_state_tracker, **common)
