@@ -217,6 +217,7 @@ class FusedExperts(torch.nn.Module):
         super().__init__()
         self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 64, 32))
         self.down_proj = torch.nn.Parameter(torch.randn(4, 32, 32))
+        self.stacked_4d = torch.nn.Parameter(torch.randn(4, 2, 8, 8))  # (reported too)
 
 
 def test_fused_moe_experts_are_reported_as_left_in_high_precision():
@@ -234,7 +235,8 @@ def test_fused_moe_experts_are_reported_as_left_in_high_precision():
     assert "converted 2 of 2 linear layers" in message
     assert list(summary.not_linear) == ["1"] and not summary.skipped
     assert ("not converted 1: FusedExperts holds gate_up_proj [4, 64, 32], down_proj [4, 32, "
-            "32]: its matrix products are not torch.nn.Linear layers") in message
+            "32], stacked_4d [4, 2, 8, 8]: its matrix products are not torch.nn.Linear "
+            "layers") in message
     assert "GroupedLinear" in message
 
 

@@ -339,6 +339,41 @@ def test_a_small_real_gradient_is_not_taken_for_noise(gen, gamma):
             assert_fp8_parity(broken, copy.deepcopy(model), x, recipe=RECIPE)
 
 
+def test_a_zero_gradient_under_an_upcast_softmax_keeps_the_noise_floor(gen):
+    """A key bias before a softmax computed in float32 whatever the parameters' dtype (as
+    HuggingFace's eager attention does): the float64 run holds float32 noise there too, not
+    the reference's noise, so the gradient is still taken as zero in math (it failed at -2 dB
+    when a float64 run that was not all float64 marked it real)."""
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+            self.v, self.o = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            w = self.q(x) @ self.k(x).transpose(-1, -2) / 8.0
+            p = torch.nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(x.dtype)
+            return self.o(p @ self.v(x))
+
+    torch.manual_seed(0)
+    model = tfp8.convert_to_fp8(Attention())
+    report = assert_fp8_parity(model, copy.deepcopy(model), randn(gen, 4, 32, 64),
+                               recipe=RECIPE)
+    assert report["grad:k.bias"].sqnr_db > 10
+
+
+def test_calibration_can_be_left_out(gen):
+    """calibrate=False: the FP8 steps start from the model's scales as they are (a fresh
+    layer's, 1), as training's first steps do."""
+    torch.manual_seed(0)
+    model = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(64, 64)))
+    x = randn(gen, 16, 64) * 1e3  # (saturates at scale 1)
+    calibrated = compare_to_reference(copy.deepcopy(model), model, x, recipe=RECIPE, steps=1)
+    fresh = compare_to_reference(copy.deepcopy(model), model, x, recipe=RECIPE, steps=1,
+                                 calibrate=False)
+    assert calibrated["output"].sqnr_db > 20 > fresh["output"].sqnr_db
+
+
 def test_a_deep_model_with_a_loss_passes_with_the_default_steps(gen):
     """A correct 4-layer MLP with an MSE loss: a first FP8 step at gradient scale 1 flushed the
     small E5M2 gradients to zero, and the zeros cascaded one layer per step (0 dB for the first
@@ -356,13 +391,18 @@ def test_a_deep_model_with_a_loss_passes_with_the_default_steps(gen):
 
 
 def test_parity_fails_when_nothing_ran_in_fp8(gen):
-    """A model that was never converted, or whose layers convert_to_fp8 skipped: the FP8 run
-    is the reference bit for bit (every tensor at inf dB), which must not pass as parity."""
+    """A model that was never converted, or whose layers convert_to_fp8 skipped: its output
+    inside fp8_autocast is its output outside, which must not pass as parity (also against a
+    reference of another dtype, where the entries are not bit for bit the reference's)."""
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(64, 32))
     x = randn(gen, 8, 64)
     with pytest.raises(AssertionError, match="nothing ran in FP8"):
         assert_fp8_parity(plain, copy.deepcopy(plain), x, recipe=RECIPE)
+    with pytest.raises(AssertionError, match="nothing ran in FP8"):
+        assert_fp8_parity(copy.deepcopy(plain).bfloat16(), plain, x.bfloat16(), recipe=RECIPE)
+    converted = tfp8.convert_to_fp8(copy.deepcopy(plain))
+    assert compare_to_reference(converted, plain, x, recipe=RECIPE).ran_in_fp8
     with pytest.warns(UserWarning, match="converted 0 of 1"):
         skipped = tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(50, 30)))
     with pytest.raises(AssertionError, match="nothing ran in FP8"):

@@ -235,13 +235,15 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
 def _stacked_weights(module: torch.nn.Module) -> Optional[str]:
     """What a module that multiplies by weights stacked in 3-D Parameters of its own holds
     (transformers' fused MoE experts, MixtralExperts' gate_up_proj [experts, 2 * ffn, hidden]),
-    or None. A stack of several matrices: every dimension above 1 (a ViT's cls_token [1, 1, d]
-    and position embeddings [1, n, d] are no such stack). Convolutions, whose weights are 3-D
-    and more too, are not matrix products of this kind and are not reported."""
+    or None. A stack of several matrices: more than one along the first dimension, each more
+    than a row or a column (a ViT's cls_token [1, 1, d] and position embeddings [1, n, d] are
+    no such stack). Convolutions, whose weights are 3-D and more too, are not matrix products
+    of this kind and are not reported."""
     if isinstance(module, torch.nn.modules.conv._ConvNd):
         return None
     stacked = [f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False)
-               if p.dim() == 3 and min(p.shape) > 1 and p.is_floating_point()]
+               if p.dim() >= 3 and p.shape[0] > 1 and min(p.shape[-2:]) > 1
+               and p.is_floating_point()]
     if not stacked:
         return None
     return (f"{type(module).__name__} holds {', '.join(stacked)}: its matrix products are not "
