@@ -120,9 +120,9 @@ def test_packed_refusals_name_the_argument():
              cu_seqlens_q_padded=torch.tensor([0, 2, 5, 9]))
     with pytest.raises(ValueError, match="tensor_format='thd' needs cu_seqlens"):
         apply_rotary_pos_emb(q, tfp8.RotaryPositionEmbedding(D)(9), "thd")
-    with pytest.raises(ValueError, match="cu_seqlens must cover the 9 packed tokens"):
+    with pytest.raises(ValueError, match="cu_seqlens reaches row 12, past the 9 rows"):
         apply_rotary_pos_emb(q, tfp8.RotaryPositionEmbedding(D)(9), "thd",
-                             cu_seqlens=torch.tensor([0, 3, 5]))
+                             cu_seqlens=torch.tensor([0, 3, 12]))
     with pytest.raises(ValueError, match="cu_seqlens is for tensor_format='thd'"):
         apply_rotary_pos_emb(q.unsqueeze(1), tfp8.RotaryPositionEmbedding(D)(9), "sbhd",
                              cu_seqlens=CU)
@@ -169,3 +169,67 @@ def test_packed_transformer_layer_is_each_sequence_alone(padded):
     with tfp8.fp8_autocast(fp8_recipe=tfp8.Float8CurrentScaling()):
         fp8 = layer(x.detach(), rotary_pos_emb=rope, **cu)
     assert sqnr(fp8[rows_used], out.detach()[rows_used]) > 25
+
+
+def test_packed_layer_takes_the_query_side_sequences_for_its_keys():
+    """Transformer Engine's TransformerLayer gives its self-attention cu_seqlens_q (and
+    cu_seqlens_q_padded, max_seqlen_q) for the keys too: the query side alone runs, and a
+    caller's unpadded cu_seqlens_kv beside cu_seqlens_q_padded no longer reads keys at the
+    unpadded offsets (0.054 off)."""
+    torch.manual_seed(0)
+    layer = tfp8.TransformerLayer(64, 64, 4, attn_input_format="thd", hidden_dropout=0.0,
+                                  attention_dropout=0.0, self_attn_mask_type="padding_causal")
+    x = torch.randn(13, 64, generator=torch.Generator().manual_seed(4))
+    full = layer(x, cu_seqlens_q=CU, cu_seqlens_kv=CU, cu_seqlens_q_padded=CU_PADDED,
+                 cu_seqlens_kv_padded=CU_PADDED)
+    assert torch.equal(layer(x, cu_seqlens_q=CU, cu_seqlens_q_padded=CU_PADDED), full)
+    assert torch.equal(layer(x, cu_seqlens_q=CU, cu_seqlens_kv=CU,
+                             cu_seqlens_q_padded=CU_PADDED), full)
+
+
+def test_packed_rotary_rows_outside_the_sequences_pass_through():
+    """Rows past cu_seqlens[-1], and the rows between sequences padded apart, are left as they
+    are; the angles need cover the longest real sequence only (not a padded span)."""
+    from transformer_fp8.modules.attention.packed import layout
+    from transformer_fp8.modules.attention.rotary import rotate_packed
+    gen = torch.Generator().manual_seed(5)
+    t = torch.randn(12, H, 16, generator=gen)
+    freqs = tfp8.RotaryPositionEmbedding(16)(4)  # (the longest sequence: 4)
+    out = apply_rotary_pos_emb(t, freqs, "thd", cu_seqlens=CU)
+    assert torch.equal(out[9:], t[9:])
+    assert torch.equal(out[:9], apply_rotary_pos_emb(t[:9], freqs, "thd", cu_seqlens=CU))
+    padded = rotate_packed("test", t[:13 - 1], freqs, layout("test", "cu", CU,
+                                                             torch.tensor([0, 4, 8, 12]), 12))
+    for a, n in ((0, 3), (4, 2), (8, 4)):  # (each sequence from position 0 at its offset)
+        alone = apply_rotary_pos_emb(t[a:a + n], freqs, "thd", cu_seqlens=torch.tensor([0, n]))
+        assert torch.equal(padded[a:a + n], alone)
+    assert torch.equal(padded[[3, 6, 7]], t[[3, 6, 7]])
+    # The layer: trailing rows and angles for the longest real sequence run.
+    torch.manual_seed(0)
+    layer = tfp8.TransformerLayer(64, 64, 4, attn_input_format="thd", hidden_dropout=0.0,
+                                  attention_dropout=0.0, self_attn_mask_type="padding_causal")
+    rope = tfp8.RotaryPositionEmbedding(16)(4)
+    x = torch.randn(16, 64, generator=gen)
+    head = layer(x, rotary_pos_emb=rope, cu_seqlens_q=CU, cu_seqlens_q_padded=CU_PADDED)
+    assert head.shape == (16, 64)
+
+
+def test_packed_cross_attention_is_each_sequence_alone():
+    """MultiheadAttention(attention_type="cross", qkv_format="thd"): queries and encoder
+    tokens packed differently, rotary angles per side."""
+    torch.manual_seed(0)
+    kw = dict(num_gqa_groups=2, attention_type="cross", attention_dropout=0.0,
+              input_layernorm=True)
+    packed_mha = tfp8.MultiheadAttention(64, 4, qkv_format="thd", attn_mask_type="padding",
+                                         **kw)
+    single = tfp8.MultiheadAttention(64, 4, qkv_format="bshd", attn_mask_type="no_mask", **kw)
+    single.load_state_dict(packed_mha.state_dict())
+    gen = torch.Generator().manual_seed(6)
+    x, enc = torch.randn(9, 64, generator=gen), torch.randn(11, 64, generator=gen)
+    rope = tfp8.RotaryPositionEmbedding(16)(6)
+    out = packed_mha(x, encoder_output=enc, rotary_pos_emb=(rope, rope), cu_seqlens_q=CU,
+                     cu_seqlens_kv=CU_KV)
+    ref = torch.cat([single(x[a:b][None], encoder_output=enc[c:d][None],
+                            rotary_pos_emb=(rope, rope))[0]
+                     for (a, b), (c, d) in zip(_spans(CU), _spans(CU_KV))])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -297,6 +297,13 @@ class TransformerLayer(torch.nn.Module):
                              "not supported (no cache of the encoder's keys and values)")
         options.update(window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
                        inference_params=inference_params)
+        # The self-attention's keys are its queries' tokens: their sequences too, as
+        # Transformer Engine passes them (whatever *_kv the caller gives).
+        for kv, q in (("cu_seqlens_kv", "cu_seqlens_q"),
+                      ("cu_seqlens_kv_padded", "cu_seqlens_q_padded"),
+                      ("max_seqlen_kv", "max_seqlen_q")):
+            if options.get(q) is not None or options.get(kv) is not None:
+                options[kv] = options.get(q)
         rank = 2 if self.attn_input_format == "thd" else 3  # ([t, hidden] packed)
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != rank \
                 or hidden_states.shape[-1] != self.hidden_size:

@@ -39,7 +39,9 @@ import torch
 from ...quantization.recipe import Recipe
 from ..layernorm_linear import LayerNormLinear
 from ..linear import Linear
+from . import packed
 from .dot_product import DotProductAttention, apply_rotary_pos_emb
+from .rotary import rotate_packed
 from .inference import InferenceParams
 from .qk_norm import qk_norm_modules
 from ..te_args import check_positive, check_te_options, one_dtype, te_default_init, \
@@ -295,14 +297,12 @@ class MultiheadAttention(torch.nn.Module):
             # With a KV cache the new tokens start at each sequence's cached length.
             starts = None if inference_params is None else inference_params.start_positions(
                 "MultiheadAttention", q.shape[1 if self.qkv_format == "sbhd" else 0])
-            # Packed sequences ("thd"): positions restart at each sequence (its padded offset
-            # where sequences are padded apart, as Transformer Engine takes them).
-            cu_q, cu_kv = (_packed_rotary_offsets(attention_options)
-                           if self.qkv_format == "thd" else (None, None))
-            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, start_positions=starts,
-                                     cu_seqlens=cu_q)
-            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, start_positions=starts,
-                                     cu_seqlens=cu_kv)
+            if self.qkv_format == "thd":  # packed sequences: positions restart at each one
+                q = _rotate_packed_side(q, q_freqs, "q", attention_options)
+                k = _rotate_packed_side(k, k_freqs, "kv", attention_options)
+            else:
+                q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, start_positions=starts)
+                k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, start_positions=starts)
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         context = self.core_attention(q, k, v, attention_mask=attention_mask,
@@ -332,13 +332,19 @@ class MultiheadAttention(torch.nn.Module):
         return q, k, v, ln_out
 
 
-def _packed_rotary_offsets(options: dict) -> tuple:
-    """The cumulative lengths rotary embeddings of packed queries and keys follow: the padded
-    ones where given, else cu_seqlens_q / cu_seqlens_kv."""
-    def pick(side):
-        padded = options.get(f"cu_seqlens_{side}_padded")
-        return padded if padded is not None else options.get(f"cu_seqlens_{side}")
-    return pick("q"), pick("kv")
+def _rotate_packed_side(t, freqs, side: str, options: dict):
+    """Rotary embeddings of packed queries or keys ("thd"): each sequence's rows (its length
+    from cu_seqlens_<side>, its first row from cu_seqlens_<side>_padded where given, whatever
+    pad_between_seqs says: Transformer Engine rotates at the unpadded offsets unless it is
+    True) from position 0; the rows between and after the sequences unchanged."""
+    owner = "MultiheadAttention"
+    cu = options.get(f"cu_seqlens_{side}")
+    if cu is None:
+        raise ValueError(f"{owner}: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv (the "
+                         "cumulative sequence lengths)")
+    packed_layout = packed.layout(owner, f"cu_seqlens_{side}", cu,
+                                  options.get(f"cu_seqlens_{side}_padded"), t.shape[0])
+    return rotate_packed(owner, t, freqs, packed_layout)
 
 
 def check_tensor_parallel(owner: str, tp: dict, set_parallel_mode, heads: int,

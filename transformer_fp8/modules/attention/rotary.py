@@ -99,9 +99,8 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     start_positions ([b] ints, a tensor or a list): sequence b's token j takes the angles of
     position start_positions[b] + j (s2 >= max(start_positions) + s; a tensor is read on the
     host for that check). tensor_format "thd" (packed sequences, t [tokens, h, d]) needs
-    cu_seqlens ([b + 1] cumulative lengths, covering the tokens: Transformer Engine's
-    cu_seqlens_padded where sequences are padded apart): each sequence's positions start at 0
-    (at start_positions[b] with them). Transformer Engine's other arguments: fused (its kernel
+    cu_seqlens ([b + 1] cumulative lengths): each sequence's positions start at 0 (at
+    start_positions[b] with them); rows past cu_seqlens[-1] pass through unchanged. Transformer Engine's other arguments: fused (its kernel
     or not: the same numbers) is accepted and changes nothing; interleaved, cp_size and cp_rank
     (context parallelism) only at their defaults, cu_seqlens with "thd" only."""
     owner = "apply_rotary_pos_emb"
@@ -156,30 +155,30 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
 
 def _apply_packed(owner: str, t, freqs, cu_seqlens, start_positions) -> torch.Tensor:
     """apply_rotary_pos_emb of a "thd" tensor: row r of sequence b at position r - cu[b] (plus
-    start_positions[b]); rows past cu_seqlens' last entry are refused."""
-    from .packed import layout, positions
+    start_positions[b]); rows past cu_seqlens' last entry pass through unchanged."""
+    from .packed import layout
     if cu_seqlens is None:
         raise ValueError(f"{owner}: tensor_format='thd' needs cu_seqlens (the cumulative "
                          "sequence lengths of the packed tokens)")
     if t.dim() != 3:
         raise ValueError(f"{owner}: t must be 3-D [t, h, d] with tensor_format='thd', got "
                          f"shape {tuple(t.shape)}")
+    return rotate_packed(owner, t, freqs, layout(owner, "cu_seqlens", cu_seqlens, None,
+                                                 t.shape[0]), start_positions)
+
+
+def rotate_packed(owner: str, t, freqs, packed, start_positions=None) -> torch.Tensor:
+    """The rows of the sequences of ``packed`` (attention/packed.py's PackedLayout: their
+    offsets and real lengths) of the "thd" tensor t [t, h, d] rotated, each sequence from
+    position 0 (start_positions[b] with them); every other row (between padded sequences,
+    past the last) unchanged. The angles need cover the longest sequence only."""
     if not t.is_floating_point():
         raise TypeError(f"{owner}: t must be a floating-point tensor, got {t.dtype}")
-    packed = layout(owner, "cu_seqlens", cu_seqlens, None, t.shape[0])
-    end = sum(packed.lengths)
-    if end != t.shape[0]:
-        raise ValueError(f"{owner}: cu_seqlens must cover the {t.shape[0]} packed tokens "
-                         f"(give the padded cumulative lengths where sequences are padded "
-                         f"apart), it ends at {end}")
     starts = _start_positions(owner, start_positions, packed.batch)
-    rows = positions(packed, t.device)
+    batch, position, row = packed.indices(t.device)
     if starts:
-        batch, _, row = packed.indices(t.device)
-        seq_of_row = torch.zeros(t.shape[0], dtype=torch.long,
-                                 device=t.device).index_put((row,), batch)
-        rows = rows + torch.tensor(starts, device=t.device)[seq_of_row]
-    needed = int(rows.max()) + 1 if rows.numel() else 0
+        position = position + torch.tensor(starts, dtype=torch.long, device=t.device)[batch]
+    needed = int(position.max()) + 1 if position.numel() else 0
     if (not isinstance(freqs, torch.Tensor) or freqs.dim() != 4 or freqs.shape[1:3] != (1, 1)
             or freqs.shape[0] < needed or freqs.shape[3] > t.shape[2] or freqs.shape[3] % 2
             or freqs.is_complex() or freqs.device != t.device):
@@ -187,12 +186,14 @@ def _apply_packed(owner: str, t, freqs, cu_seqlens, start_positions) -> torch.Te
         raise ValueError(f"{owner}: rotary_pos_emb must be real angles on t's device of shape "
                          f"[s2, 1, 1, d2] with s2 >= {needed} (the longest sequence, plus its "
                          f"start position) and an even d2 <= {t.shape[2]}, got {got}")
-    angles = freqs[:, 0].float()[rows.to(freqs.device)]  # [t, 1, d2]
+    angles = freqs[:, 0].float()[position.to(freqs.device)]  # [rows, 1, d2]
     cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
     rot_dim = angles.shape[-1]
-    rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
-    rotated = rotated * cos + _rotate_half(rotated) * sin
-    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+    rows = t[row]
+    rotated = rows[..., :rot_dim] * cos + _rotate_half(rows[..., :rot_dim]) * sin
+    if rot_dim < t.shape[2]:
+        rotated = torch.cat((rotated, rows[..., rot_dim:]), dim=-1)
+    return t.index_put((row,), rotated)
 
 
 def _start_positions(owner: str, start_positions, batch: int) -> Optional[list]:
