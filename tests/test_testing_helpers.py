@@ -362,6 +362,83 @@ def test_a_zero_gradient_under_an_upcast_softmax_keeps_the_noise_floor(gen):
     assert report["grad:k.bias"].sqnr_db > 10
 
 
+def test_a_zero_initialised_branch_still_counts_as_fp8(gen):
+    """x + fc2(gelu(fc1(x))) with fc2 zero-initialised (ReZero, adaLN-Zero): the output is
+    bit for bit the high-precision one, the gradients are not; it ran in FP8 and passes."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = tfp8.Linear(64, 128), tfp8.Linear(128, 64)
+            torch.nn.init.zeros_(self.fc2.weight)
+            torch.nn.init.zeros_(self.fc2.bias)
+
+        def forward(self, x):
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+    torch.manual_seed(0)
+    block = Block()
+    report = assert_fp8_parity(block, copy.deepcopy(block), randn(gen, 16, 64), recipe=RECIPE)
+    assert report.ran_in_fp8 and report["output"].sqnr_db == math.inf
+
+
+def test_nothing_in_fp8_is_told_in_the_fp8_runs_grad_mode(gen):
+    """torch's TransformerEncoderLayer takes another path without gradients (its fast path):
+    the run outside FP8 that tells whether anything ran in FP8 records gradients as the FP8
+    run does, so an unconverted bfloat16 copy is still seen as nothing in FP8."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).eval()
+    with pytest.raises(AssertionError, match="nothing ran in FP8"):
+        assert_fp8_parity(copy.deepcopy(layer).bfloat16(), layer,
+                          randn(gen, 2, 8, 64).bfloat16(), recipe=RECIPE)
+
+
+def test_small_real_gradients_behind_random_draws_of_the_activations_dtype(gen):
+    """A forward that draws random numbers in its activations' dtype (noise injection, as
+    DropPath draws): the float64 run draws others, so it is not taken as the judge of which
+    small gradients are real; a LayerScale gradient zeroed by the FP8 path still fails."""
+    class Noise(torch.nn.Module):
+        def forward(self, x):
+            return x + 0.1 * torch.randn_like(x)
+
+    torch.manual_seed(0)
+    model = tfp8.convert_to_fp8(torch.nn.Sequential(
+        Noise(), torch.nn.Linear(256, 256), LayerScaleBlock(1e-6), torch.nn.Linear(256, 256)))
+    x = randn(gen, 4, 64, 256)
+    assert_fp8_parity(model, copy.deepcopy(model), x, recipe=RECIPE)
+    broken = copy.deepcopy(model)
+    broken[2].fc1.weight.register_hook(lambda g: g * 0.0 if current_state() is not None else g)
+    with pytest.raises(AssertionError, match="grad:2.fc1.weight"):
+        assert_fp8_parity(broken, copy.deepcopy(model), x, recipe=RECIPE)
+
+
+def test_a_bfloat16_layer_passes_with_its_zero_key_bias_gradient(gen):
+    """A bfloat16 TransformerLayer: its key-bias gradient is zero in math and holds bfloat16
+    noise, measured against ten times the noise the layer shows there outside FP8 (against the
+    float32-sized floor it failed at 3-6 dB)."""
+    torch.manual_seed(0)
+    layer = tfp8.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                  params_dtype=torch.bfloat16)
+    x = randn(gen, 16, 2, 64).bfloat16()
+    for reference in (copy.deepcopy(layer).float(), layer):
+        assert_fp8_parity(layer, reference, x)
+
+
+def test_dropout_drawn_from_an_rng_tracker_draws_the_same_masks_in_every_run(gen):
+    """Attention dropout inside Transformer Engine's RNG tracker: the tracker's states are
+    the same at the start of every run (they moved on at each fork: masks differed, 0-1 dB),
+    and are put back afterwards."""
+    from transformer_fp8.distributed import CudaRNGStatesTracker
+    tracker = CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+    torch.manual_seed(0)
+    layer = tfp8.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.3,
+                                  get_rng_state_tracker=lambda: tracker)
+    before = tracker.get_states()
+    report = assert_fp8_parity(layer, layer, randn(gen, 16, 2, 64), recipe=RECIPE)
+    assert report["grad:self_attention.layernorm_qkv.query_weight"].sqnr_db > 15
+    assert tracker.get_states() == before
+
+
 def test_calibration_can_be_left_out(gen):
     """calibrate=False: the FP8 steps start from the model's scales as they are (a fresh
     layer's, 1), as training's first steps do."""

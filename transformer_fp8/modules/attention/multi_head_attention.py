@@ -295,12 +295,16 @@ class MultiheadAttention(torch.nn.Module):
             q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list))
                                 else (rotary_pos_emb, rotary_pos_emb))
             # With a KV cache the new tokens start at each sequence's cached length.
-            starts = None if inference_params is None else inference_params.start_positions(
-                "MultiheadAttention", q.shape[1 if self.qkv_format == "sbhd" else 0])
             if self.qkv_format == "thd":  # packed sequences: positions restart at each one
+                if inference_params is not None:
+                    raise ValueError(f"{owner}: inference_params with qkv_format 'thd' is not "
+                                     "supported")
                 q = _rotate_packed_side(q, q_freqs, "q", attention_options)
                 k = _rotate_packed_side(k, k_freqs, "kv", attention_options)
             else:
+                starts = None if inference_params is None else \
+                    inference_params.start_positions(
+                        "MultiheadAttention", q.shape[1 if self.qkv_format == "sbhd" else 0])
                 q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, start_positions=starts)
                 k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, start_positions=starts)
         if self.q_norm is not None and not self.qk_norm_before_rope:
