@@ -225,7 +225,10 @@ def _rng_trackers(*modules) -> list:
     for module in modules:
         for m in module.modules():
             getter = getattr(m, "get_rng_state_tracker", None)
-            tracker = getter() if callable(getter) else None
+            try:
+                tracker = getter() if callable(getter) else None
+            except Exception:  # noqa: BLE001 (an attribute of that name that is no getter)
+                tracker = None
             if tracker is not None and hasattr(tracker, "get_states") \
                     and all(tracker is not t for t in found):
                 found.append(tracker)
