@@ -159,6 +159,18 @@ MUTANTS = [
     Mutant("FSDP2 current amaxes kept across optimizer steps", "modules/fsdp/current_scale.py",
            "\n                or self.optimizer_steps != _OPTIMIZER_STEPS.count):\n", "):\n",
            ("tests/test_fsdp_fp8_all_gather_current.py",), "one_fp8_autocast"),
+    Mutant("tensor-parallel query/key norm gradients left per rank", "modules/normalization.py",
+           "        if self._grad_sum_over is not None and torch.is_grad_enabled():\n",
+           "        if False:\n",
+           ("tests/test_te_tensor_parallel_attention.py",), "RMSNorm or LayerNorm"),
+    Mutant("packed rotary positions not restarted per sequence", "modules/attention/rotary.py",
+           "    angles = freqs[:, 0].float()[position.to(freqs.device)]  # [rows, 1, d2]\n",
+           "    angles = freqs[:, 0].float()[row.to(freqs.device)]  # [rows, 1, d2]\n",
+           ("tests/test_packed_sequences.py",), "rotary"),
+    Mutant("parity noise floor for every small gradient", "testing.py",
+           "            for name, floor in small.items() if name in zero}\n",
+           "            for name, floor in small.items()}\n",
+           ("tests/test_testing_helpers.py",), "small_real or random_draws"),
 ]
 
 
