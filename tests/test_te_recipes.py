@@ -78,13 +78,14 @@ def test_nvte_backward_override_is_not_ignored(monkeypatch, cls):
     cls()
 
 
-def test_current_scaling_power_2_scales_are_refused(monkeypatch):
+def test_current_scaling_power_2_scales(monkeypatch):
+    """Accepted (test_current_scaling_power_2.py), from the argument or the variable."""
     assert tfp8.Float8CurrentScaling(use_power_2_scales=False) == tfp8.Float8CurrentScaling()
-    with pytest.raises(ValueError, match="use_power_2_scales=True .* not supported"):
-        tfp8.Float8CurrentScaling(use_power_2_scales=True)
+    assert tfp8.Float8CurrentScaling(use_power_2_scales=True).use_power_2_scales
+    with pytest.raises(ValueError, match="use_power_2_scales must be True or False"):
+        tfp8.Float8CurrentScaling(use_power_2_scales=1)
     monkeypatch.setenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "1")
-    with pytest.raises(ValueError, match="NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"):
-        tfp8.Float8CurrentScaling()
+    assert tfp8.Float8CurrentScaling().use_power_2_scales
 
 
 def test_block_scaling_f32_scales(monkeypatch):

@@ -209,7 +209,8 @@ def _runs_fused(layer, state, is_first_microbatch) -> Optional[bool]:
         quantizers = registered_quantizers(recipe)
     if quantizers is _delayed_quantizers:
         return True
-    if quantizers is _current_quantizers and recipe.fp8_format is not Format.E5M2:
+    if (quantizers is _current_quantizers and recipe.fp8_format is not Format.E5M2
+            and not recipe.use_power_2_scales):  # (power-of-two scales: the Python path)
         return False  # (each rank's own amax; a tensor-parallel layer's DTensors take Python)
     return None  # (E5M2: the Python path raises the error that names it)
 

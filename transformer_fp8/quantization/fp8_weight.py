@@ -22,7 +22,7 @@ from .. import ops
 from .fp8_weight_view import (Fp8WeightView, is_view_op, makes_views, views_of,
                               written_arguments)
 from .fp8_weight_view import dispatch as view_dispatch
-from .quantizer import Quantized, TensorQuantizer
+from .quantizer import Quantized, TensorQuantizer, power_2_floor
 from .recipe import DelayedScaling, Float8CurrentScaling
 
 aten = torch.ops.aten
@@ -76,8 +76,10 @@ class WeightCast:
     def own_scale(self, hp: torch.Tensor):
         """(amax [1], scale [1]) of the value itself."""
         amax = ops.amax(hp).reshape(1)
-        return amax, ops.compute_scale_from_amax(amax, torch.finfo(self.fp8_dtype).max,
-                                                 self.margin)
+        scale = ops.compute_scale_from_amax(amax, torch.finfo(self.fp8_dtype).max, self.margin)
+        if getattr(self.recipe, "use_power_2_scales", False):  # (as the quantizer casts)
+            scale = power_2_floor(scale)
+        return amax, scale
 
     def scales_for(self, hp: torch.Tensor):
         """(scale, scale_inv) to cast ``hp`` with, as new tensors (the layer's buffers change

@@ -111,8 +111,9 @@ class TensorQuantizer(Quantizer):
     cache_key = ("tensor",)
 
     def __init__(self, dtype, scale=None, scale_inv=None, amax_slot=None, group=None,
-                 fixed=False, history=None, column=0, in_forward=False):
+                 fixed=False, history=None, column=0, in_forward=False, power_2=False):
         self.dtype = dtype
+        self.power_2 = power_2  # (current scaling: scales rounded down to powers of two)
         self.scale, self.scale_inv, self.amax_slot = scale, scale_inv, amax_slot
         self.group = group
         self.fixed = fixed
@@ -131,10 +132,11 @@ class TensorQuantizer(Quantizer):
                    history=history, column=column, in_forward=in_forward)
 
     @classmethod
-    def current(cls, dtype, group=None):
+    def current(cls, dtype, group=None, power_2: bool = False):
         """The scale of the tensor's own amax; with a group (the ranks that each hold a shard
-        of the tensor: tensor parallelism), of the MAX of their amaxes."""
-        return cls(dtype, group=group)
+        of the tensor: tensor parallelism), of the MAX of their amaxes; with power_2, rounded
+        down to a power of two (Float8CurrentScaling's use_power_2_scales)."""
+        return cls(dtype, group=group, power_2=power_2)
 
     @classmethod
     def replay(cls, dtype, scale, scale_inv):
@@ -193,6 +195,8 @@ class TensorQuantizer(Quantizer):
             if self.group is not None:
                 amax_step.all_reduce_max(amax, self.group)
             scale = ops.compute_scale_from_amax(amax.reshape(1), torch.finfo(self.dtype).max)
+            if self.power_2:
+                scale = power_2_floor(scale)
             scale_inv, amax_slot = ops.scale_inverse(scale), None
         else:
             scale, scale_inv, amax_slot = self._known_scale()
@@ -210,6 +214,13 @@ class TensorQuantizer(Quantizer):
         x_fp8, x_t_fp8, extra = self._run(lambda s, a: fused(s, a, self.dtype), scale, amax_slot)
         x_t_fp8 = x_t_fp8 if with_transpose else None
         return Quantized(x_fp8, x_t_fp8, scale_inv, scale_inv, scale), extra
+
+
+def power_2_floor(scale: torch.Tensor) -> torch.Tensor:
+    """Positive float32 scales rounded down to powers of two, exactly: the mantissa bits
+    cleared, as Transformer Engine's current scaling does with use_power_2_scales (an infinite
+    scale, which compute_scale_from_amax does not give, would stay infinite)."""
+    return (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
 def _scales_of(q: Quantized) -> Quantized:

@@ -219,8 +219,11 @@ class Float8CurrentScaling(Recipe):
     rank from what it holds (as Transformer Engine; a tensor-parallel DTensor weight's amax is
     reduced across its mesh). No history.
 
-    use_power_2_scales: Transformer Engine's (default from NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES),
-        accepted at False only. fp8_dpa, fp8_mha, backward_override: see DelayedScaling.
+    use_power_2_scales: Transformer Engine's (default from NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES):
+        every scale fp8_max / amax rounded down to a power of two (its mantissa bits cleared,
+        as Transformer Engine does), so that casts and GEMMs scale exactly. Such layers take the
+        Python path (not the C++ steps), and FSDP2 all-gathers their weights in high precision.
+        fp8_dpa, fp8_mha, backward_override: see DelayedScaling.
     """
 
     fp8_format: Format = Format.HYBRID
@@ -233,10 +236,6 @@ class Float8CurrentScaling(Recipe):
     def __post_init__(self):
         _check_format(self.fp8_format)
         _check_bool("use_power_2_scales", self.use_power_2_scales)
-        if self.use_power_2_scales:
-            raise ValueError("Float8CurrentScaling: use_power_2_scales=True (or "
-                             "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1) is not supported: "
-                             "current scales are fp8_max / amax, not rounded to powers of 2")
         _check_te_switches(self)
 
 

@@ -108,7 +108,7 @@ def _current(recipe: Float8CurrentScaling, fp8_state, autocast_state):
         te_tp = getattr(fp8_state, "_te_tp", None)
         if te_tp is not None:
             group = autocast_state.group or te_tp.group
-    return [tuple(TensorQuantizer.current(dtype, group)
+    return [tuple(TensorQuantizer.current(dtype, group, recipe.use_power_2_scales)
                   for dtype in (fmt.fwd_dtype, fmt.fwd_dtype, fmt.bwd_dtype))
             for _ in range(fp8_state._num_gemms)], None
 

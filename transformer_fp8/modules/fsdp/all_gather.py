@@ -157,6 +157,10 @@ def _forward_form(module) -> GatherForm:
         return HIGH_PRECISION
     if recipe.fp8_format is Format.E5M2:
         return HIGH_PRECISION  # the module refuses it in its forward
+    if getattr(recipe, "use_power_2_scales", False):
+        _warn_once("use_power_2_scales", "fp8_all_gather: under Float8CurrentScaling with "
+                   "use_power_2_scales=True the weights are all-gathered in high precision")
+        return HIGH_PRECISION
     if any(d % ALIGN for dims in module._gemm_dims() for d in dims):
         return HIGH_PRECISION  # the module runs in high precision
     dtype = recipe.fp8_format.fwd_dtype
