@@ -92,3 +92,21 @@ def test_the_environment_variable_turns_it_on(monkeypatch):
     monkeypatch.setenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "1")
     assert tfp8.Float8CurrentScaling().use_power_2_scales is True
     assert tfp8.Float8CurrentScaling() != tfp8.Float8CurrentScaling(use_power_2_scales=False)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_forward_and_gradients_are_eagers(backend):
+    """The mantissa mask (an integer view of the scales) under torch.compile: output and
+    gradients bit for bit eager's."""
+    torch.manual_seed(0)
+    layer = tfp8.Linear(64, 64)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    with tfp8.fp8_autocast(fp8_recipe=POW2):
+        eager = layer(x)
+    expected = torch.autograd.grad(eager.sum(), [x, layer.weight])
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    with tfp8.fp8_autocast(fp8_recipe=POW2):
+        out = compiled(x)
+    got = torch.autograd.grad(out.sum(), [x, layer.weight])
+    assert torch.equal(out, eager)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
