@@ -21,6 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 from integration_compare import STEP_SCALES
+from te_tensor_parallel_norm_cases import _fp8_state, _summed
 
 import transformer_fp8 as tfp8
 
@@ -144,17 +145,6 @@ def shard_of(case, name: str, rank: int, ranks: int):
             return lambda t: torch.cat([_rows(h, rank, ranks) for h in t.chunk(2, 0)])
         return lambda t: _rows(t, rank, ranks)
     return lambda t: t  # norms, proj's and fc2's biases: whole on every rank
-
-
-def _fp8_state(module) -> dict:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()
-            if "fp8_" in k and v.is_floating_point()}
-
-
-def _summed(t, group):
-    t = t.clone()
-    dist.all_reduce(t, group=group)
-    return t
 
 
 def _outputs(case, result):
