@@ -23,8 +23,8 @@ from ..quantization.state import Fp8State
 from ..quantization.torch_autocast import autocast_dtype
 from ..quantization.transforms import exporting, outside_inference_mode
 from .fsdp.gathered_weight import GatheredFp8Weight
-from .fsdp.high_precision import (high_precision_weights, release_high_precision,
-                                  replay_operands)
+from .fsdp.high_precision import (high_precision_weights, mismatched_forms,
+                                  release_high_precision, replay_operands)
 from . import tensor_parallel
 from .torchscript import refuse_torchscript
 
@@ -221,7 +221,14 @@ class Fp8StateMixin(Fp8State):
                                           is_first_microbatch),
                     backward_step, out_dtype)
             for gemm, (input_q, weight_q, grad_q) in enumerate(quantizers))
-        out = self._fp8_apply(inp, plans, *args)
+        if any(type(w) is GatheredFp8Weight for w in self._parameters.values()):
+            mismatched = mismatched_forms(self, plans)  # (FSDP2: gathered in another form)
+            try:
+                out = self._fp8_apply(inp, plans, *args)
+            finally:
+                release_high_precision(mismatched)
+        else:
+            out = self._fp8_apply(inp, plans, *args)
         regions = checkpoint_stack.regions_to_keep()
         if regions:
             # Runs under torch.utils.checkpoint: keep what its recomputations need to repeat

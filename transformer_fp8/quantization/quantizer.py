@@ -114,6 +114,8 @@ class TensorQuantizer(Quantizer):
                  fixed=False, history=None, column=0, in_forward=False, power_2=False):
         self.dtype = dtype
         self.power_2 = power_2  # (current scaling: scales rounded down to powers of two)
+        if power_2:  # (another operand: a weight kept or gathered in FP8 with another scale
+            self.cache_key = ("tensor", "power_2")  # is not taken for it)
         self.scale, self.scale_inv, self.amax_slot = scale, scale_inv, amax_slot
         self.group = group
         self.fixed = fixed

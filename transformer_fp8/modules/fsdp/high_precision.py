@@ -39,6 +39,27 @@ def high_precision_weights(module) -> list:
     return gathered
 
 
+def mismatched_forms(module, plans) -> list:
+    """Before an FP8 forward of ``module`` (``plans``: one per GEMM): each weight FSDP2 left
+    gathered in FP8 in another form than this forward's weight quantizer casts (gathered under
+    another recipe's context and not gathered again since: reshard_after_forward=False, a
+    nested fp8_autocast) gets its high-precision value (one all-gather on the FSDP group, as
+    every rank runs the same recipe), which the quantizer casts: the operand an unsharded layer
+    would multiply with, not the other form's FP8 data. Returns those weights, for
+    release_high_precision."""
+    gathered = []
+    for weight in module._parameters.values():
+        if (type(weight) is GatheredFp8Weight and weight._source is not None
+                and weight._full_high_precision is None):
+            plan = plans[weight._source[0]._gemm]
+            quantizer = plan.weight_quantizer
+            if plan.weight_fp8 is None and (weight.fp8_cache_key != quantizer.cache_key
+                                            or weight._fp8.dtype != quantizer.dtype):
+                _gather_high_precision(weight)
+                gathered.append(weight)
+    return gathered
+
+
 def replay_operands(module, plans) -> list:
     """Before a checkpoint's recomputation of ``module``'s FP8 forward (``plans``: its replay
     record, one plan per GEMM): each weight FSDP2 gathered for this backward whose FP8 data is
