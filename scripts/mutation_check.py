@@ -167,7 +167,7 @@ MUTANTS = [
            "    angles = freqs[:, 0].float()[position.to(freqs.device)]  # [rows, 1, d2]\n",
            "    angles = freqs[:, 0].float()[row.to(freqs.device)]  # [rows, 1, d2]\n",
            ("tests/test_packed_sequences.py",), "rotary"),
-    Mutant("parity noise floor for every small gradient", "testing.py",
+    Mutant("parity noise floor for every small gradient", "_parity_runs.py",
            "            for name, floor in small.items() if name in zero}\n",
            "            for name, floor in small.items()}\n",
            ("tests/test_testing_helpers.py",), "small_real or random_draws"),

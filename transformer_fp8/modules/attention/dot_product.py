@@ -238,9 +238,11 @@ class DotProductAttention(torch.nn.Module):
                      cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q,
                      max_seqlen_kv=max_seqlen_kv)
         if (self.qkv_format if qkv_format is None else qkv_format) == "thd":
-            return self._forward_packed(query_layer, key_layer, value_layer, attention_mask,
-                                        attn_mask_type, window_size, bottom_right_diagonal,
-                                        checkpoint_core_attention, named, unsupported)
+            mask_type = check_mask_type(owner, "attn_mask_type", self.attn_mask_type
+                                        if attn_mask_type is None else attn_mask_type)
+            return packed.attend(self, query_layer, key_layer, value_layer, attention_mask,
+                                 mask_type, window_size, bottom_right_diagonal,
+                                 checkpoint_core_attention, named, unsupported)
         inference_params = unsupported.pop("inference_params", None)
         for name, value in {**named, **unsupported}.items():
             if name not in _FORWARD_DEFAULTS:
@@ -287,57 +289,6 @@ class DotProductAttention(torch.nn.Module):
         if fmt == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
         return out.transpose(1, 2).reshape(b, s, h * d)
-
-    def _forward_packed(self, q, k, v, attention_mask, attn_mask_type, window_size,
-                        bottom_right_diagonal, checkpoint_core_attention, named, others):
-        """qkv_format "thd" (attention/packed.py): the sequences laid out as a padded "bshd"
-        batch with padding masks from their lengths, attention, back to [t_q, h * d_v]."""
-        owner = "DotProductAttention"
-        mask_type = check_mask_type(owner, "attn_mask_type", self.attn_mask_type
-                                    if attn_mask_type is None else attn_mask_type)
-        if "padding" not in mask_type:
-            raise ValueError(f"{owner}: qkv_format 'thd' needs a 'padding' mask type "
-                             "('padding', 'padding_causal', 'padding_causal_bottom_right'), as "
-                             f"in Transformer Engine; got {mask_type!r}")
-        if attention_mask is not None:
-            raise ValueError(f"{owner}: with qkv_format 'thd' the sequences come from "
-                             "cu_seqlens_q / cu_seqlens_kv; leave attention_mask at None")
-        if others.get("inference_params") is not None:
-            raise ValueError(f"{owner}: inference_params with qkv_format 'thd' is not "
-                             "supported")
-        others = {k_: v_ for k_, v_ in others.items() if k_ != "pad_between_seqs"}
-        for name, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{owner}: {name} must be 3-D [t, heads, head size] with "
-                                 f"qkv_format 'thd', got {got}")
-        for name in ("max_seqlen_q", "max_seqlen_kv"):  # (a hint there; read from cu_seqlens)
-            value = named[name]
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{owner}: {name} must be an int or None, got {value!r}")
-        if named["cu_seqlens_q"] is None or named["cu_seqlens_kv"] is None:
-            raise ValueError(f"{owner}: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv "
-                             "(the cumulative sequence lengths)")
-        lay_q = packed.layout(owner, "cu_seqlens_q", named["cu_seqlens_q"],
-                              named["cu_seqlens_q_padded"], q.shape[0])
-        lay_kv = packed.layout(owner, "cu_seqlens_kv", named["cu_seqlens_kv"],
-                               named["cu_seqlens_kv_padded"], k.shape[0])
-        if lay_q.batch != lay_kv.batch or v.shape[0] != k.shape[0]:
-            raise ValueError(f"{owner}: cu_seqlens_q and cu_seqlens_kv must describe as many "
-                             f"sequences ({lay_q.batch}, {lay_kv.batch}), and key_layer and "
-                             "value_layer have as many rows")
-        width_q, width_kv = lay_q.longest, lay_kv.longest
-        if self.attention_type == "self":  # (one padded length for both sides)
-            width_q = width_kv = max(width_q, width_kv)
-        out = self.forward(
-            packed.to_padded(q, lay_q, width_q), packed.to_padded(k, lay_kv, width_kv),
-            packed.to_padded(v, lay_kv, width_kv),
-            attention_mask=(lay_q.padding_mask(width_q, q.device),
-                            lay_kv.padding_mask(width_kv, q.device)),
-            qkv_format="bshd", attn_mask_type=mask_type, window_size=window_size,
-            bottom_right_diagonal=bottom_right_diagonal,
-            checkpoint_core_attention=checkpoint_core_attention, **others)
-        return packed.to_packed(out, lay_q)
 
     # -- inputs ----------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ each sequence starts and how long it is. With cu_seqlens_padded the sequences st
 offsets instead and the tokens between them (padding inserted between sequences) take part in
 nothing; their outputs are zeros.
 
-Attention runs on the sequences laid out as a padded "bshd" batch ([b, s, heads, d], s the
+Attention (attend) runs on the sequences laid out as a padded "bshd" batch ([b, s, heads, d], s the
 longest sequence) with a padding mask from their lengths, then goes back to "thd": the same
 numbers as attention per sequence. The layout is read on the host (cu_seqlens .tolist(), as
 Transformer Engine does where max_seqlen is not given).
@@ -37,7 +37,8 @@ class PackedLayout:
     def indices(self, device):
         """(batch index, position, row) of every token in a sequence."""
         batch = torch.cat([torch.full((n,), i, dtype=torch.long)
-                           for i, n in enumerate(self.lengths)] or [torch.empty(0, dtype=torch.long)])
+                           for i, n in enumerate(self.lengths)]
+                          or [torch.empty(0, dtype=torch.long)])
         position = torch.cat([torch.arange(n) for n in self.lengths]
                              or [torch.empty(0, dtype=torch.long)])
         row = torch.cat([torch.arange(o, o + n) for o, n in zip(self.offsets, self.lengths)]
@@ -109,3 +110,54 @@ def positions(packed: PackedLayout, device) -> torch.Tensor:
     _, position, row = packed.indices(device)
     out = torch.zeros(packed.tokens, dtype=torch.long, device=device)
     return out.index_put((row,), position)
+
+
+def attend(attention, q, k, v, attention_mask, mask_type: str, window_size,
+           bottom_right_diagonal, checkpoint_core_attention, named: dict, others: dict):
+    """DotProductAttention.forward with qkv_format "thd": the sequences laid out as a padded
+    "bshd" batch with padding masks from their lengths, attention, back to [t_q, h * d_v].
+    mask_type: the checked attn_mask_type; named: the cu_seqlens / max_seqlen arguments;
+    others: the forward's remaining keyword arguments."""
+    owner = "DotProductAttention"
+    if "padding" not in mask_type:
+        raise ValueError(f"{owner}: qkv_format 'thd' needs a 'padding' mask type "
+                         "('padding', 'padding_causal', 'padding_causal_bottom_right'), as "
+                         f"in Transformer Engine; got {mask_type!r}")
+    if attention_mask is not None:
+        raise ValueError(f"{owner}: with qkv_format 'thd' the sequences come from "
+                         "cu_seqlens_q / cu_seqlens_kv; leave attention_mask at None")
+    if others.get("inference_params") is not None:
+        raise ValueError(f"{owner}: inference_params with qkv_format 'thd' is not supported")
+    others = {k_: v_ for k_, v_ in others.items() if k_ != "pad_between_seqs"}
+    for name, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{owner}: {name} must be 3-D [t, heads, head size] with "
+                             f"qkv_format 'thd', got {got}")
+    for name in ("max_seqlen_q", "max_seqlen_kv"):  # (a hint there; read from cu_seqlens)
+        value = named[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{owner}: {name} must be an int or None, got {value!r}")
+    if named["cu_seqlens_q"] is None or named["cu_seqlens_kv"] is None:
+        raise ValueError(f"{owner}: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv "
+                         "(the cumulative sequence lengths)")
+    lay_q = layout(owner, "cu_seqlens_q", named["cu_seqlens_q"], named["cu_seqlens_q_padded"],
+                   q.shape[0])
+    lay_kv = layout(owner, "cu_seqlens_kv", named["cu_seqlens_kv"],
+                    named["cu_seqlens_kv_padded"], k.shape[0])
+    if lay_q.batch != lay_kv.batch or v.shape[0] != k.shape[0]:
+        raise ValueError(f"{owner}: cu_seqlens_q and cu_seqlens_kv must describe as many "
+                         f"sequences ({lay_q.batch}, {lay_kv.batch}), and key_layer and "
+                         "value_layer have as many rows")
+    width_q, width_kv = lay_q.longest, lay_kv.longest
+    if attention.attention_type == "self":  # (one padded length for both sides)
+        width_q = width_kv = max(width_q, width_kv)
+    out = attention.forward(
+        to_padded(q, lay_q, width_q), to_padded(k, lay_kv, width_kv),
+        to_padded(v, lay_kv, width_kv),
+        attention_mask=(lay_q.padding_mask(width_q, q.device),
+                        lay_kv.padding_mask(width_kv, q.device)),
+        qkv_format="bshd", attn_mask_type=mask_type, window_size=window_size,
+        bottom_right_diagonal=bottom_right_diagonal,
+        checkpoint_core_attention=checkpoint_core_attention, **others)
+    return to_packed(out, lay_q)
