@@ -150,6 +150,41 @@ def test_chunked_prefill_equals_one_prefill(gen, device):
     torch.testing.assert_close(torch.cat((first, second), dim=1), ref, **TOL)
 
 
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+def test_a_mixed_step_near_the_end_of_the_cache(gen, device, fmt):
+    """One sequence decodes its token MAX_LEN - 1 while another joins with a 5-token prompt:
+    every real token fits the rotary table (MAX_LEN positions), though the padded batch's
+    rows reach past it (the first sequence's padding). Runs (Transformer Engine's fused
+    kernel runs it; this refused it) and gives each sequence's logits of one forward."""
+    model = build(gen, fmt, device)
+    a, b = prompts_of(gen, [MAX_LEN, 5], device)
+    params = new_params(2, device)
+    with torch.no_grad():
+        params.pre_step(OrderedDict(a=MAX_LEN - 1))
+        model(a[:-1].view(1, -1), inference_params=params)
+        params.pre_step(OrderedDict(a=1, b=5))
+        batch = torch.stack((torch.cat((a[-1:], a.new_zeros(4))), b))
+        mixed = model(batch, inference_params=params)
+        ref_a, ref_b = model(a.view(1, -1))[0, -1], model(b.view(1, -1))[0]
+    assert params.sequences == OrderedDict(a=MAX_LEN, b=5)
+    torch.testing.assert_close(mixed[0, 0], ref_a, **TOL)
+    torch.testing.assert_close(mixed[1], ref_b, **TOL)
+
+
+def test_a_step_past_the_rotary_table_is_refused(gen, device):
+    """A real token past the rotary table's positions is refused, not rotated by another
+    position's angles."""
+    model = build(gen, "bshd", device)
+    params = InferenceParams(1, MAX_LEN + 4, GROUPS, HIDDEN // HEADS, torch.float32,
+                             device=device)
+    with torch.no_grad():
+        params.pre_step(OrderedDict(a=MAX_LEN))
+        model(prompts_of(gen, [MAX_LEN], device)[0].view(1, -1), inference_params=params)
+        params.pre_step(OrderedDict(a=1))
+        with pytest.raises(ValueError, match="rotary_pos_emb must have shape"):
+            model(prompts_of(gen, [1], device)[0].view(1, -1), inference_params=params)
+
+
 # ---- FP8 -------------------------------------------------------------------------------------
 
 def test_fp8_decoding_with_the_cache_matches_the_fp8_forward(gen, device):

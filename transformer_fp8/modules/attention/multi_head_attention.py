@@ -305,6 +305,11 @@ class MultiheadAttention(torch.nn.Module):
                 starts = None if inference_params is None else \
                     inference_params.start_positions(
                         "MultiheadAttention", q.shape[1 if self.qkv_format == "sbhd" else 0])
+                if starts is not None:
+                    seq = q.shape[0 if self.qkv_format == "sbhd" else 1]
+                    ends = list(inference_params.sequences.values())
+                    q_freqs, k_freqs = (_covering_padding(f, max(starts) + seq, max(ends))
+                                        for f in (q_freqs, k_freqs))
                 q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format, start_positions=starts)
                 k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format, start_positions=starts)
         if self.q_norm is not None and not self.qk_norm_before_rope:
@@ -334,6 +339,19 @@ class MultiheadAttention(torch.nn.Module):
         q = query.view(*query.shape[:-1], self.num_attention_heads_per_partition,
                        self.kv_channels)
         return q, k, v, ln_out
+
+
+def _covering_padding(freqs, needed: int, real: int):
+    """A KV-cache step's rotary table long enough for every row of the padded batch (``needed``
+    positions): the rows past a sequence's new tokens are padding (never cached, their outputs
+    masked), so the table is extended with copies of its last angles where only they fall past
+    it, as Transformer Engine's fused kernel runs such a batch. ``real``: the longest sequence
+    after the step; a table shorter than that is left as it is (apply_rotary_pos_emb refuses
+    it)."""
+    if not isinstance(freqs, torch.Tensor) or freqs.dim() != 4 or freqs.shape[0] >= needed \
+            or freqs.shape[0] < real or freqs.shape[0] == 0:
+        return freqs
+    return torch.cat((freqs, freqs[-1:].expand(needed - freqs.shape[0], *freqs.shape[1:])))
 
 
 def _rotate_packed_side(t, freqs, side: str, options: dict):
