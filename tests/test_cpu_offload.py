@@ -245,6 +245,22 @@ def test_the_rule_leaves_parameters_their_views_scalars_and_subclasses():
     assert not _offloadable(torch.ones(1)) and not _offloadable(torch.tensor(2.0))
     assert not _offloadable(torch.empty(0))
     assert not _offloadable(torch.randn(4, 3, device="meta"))
+    assert not _offloadable(torch.eye(4).to_sparse())
+    assert not _offloadable(torch.eye(4).to_sparse_csr())
+
+
+def test_a_sparse_tensor_saved_in_an_offloaded_layer_stays_sparse():
+    """torch.sparse.mm saves its sparse operand: kept where it is (offloading read its strides
+    and failed in backward), the gradient as without the context."""
+    grads = []
+    for enabled in (False, True):
+        context, synchronizer = tfp8.get_cpu_offload_context(enabled, 1, 1)
+        weight = torch.arange(16.0).view(4, 4).requires_grad_()
+        with context:
+            out = torch.sparse.mm(torch.eye(4).to_sparse(), weight * 2)
+        synchronizer(out).pow(2).sum().backward()
+        grads.append(weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 
 def _saved_copies(device):
