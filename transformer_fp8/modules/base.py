@@ -215,11 +215,12 @@ class Fp8StateMixin(Fp8State):
         out_dtype = autocast_dtype(inp.device.type) or inp.dtype
         # (the weights only where a cast is kept: a parameters_split weight is joined, a copy)
         weights = self.fp8_weights() if is_first_microbatch is not None else None
+        override = getattr(state.recipe, "backward_override", None)
         plans = tuple(
             Fp8Plan(input_q, weight_q, grad_q,
                     self._weight_for_step(gemm, weights and weights[gemm], weight_q,
                                           is_first_microbatch),
-                    backward_step, out_dtype)
+                    backward_step, out_dtype, backward_override=override)
             for gemm, (input_q, weight_q, grad_q) in enumerate(quantizers))
         if any(type(w) is GatheredFp8Weight for w in self._parameters.values()):
             mismatched = mismatched_forms(self, plans)  # (FSDP2: gathered in another form)

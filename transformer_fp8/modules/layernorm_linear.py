@@ -4,9 +4,9 @@ Inside fp8_autocast the norm writes its output straight to FP8 (and the transpos
 gradient needs, and its amax into the input's history slot) in one pass: the high-precision
 norm output is never written, unless return_layernorm_output asks for it (DelayedScaling;
 a recipe whose scale needs the output's amax first, current or block scaling, quantises the
-norm's high-precision output). Backward: grad_output
-cast (fused with the bias gradient), dgrad and wgrad in FP8, then the norm's backward.
-Outside fp8_autocast it computes exactly norm -> torch.nn.functional.linear.
+norm's high-precision output). Backward: grad_output cast (fused with the bias gradient),
+dgrad and wgrad in FP8 (in high precision under the recipe's backward_override), then the
+norm's backward. Outside fp8_autocast it computes exactly norm -> torch.nn.functional.linear.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from ..ops import function_output
 from .linear_fused_step import fused_norm_linear_step
+from ..quantization import backward_override
+from ..quantization.backward_override import kept_operand
 from ..quantization.quantizer import ALIGN, pad_rows
 from .norm_first import NormFirstModule, check_positive
 from ..quantization.recipe import Recipe
@@ -56,15 +58,20 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         needs_weight_grad = ctx.needs_input_grad[3]
         out_features, in_features = weight.shape
         x = inp.reshape(-1, in_features)
+        override = plan.backward_override
+        keeps_ln_out = override == "high_precision" and needs_weight_grad
         ln_q, ln_out, stats = cast_norm_output(plan, norm, x, ln_weight, ln_bias,
-                                               needs_weight_grad, return_ln_out)
-        w_q = plan.quantize_weight(weight, with_transpose=needs_norm_grad)
+                                               plan.transposes(needs_weight_grad),
+                                               return_ln_out or keeps_ln_out)
+        w_q = plan.quantize_weight(weight, with_transpose=plan.transposes(needs_norm_grad))
         plan.keep_used(ln_q, w_q)
         out = plan.gemm(ln_q.data, ln_q.scale_inv, w_q.data, w_q.scale_inv, plan.out_dtype,
                         bias=None if bias is None else bias.to(plan.out_dtype), fast_accum=True)
-        # Backward keeps the input (for the norm's backward) and the FP8 copies only.
-        save_for_backward(ctx, x, ln_weight, ln_q.data_t, ln_q.scale_inv_t, w_q.data_t,
-                          w_q.scale_inv_t, *stats,
+        # Backward keeps the input (for the norm's backward) and the FP8 copies only (under a
+        # backward_override the GEMM operands before their casts, or their FP8 data).
+        ln_kept = kept_operand(override, ln_q, ln_out) if needs_weight_grad else (None, None)
+        w_kept = kept_operand(override, w_q, weight) if needs_norm_grad else (None, None)
+        save_for_backward(ctx, x, ln_weight, *ln_kept, *w_kept, *stats,
                           weights=(weight,) if needs_weight_grad and hold_weight else ())
         ctx.plan, ctx.norm = plan, norm
         ctx.rows, ctx.lead_shape = x.shape[0], inp.shape[:-1]
@@ -84,24 +91,38 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         needs_norm_grad = any(ctx.needs_input_grad[:3])
         needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[3:5]
         plan = ctx.plan
-        plan.on_backward()  # the grad_output update runs when this backward pass ends
         g = grad_out.reshape(-1, ctx.out_features)
-        g_q, grad_bias = plan.grad_quantizer.cast_grad_output(
-            g, with_transpose=needs_weight_grad, with_dbias=needs_bias_grad)
+        override = plan.backward_override
+        if override is None:
+            plan.on_backward()  # the grad_output update runs when this backward pass ends
+            g_q, grad_bias = plan.grad_quantizer.cast_grad_output(
+                g, with_transpose=needs_weight_grad, with_dbias=needs_bias_grad)
+        else:  # the GEMMs in high precision (quantization/backward_override.py)
+            compute = plan.out_dtype
+            grad_bias = backward_override.bias_grad(g.to(compute), ctx.bias_dtype) \
+                if needs_bias_grad else None
         grad_inp = grad_ln_weight = grad_ln_bias = grad_weight = None
         if needs_norm_grad:
             # dgrad of the GEMM [M, K] = grad_out [M, N] @ weight [N, K], then the norm's.
-            grad_ln = plan.gemm(g_q.data, g_q.scale_inv, w_t_fp8, w_t_scale_inv,
-                                x.dtype)[:ctx.rows]
+            if override is None:
+                grad_ln = plan.gemm(g_q.data, g_q.scale_inv, w_t_fp8, w_t_scale_inv,
+                                    x.dtype)[:ctx.rows]
+            else:
+                weight = backward_override.operand((w_t_fp8, w_t_scale_inv), ctx.out_features,
+                                                   compute)
+                grad_ln = backward_override.dgrad(g, weight, compute, x.dtype)
             if grad_ln_out is not None:
                 grad_ln = grad_ln + grad_ln_out.reshape(grad_ln.shape).to(grad_ln.dtype)
             grad_x, grad_ln_weight, grad_ln_bias = ctx.norm.backward(grad_ln, x, stats,
                                                                      ln_weight)
             grad_inp = grad_x.reshape(*ctx.lead_shape, ctx.in_features)
-        if needs_weight_grad:
+        if needs_weight_grad and override is None:
             # wgrad [N, K] = grad_out^T [N, M] @ ln_out [M, K]; the b operand is ln_out^T.
             grad_weight = plan.gemm(g_q.data_t, g_q.scale_inv_t, ln_t_fp8, ln_t_scale_inv,
                                     ctx.weight_dtype)
+        elif needs_weight_grad:
+            ln_out = backward_override.operand((ln_t_fp8, ln_t_scale_inv), ctx.rows, compute)
+            grad_weight = backward_override.wgrad(g, ln_out, compute, ctx.weight_dtype)
         if needs_bias_grad:
             grad_bias = grad_bias.to(ctx.bias_dtype)
         if not ctx.needs_input_grad[2]:

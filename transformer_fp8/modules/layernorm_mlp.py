@@ -9,7 +9,8 @@ the tensor's amax first and quantise the high-precision output):
             activation + cast of its output (fc2's input, with its transpose and amax);
   backward: fc2's grad_output cast + fc2's bias gradient;
             activation backward + cast of the result (fc1's grad_output) + fc1's bias gradient;
-            then the norm's backward.
+            then the norm's backward. (Under the recipe's backward_override the backward GEMMs
+            run in high precision, nothing cast: quantization/backward_override.py.)
 Saved for backward: the input, fc1's high-precision output (the activation's backward needs
 it) and FP8 copies. Outside fp8_autocast it computes exactly the torch composition.
 """
@@ -24,6 +25,8 @@ from ..ops import fused as fused_ops
 from .activations import activation_hp, check_activation, is_gated
 from ..ops import function_output
 from .linear_fused_step import fused_norm_mlp_step
+from ..quantization import backward_override
+from ..quantization.backward_override import kept_operand
 from ..quantization.quantizer import ALIGN, pad_rows
 from .layernorm_linear import cast_norm_output
 from .norm_first import NormFirstModule, check_positive, te_default_init
@@ -35,9 +38,9 @@ from .once_differentiable import once_differentiable, save_for_backward, saved_o
 from .weight_rng import drawing_weights
 
 
-def _cast_activation(plan, activation, fc1_out, with_transpose):
+def _cast_activation(plan, activation, fc1_out, with_transpose, return_hp=False):
     """act(fc1_out) quantised as fc2's input (in the activation's kernel where the quantizer
-    allows): Quantized."""
+    allows): (Quantized, the high-precision act(fc1_out) if return_hp else None)."""
 
     def fused(scale, amax_slot, dtype):
         y_fp8, y_t_fp8 = fused_ops.activation_fwd_fp8(fc1_out, activation, scale, dtype,
@@ -45,9 +48,14 @@ def _cast_activation(plan, activation, fc1_out, with_transpose):
         return y_fp8, y_t_fp8, None
 
     def unfused():
-        return pad_rows(fused_ops.activation_fwd(fc1_out, activation)), None
+        y = fused_ops.activation_fwd(fc1_out, activation)
+        return pad_rows(y), y
 
-    return plan.input_quantizer.cast_fused(fused, unfused, with_transpose)[0]
+    if return_hp and plan.input_quantizer.fuses_cast:  # (made in high precision first)
+        y = fused_ops.activation_fwd(fc1_out, activation)
+        return plan.input_quantizer.cast(pad_rows(y), with_transpose), y
+    act_q, y = plan.input_quantizer.cast_fused(fused, unfused, with_transpose)
+    return act_q, (y if return_hp else None)
 
 
 def _cast_activation_grad(plan, activation, grad_act, fc1_out, with_transpose, with_dbias):
@@ -79,24 +87,36 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         hidden = fc1_weight.shape[1]  # (= inp.shape[-1], static under torch.compile)
         x = inp.reshape(-1, hidden)
         rows = x.shape[0]
-        ln_q, ln_out, stats = cast_norm_output(fc1_plan, norm, x, ln_weight, ln_bias, grads[3],
-                                               return_ln_out)
-        w1_q = fc1_plan.quantize_weight(fc1_weight, with_transpose=needs_fc1_dgrad)
+        override = fc1_plan.backward_override  # (one recipe: the same in both plans)
+        high_precision = override == "high_precision"
+        ln_q, ln_out, stats = cast_norm_output(fc1_plan, norm, x, ln_weight, ln_bias,
+                                               fc1_plan.transposes(grads[3]),
+                                               return_ln_out or (high_precision and grads[3]))
+        w1_q = fc1_plan.quantize_weight(fc1_weight,
+                                        with_transpose=fc1_plan.transposes(needs_fc1_dgrad))
         fc1_plan.keep_used(ln_q, w1_q)
         fc1_out = fc1_plan.gemm(
             ln_q.data, ln_q.scale_inv, w1_q.data, w1_q.scale_inv, fc1_plan.out_dtype,
             bias=None if fc1_bias is None else fc1_bias.to(fc1_plan.out_dtype),
             fast_accum=True)[:rows]
-        act_q = _cast_activation(fc2_plan, activation, fc1_out, grads[5])
-        w2_q = fc2_plan.quantize_weight(fc2_weight, with_transpose=needs_fc2_dgrad)
+        act_q, act_out = _cast_activation(fc2_plan, activation, fc1_out,
+                                          fc2_plan.transposes(grads[5]),
+                                          high_precision and grads[5])
+        w2_q = fc2_plan.quantize_weight(fc2_weight,
+                                        with_transpose=fc2_plan.transposes(needs_fc2_dgrad))
         fc2_plan.keep_used(act_q, w2_q)
         out = fc2_plan.gemm(
             act_q.data, act_q.scale_inv, w2_q.data, w2_q.scale_inv, fc2_plan.out_dtype,
             bias=None if fc2_bias is None else fc2_bias.to(fc2_plan.out_dtype),
             fast_accum=True)[:rows]
-        save_for_backward(ctx, x, ln_weight, fc1_out, ln_q.data_t, ln_q.scale_inv_t,
-                          w1_q.data_t, w1_q.scale_inv_t, act_q.data_t, act_q.scale_inv_t,
-                          w2_q.data_t, w2_q.scale_inv_t, *stats,
+        # The FP8 transposes the backward GEMMs read (under a backward_override the operands
+        # before their casts, or their FP8 data: quantization/backward_override.py).
+        kept = [kept_operand(override, q, hp) if needed else (None, None)
+                for q, hp, needed in ((ln_q, ln_out, grads[3]), (w1_q, fc1_weight, needs_norm_grad),
+                                      (act_q, act_out, grads[5]),
+                                      (w2_q, fc2_weight, needs_fc2_dgrad))]
+        save_for_backward(ctx, x, ln_weight, fc1_out, *(t for pair in kept for t in pair),
+                          *stats,
                           weights=[w for w, g in ((fc1_weight, grads[3]), (fc2_weight, grads[5]))
                                    if g])
         ctx.plans, ctx.norm, ctx.activation = plans, norm, activation
@@ -113,13 +133,18 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_ln_out=None):
         (x, ln_weight, fc1_out, ln_t_fp8, ln_t_scale_inv, w1_t_fp8, w1_t_scale_inv, act_t_fp8,
          act_t_scale_inv, w2_t_fp8, w2_t_scale_inv, *stats) = saved_operands(ctx)
+        fc1_plan, fc2_plan = ctx.plans
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        if fc1_plan.backward_override is not None:
+            return _high_precision_backward(
+                ctx, g, grad_ln_out, x, ln_weight, fc1_out, stats,
+                ((ln_t_fp8, ln_t_scale_inv), (w1_t_fp8, w1_t_scale_inv),
+                 (act_t_fp8, act_t_scale_inv), (w2_t_fp8, w2_t_scale_inv)))
         grads = ctx.needs_input_grad
         needs_norm_grad = any(grads[:3])
         needs_fc2_dgrad = any(grads[:5])
-        fc1_plan, fc2_plan = ctx.plans
         fc1_plan.on_backward()  # one queue for the module: the plans share the backward step
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
-        g = grad_out.reshape(-1, grad_out.shape[-1])
         g_q, grad_fc2_bias = fc2_plan.grad_quantizer.cast_grad_output(
             g, with_transpose=grads[5], with_dbias=grads[6])
         grad_inp = grad_ln_weight = grad_ln_bias = None
@@ -155,6 +180,46 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             grad_ln_bias = None  # (a LayerNorm without bias, or a frozen one)
         return (grad_inp, grad_ln_weight, grad_ln_bias, grad_fc1_weight, grad_fc1_bias,
                 grad_fc2_weight, grad_fc2_bias, None, None, None, None)
+
+
+def _high_precision_backward(ctx, g, grad_ln_out, x, ln_weight, fc1_out, stats, kept):
+    """LayerNormMLP's backward under a backward_override: the four GEMMs as torch's matmuls in
+    the forward's output dtype on the kept operands (quantization/backward_override.py); the
+    activation's and the norm's backward as without it."""
+    grads = ctx.needs_input_grad
+    needs_norm_grad = any(grads[:3])
+    ln_kept, w1_kept, act_kept, w2_kept = kept
+    w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
+    rows = x.shape[0]
+    compute = ctx.plans[0].out_dtype
+    g = g.to(compute)
+    grad_inp = grad_ln_weight = grad_ln_bias = None
+    grad_fc1_weight = grad_fc1_bias = grad_fc2_weight = None
+    grad_fc2_bias = backward_override.bias_grad(g, b2_dtype) if grads[6] else None
+    if grads[5]:
+        act = backward_override.operand(act_kept, rows, compute)
+        grad_fc2_weight = backward_override.wgrad(g, act, compute, w2_dtype)
+    if any(grads[:5]):
+        w2 = backward_override.operand(w2_kept, w2_kept[0].shape[0], compute)
+        grad_act = backward_override.dgrad(g, w2, compute, fc1_out.dtype)
+        d1 = fused_ops.activation_bwd(grad_act, fc1_out, ctx.activation)
+        if grads[4]:
+            grad_fc1_bias = backward_override.bias_grad(d1, b1_dtype)
+        if grads[3]:
+            ln_out = backward_override.operand(ln_kept, rows, compute)
+            grad_fc1_weight = backward_override.wgrad(d1, ln_out, compute, w1_dtype)
+        if needs_norm_grad:
+            w1 = backward_override.operand(w1_kept, w1_kept[0].shape[0], compute)
+            grad_ln = backward_override.dgrad(d1, w1, compute, x.dtype)
+            if grad_ln_out is not None:
+                grad_ln = grad_ln + grad_ln_out.reshape(grad_ln.shape).to(grad_ln.dtype)
+            grad_x, grad_ln_weight, grad_ln_bias = ctx.norm.backward(grad_ln, x, stats,
+                                                                     ln_weight)
+            grad_inp = grad_x.reshape(*ctx.lead_shape, ctx.hidden)
+    if not grads[2]:
+        grad_ln_bias = None  # (a LayerNorm without bias, or a frozen one)
+    return (grad_inp, grad_ln_weight, grad_ln_bias, grad_fc1_weight, grad_fc1_bias,
+            grad_fc2_weight, grad_fc2_bias, None, None, None, None)
 
 
 class LayerNormMLP(TensorParallelMixin, NormFirstModule):

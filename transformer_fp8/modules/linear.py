@@ -19,6 +19,8 @@ from .._dtensor import is_dtensor
 from ..quantization import autocast as _autocast
 from ..quantization import model_init
 from ..ops import function_output
+from ..quantization import backward_override
+from ..quantization.backward_override import kept_operand
 from ..quantization.quantizer import pad_rows
 from ..quantization.recipe import Recipe
 from ..quantization.history import history_len_for
@@ -38,7 +40,7 @@ from .weight_rng import drawing_weights, weight_rng
 
 class _Fp8LinearFunction(torch.autograd.Function):
     """F.linear with its three GEMMs in FP8, each operand quantised by the plan's quantizer for
-    its role (any recipe)."""
+    its role (any recipe); the backward GEMMs in high precision under a backward_override."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias, plan, add_bias=True, hold_weight=True):
@@ -49,8 +51,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         out_features, in_features = weight.shape
         inp_2d = inp.reshape(-1, in_features)
         # The transposed copies feed wgrad (input^T) and dgrad (weight^T): made only if needed.
-        x_q = plan.input_quantizer.cast(pad_rows(inp_2d), with_transpose=needs_weight_grad)
-        w_q = plan.quantize_weight(weight, with_transpose=needs_input_grad)
+        x_q = plan.input_quantizer.cast(pad_rows(inp_2d),
+                                        with_transpose=plan.transposes(needs_weight_grad))
+        w_q = plan.quantize_weight(weight, with_transpose=plan.transposes(needs_input_grad))
         plan.keep_used(x_q, w_q)
         ctx.bias_dtype = None if bias is None else bias.dtype
         if not add_bias:
@@ -60,8 +63,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         out = plan.gemm(x_q.data, x_q.scale_inv, w_q.data, w_q.scale_inv, plan.out_dtype,
                         bias=bias, fast_accum=True)
         # Backward needs only the FP8 transposes: the high-precision input is not kept (under
-        # torch.compile a reference to the weight too: once_differentiable.py).
-        save_for_backward(ctx, x_q.data_t, x_q.scale_inv_t, w_q.data_t, w_q.scale_inv_t,
+        # torch.compile a reference to the weight too: once_differentiable.py). Under a
+        # backward_override, the operands before their casts or their FP8 data instead.
+        override = plan.backward_override
+        x_kept = kept_operand(override, x_q, inp_2d) if needs_weight_grad else (None, None)
+        w_kept = kept_operand(override, w_q, weight) if needs_input_grad else (None, None)
+        save_for_backward(ctx, *x_kept, *w_kept,
                           weights=(weight,) if needs_weight_grad and hold_weight else ())
         ctx.plan = plan
         ctx.rows, ctx.lead_shape = inp_2d.shape[0], inp.shape[:-1]
@@ -75,8 +82,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_t_fp8, x_t_scale_inv, w_t_fp8, w_t_scale_inv = saved_operands(ctx)
         needs_input_grad, needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[:3]
         plan = ctx.plan
-        plan.on_backward()  # the grad_output update runs when this backward pass ends
         g_2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, ctx.out_features)
+        if plan.backward_override is not None:
+            return (*_high_precision_backward(ctx, g_2d, (x_t_fp8, x_t_scale_inv),
+                                              (w_t_fp8, w_t_scale_inv)), None, None, None)
+        plan.on_backward()  # the grad_output update runs when this backward pass ends
         # The bias gradient comes from the same read of grad_output as its cast.
         g_q, grad_bias = plan.grad_quantizer.cast_grad_output(
             g_2d, with_transpose=needs_weight_grad, with_dbias=needs_bias_grad)
@@ -92,6 +102,24 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if needs_bias_grad and grad_bias.dtype != ctx.bias_dtype:
             grad_bias = grad_bias.to(ctx.bias_dtype)
         return grad_inp, grad_weight, grad_bias, None, None, None
+
+
+def _high_precision_backward(ctx, g_2d, x_kept, w_kept) -> tuple:
+    """(grad input, grad weight, grad bias) under a backward_override: torch's matmuls in the
+    forward's output dtype on the kept operands (quantization/backward_override.py)."""
+    needs_input_grad, needs_weight_grad, needs_bias_grad = ctx.needs_input_grad[:3]
+    compute = ctx.plan.out_dtype
+    grad_inp = grad_weight = grad_bias = None
+    if needs_input_grad:
+        weight = backward_override.operand(w_kept, ctx.out_features, compute)
+        grad_inp = backward_override.dgrad(g_2d, weight, compute, ctx.inp_dtype)
+        grad_inp = grad_inp.reshape(*ctx.lead_shape, ctx.in_features)
+    if needs_weight_grad:
+        inp = backward_override.operand(x_kept, ctx.rows, compute)
+        grad_weight = backward_override.wgrad(g_2d, inp, compute, ctx.weight_dtype)
+    if needs_bias_grad:
+        grad_bias = backward_override.bias_grad(g_2d.to(compute), ctx.bias_dtype)
+    return grad_inp, grad_weight, grad_bias
 
 
 def _unpad(out: torch.Tensor, rows: int, lead_shape, features: int) -> torch.Tensor:

@@ -243,10 +243,18 @@ class Fp8Plan:
     out_dtype: torch.dtype
     # Set by the forward: the input and weight operands as quantised (their scales).
     used: Optional[tuple] = None
+    # The recipe's backward_override: None (backward GEMMs in FP8), "high_precision" or
+    # "dequantized" (in high precision: backward_override.py).
+    backward_override: Optional[str] = None
 
     @property
     def gemm(self) -> Callable:
         return self.input_quantizer.gemm
+
+    def transposes(self, needed: bool) -> bool:
+        """Whether a forward cast makes the transpose a backward GEMM reads: where that GEMM
+        runs (``needed``) in FP8 (no backward_override)."""
+        return needed and self.backward_override is None
 
     def quantize_weight(self, weight: torch.Tensor, with_transpose: bool) -> Quantized:
         if self.weight_fp8 is not None:
@@ -282,4 +290,5 @@ class Fp8Plan:
         x_q, w_q = self.used
         return Fp8Plan(self.input_quantizer.for_replay(x_q),
                        self.weight_quantizer.for_replay(w_q), self.grad_quantizer,
-                       self.weight_fp8, self.backward_step, self.out_dtype)
+                       self.weight_fp8, self.backward_step, self.out_dtype,
+                       backward_override=self.backward_override)

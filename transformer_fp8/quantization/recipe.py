@@ -121,14 +121,18 @@ _FIELDS_ADDED = {"fp8_dpa": False, "fp8_mha": False, "backward_override": None,
                  "use_power_2_scales": False}
 
 
+# Transformer Engine's backward_override values (quantization/backward_override.py).
+BACKWARD_OVERRIDES = ("high_precision", "dequantized")
+
+
 def _env_backward_override() -> Optional[str]:
     return os.environ.get("NVTE_BACKWARD_OVERRIDE") or None
 
 
 def _check_te_switches(recipe) -> None:
-    """Transformer Engine's switches that this library accepts at their defaults only: FP8
-    attention (attention runs in high precision here) and a high-precision backward
-    (backward_override, whose default Transformer Engine reads from NVTE_BACKWARD_OVERRIDE)."""
+    """Transformer Engine's switches: FP8 attention, accepted at its defaults only (attention
+    runs in high precision here), and backward_override (quantization/backward_override.py;
+    its default Transformer Engine reads from NVTE_BACKWARD_OVERRIDE)."""
     name = type(recipe).__name__
     for switch in ("fp8_dpa", "fp8_mha"):
         value = getattr(recipe, switch)
@@ -136,12 +140,17 @@ def _check_te_switches(recipe) -> None:
         if value:
             raise ValueError(f"{name}: {switch}=True (FP8 attention) is not supported: "
                              "attention runs in high precision; leave it False")
-    if recipe.backward_override is not None:
-        from_env = ("" if recipe.backward_override != _env_backward_override() else
-                    " (the default, from the environment variable NVTE_BACKWARD_OVERRIDE)")
-        raise ValueError(f"{name}: backward_override={recipe.backward_override!r}{from_env} is "
-                         "not supported: the backward GEMMs run in FP8; leave it None (unset "
-                         "NVTE_BACKWARD_OVERRIDE)")
+    value = recipe.backward_override
+    from_env = ("" if value is None or value != _env_backward_override() else
+                " (the default, from the environment variable NVTE_BACKWARD_OVERRIDE)")
+    if value is not None and (not isinstance(value, str) or value not in BACKWARD_OVERRIDES):
+        raise ValueError(f"{name}: backward_override must be None, 'high_precision' or "
+                         f"'dequantized', got {value!r}{from_env}")
+    if value is not None and isinstance(recipe, DelayedScaling):
+        raise ValueError(f"{name}: backward_override={value!r}{from_env} is not supported with "
+                         "delayed scaling (as in Transformer Engine: its grad_output scales "
+                         "come from the backward's FP8 casts); use Float8CurrentScaling or "
+                         "Float8BlockScaling, or leave it None (unset NVTE_BACKWARD_OVERRIDE)")
 
 
 @dataclass(frozen=True)
@@ -157,8 +166,9 @@ class DelayedScaling(Recipe):
         taking the window [L, n] (oldest first, this step's amax last) and returning amax [n].
     scaling_factor_compute_algo: None, or a callable (amax, scale, fp8_max, recipe) -> scale.
     reduce_amax: all-reduce (MAX) the amaxes across fp8_group before each update.
-    fp8_dpa, fp8_mha, backward_override: Transformer Engine's, accepted at their defaults
-        (False, False, None) only.
+    fp8_dpa, fp8_mha: Transformer Engine's, accepted at their defaults (False) only.
+    backward_override: Transformer Engine's (default from NVTE_BACKWARD_OVERRIDE); delayed
+        scaling takes None only, as there.
     """
 
     margin: int = 0
@@ -223,7 +233,10 @@ class Float8CurrentScaling(Recipe):
         every scale fp8_max / amax rounded down to a power of two (its mantissa bits cleared,
         as Transformer Engine does), so that casts and GEMMs scale exactly. Such layers take the
         Python path (not the C++ steps), and FSDP2 all-gathers their weights in high precision.
-        fp8_dpa, fp8_mha, backward_override: see DelayedScaling.
+        fp8_dpa, fp8_mha: see DelayedScaling.
+    backward_override: None (the backward GEMMs in FP8), "high_precision" or "dequantized"
+        (in high precision, from the forward's operands before their casts or dequantised:
+        quantization/backward_override.py); default from NVTE_BACKWARD_OVERRIDE.
     """
 
     fp8_format: Format = Format.HYBRID
@@ -269,7 +282,7 @@ class Float8BlockScaling(Recipe):
         NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 (Transformer Engine's switch). use_f32_scales:
         Transformer Engine's spelling, an argument only: given, it sets power_2_scale to its
         opposite.
-    fp8_dpa, fp8_mha, backward_override: see DelayedScaling.
+    fp8_dpa, fp8_mha: see DelayedScaling. backward_override: see Float8CurrentScaling.
     """
 
     fp8_format: Format = Format.E4M3

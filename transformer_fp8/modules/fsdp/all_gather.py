@@ -161,6 +161,11 @@ def _forward_form(module) -> GatherForm:
         _warn_once("use_power_2_scales", "fp8_all_gather: under Float8CurrentScaling with "
                    "use_power_2_scales=True the weights are all-gathered in high precision")
         return HIGH_PRECISION
+    if getattr(recipe, "backward_override", None) == "high_precision":
+        _warn_once("backward_override", "fp8_all_gather: with backward_override="
+                   "'high_precision' the weights are all-gathered in high precision (the "
+                   "backward GEMMs take the weight before its cast)")
+        return HIGH_PRECISION
     if any(d % ALIGN for dims in module._gemm_dims() for d in dims):
         return HIGH_PRECISION  # the module runs in high precision
     dtype = recipe.fp8_format.fwd_dtype
