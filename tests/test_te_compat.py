@@ -448,3 +448,11 @@ def test_norms_accept_sm_margin(norm):
     assert torch.equal(a(x), norm(32)(x)) and torch.equal(b(x), a(x))
     with pytest.raises(TypeError, match="sm_margin must be an int"):
         norm(32, sm_margin="8")
+
+
+def test_empty_activation_params_are_no_parameters():
+    """Transformer Engine reads activation_params={} as None (``activation_params or {}``)."""
+    for cls, sizes in ((te.LayerNormMLP, (32, 64)), (te.TransformerLayer, (32, 64, 2))):
+        cls(*sizes, activation_params={})
+        with pytest.raises(ValueError, match="activation_params=.* is not supported"):
+            cls(*sizes, activation_params={"limit": 7.0})

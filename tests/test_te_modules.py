@@ -66,6 +66,38 @@ def randomize(module, gen, scale=0.1):
 
 # ---- construction ------------------------------------------------------------------------------
 
+def _te_formula(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """Transformer Engine's activations as written in its common/util/math.h (float64 here),
+    independent of activations.py: gelu's tanh form with its constants, qgelu's 1.702, the
+    squared relu; a gated one is act(first half) * second half."""
+    base = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu",
+            "sreglu": "srelu", "glu": "sigmoid"}.get(activation, activation)
+
+    def sigmoid(t):
+        return 1.0 / (1.0 + torch.exp(-t))
+
+    fn = {"gelu": lambda t: t * (0.5 + 0.5 * torch.tanh(t * (0.79788456 + 0.03567741 * t * t))),
+          "qgelu": lambda t: t * sigmoid(1.702 * t), "silu": lambda t: t * sigmoid(t),
+          "relu": lambda t: torch.where(t > 0, t, torch.zeros_like(t)),
+          "srelu": lambda t: torch.where(t > 0, t * t, torch.zeros_like(t)),
+          "sigmoid": sigmoid}[base]
+    if base != activation or activation == "glu":
+        a, b = x.chunk(2, dim=-1)
+        return fn(a) * b
+    return fn(x)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activations_are_transformer_engines_formulas(gen, activation):
+    """activation_hp (what LayerNormMLP computes outside fp8_autocast, and the reference of
+    its FP8 path's tests) against Transformer Engine's formulas written out: a wrong constant
+    (qgelu's 1.5 for 1.702, erf gelu for tanh) moves it by 1e-3 or more."""
+    x = randn(gen, 64, 256, scale=4.0)
+    got = activation_hp(x, activation).double()
+    expected = _te_formula(x.double(), activation)
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6)
+
+
 def test_parameter_names_and_shapes_follow_transformer_engine():
     m = tfp8.LayerNormMLP(64, 96, activation="swiglu")
     assert {n: tuple(p.shape) for n, p in m.named_parameters()} == {

@@ -4,6 +4,9 @@ gelu is the tanh approximation (as Transformer Engine's); qgelu the quick one, x
 srelu the squared relu, relu(x)^2. Gated ones (swiglu, geglu, qgeglu, reglu, sreglu, and glu:
 sigmoid gating) take
 [..., 2F] and return [..., F]: act(first half) * second half, so fc1 has 2F outputs.
+A NaN input stays NaN through relu, srelu, reglu and sreglu here (torch's convention, in the
+kernels too: reference.py), where Transformer Engine's kernels give 0 (fmaxf(x, 0)); the other
+activations propagate NaN in both.
 """
 from __future__ import annotations
 
