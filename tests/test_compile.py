@@ -262,6 +262,30 @@ def test_reentrant_checkpoint_around_a_compiled_norm_first_block_in_eval_mode(re
     assert_bit_identical(got, expected)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_layer_checkpointed_eagerly_compiles_fullgraph_after_its_backward(reentrant):
+    """Eager steps under activation checkpointing keep replay records, on which the compiled
+    forward guards (a held record sends it to an eager look for its recomputation: a graph
+    break). Once the region's backward has run and freed it, the records go at once: the same
+    layer then compiles with fullgraph=True (it raised after one eager checkpointed step)."""
+    torch.manual_seed(0)
+    layer = tfp8.LayerNormMLP(64, 128)
+    x = torch.randn(16, 64, requires_grad=True)
+    recipe = Float8CurrentScaling()
+    with fp8_autocast(fp8_recipe=recipe):
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=reentrant)
+    out.sum().backward()
+    del out
+    assert not layer._replay_records.kept
+    expected = x.grad.clone()
+    x.grad = None
+    torch._dynamo.reset()
+    with fp8_autocast(fp8_recipe=recipe):
+        out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    out.sum().backward()
+    assert torch.equal(x.grad, expected)
+
+
 def test_compiled_evaluation_without_gradients_is_one_graph():
     """The check that sends a reentrant checkpoint's first forward to the eager FP8 step reads
     only what torch.compile guards on: an evaluation (model.eval() under no_grad) compiles with

@@ -49,11 +49,20 @@ MAX_RECORDS_PER_LAYER = 1024  # replay records a layer keeps before dropping the
 HIGH_PRECISION = "high precision"
 
 
-def _weak(region) -> object:
+def _weak(region, records: "ReplayRecords") -> object:
     """A weak reference to the region where one can be made (a record must not keep a
-    reentrant region's saved inputs alive), else the region."""
+    reentrant region's saved inputs alive), else the region. When the region is freed its
+    records are dropped at once: ``records.kept`` is then False again, so a compiled forward
+    of the layer (which guards on it) takes no graph break for a region long gone."""
+    owner = weakref.ref(records)
+
+    def freed(_):
+        alive = owner()
+        if alive is not None:
+            alive.drop_freed()
+
     try:
-        return weakref.ref(region)
+        return weakref.ref(region, freed)
     except TypeError:
         return region
 
@@ -104,7 +113,7 @@ class ReplayRecords:
         for region in regions:
             if len(self.entries) >= MAX_RECORDS_PER_LAYER:
                 del self.entries[0]  # a forward whose backward never ran
-            self.entries.append([_weak(region), record, _NOT_REPLAYED])
+            self.entries.append([_weak(region, self), record, _NOT_REPLAYED])
             self.kept = True
             if hasattr(region, "register_prehook") and "_tfp8_hooked" not in region.__dict__:
                 # A reentrant region (an autograd node): see _before_reentrant_backward.
