@@ -350,6 +350,9 @@ def test_worst_report_ranks_nan_first_and_the_rest_in_order():
     records.append(dict(records[2], sqnr_db=40.0, step=1))  # a later, finite value of layer 2
     lines = debug.worst_report(records, "sqnr_db", top=3).splitlines()[1:]
     assert [line.split(":")[0] for line in lines] == ["2", "5", "3"]
+    for bad in (0, -1, 2.5, True):  # (-1 listed all but the least bad)
+        with pytest.raises(ValueError, match="top must be a positive integer"):
+            debug.worst_report(records, "sqnr_db", top=bad)
 
 
 def test_collecting_again_after_disable_writes(tmp_path):
@@ -399,6 +402,51 @@ def test_block_recipes_record_the_transposed_operands(recipe):
             assert got[key] == expected[key], (role, key)
         assert got["sqnr_db"] == pytest.approx(expected["sqnr_db"], rel=1e-9), role
     assert records["input_t"]["underflow_frac"] > 0.15 > records["input"]["underflow_frac"]
+
+
+@pytest.mark.parametrize("recipe", [tfp8.Float8RowwiseScaling(), tfp8.Float8BlockScaling()],
+                         ids=["rowwise", "block"])
+def test_a_reentrant_checkpoint_records_what_a_plain_step_records(recipe):
+    """A reentrant checkpoint's first forward runs without gradients and makes no transposes;
+    its recomputation makes them for the backward GEMMs. Under block scaling (transposes with
+    blocks of their own) those are recorded then: the same records, with the same figures, as
+    a step without the checkpoint (the second layer's weight_t was missing)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tfp8.Linear(128, 128), torch.nn.GELU(), tfp8.Linear(128, 128))
+    x = torch.randn(24, 128)
+    tables = []
+    for checkpointed in (False, True):
+        with debug.collect_stats(model) as stats:
+            inp = x.clone().requires_grad_(True)
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                out = (torch.utils.checkpoint.checkpoint(model, inp, use_reentrant=True)
+                       if checkpointed else model(inp))
+            out.sum().backward()
+            tables.append({(r["layer"], r["tensor"]): r for r in stats.step()})
+    assert len(tables[0]) == 12 and sorted(tables[1]) == sorted(tables[0])
+    for key, plain in tables[0].items():
+        got = {k: v for k, v in tables[1][key].items() if k != "step"}
+        assert got == {k: v for k, v in plain.items() if k != "step"}, key
+
+
+@pytest.mark.parametrize("gemms, unread", [("fprop", {"input", "weight"}),
+                                           ("dgrad", {"grad_output", "weight_t"}),
+                                           ("wgrad", {"grad_output_t", "input_t"})])
+def test_an_override_under_block_scaling_records_only_what_fp8_gemms_read(gemms, unread):
+    """Under block scaling each orientation has its own blocks: with debug.override(gemms=...)
+    the orientations only the high-precision GEMM read are not FP8 operands and are not
+    recorded (the rows of input and weight were, with fprop in high precision)."""
+    torch.manual_seed(0)
+    layer = tfp8.Linear(128, 128)
+    model = torch.nn.Sequential(layer)
+    debug.override(model, "0", fp8=False, gemms=[gemms])
+    with debug.collect_stats(model) as stats:
+        with tfp8.fp8_autocast(fp8_recipe=tfp8.Float8BlockScaling()):
+            out = layer(torch.randn(32, 128, requires_grad=True))
+        out.sum().backward()
+        recorded = {r["tensor"] for r in stats.step()}
+    every = {"input", "weight", "grad_output", "input_t", "weight_t", "grad_output_t"}
+    assert recorded == every - unread
 
 
 @pytest.mark.parametrize("recipe", [tfp8.Float8CurrentScaling(), tfp8.Float8BlockScaling()],

@@ -40,6 +40,9 @@ def worst_report(source: Union[str, list], figure: str = "sqnr_db", top: int = 5
     each at its worst logged step."""
     if figure not in _WORSE_IS_LOWER:
         raise ValueError(f"figure must be one of {sorted(_WORSE_IS_LOWER)}, got {figure!r}")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be a positive integer (how many operands to list), got "
+                         f"{top!r}")
     worst: dict = {}
     lower = _WORSE_IS_LOWER[figure]
 

@@ -40,6 +40,9 @@ class HighPrecisionOrientations(Quantizer):
 
     def __init__(self, inner: Quantizer, high_precision: frozenset):
         self.inner, self.high_precision = inner, high_precision
+        note = getattr(inner, "note_unquantised", None)  # (statistics: debug/observer.py)
+        if note is not None:
+            note(high_precision)
         self.dtype = inner.dtype
         # An unquantised orientation needs the tensor itself: made in high precision first.
         self.fuses_cast = inner.fuses_cast and not high_precision

@@ -33,10 +33,22 @@ class ObservedQuantizer(Quantizer):
     """A quantizer that casts as ``inner`` does and hands the statistics of every tensor it
     casts to its watchers, ((collector, key), ...): computed once, recorded by each."""
 
-    def __init__(self, inner: Quantizer, watchers: tuple):
+    def __init__(self, inner: Quantizer, watchers: tuple, transposes_only: bool = False):
         self.inner, self.watchers = inner, watchers
         self.dtype, self.fuses_cast = inner.dtype, inner.fuses_cast
         self.cache_key, self.gemm = inner.cache_key, inner.gemm
+        # Orientations no GEMM reads in FP8 (debug.override's gemms=: 0 the data, 1 the
+        # transpose), set by gemm_override.HighPrecisionOrientations; a block-scaled cast's
+        # rows are then not recorded (its transposes have blocks of their own).
+        self.unquantised = frozenset()
+        self.transposes_only = transposes_only  # (a recomputation: see for_replay)
+        self.made_transpose = False
+
+    def note_unquantised(self, orientations: frozenset) -> None:
+        self.unquantised = frozenset(orientations)
+
+    def _block_scaled(self) -> bool:
+        return self.inner.block_dims(1) != (0, 0)
 
     def _active(self) -> list:
         # A collector disabled since this forward (its backward runs later) records nothing.
@@ -53,10 +65,12 @@ class ObservedQuantizer(Quantizer):
         x_hp = x_hp[:rows]
         fp8_max = torch.finfo(self.dtype).max
         with torch.no_grad():
-            stats = operand_stats(x_hp, q.data, self.inner.dequant_scale(q), fp8_max,
-                                  block_rows, block_cols)
-            for collector, key in watchers:
-                collector.record(key, stats)
+            if not self.transposes_only and not (0 in self.unquantised
+                                                 and self._block_scaled()):
+                stats = operand_stats(x_hp, q.data, self.inner.dequant_scale(q), fp8_max,
+                                      block_rows, block_cols)
+                for collector, key in watchers:
+                    collector.record(key, stats)
             if (rows and q.data_t is not None and q.scale is None
                     and q.scale_inv_t is not q.scale_inv):  # (an empty operand: no blocks)
                 # Block scaling: the transpose's own blocks and scales (its columns are x's
@@ -69,6 +83,7 @@ class ObservedQuantizer(Quantizer):
 
     def cast(self, x, with_transpose=True):
         q = self.inner.cast(x, with_transpose)
+        self.made_transpose = self.made_transpose or q.data_t is not None
         self._record(x, q)
         return q
 
@@ -81,13 +96,21 @@ class ObservedQuantizer(Quantizer):
         q, extra = self.inner.cast_fused(fused, unfused, with_transpose)
         if not self._active():
             return q, extra
+        self.made_transpose = self.made_transpose or q.data_t is not None
         with torch.no_grad():
             x_hp, _ = unfused()  # the fused kernel never writes it: computed again
         self._record(x_hp, q)
         return q, extra
 
     def for_replay(self, used):
-        return self.inner.for_replay(used)
+        """The cast a checkpoint's recomputation repeats, unobserved (its forward recorded it):
+        except, under block scaling, the transposes a forward without gradients did not make
+        (a reentrant checkpoint's first forward), which the recomputation makes for the
+        backward GEMMs: those are recorded then."""
+        replay = self.inner.for_replay(used)
+        if self.made_transpose or not self._block_scaled():
+            return replay
+        return ObservedQuantizer(replay, self.watchers, transposes_only=True)
 
     def block_dims(self, cols):
         return self.inner.block_dims(cols)
