@@ -325,7 +325,7 @@ TE_DEFAULT_ONLY = {
                             ub_bulk_wgrad=False, ub_bulk_dgrad=False, ub_name=None,
                             symmetric_ar_type=None, name=None),
     "LayerNormMLP": dict(sequence_parallel=False, get_rng_state_tracker=None, tp_group=None,
-                         tp_size=1, activation_params=None,
+                         tp_size=1,
                          return_layernorm_output_gathered=False, seq_length=None,
                          micro_batch_size=None, set_parallel_mode=False, ub_overlap_ag=False,
                          name=None, ub_overlap_rs=False, ub_overlap_rs_dgrad=False,
@@ -350,7 +350,7 @@ TE_DEFAULT_ONLY = {
                              set_parallel_mode=False, rotary_pos_interleaved=False,
                              ub_tp_comm_overlap=False, ub_overlap_ag=True, ub_overlap_rs=True,
                              ub_overlap_rs_dgrad=False, ub_bulk_dgrad=True, ub_bulk_wgrad=True,
-                             activation_params=None, name=None),
+                             name=None),
     "DotProductAttention": dict(sequence_parallel=False, tp_size=1, get_rng_state_tracker=None,
                                 tp_group=None, cp_group=None, cp_global_ranks=None,
                                 cp_stream=None, cp_comm_type="p2p", return_max_logit=False,
@@ -362,7 +362,7 @@ SIZES = {"Linear": (32, 32), "LayerNormLinear": (32, 32), "LayerNormMLP": (32, 6
          "TransformerLayer": (32, 64, 2), "DotProductAttention": (2, 16),
          "LayerNorm": (32,), "RMSNorm": (32,)}
 # One non-default value per refused argument, for the refusal check.
-NON_DEFAULT = {"activation_params": {"limit": 7.0}, "checkpoint": True,
+NON_DEFAULT = {"checkpoint": True,
                "delay_wgrad_compute": None, "single_grouped_weight": True}
 
 
@@ -449,10 +449,3 @@ def test_norms_accept_sm_margin(norm):
     with pytest.raises(TypeError, match="sm_margin must be an int"):
         norm(32, sm_margin="8")
 
-
-def test_empty_activation_params_are_no_parameters():
-    """Transformer Engine reads activation_params={} as None (``activation_params or {}``)."""
-    for cls, sizes in ((te.LayerNormMLP, (32, 64)), (te.TransformerLayer, (32, 64, 2))):
-        cls(*sizes, activation_params={})
-        with pytest.raises(ValueError, match="activation_params=.* is not supported"):
-            cls(*sizes, activation_params={"limit": 7.0})

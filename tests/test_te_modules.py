@@ -20,7 +20,8 @@ from integration_compare import (assert_bit_identical, counting_aot_eager, step_
 import transformer_fp8 as tfp8
 from transformer_fp8 import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                              Float8RowwiseScaling, fp8_autocast)
-from transformer_fp8.modules.activations import ACTIVATIONS, activation_hp
+from transformer_fp8.modules.activations import KERNEL_ACTIVATIONS as ACTIVATIONS
+from transformer_fp8.modules.activations import activation_hp
 
 # Every test runs with the modules' C++ steps and with the Python path they replace.
 pytestmark = pytest.mark.usefixtures("every_step_path")

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import fused as fused_ops
-from .activations import activation_hp, check_activation, is_gated
+from .activations import (activation_backward, activation_forward, activation_hp, activation_of,
+                          check_activation, check_activation_params, has_kernel, is_gated)
 from ..ops import function_output
 from .linear_fused_step import fused_norm_mlp_step
 from ..quantization import backward_override
@@ -48,11 +49,11 @@ def _cast_activation(plan, activation, fc1_out, with_transpose, return_hp=False)
         return y_fp8, y_t_fp8, None
 
     def unfused():
-        y = fused_ops.activation_fwd(fc1_out, activation)
+        y = activation_forward(fc1_out, activation)
         return pad_rows(y), y
 
-    if return_hp and plan.input_quantizer.fuses_cast:  # (made in high precision first)
-        y = fused_ops.activation_fwd(fc1_out, activation)
+    if (return_hp or not has_kernel(activation)) and plan.input_quantizer.fuses_cast:
+        y = activation_forward(fc1_out, activation)  # (made in high precision first)
         return plan.input_quantizer.cast(pad_rows(y), with_transpose), y
     act_q, y = plan.input_quantizer.cast_fused(fused, unfused, with_transpose)
     return act_q, (y if return_hp else None)
@@ -67,10 +68,13 @@ def _cast_activation_grad(plan, activation, grad_act, fc1_out, with_transpose, w
                                             amax_slot, with_transpose, with_dbias, ALIGN)
 
     def unfused():
-        dx = fused_ops.activation_bwd(grad_act, fc1_out, activation)
+        dx = activation_backward(grad_act, fc1_out, activation)
         dbias = dx.sum(dim=0, dtype=torch.float32).to(dx.dtype) if with_dbias else None
         return pad_rows(dx), dbias
 
+    if not has_kernel(activation) and plan.grad_quantizer.fuses_cast:
+        dx, dbias = unfused()  # (no kernel to fuse the cast with: cast after)
+        return plan.grad_quantizer.cast(dx, with_transpose), dbias
     dx_q, dbias = plan.grad_quantizer.cast_fused(fused, unfused, with_transpose)
     return dx_q, (dbias if with_dbias else None)
 
@@ -202,7 +206,7 @@ def _high_precision_backward(ctx, g, grad_ln_out, x, ln_weight, fc1_out, stats, 
     if any(grads[:5]):
         w2 = backward_override.operand(w2_kept, w2_kept[0].shape[0], compute)
         grad_act = backward_override.dgrad(g, w2, compute, fc1_out.dtype)
-        d1 = fused_ops.activation_bwd(grad_act, fc1_out, ctx.activation)
+        d1 = activation_backward(grad_act, fc1_out, ctx.activation)
         if grads[4]:
             grad_fc1_bias = backward_override.bias_grad(d1, b1_dtype)
         if grads[3]:
@@ -274,6 +278,7 @@ class LayerNormMLP(TensorParallelMixin, NormFirstModule):
         self.ffn_hidden_size = check_positive("LayerNormMLP", "ffn_hidden_size",
                                               ffn_hidden_size)
         self.activation = check_activation(activation)
+        self.activation_params = check_activation_params(activation, activation_params)
         self.output_layer_init_method = output_layer_init_method or te_default_init
         self.size_per_partition = ffn_local  # (Transformer Engine's name: ffn_hidden_size / tp)
         fc1_out = 2 * ffn_local if is_gated(activation) else ffn_local
@@ -302,6 +307,13 @@ class LayerNormMLP(TensorParallelMixin, NormFirstModule):
                 if bias is not None:
                     bias.zero_()
 
+    activation_params = None  # (a module pickled whole before clamped_swiglu)
+
+    @property
+    def _activation(self):
+        """What the activation computes with: the fused kernel's name, or a ClampedSwiGLU."""
+        return activation_of(self.activation, self.activation_params)
+
     def _gemm_dims(self):
         return [tuple(self.fc1_weight.shape), tuple(self.fc2_weight.shape)]
 
@@ -325,7 +337,7 @@ class LayerNormMLP(TensorParallelMixin, NormFirstModule):
             return te_tensor_parallel_norm.norm_mlp_hp(self, inp, linear)
         ln_out = self._norm_hp(inp)
         hidden = activation_hp(linear(ln_out, self._param("fc1_weight"), self._param("fc1_bias")),
-                               self.activation)
+                               self._activation)
         out = linear(hidden, self._param("fc2_weight"), self._fc2_gemm_bias())
         return (out, ln_out) if self.return_layernorm_output else out
 
@@ -339,9 +351,11 @@ class LayerNormMLP(TensorParallelMixin, NormFirstModule):
         return _LayerNormMLPFunction.apply(
             inp, self.layer_norm_weight, self.layer_norm_bias, self._param("fc1_weight"),
             self._param("fc1_bias"), self._param("fc2_weight"), self._fc2_gemm_bias(), plans,
-            self._norm_step, self.activation, self.return_layernorm_output)
+            self._norm_step, self._activation, self.return_layernorm_output)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"normalization={self.normalization}, activation={self.activation}, "
+                + (f"activation_params={self.activation_params}, " if self.activation_params
+                   else "") +
                 f"bias={self.fc1_bias is not None}, fp8=True")

@@ -31,6 +31,7 @@ from ..quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
 from ..quantization.roles import (_REGISTERED, QUANTIZERS, delayed_quantizers,
                                   float_state_buffers, registered_quantizers)
 from ..quantization.torch_autocast import output_dtype
+from .activations import KERNEL_ACTIVATIONS
 
 # The operators' functions called without the dispatcher (csrc/linear_step.cpp's Python entry:
 # converting a dozen arguments for torch.ops costs several times what pybind11 does). None in
@@ -173,7 +174,8 @@ def fused_norm_mlp_step(layer, inp: torch.Tensor, state, is_first_microbatch
                         ) -> Optional[torch.Tensor]:
     """LayerNormMLP's FP8 output through fp8_norm_mlp_delayed or _current, or None where the
     Python path must run (as fused_norm_linear_step)."""
-    if not NORM_MLP_ENABLED or layer.return_layernorm_output:
+    if not NORM_MLP_ENABLED or layer.return_layernorm_output \
+            or layer.activation not in KERNEL_ACTIVATIONS:  # (clamped_swiglu: torch ops)
         return None
     delayed = _runs_fused(layer, state, is_first_microbatch)
     if delayed is None:

@@ -47,7 +47,6 @@ TE_ACCEPTED: dict[str, tuple[tuple, str]] = {
     "use_grouped_tensor": ((None, False), "one Parameter per expert"),
     "checkpoint": ((False,), "no selective recomputation inside LayerNormMLP; use "
                    "transformer_fp8.checkpoint around the module"),
-    "activation_params": ((None, {}), "no parametrised activation (clamped_swiglu)"),
     # attention
     "rotary_pos_interleaved": ((False,), "rotary embeddings rotate halves, not pairs"),
     # TransformerLayer
@@ -80,8 +79,6 @@ def te_only_arguments(arguments: dict) -> dict:
 
 
 def _same(value, allowed) -> bool:
-    if isinstance(allowed, dict):  # (an empty dict: as None, as Transformer Engine reads it)
-        return isinstance(value, dict) and value == allowed
     if allowed is None or isinstance(allowed, bool):
         return value is allowed
     if isinstance(allowed, tuple):

@@ -33,9 +33,8 @@ from __future__ import annotations
 import torch
 
 from .. import _param_marks as param_marks
-from ..ops import fused as fused_ops
 from . import te_tensor_parallel as tp
-from .activations import activation_hp
+from .activations import activation_backward, activation_forward, activation_hp
 from .linear import _Fp8LinearFunction
 
 _NORM_LINEAR_ROW = ("LayerNormLinear: parallel_mode='row' is not supported: the norm needs "
@@ -159,7 +158,7 @@ def norm_linear_fp8(module, inp, plan):
 def norm_mlp_hp(module, inp, linear):
     return norm_mlp(module, inp, module._norm_hp,
                     lambda x: linear(x, module._param("fc1_weight"), module._param("fc1_bias")),
-                    lambda x: activation_hp(x, module.activation),
+                    lambda x: activation_hp(x, module._activation),
                     lambda x: linear(x, module._param("fc2_weight"), None))
 
 
@@ -169,7 +168,7 @@ def norm_mlp_fp8(module, inp, plans):
         module, inp, _fp8_norm(module),
         lambda x: _Fp8LinearFunction.apply(x, module._param("fc1_weight"),
                                            module._param("fc1_bias"), fc1_plan),
-        lambda x: _Activation.apply(x, module.activation),
+        lambda x: _Activation.apply(x, module._activation),
         lambda x: _Fp8LinearFunction.apply(x, module._param("fc2_weight"), None, fc2_plan))
 
 
@@ -210,14 +209,14 @@ class _Activation(torch.autograd.Function):
         ctx.save_for_backward(x)
         ctx.activation = activation
         shape = x.shape
-        y = fused_ops.activation_fwd(x.reshape(-1, shape[-1]), activation)
+        y = activation_forward(x.reshape(-1, shape[-1]), activation)
         return y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
-        grad_x = fused_ops.activation_bwd(grad.reshape(x2.shape[0], -1).contiguous(), x2,
-                                          ctx.activation)
+        grad_x = activation_backward(grad.reshape(x2.shape[0], -1).contiguous(), x2,
+                                     ctx.activation)
         return grad_x.reshape(x.shape), None
 

@@ -235,6 +235,7 @@ class TransformerLayer(torch.nn.Module):
                 bottom_right_diagonal=enc_dec_bottom_right_diagonal, **attention)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, eps=layernorm_epsilon,
                                           activation=activation,
+                                          activation_params=activation_params,
                                           get_rng_state_tracker=get_rng_state_tracker, **common)
         if self.output_layernorm:
             norm = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[normalization]
