@@ -221,8 +221,8 @@ def test_layernorm_linear(gen, kind, override, normalization):
 def test_layernorm_mlp(gen, kind, override, activation):
     """Two GEMMs: fc2's input is the activation of fc1's FP8 output. The reference rounds like
     the module up to float32 rounding, which may move an activation across an FP8 rounding
-    boundary: compared at 55 dB (66 dB the lowest seen; the FP8 backward is 20-30 dB away, the
-    other override about 30 dB)."""
+    boundary: compared at 40 dB (51.6 dB the lowest seen over random draws; the FP8 backward is
+    20-30 dB away, the other override 25-31 dB)."""
     mlp = tfp8.LayerNormMLP(256, 256, activation=activation)
     _random_parameters(mlp, gen)
     x = torch.randn(2, 9, 256, generator=gen)
@@ -240,7 +240,7 @@ def test_layernorm_mlp(gen, kind, override, activation):
     expected = [xr.grad] + [p.grad for p in ref.parameters()]
     for (name, _), a, e, p in zip([("input", 0), *mlp.named_parameters()], got[1:], expected,
                                   plain[1:]):
-        assert sqnr(a, e) >= 55, (name, sqnr(a, e))
+        assert sqnr(a, e) >= 40, (name, sqnr(a, e))
         if name != "fc2_bias":  # (grad_output's column sums in every case)
             assert sqnr(p, e) < 50, (name, "the FP8 backward is as close: the test is blind")
 
@@ -303,3 +303,66 @@ def test_fp8_primary_weights_and_kept_weight_casts(gen):
                 layer(xi, is_first_microbatch=first).backward(grad)
             for a, e in zip([xi.grad, layer.weight.grad, layer.bias.grad], expected[1:]):
                 torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_a_weight_written_between_forward_and_backward(gen):
+    """An FP8 primary weight written in place after the forward (an optimizer step before the
+    backward): "dequantized" takes the forward's FP8 weight (its tensors copied; the live ones
+    gave the new weight's gradient), "high_precision" raises torch's in-place error, as a plain
+    weight does."""
+    recipe = Float8CurrentScaling(backward_override="dequantized")
+    with tfp8.quantized_model_init(recipe=recipe):
+        layer = tfp8.Linear(64, 32)
+    x = torch.randn(20, 64, generator=gen)
+    grad = torch.randn(20, 32, generator=gen)
+    forward_weight = layer.weight.dequantize().float()
+    xi = x.clone().requires_grad_()
+    with fp8_autocast(fp8_recipe=recipe):
+        out = layer(xi)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(32, 64, generator=gen))
+    out.backward(grad)
+    torch.testing.assert_close(xi.grad, grad @ forward_weight, rtol=1e-6, atol=1e-5)
+
+    high = Float8CurrentScaling(backward_override="high_precision")
+    with fp8_autocast(fp8_recipe=high):
+        out = layer(x.clone().requires_grad_())
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(32, 64, generator=gen))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(grad)
+
+
+def test_a_kept_weight_cast_makes_no_transpose_under_an_override(gen):
+    """is_first_microbatch keeps the weight's cast across microbatches: under an override no
+    backward GEMM reads its FP8 transpose, which is not made; a later step without the override
+    casts again (with it) rather than reuse a cast without one."""
+    layer = tfp8.Linear(64, 32)
+    x = torch.randn(20, 64, generator=gen)
+    grad = torch.randn(20, 32, generator=gen)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling(backward_override="dequantized")):
+        layer(x, is_first_microbatch=True).backward(grad)
+    assert layer._weight_cache[0][1].data_t is None
+    expected = _run(layer, x, grad, Float8CurrentScaling())
+    layer.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        layer(xi, is_first_microbatch=False).backward(grad)
+    assert layer._weight_cache[0][1].data_t is not None
+    for a, e in zip([xi.grad, layer.weight.grad, layer.bias.grad], expected[1:]):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_fsdp2_fp8_all_gather_gives_the_overrides_gradients(tmp_path):
+    """2 gloo ranks: b's input and weight gradients with fp8_all_gather equal those with
+    high-precision all-gathers, for both overrides, also where forward prefetch gathered b's
+    weight in FP8 under the context before it ("high_precision" took that FP8 weight
+    dequantised: 33 dB off)."""
+    from backward_override_cases import worker
+    from multiprocess import rank_results
+    for result in rank_results(worker, tmp_path, world=2, timeout_s=300):
+        for (override, prefetch, fp8_all_gather, name), value in result.items():
+            if fp8_all_gather:
+                expected = result[(override, prefetch, False, name)]
+                torch.testing.assert_close(value, expected, rtol=0, atol=0,
+                                           msg=f"{override} prefetch={prefetch} {name}")

@@ -219,7 +219,7 @@ class Fp8StateMixin(Fp8State):
         plans = tuple(
             Fp8Plan(input_q, weight_q, grad_q,
                     self._weight_for_step(gemm, weights and weights[gemm], weight_q,
-                                          is_first_microbatch),
+                                          is_first_microbatch, override is None),
                     backward_step, out_dtype, backward_override=override)
             for gemm, (input_q, weight_q, grad_q) in enumerate(quantizers))
         if any(type(w) is GatheredFp8Weight for w in self._parameters.values()):
@@ -290,20 +290,23 @@ class Fp8StateMixin(Fp8State):
         finally:
             release_high_precision(weights)
 
-    def _weight_for_step(self, gemm: int, weight, weight_quantizer, is_first_microbatch):
+    def _weight_for_step(self, gemm: int, weight, weight_quantizer, is_first_microbatch,
+                         transposes: bool = True):
         """None: quantise the weight in this call. True: quantise it now and keep it. False:
         reuse the copy kept by the last True (gradient accumulation: the weight has not
-        changed), unless it was quantised another way (another recipe). An FP8 weight
-        (quantized_model_init, or one FSDP2 all-gathered in FP8) is its own operand: nothing
-        to keep."""
+        changed), unless it was quantised another way (another recipe, or without the
+        transpose the FP8 dgrad reads: ``transposes`` False under a backward_override). An FP8
+        weight (quantized_model_init, or one FSDP2 all-gathered in FP8) is its own operand:
+        nothing to keep."""
         if is_first_microbatch is None or isinstance(weight, (Fp8Weight, GatheredFp8Weight)):
             if self._weight_cache[gemm] is not None:  # (no write when there is nothing to drop:
                 self._weight_cache[gemm] = None       # torch.compile traces no side effect)
             return None
         cached = self._weight_cache[gemm]
-        if is_first_microbatch or cached is None or cached[0] != weight_quantizer.cache_key:
+        if (is_first_microbatch or cached is None or cached[0] != weight_quantizer.cache_key
+                or (transposes and cached[1].data_t is None)):
             # (kept for training steps: made outside inference mode, also under it)
             with torch.no_grad(), outside_inference_mode():
                 self._weight_cache[gemm] = (weight_quantizer.cache_key, weight_quantizer.cast(
-                    local_tensor(weight), with_transpose=True))  # (a tensor-parallel shard)
+                    local_tensor(weight), with_transpose=transposes))  # (a TP shard)
         return self._weight_cache[gemm][1]

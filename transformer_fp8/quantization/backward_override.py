@@ -26,11 +26,24 @@ from ..ops.blockwise import BLOCK
 def kept_operand(override: Optional[str], q, high_precision: Optional[torch.Tensor]) -> tuple:
     """(tensor, scale_inv) a forward keeps of one GEMM operand for the backward: its FP8
     transpose (no override), its FP8 data ("dequantized") or the tensor before the cast
-    ("high_precision"; scale_inv None)."""
+    ("high_precision"; scale_inv None).
+
+    A weight held in FP8 (an FP8 primary weight, or one FSDP2 all-gathered in FP8: it has
+    ``fp8_operand``) gives its own tensors as the operand, which an optimizer step writes in
+    place, or FSDP2 frees, before the backward: "dequantized" keeps copies (as the transpose
+    the FP8 backward keeps is one). Under "high_precision" a weight FSDP2 gathered keeps its
+    value now (``gathered_for_forward_only``: the gathered buffer is freed after the forward);
+    an FP8 primary weight is kept itself (a write before the backward raises, as torch's
+    in-place check does for any weight) and dequantised there."""
     if override is None:
         return q.data_t, q.scale_inv_t
+    held_in_fp8 = getattr(high_precision, "fp8_operand", None) is not None
     if override == "dequantized":
+        if held_in_fp8:
+            return q.data.clone(), q.scale_inv.clone()
         return q.data, q.scale_inv
+    if getattr(high_precision, "gathered_for_forward_only", False):
+        return high_precision.dequantize(), None
     return high_precision, None
 
 

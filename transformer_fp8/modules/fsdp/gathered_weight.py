@@ -70,6 +70,9 @@ class GatheredFp8Weight(torch.Tensor):
         self._full_high_precision = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+    # Its data is FSDP2's all-gather buffer, freed after the forward: a backward that needs
+    # the weight's value keeps it now (quantization/backward_override.py).
+    gathered_for_forward_only = True
 
     def __repr__(self) -> str:
         how = f"block={self._block}" if self._block is not None else f"scale={self._scale.item()}"

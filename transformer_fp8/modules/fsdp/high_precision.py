@@ -41,7 +41,8 @@ def high_precision_weights(module) -> list:
 
 def mismatched_forms(module, plans) -> list:
     """Before an FP8 forward of ``module`` (``plans``: one per GEMM): each weight FSDP2 left
-    gathered in FP8 in another form than this forward's weight quantizer casts (gathered under
+    gathered in FP8 in another form than this forward's weight quantizer casts, or in FP8 where
+    the forward's backward_override is "high_precision" (gathered under
     another recipe's context and not gathered again since: reshard_after_forward=False, a
     nested fp8_autocast) gets its high-precision value (one all-gather on the FSDP group, as
     every rank runs the same recipe), which the quantizer casts: the operand an unsharded layer
@@ -53,8 +54,11 @@ def mismatched_forms(module, plans) -> list:
                 and weight._full_high_precision is None):
             plan = plans[weight._source[0]._gemm]
             quantizer = plan.weight_quantizer
+            # (a backward_override of "high_precision": the backward takes the weight before
+            # its cast, which all_gather.py gathers for it unless another context gathered)
             if plan.weight_fp8 is None and (weight.fp8_cache_key != quantizer.cache_key
-                                            or weight._fp8.dtype != quantizer.dtype):
+                                            or weight._fp8.dtype != quantizer.dtype
+                                            or plan.backward_override == "high_precision"):
                 _gather_high_precision(weight)
                 gathered.append(weight)
     return gathered
