@@ -46,7 +46,8 @@ _EXTRA = [dict(sp=True, bias=True, return_bias=False, recipe="delayed", norm="RM
                gathered=True)]
 _GATED = [dict(sp=True, bias=True, return_bias=False, recipe="delayed", act="swiglu"),
           dict(sp=False, bias=False, return_bias=False, recipe="current", act="geglu",
-               norm="RMSNorm")]
+               norm="RMSNorm"),
+          dict(sp=True, bias=True, return_bias=False, recipe="delayed", act="clamped_swiglu")]
 CASES = ([dict(module="LayerNormLinear", **c) for c in _BASE + _EXTRA]
          + [dict(module="LayerNormMLP", **c) for c in _BASE + _EXTRA + _GATED])
 
@@ -69,7 +70,7 @@ def _rows(t, rank, ranks, gated=False):
 
 def _shards(case, rank, ranks) -> dict:
     """Parameter name -> how the rank's shard is cut from the whole tensor."""
-    gated = case.get("act") in ("swiglu", "geglu")
+    gated = case.get("act") in ("swiglu", "geglu", "clamped_swiglu")
     whole = lambda t: t  # noqa: E731
     norm = {"layer_norm_weight": whole, "layer_norm_bias": whole}
     if case["module"] == "LayerNormLinear":
@@ -93,6 +94,8 @@ def _build(case, group=None, ranks=1, **options):
         return tfp8.LayerNormLinear(HIDDEN, OUT, **kw)
     if group is not None:
         kw["set_parallel_mode"] = True
+    if case.get("act") == "clamped_swiglu":  # (a limit that clamps some of both halves)
+        kw["activation_params"] = {"limit": 0.5, "alpha": 1.5}
     return tfp8.LayerNormMLP(HIDDEN, FFN, activation=case.get("act", "gelu"), **kw)
 
 

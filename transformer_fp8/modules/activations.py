@@ -11,6 +11,7 @@ A NaN input stays NaN through relu, srelu, reglu, sreglu and clamped_swiglu's cl
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -52,11 +53,12 @@ class ClampedSwiGLU:
     alpha: float = 1.702
     glu_linear_offset: float = 1.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The result in ``dtype`` (default x's; float32: unrounded, for a cast from it)."""
         a, g = x.float().chunk(2, dim=-1)
         a = a.clamp(max=self.limit)
         gate = g.clamp(-self.limit, self.limit) + self.glu_linear_offset
-        return (a * torch.sigmoid(self.alpha * a) * gate).to(x.dtype)
+        return (a * torch.sigmoid(self.alpha * a) * gate).to(dtype or x.dtype)
 
     def backward(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         a, g = x.float().chunk(2, dim=-1)
@@ -99,7 +101,7 @@ def check_activation_params(activation: str, params) -> Optional[dict]:
                          f"expected some of {sorted(known)}")
     out = {}
     for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
                 or not math.isfinite(value):
             raise ValueError(f"activation_params[{key!r}] must be a finite number, got "
                              f"{value!r}")

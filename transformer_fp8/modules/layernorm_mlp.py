@@ -52,7 +52,13 @@ def _cast_activation(plan, activation, fc1_out, with_transpose, return_hp=False)
         y = activation_forward(fc1_out, activation)
         return pad_rows(y), y
 
-    if (return_hp or not has_kernel(activation)) and plan.input_quantizer.fuses_cast:
+    if not has_kernel(activation) and plan.input_quantizer.fuses_cast:
+        # No kernel to fuse the cast with: the float32 result cast (and its amax recorded)
+        # as a fused kernel does, not the result rounded to fc1_out's dtype first.
+        y32 = activation.forward(fc1_out, torch.float32)
+        act_q = plan.input_quantizer.cast(pad_rows(y32), with_transpose)
+        return act_q, (y32.to(fc1_out.dtype) if return_hp else None)
+    if return_hp and plan.input_quantizer.fuses_cast:
         y = activation_forward(fc1_out, activation)  # (made in high precision first)
         return plan.input_quantizer.cast(pad_rows(y), with_transpose), y
     act_q, y = plan.input_quantizer.cast_fused(fused, unfused, with_transpose)
