@@ -9,7 +9,7 @@ import torch
 
 import transformer_fp8 as tfp8
 from conftest import assert_bitwise_equal, randn
-from transformer_fp8.optimizers import FusedAdam
+from transformer_fp8.optimizers import FusedAdam, FusedSGD
 from transformer_fp8.quantization.fp8_weight import Fp8Weight
 
 
@@ -261,6 +261,28 @@ def test_sparse_gradients_and_set_grad_none_conflicts_are_refused():
         opt = FusedAdam([p], set_grad_none=False)
     with pytest.raises(ValueError, match="set_grad_none=False"):
         opt.zero_grad(set_to_none=True)
+
+
+def test_a_refused_gradient_leaves_every_parameter_as_it_was():
+    """A sparse gradient, or a decoupled_grad of another shape, refused in the second group:
+    nothing updated, no state made, in either optimizer (the parameters before it were
+    updated, their step counted, so a retry updated them twice)."""
+    for make in (lambda groups: FusedAdam(groups, lr=0.1),
+                 lambda groups: FusedSGD(groups, lr=0.1, momentum=0.9)):
+        a, b, c = (torch.nn.Parameter(torch.ones(4)) for _ in range(3))
+        opt = make([{"params": [a, b]}, {"params": [c]}])
+        a.grad, b.grad, c.grad = torch.ones(4), torch.ones(4), torch.ones(4).to_sparse()
+        with pytest.raises(ValueError, match="sparse"):
+            opt.step()
+        assert all(torch.equal(p, torch.ones(4)) for p in (a, b, c))
+        assert not any(opt.state[p] for p in (a, b, c))
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = FusedAdam([a, b], lr=0.1, use_decoupled_grad=True)
+    a.decoupled_grad, b.decoupled_grad = torch.ones(4), torch.ones(1)
+    with pytest.raises(ValueError, match=r"a gradient of shape \(1,\) for a parameter of "
+                                         r"shape \(4,\)"):
+        opt.step()
+    assert torch.equal(a, torch.ones(4)) and not opt.state[a]
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.float64])

@@ -105,6 +105,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if grad is not None and grad.is_sparse:
             raise ValueError(f"{self._NAME}: sparse gradients are not supported"
                              f"{self._SPARSE_HINT}")
+        if grad is not None and grad.shape != param.shape:  # (decoupled_grad: set by hand)
+            raise ValueError(f"{self._NAME}: a gradient of shape {tuple(grad.shape)} for a "
+                             f"parameter of shape {tuple(param.shape)}")
         return grad
 
     def _check_group(self, group: dict) -> None:
@@ -162,11 +165,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                grad = self._grad(param)
-                if grad is not None:
-                    self._update(param, grad, self.state[param], group)
+        # Every gradient read and checked before any parameter changes: a refused one (sparse,
+        # misshapen) leaves the whole step undone, not the parameters before it updated.
+        updates = [(param, grad, group) for group in self.param_groups
+                   for param in group["params"] for grad in (self._grad(param),)
+                   if grad is not None]
+        for param, grad, group in updates:
+            self._update(param, grad, self.state[param], group)
         return loss
 
     def _update(self, param, grad, state, group) -> None:
