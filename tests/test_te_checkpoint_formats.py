@@ -262,6 +262,61 @@ def test_a_failed_first_step_still_owes_the_update():
             assert torch.equal(got[1][key], value), (length, key)
 
 
+@pytest.mark.parametrize("where", ["built", "loaded_inside_autocast"])
+def test_the_owed_update_takes_the_recipes_window(where):
+    """Transformer Engine 1.5 sized the history for the resuming recipe first, then ran the
+    owed update: a shorter recipe's window leaves the old large amax out (scale 448 for the
+    first cast). Here too for a module built for the recipe, or loaded inside an active
+    fp8_autocast (there the update ran over the whole saved history: its first forward cast
+    the input with a scale 100 times too small): the first output is that of a module loaded
+    before the context, which adopts the recipe's length first."""
+    history = torch.zeros(8, 3)
+    history[:, 0] = torch.tensor([1.0, 0.5, 0.5, 0.5, 100.0, 0.5, 0.5, 0.5])
+    history[:, 1] = 0.25
+    state = dict(_te_1x_state(True), amax_history_fwd=history,
+                 scale_fwd=torch.tensor([448.0, 448.0 / 0.25, 1.0]))
+    state["scale_inv_fwd"] = state["scale_fwd"].reciprocal()
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    x = x / x.abs().max() * 0.5
+
+    def first_output(built, inside):
+        layer = te.Linear(32, 16, **({"recipe": recipe} if built else {}))
+        if not inside:
+            layer.load_state_dict(_linear_checkpoint(_bytes_io(state)))
+        with te.fp8_autocast(fp8_recipe=recipe):
+            if inside:
+                layer.load_state_dict(_linear_checkpoint(_bytes_io(state)))
+            return layer(x).detach()
+
+    expected = first_output(False, False)
+    got = first_output(where == "built", where == "loaded_inside_autocast")
+    assert torch.equal(got, expected)
+
+
+def test_a_checkpoint_without_a_recipe_is_not_rescaled_for_the_built_one():
+    """A Transformer Engine 1.x state names no recipe. Loaded into a module built for an E4M3
+    recipe and run under HYBRID, its scales are taken as they are (its recipe unknown), not as
+    made for E4M3 and rescaled for HYBRID (the grad_output scale went from 8 to 1024 and the
+    weight gradient saturated): the same as loading it into a module built for no recipe."""
+    state = _te_1x_state(None)
+    state["scale_bwd"] = torch.tensor([8.0, 1.0])
+    state["scale_inv_bwd"] = state["scale_bwd"].reciprocal()
+    results = []
+    for kwargs in ({}, {"recipe": DelayedScaling(fp8_format=te.Format.E4M3)}):
+        torch.manual_seed(0)
+        layer = te.Linear(32, 16, **kwargs)
+        layer.load_state_dict(_linear_checkpoint(_bytes_io(state)))
+        assert layer.fp8_recipe_fields.tolist() == [-1, -1, -1, -1]
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+        with te.fp8_autocast(fp8_recipe=DelayedScaling()):
+            out = layer(x)
+        out.sum().backward()
+        results.append((layer.weight.grad.clone(), layer.fp8_bwd_scale.clone()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
 def test_saving_a_state_that_still_owes_its_update_warns():
     """A state_dict has no record of the update a 1.5 checkpoint owes (it is lost in a
     re-saved copy): saving before the first FP8 step says so; after a step nothing is owed."""

@@ -234,6 +234,10 @@ def apply_extra_state(module, tensors: dict) -> None:
             getattr(module, name).copy_(tensors[name])
         if "fp8_recipe_fields" in tensors:
             module.fp8_recipe_fields.copy_(tensors["fp8_recipe_fields"])
+        else:  # (no recipe read: Transformer Engine 1.x, or one outside ours) unknown, so
+            # nothing is rescaled; not the recipe the module was built for, which the state
+            # was reset to before this load
+            module.fp8_recipe_fields.fill_(-1)
     module.note_saved_recipe()
     module._bind_scaling_states()  # (histories of another length)
     for state in module._scaling_states:  # (as state_loading.took_loaded_state)
@@ -242,6 +246,7 @@ def apply_extra_state(module, tensors: dict) -> None:
     # anything is cast (quantization/owed_update.py), as Transformer Engine <= 1.5 did.
     module._te_pending_update = tensors.get(PENDING_UPDATE, ())
     module._recipe_code = None  # adopted again from the recipe of the next FP8 forward
+    module._await_recipe()  # (or of the next fp8_autocast entered: as state_loading.py)
     module._weight_cache = [None] * module._num_gemms
     module._delayed_cast_cache = None
     module._fused_step_cache = None

@@ -10,13 +10,15 @@ import torch
 
 from .. import ops
 from . import recipe_switch
-from .history import recipe_code
+from .history import recipe_code, resized_history
 from .recipe import DelayedScaling
 
 
 def run_owed_update(module, recipe: DelayedScaling) -> None:
     """Update ``module``'s roles in ``module._te_pending_update`` ("fwd", "bwd") from their
-    histories (row 0 included, then rolled), as every step's update does, and clear them."""
+    histories (row 0 included, then rolled), as every step's update does, and clear them. A
+    history of another length than the recipe's is resized first (history.resized_history),
+    so the window is the recipe's."""
     if torch.compiler.is_compiling():
         raise RuntimeError(
             f"{type(module).__name__}: the FP8 state loaded from a Transformer Engine <= 1.5 "
@@ -24,6 +26,15 @@ def run_owed_update(module, recipe: DelayedScaling) -> None:
             "torch.compile; run one step eagerly first")
     roles = module._te_pending_update
     module._fp8_state_to_local()
+    resized = False
+    for role in roles:  # (first sized for the recipe, as Transformer Engine <= 1.5 did)
+        history = getattr(module, f"fp8_{role}_amax_history")
+        if history.shape[0] != recipe.amax_history_len:
+            with torch.no_grad():
+                history.data = resized_history(history, recipe.amax_history_len)
+            resized = True
+    if resized:
+        module._bind_scaling_states()
     fmt = recipe.fp8_format
     with torch.no_grad():
         ops.update_delayed_scaling(
