@@ -10,6 +10,7 @@ high-precision all-gather with one warning. (DelayedScaling: tests/test_fsdp_fp8
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import asdict
@@ -33,6 +34,7 @@ from transformer_fp8.modules.fsdp.gathered_weight import GatheredFp8Weight
 from transformer_fp8.quantization.quantizer import TensorQuantizer
 
 CURRENT = tfp8.Float8CurrentScaling()
+POW2 = tfp8.Float8CurrentScaling(use_power_2_scales=True)
 STEPS = 3
 # The GEMM weights in the order the forward uses them.
 WEIGHTS = ("0.weight", "2.fc1_weight", "2.fc2_weight", "3.weight")
@@ -94,15 +96,15 @@ def _full_weights(model) -> dict:
     return {k: state[k].full_tensor().detach().clone() for k in WEIGHTS}
 
 
-def _run(rank: int, fp8_all_gather: bool) -> dict:
-    model = _model(0, fp8_all_gather, recipe=CURRENT)
+def _run(rank: int, fp8_all_gather: bool, recipe=CURRENT) -> dict:
+    model = _model(0, fp8_all_gather, recipe=recipe)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     records, weights = [], []
     with GatherBytes() as gathers, Operands() as operands, \
             Counting(dist, "all_reduce") as reduces, \
             Counting(fsdp_current_scale, "all_reduce_max") as batched:
         for step in range(STEPS):
-            with tfp8.fp8_autocast(fp8_recipe=CURRENT):
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
                 loss = model(_batch(rank, step)).square().mean()
             loss.backward()
             records.append(asdict(record_step(loss, model)))
@@ -117,15 +119,18 @@ def _run(rank: int, fp8_all_gather: bool) -> dict:
 
 
 def _worker(rank, out_dir):
-    result = {str(flag): _run(rank, flag) for flag in (False, True)}
+    result = {f"{pow2}/{flag}": _run(rank, flag, POW2 if pow2 else CURRENT)
+              for pow2 in (False, True) for flag in (False, True)}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_current_scaling_gathers_the_cast_of_the_full_weight_with_one_amax_reduction(tmp_path):
+    """Also with use_power_2_scales=True (gathered in high precision before): the scale of the
+    full weight's amax rounded down to a power of two, as the layer's quantizer rounds it."""
     run_ranks(_worker, (str(tmp_path),), tmp_path)
-    for rank in range(WORLD):
+    for rank, pow2 in ((r, p) for r in range(WORLD) for p in (False, True)):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        high, fp8 = result["False"], result["True"]
+        high, fp8 = result[f"{pow2}/False"], result[f"{pow2}/True"]
         assert_bit_identical([StepRecord(**r) for r in fp8["steps"]],
                              [StepRecord(**r) for r in high["steps"]])
         # Bytes: 1 per weight element (the float32 biases and norm weights keep 4).
@@ -145,7 +150,7 @@ def test_current_scaling_gathers_the_cast_of_the_full_weight_with_one_amax_reduc
         for step in range(STEPS):
             for i, name in enumerate(WEIGHTS):
                 got = fp8["operands"][step * GATHERED_GEMMS + i]
-                want = TensorQuantizer.current(torch.float8_e4m3fn, None).cast(
+                want = TensorQuantizer.current(torch.float8_e4m3fn, None, power_2=pow2).cast(
                     fp8["weights"][step][name], with_transpose=True)
                 assert torch.equal(got["data"], want.data.view(torch.uint8)), (step, name)
                 assert torch.equal(got["scale_inv"], want.scale_inv), (step, name)
@@ -155,8 +160,12 @@ def test_current_scaling_gathers_the_cast_of_the_full_weight_with_one_amax_reduc
                 if got["data_t"] is not None:
                     assert torch.equal(got["data_t"], want.data_t.view(torch.uint8)), (step, name)
                 scales.add((name, got["scale_inv"].item()))
-        # The weights' scales changed with the weights (a scale kept from a past step shows).
-        assert len(scales) == STEPS * GATHERED_GEMMS, scales
+        # The weights' scales changed with the weights (a scale kept from a past step shows;
+        # a power of two changes less often).
+        if pow2:
+            assert all(math.frexp(s)[0] == 0.5 for _, s in scales), scales
+        else:
+            assert len(scales) == STEPS * GATHERED_GEMMS, scales
 
 
 ROWWISE = tfp8.Float8RowwiseScaling()

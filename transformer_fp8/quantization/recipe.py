@@ -232,7 +232,8 @@ class Float8CurrentScaling(Recipe):
     use_power_2_scales: Transformer Engine's (default from NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES):
         every scale fp8_max / amax rounded down to a power of two (its mantissa bits cleared,
         as Transformer Engine does), so that casts and GEMMs scale exactly. Such layers take the
-        Python path (not the C++ steps), and FSDP2 all-gathers their weights in high precision.
+        Python path (not the C++ steps); FSDP2's FP8 all-gather casts the shards with the full
+        weight's power-of-two scale.
         fp8_dpa, fp8_mha: see DelayedScaling.
     backward_override: None (the backward GEMMs in FP8), "high_precision" or "dequantized"
         (in high precision, from the forward's operands before their casts or dequantised:

@@ -61,7 +61,7 @@ from ..._dtensor import group_ranks
 from ...ops.blockwise import BLOCK
 from ...quantization import autocast as _autocast
 from ...quantization.blockwise import BlockQuantizer
-from ...quantization.quantizer import ALIGN
+from ...quantization.quantizer import ALIGN, power_2_floor
 from ...quantization.recipe import (
     FP8_ALL_GATHER_RECIPES,
     DelayedScaling,
@@ -95,6 +95,8 @@ class GatherForm(NamedTuple):
     scale_inv: Optional[torch.Tensor] = None
     block: Optional[BlockQuantizer] = None
     made_in: Optional[tuple] = None
+    power_2: bool = False  # (Float8CurrentScaling(use_power_2_scales=True): the scale rounded
+    # down to a power of two, as the layer's quantizer rounds it)
 
 
 HIGH_PRECISION = GatherForm()
@@ -157,10 +159,6 @@ def _forward_form(module) -> GatherForm:
         return HIGH_PRECISION
     if recipe.fp8_format is Format.E5M2:
         return HIGH_PRECISION  # the module refuses it in its forward
-    if getattr(recipe, "use_power_2_scales", False):
-        _warn_once("use_power_2_scales", "fp8_all_gather: under Float8CurrentScaling with "
-                   "use_power_2_scales=True the weights are all-gathered in high precision")
-        return HIGH_PRECISION
     if getattr(recipe, "backward_override", None) == "high_precision":
         _warn_once("backward_override", "fp8_all_gather: with backward_override="
                    "'high_precision' the weights are all-gathered in high precision (the "
@@ -171,7 +169,7 @@ def _forward_form(module) -> GatherForm:
     dtype = recipe.fp8_format.fwd_dtype
     if block:  # the weight quantizer of roles._block_roles (equal cache_key)
         return GatherForm(dtype, block=BlockQuantizer(2, dtype, recipe.power_2_scale))
-    return GatherForm(dtype)
+    return GatherForm(dtype, power_2=bool(getattr(recipe, "use_power_2_scales", False)))
 
 
 def _cast_shard(shard: torch.Tensor, x: torch.Tensor, module, form: GatherForm,
@@ -186,9 +184,12 @@ def _cast_shard(shard: torch.Tensor, x: torch.Tensor, module, form: GatherForm,
     state = _module_state(module)
     if isinstance(state.recipe, Float8CurrentScaling):
         scale, serial = current_weight_scale(shard, mesh, form.fp8_dtype, x.dtype)
+        if form.power_2:
+            scale = power_2_floor(scale)
         return (ops.cast_to_fp8(x, scale, form.fp8_dtype),
                 GatherForm(form.fp8_dtype, scale, ops.scale_inverse(scale),
-                           made_in=("current", _autocast.forward_pass_id(), serial)))
+                           made_in=("current", _autocast.forward_pass_id(), serial,
+                                    form.power_2), power_2=form.power_2))
     module._adopt_recipe(state.recipe)
     quantizer = delayed_quantizers(module, state.recipe.fp8_format)[shard._gemm][1]
     q = quantizer.cast(x, with_transpose=False)
@@ -279,10 +280,11 @@ def gathered_weight(all_gather_outputs, metadata, param_dtype, out):
     else:
         data, scale_inv = gathered.view(form.fp8_dtype)[:rows], form.scale_inv
     if out is not None:
-        out._refill(data, form.scale, scale_inv, form.block)
+        out._refill(data, form.scale, scale_inv, form.block, form.power_2)
         out._delayed_pass, out._source, out._gather_again = delayed_pass, source, gather_again
         return None
-    weight = GatheredFp8Weight(data, form.scale, scale_inv, param_dtype, block=form.block)
+    weight = GatheredFp8Weight(data, form.scale, scale_inv, param_dtype, block=form.block,
+                               power_2=form.power_2)
     weight._delayed_pass, weight._source, weight._gather_again = delayed_pass, source, gather_again
     return weight, tuple(all_gather_outputs)
 

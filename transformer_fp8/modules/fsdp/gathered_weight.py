@@ -54,12 +54,15 @@ class GatheredFp8Weight(torch.Tensor):
     (its gradient's)."""
 
     @staticmethod
-    def __new__(cls, data, scale, scale_inv, dtype, requires_grad: bool = False, block=None):
+    def __new__(cls, data, scale, scale_inv, dtype, requires_grad: bool = False, block=None,
+                power_2: bool = False):
         return _wrapper(cls, data, dtype, requires_grad)
 
-    def __init__(self, data, scale, scale_inv, dtype, requires_grad: bool = False, block=None):
+    def __init__(self, data, scale, scale_inv, dtype, requires_grad: bool = False, block=None,
+                 power_2: bool = False):
         self._fp8, self._scale, self._scale_inv = data, scale, scale_inv
         self._block = block
+        self._power_2 = power_2  # (its scale a power of two: use_power_2_scales)
         # Set by all_gather.gathered_weight: the forward pass whose delayed scale it was
         # cast with (None: not a delayed cast), what it was gathered from (_source) and the
         # function that gathers it again from there (all_gather.gather_again).
@@ -79,21 +82,25 @@ class GatheredFp8Weight(torch.Tensor):
         return f"GatheredFp8Weight(shape={tuple(self.shape)}, fp8_dtype={self._fp8.dtype}, {how})"
 
     def _again(self) -> "GatheredFp8Weight":
-        again = type(self)(self._fp8, self._scale, self._scale_inv, self.dtype, block=self._block)
+        again = type(self)(self._fp8, self._scale, self._scale_inv, self.dtype, block=self._block,
+                           power_2=self._power_2)
         again._delayed_pass, again._source = self._delayed_pass, self._source
         again._gather_again = self._gather_again
         again._full_high_precision = self._full_high_precision
         return again
 
-    def _refill(self, data, scale, scale_inv, block=None) -> None:
+    def _refill(self, data, scale, scale_inv, block=None, power_2: bool = False) -> None:
         """Point at this step's gathered data and scale(s) (FSDP2 keeps the Parameter object)."""
         self._fp8, self._scale, self._scale_inv, self._block = data, scale, scale_inv, block
+        self._power_2 = power_2
 
     @property
     def fp8_cache_key(self) -> tuple:
         """The cache_key of the weight quantizers whose operand this is (Fp8Plan.quantize_weight
         takes it only for those)."""
-        return self._block.cache_key if self._block is not None else TensorQuantizer.cache_key
+        if self._block is not None:
+            return self._block.cache_key
+        return ("tensor", "power_2") if self._power_2 else TensorQuantizer.cache_key
 
     def fp8_operand(self, fp8_dtype: torch.dtype, with_transpose: bool) -> Optional[Quantized]:
         """The GEMM operand: the gathered data, and its transpose (for dgrad) made from it,
