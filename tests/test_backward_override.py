@@ -355,14 +355,15 @@ def test_a_kept_weight_cast_makes_no_transpose_under_an_override(gen):
 
 def test_fsdp2_fp8_all_gather_gives_the_overrides_gradients(tmp_path):
     """2 gloo ranks: b's input and weight gradients with fp8_all_gather equal those with
-    high-precision all-gathers, for both overrides, also where forward prefetch gathered b's
-    weight in FP8 under the context before it ("high_precision" took that FP8 weight
-    dequantised: 33 dB off)."""
+    high-precision all-gathers, for both overrides, current and block scaling, also where
+    forward prefetch gathered b's weight in FP8 under the context before it ("high_precision"
+    took that FP8 weight dequantised: 33 dB off), and where b is checkpointed (its
+    recomputation did so again under block scaling: 35 dB off)."""
     from backward_override_cases import worker
     from multiprocess import rank_results
-    for result in rank_results(worker, tmp_path, world=2, timeout_s=300):
-        for (override, prefetch, fp8_all_gather, name), value in result.items():
+    for result in rank_results(worker, tmp_path, world=2, timeout_s=600):
+        for (case, prefetch, fp8_all_gather, name), value in result.items():
             if fp8_all_gather:
-                expected = result[(override, prefetch, False, name)]
+                expected = result[(case, prefetch, False, name)]
                 torch.testing.assert_close(value, expected, rtol=0, atol=0,
-                                           msg=f"{override} prefetch={prefetch} {name}")
+                                           msg=f"{case} prefetch={prefetch} {name}")

@@ -247,6 +247,7 @@ def test_the_rule_leaves_parameters_their_views_scalars_and_subclasses():
     assert not _offloadable(torch.randn(4, 3, device="meta"))
     assert not _offloadable(torch.eye(4).to_sparse())
     assert not _offloadable(torch.eye(4).to_sparse_csr())
+    assert not _offloadable(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
 
 
 def test_a_sparse_tensor_saved_in_an_offloaded_layer_stays_sparse():

@@ -294,6 +294,43 @@ def test_the_owed_update_takes_the_recipes_window(where):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("where", ["built", "inside"])
+def test_a_failed_first_step_after_a_load_inside_a_context_keeps_the_loaded_state(where):
+    """A 1.5 checkpoint loaded into a module built for the recipe, or inside the context of
+    the step that then fails: the steps after are those of a run without the failed step
+    (the undo put back the fresh state from before the load: a forward scale of 10922 where
+    112 was due)."""
+    def run(fail_first, length):
+        recipe = DelayedScaling(amax_history_len=length)
+        layer = te.Linear(32, 16, **({"recipe": recipe} if where == "built" else {}))
+        checkpoint = _linear_checkpoint(_bytes_io(_te_1x_state(True)))
+        if where == "built":
+            layer.load_state_dict(checkpoint)
+        scales = []
+        for step in range(-1 if fail_first else 0, 5):
+            x = torch.randn(64, 32, generator=torch.Generator().manual_seed(max(step, 0)))
+            try:
+                with te.fp8_autocast(fp8_recipe=recipe):
+                    if where == "inside" and step == (-1 if fail_first else 0):
+                        layer.load_state_dict(checkpoint)
+                    out = layer(x * 0.01)
+                    if step == -1:
+                        raise RuntimeError("CUDA out of memory (simulated)")
+            except RuntimeError:
+                continue
+            out.sum().backward()
+            scales.append((layer.fp8_fwd_scale.clone(), layer.fp8_bwd_scale.clone()))
+        return scales, layer.state_dict()
+
+    for length in (2, 4, 8):
+        got, expected = run(True, length), run(False, length)
+        for (a_fwd, a_bwd), (e_fwd, e_bwd) in zip(got[0], expected[0]):
+            assert torch.equal(a_fwd, e_fwd) and torch.equal(a_bwd, e_bwd), length
+        for key, value in expected[1].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[1][key], value), (length, key)
+
+
 def test_a_checkpoint_without_a_recipe_is_not_rescaled_for_the_built_one():
     """A Transformer Engine 1.x state names no recipe. Loaded into a module built for an E4M3
     recipe and run under HYBRID, its scales are taken as they are (its recipe unknown), not as

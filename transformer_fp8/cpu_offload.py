@@ -53,8 +53,9 @@ def _side_stream(device: torch.device):
 
 
 def _offloadable(t: torch.Tensor) -> bool:
-    return (type(t) is torch.Tensor and t.layout is torch.strided and t.numel() > 1
-            and t.device.type in ("cpu", "cuda")  # (a sparse tensor is kept where it is)
+    return (type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested
+            and t.numel() > 1  # (a sparse or nested tensor is kept where it is)
+            and t.device.type in ("cpu", "cuda")
             and (t._base is None or type(t._base) is torch.Tensor))
 
 

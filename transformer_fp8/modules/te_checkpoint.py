@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ..quantization import amax_step
+from ..quantization import adoption_undo, amax_step
 from ..quantization.recipe import MAX_MARGIN
 from ..quantization.state_validation import fp8_state_error
 from ..quantization.transforms import outside_inference_mode
@@ -239,6 +239,7 @@ def apply_extra_state(module, tensors: dict) -> None:
             # was reset to before this load
             module.fp8_recipe_fields.fill_(-1)
     module.note_saved_recipe()
+    adoption_undo.forget(module)  # (a failed step leaves the loaded state, not the one before)
     module._bind_scaling_states()  # (histories of another length)
     for state in module._scaling_states:  # (as state_loading.took_loaded_state)
         amax_step.AmaxStep.leave(state)

@@ -54,6 +54,15 @@ def note(module, history_names, scales: bool = False) -> None:
         frames[-1].append((weakref.ref(module), snapshot))
 
 
+def forget(module) -> None:
+    """A state was loaded into ``module``: what it held before is no longer what a failed step
+    must leave (an adoption noted before the load, at the entry of the context the load ran
+    in, would put back the state from before the load)."""
+    for frame in _LOCAL.frames:
+        if frame:
+            frame[:] = [(ref, snapshot) for ref, snapshot in frame if ref() is not module]
+
+
 def _restore(module, snapshot: dict) -> None:
     """Put ``snapshot`` back, and discard what the failed step recorded in the forward history
     put back (it may have run under its earlier recipe before adopting the failed one), as the

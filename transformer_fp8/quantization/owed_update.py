@@ -17,8 +17,9 @@ from .recipe import DelayedScaling
 def run_owed_update(module, recipe: DelayedScaling) -> None:
     """Update ``module``'s roles in ``module._te_pending_update`` ("fwd", "bwd") from their
     histories (row 0 included, then rolled), as every step's update does, and clear them. A
-    history of another length than the recipe's is resized first (history.resized_history),
-    so the window is the recipe's."""
+    history of another length than the recipe's is resized first, as Transformer Engine 1.5
+    did, so the window is the recipe's length (its rows as history.resized_history keeps them:
+    row 0 and the newest; Transformer Engine 1.5 kept the first rows)."""
     if torch.compiler.is_compiling():
         raise RuntimeError(
             f"{type(module).__name__}: the FP8 state loaded from a Transformer Engine <= 1.5 "

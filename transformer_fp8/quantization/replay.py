@@ -100,8 +100,9 @@ class ReplayRecords:
         return any(key is _NOT_REPLAYED and _alive(kept) for kept, _, key in self.entries)
 
     def drop_freed(self) -> None:
-        """Forget the records of regions that have been freed."""
-        self.entries = [entry for entry in self.entries if _alive(entry[0])]
+        """Forget the records of regions that have been freed (in place: a region freed by a
+        garbage collection while a record is being appended runs this in between)."""
+        self.entries[:] = [entry for entry in self.entries if _alive(entry[0])]
         self.kept = bool(self.entries)
 
     def keep(self, regions, record) -> None:
@@ -113,7 +114,8 @@ class ReplayRecords:
         for region in regions:
             if len(self.entries) >= MAX_RECORDS_PER_LAYER:
                 del self.entries[0]  # a forward whose backward never ran
-            self.entries.append([_weak(region, self), record, _NOT_REPLAYED])
+            entry = [_weak(region, self), record, _NOT_REPLAYED]
+            self.entries.append(entry)
             self.kept = True
             if hasattr(region, "register_prehook") and "_tfp8_hooked" not in region.__dict__:
                 # A reentrant region (an autograd node): see _before_reentrant_backward.

@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from .._dtensor import is_dtensor
-from . import amax_step, backward_step, recipe_switch
+from . import adoption_undo, amax_step, backward_step, recipe_switch
 from .state_layout import FP8_FLOAT_STATE, FP8_STATE_KEYS, HISTORIES
 from .state_materialisation import fresh_state_off_meta
 from .state_validation import assigned_state_made_usable, fp8_state_error
@@ -43,6 +43,7 @@ class Fp8StateLoading:
         its saved recipe noted, and the recipe adopted again at the next FP8 forward (its
         scales rescaled there if made for another format: recipe_switch.py)."""
         self.note_saved_recipe()
+        adoption_undo.forget(self)  # (a failed step leaves the loaded state, not the one before)
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
         self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
         # Covered by no step until it records again, as a freshly built module that loaded the

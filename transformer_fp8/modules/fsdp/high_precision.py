@@ -89,6 +89,8 @@ def _is_forward_operand(weight: GatheredFp8Weight, plan) -> bool:
     quantizer = plan.weight_quantizer
     if plan.weight_fp8 is not None:
         return True  # (a weight kept across microbatches: the gathered one is not read)
+    if plan.backward_override == "high_precision":
+        return False  # (its backward takes the weight before the cast: mismatched_forms)
     if weight.fp8_cache_key != quantizer.cache_key or weight._fp8.dtype != quantizer.dtype:
         return False  # gathered in another form than the forward's (another recipe since)
     if weight._block is not None:
