@@ -104,9 +104,17 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     (refused): fp8_calibrating / calibrating, fp8_weight_caching / cache_quantized_params,
     sample_kwargs, retain_graph_in_backward, post_warmup_hook, capture_time_hooks, Megatron-LM's
     pipeline schedule (_order, _num_layers_per_chunk, _reuse_graph_input_output_buffers),
-    modules with hooks (as torch refuses them), delay_wgrad_compute (its weight gradients are
-    handed over in Python, which a replay skips). clone_param_grads_on_return is accepted and
-    unused (the returned gradients are torch's).
+    modules with hooks (as torch refuses them), delay_wgrad_compute and fuse_wgrad_accumulation
+    (their weight gradients are handed over in Python, which a replay skips), attention dropout
+    drawn from an RNG tracker (get_rng_state_tracker: its fork switches generator states, which
+    capture forbids).
+
+    clone_param_grads_on_return (default True, as Transformer Engine): the parameter gradients
+    a replay returns are the graph's output buffers, which the next replay overwrites; autograd
+    installs such a gradient as ``param.grad`` without a copy where it is None, so accumulated
+    microbatches (or zero_grad(set_to_none=False)) would add a buffer to itself. Each graphed
+    parameter's gradient is then copied before it is accumulated (a hook on the parameter).
+    False: as torch returns them (no copy; a gradient is valid until the next replay).
     """
     fp8_enabled = _merge("fp8_enabled", fp8_enabled, False, "enabled", enabled)
     fp8_recipe = _merge("fp8_recipe", fp8_recipe, None, "recipe", recipe)
@@ -179,7 +187,24 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
                     current.copy_(before)
     for module, wrapper in zip(module_list, graphed):
         module.forward = _graphed_forward(module, wrapper)
+    if clone_param_grads_on_return:
+        clone_returned_param_grads(module_list)
     return module_list[0] if single else module_list
+
+
+def _copied(grad: torch.Tensor) -> torch.Tensor:
+    return grad.clone()
+
+
+def clone_returned_param_grads(modules) -> None:
+    """Each parameter of ``modules`` that takes a gradient gets it copied before autograd
+    accumulates it (a hook on the parameter, once per parameter): a graph replay returns its
+    output buffers, which the next replay overwrites (make_graphed_callables' docstring)."""
+    for module in modules:
+        for param in module.parameters():
+            if param.requires_grad and not getattr(param, "_tfp8_grad_copied", False):
+                param.register_hook(_copied)
+                param._tfp8_grad_copied = True
 
 
 def _enabled_per_module(fp8_enabled, count: int) -> tuple:
@@ -208,6 +233,19 @@ def _check_graphable(module: torch.nn.Module, index: int) -> None:
                              "delay_wgrad_compute=True, whose weight gradients backward_dw() "
                              "hands over in Python, which a graph replay skips; build it "
                              "without delay_wgrad_compute to graph it")
+        if getattr(layer, "fuse_wgrad_accumulation", False):
+            raise ValueError(f"modules[{index}]: {type(layer).__name__} was built with "
+                             "fuse_wgrad_accumulation=True, whose weight gradients are added to "
+                             "main_grad in Python, outside autograd, which a graph replay "
+                             "skips; build it without fuse_wgrad_accumulation to graph it")
+    for name, sub in module.named_modules():
+        if (getattr(sub, "get_rng_state_tracker", None) is not None
+                and getattr(sub, "attention_dropout", 0.0) > 0.0):
+            raise ValueError(f"modules[{index}]: {name or type(sub).__name__} draws attention "
+                             f"dropout (p={sub.attention_dropout}) from an RNG tracker "
+                             "(get_rng_state_tracker), whose fork sets generator states, which "
+                             "CUDA graph capture forbids; graph it with attention_dropout=0 or "
+                             "without a tracker (torch's default generator is captured)")
 
 
 def _captured_tensors(submodules: list) -> list[tuple]:
