@@ -414,6 +414,9 @@ def test_make_graphed_callables_refuses_hooks_and_delayed_wgrad():
     delayed = torch.nn.Sequential(tfp8.Linear(64, 64, delay_wgrad_compute=True))
     with pytest.raises(ValueError, match="delay_wgrad_compute=True"):
         tfp8.make_graphed_callables((block, delayed), (sample, sample), fp8_enabled=True)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_warmup_iters must be an integer >= 1"):
+            tfp8.make_graphed_callables(block, sample, fp8_enabled=True, num_warmup_iters=bad)
     # (main_grad written in Python: the warm-up failed inside torch, having added garbage)
     fused = torch.nn.Sequential(tfp8.Linear(64, 64, fuse_wgrad_accumulation=True))
     with pytest.raises(ValueError, match="fuse_wgrad_accumulation=True"):

@@ -135,6 +135,12 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     if not isinstance(clone_param_grads_on_return, bool):
         raise TypeError("clone_param_grads_on_return must be True or False, got "
                         f"{type(clone_param_grads_on_return).__name__}")
+    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int) \
+            or num_warmup_iters < 1:
+        # (the first FP8 step adopts recipes, sizes histories and sets up cuBLASLt: host work
+        # and allocations that must not fall inside the capture)
+        raise ValueError("num_warmup_iters must be an integer >= 1 (the first step sets up "
+                         f"the FP8 state outside the capture), got {num_warmup_iters!r}")
     if pre_warmup_hook is not None and not callable(pre_warmup_hook):
         raise TypeError(f"pre_warmup_hook must be callable, got {type(pre_warmup_hook).__name__}")
     if fp8_recipe is None:
