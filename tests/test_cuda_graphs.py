@@ -54,16 +54,29 @@ def sgd_in_place(*models, lr=0.05):
 
 
 class _HostReads(TorchDispatchMode):
-    """Records the operators that copy a tensor's value to the host (.item(), bool(t), ...)."""
+    """Records the operators that read a tensor's value on the host or wait for the device:
+    .item() / bool(t), nonzero (its output size), and copies between the CPU and a device in
+    either direction (.cpu(), .tolist() of a device tensor, a CPU tensor moved in). On the CPU
+    only the first kind can show (.tolist() of a CPU tensor dispatches nothing): the CUDA case
+    checks the rest."""
+
+    _READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+              torch.ops.aten.is_nonzero.default, torch.ops.aten.nonzero.default)
+    _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
 
     def __init__(self):
         super().__init__()
         self.reads = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+        out = func(*args, **(kwargs or {}))
+        if func in self._READS:
             self.reads.append(str(func))
-        return func(*args, **(kwargs or {}))
+        elif func in self._COPIES:
+            devices = {t.device.type for t in (*args, out) if isinstance(t, torch.Tensor)}
+            if "cpu" in devices and len(devices) > 1:
+                self.reads.append(f"{func} between {sorted(devices)}")
+        return out
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
