@@ -196,6 +196,56 @@ def test_conv1d_weights_are_refused_by_fp8_all_gather():
         tfp8.enable_fp8_all_gather(model)
 
 
+class _TiedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.body = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embed.weight  # (tied, as a language model's lm_head)
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens)))
+
+
+def test_fp8_all_gather_leaves_a_weight_tied_to_an_embedding_in_high_precision():
+    """An lm_head tied to the embedding: its weight stays a plain Parameter (with a warning),
+    both with convert_to_fp8(fp8_all_gather=True) and enable_fp8_all_gather(model); FSDP2 may
+    name the embedding as the weight's owner, which crashed the FP8 gather (and an embedding
+    given an FP8-gathered weight would look up dequantised rows). The tie is kept, the other
+    weights become ShardedWeights, and a gather for a module that is no FP8 layer is in high
+    precision."""
+    from transformer_fp8.modules.fsdp.all_gather import HIGH_PRECISION, _forward_form
+    from transformer_fp8.modules.fsdp.weight import ShardedWeight
+    for how in ("convert", "enable"):
+        model = _TiedLM()
+        with pytest.warns(UserWarning, match="tied"):
+            if how == "convert":
+                tfp8.convert_to_fp8(model, fp8_all_gather=True)
+            else:
+                tfp8.convert_to_fp8(model)
+                tfp8.enable_fp8_all_gather(model)
+        assert model.head.weight is model.embed.weight
+        assert type(model.head.weight) is torch.nn.Parameter
+        assert isinstance(model.body.weight, ShardedWeight)
+    with tfp8.fp8_autocast():
+        assert _forward_form(model.embed) is HIGH_PRECISION
+
+
+def test_bad_flags_and_filter_results_are_refused():
+    """return_summary must be a bool (a truthy "no" returned the summary); filter_fn must
+    return a bool (a truthy "no" converted the layer), a numpy bool is taken."""
+    import numpy as np
+    with pytest.raises(TypeError, match="return_summary must be True or False"):
+        tfp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32)), return_summary="no")
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    with pytest.raises(TypeError, match=r"filter_fn must return True or False, got 'no'"):
+        tfp8.convert_to_fp8(model, filter_fn=lambda layer, name: "no")
+    assert type(model[0]) is torch.nn.Linear
+    tfp8.convert_to_fp8(model, filter_fn=lambda layer, name: np.bool_(False))
+    assert type(model[0]) is torch.nn.Linear
+
+
 def test_skipped_layers_are_reported_with_reasons():
     model = torch.nn.Sequential(Block(), Conv1D(10, 64), torch.nn.MultiheadAttention(32, 2))
     with pytest.warns(UserWarning) as record:

@@ -157,6 +157,32 @@ def test_load_fp8_state_reads_a_sharded_checkpoint(tmp_path, fmt):
             assert torch.equal(value, saved[key]), key
 
 
+def test_load_fp8_state_reads_the_files_from_pretrained_reads(tmp_path):
+    """Another model's safetensors file beside model.safetensors (accelerate's save_state
+    writes model.safetensors and model_1.safetensors for a model and its EMA copy): the FP8
+    state comes from model.safetensors, as from_pretrained's weights do (the later file
+    overwrote it); several files with neither model.safetensors nor an index are refused."""
+    from safetensors.torch import load_file, save_file
+    first = tfp8.convert_to_fp8(tiny_gpt2("cpu"), recipe=RECIPE)
+    train_lm(first, first, "cpu")
+    first.save_pretrained(tmp_path)
+    other = tfp8.convert_to_fp8(tiny_gpt2("cpu"), recipe=RECIPE)
+    train_lm(other, other, "cpu")
+    train_lm(other, other, "cpu")
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()
+               if k != "lm_head.weight"}, str(tmp_path / "model_1.safetensors"))
+    reloaded = tfp8.convert_to_fp8(tiny_gpt2("cpu"), recipe=RECIPE)
+    tfp8.load_fp8_state(reloaded, tmp_path)
+    expected = first.state_dict()
+    for key, value in reloaded.state_dict().items():
+        if "fp8_" in key:
+            assert torch.equal(value, expected[key]), key
+    (tmp_path / "model.safetensors").rename(tmp_path / "model_0.safetensors")
+    with pytest.raises(ValueError, match="several safetensors files"):
+        tfp8.load_fp8_state(reloaded, tmp_path)
+    assert load_file(str(tmp_path / "model_1.safetensors"))  # (both files still there)
+
+
 def test_load_fp8_state_refuses_a_model_that_does_not_match(tmp_path):
     model = tfp8.convert_to_fp8(tiny_gpt2("cpu"))
     model.save_pretrained(tmp_path)

@@ -16,7 +16,7 @@ import torch
 from ..quantization import model_init
 from ..quantization.quantizer import ALIGN
 from ..quantization.history import history_len_for
-from ..modules.fsdp.enable import enable_fp8_all_gather
+from ..modules.fsdp.enable import enable_fp8_all_gather, held_outside_fp8_modules
 from ..modules.linear import Linear, LinearLayer
 from ..quantization.recipe import Recipe
 
@@ -169,9 +169,9 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"convert_to_fp8: filter_fn must be None or a callable (layer, name) -> "
                         f"bool, got {type(filter_fn).__name__}")
-    if not isinstance(fp8_all_gather, bool):
-        raise TypeError(f"convert_to_fp8: fp8_all_gather must be True or False, got "
-                        f"{fp8_all_gather!r}")
+    for flag, value in (("fp8_all_gather", fp8_all_gather), ("return_summary", return_summary)):
+        if not isinstance(value, bool):
+            raise TypeError(f"convert_to_fp8: {flag} must be True or False, got {value!r}")
     filter_fn = filter_fn or _default_filter
     if recipe is None:
         recipe = model_init.init_recipe()  # from quantized_model_init, if any
@@ -199,7 +199,10 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
         elif type(child) is torch.nn.Linear:
             new_class = Linear
         else:
-            if isinstance(child, torch.nn.Linear):
+            if isinstance(child, torch.nn.Linear) and _is_fully_sharded(child):
+                summary.skipped[name] = ("sharded by fully_shard already: convert the model "
+                                         "before fully_shard")
+            elif isinstance(child, torch.nn.Linear):
                 summary.skipped[name] = (f"{type(child).__name__} is a subclass of "
                                          "torch.nn.Linear, which may use its weight its own way")
             else:
@@ -207,7 +210,14 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
                 if stacked:
                     summary.not_linear[name] = stacked
             continue
-        if not filter_fn(child, name):
+        chosen = filter_fn(child, name)
+        if type(chosen).__module__ == "numpy" and getattr(chosen, "dtype", None) is not None \
+                and chosen.dtype.kind == "b":  # (a numpy bool)
+            chosen = bool(chosen)
+        if not isinstance(chosen, bool):  # (a truthy "no" converted the layer)
+            raise TypeError(f"convert_to_fp8: filter_fn must return True or False, got "
+                            f"{chosen!r} for {name!r}")
+        if not chosen:
             summary.skipped[name] = _skip_reason(child, filter_fn, name)
             if issubclass(new_class, Conv1D):
                 del child.in_features, child.out_features  # leave it as it was
@@ -219,9 +229,14 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
             child.prepare_fp8_recipe(recipe)
         summary.converted.append(name)
     if fp8_all_gather:
+        tied = held_outside_fp8_modules(module)
         for name in summary.converted:
             layer = module.get_submodule(name)
-            if type(layer) is Linear:
+            if type(layer) is Linear and id(layer.weight) in tied:
+                warnings.warn(f"convert_to_fp8: the weight of {name} is tied to "
+                              f"{tied[id(layer.weight)]}'s: all-gathered in high precision",
+                              stacklevel=2)
+            elif type(layer) is Linear:
                 enable_fp8_all_gather(layer)
             else:
                 warnings.warn(f"convert_to_fp8: the weight of {name or '(the module itself)'} "
@@ -249,6 +264,15 @@ def _stacked_weights(module: torch.nn.Module) -> Optional[str]:
     return (f"{type(module).__name__} holds {', '.join(stacked)}: its matrix products are not "
             "torch.nn.Linear layers (fused MoE experts) and stay in high precision; "
             "transformer_fp8.GroupedLinear runs experts in FP8")
+
+
+def _is_fully_sharded(layer) -> bool:
+    """Whether FSDP2's fully_shard made ``layer``'s class (an FSDP<class> subclass)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (a torch without torch.distributed)
+        return False
+    return isinstance(layer, FSDPModule)
 
 
 def _skip_reason(layer, filter_fn, name: str) -> str:

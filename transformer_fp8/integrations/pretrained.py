@@ -28,10 +28,29 @@ def _is_fp8_key(key: str) -> bool:
     return key.rsplit(".", 1)[-1] in FP8_STATE_KEYS
 
 
+def _safetensors_files(path: str) -> list:
+    """The safetensors files from_pretrained reads in ``path``: those its index names
+    (model.safetensors.index.json), else model.safetensors; else the one *.safetensors file
+    there. Other files beside them (another model's, as accelerate's save_state writes) are not
+    read; several with no index or model.safetensors are refused."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return ["model.safetensors"]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if len(files) > 1:
+        raise ValueError(f"load_fp8_state: {path!r} holds several safetensors files {files} "
+                         "and neither model.safetensors nor model.safetensors.index.json: "
+                         "which one is the model's is not known; pass its state_dict")
+    return files
+
+
 def _read_checkpoint_dir(path: str) -> dict:
     """The FP8 tensors of a save_pretrained directory (safetensors, sharded or not, or
-    pytorch_model.bin)."""
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    pytorch_model.bin): from the files from_pretrained reads."""
+    files = _safetensors_files(path)
     if files:
         from safetensors import safe_open
 

@@ -136,7 +136,10 @@ def _module_state(module):
 def _forward_form(module) -> GatherForm:
     """FP8 where the module's forward will run FP8 GEMMs under DelayedScaling or
     Float8CurrentScaling (the scale is chosen by _cast_shard) or Float8BlockScaling with
-    128x128 weight blocks; else high precision."""
+    128x128 weight blocks; else high precision (also where FSDP2 names another module as the
+    weight's owner: a weight tied to an embedding, which looks it up as its own)."""
+    if not hasattr(module, "_fp8_override") or not hasattr(module, "_gemm_dims"):
+        return HIGH_PRECISION
     state = _module_state(module)
     if state is None or not state.enabled:
         return HIGH_PRECISION

@@ -4,6 +4,8 @@ fsdp/all_gather.py runs; their state_dict holds the plain high-precision weights
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..base import Fp8StateMixin
@@ -61,6 +63,15 @@ def check_fp8_all_gather(owner: str, fp8_all_gather, **options) -> None:
                              "(the weight must be one Parameter, with no gradient routing)")
 
 
+def held_outside_fp8_modules(model: torch.nn.Module) -> dict:
+    """{id(parameter): the qualified name of a module that is not an FP8 module and holds it}
+    over ``model``: weights tied to an embedding, which must not become ShardedWeights (FSDP2
+    may take the embedding as their owner, and it would get the FP8 gather)."""
+    return {id(p): q or type(m).__name__ for q, m in model.named_modules()
+            if not isinstance(m, Fp8StateMixin) for p in m._parameters.values()
+            if p is not None}
+
+
 def enable_fp8_all_gather(model: torch.nn.Module) -> list:
     """Make the GEMM weights of every FP8 module in ``model`` all-gather in FP8 under FSDP2
     (see the module docstring). Call it before ``fully_shard`` and before building the
@@ -86,11 +97,18 @@ def enable_fp8_all_gather(model: torch.nn.Module) -> list:
             if type(param) is not torch.nn.Parameter and not isinstance(param, ShardedWeight):
                 raise TypeError(f"enable_fp8_all_gather: {qualified}.{name} is a "
                                 f"{type(param).__name__}; call it before fully_shard")
+    # A weight that a module other than an FP8 one holds too (an lm_head tied to the
+    # embedding) stays a plain Parameter: gathered in high precision, for both of them.
+    shared = held_outside_fp8_modules(model)
+    tied = []
     changed = []
     for qualified, module in modules:
         for gemm, name in _weight_parameter_names(module):
             param = module._parameters[name]
             if isinstance(param, ShardedWeight):
+                continue
+            if id(param) in shared:
+                tied.append(f"{qualified}.{name} (also {shared[id(param)]}'s)")
                 continue
             new = torch.nn.Parameter(ShardedWeight(param.data, gemm),
                                      requires_grad=param.requires_grad)
@@ -102,4 +120,7 @@ def enable_fp8_all_gather(model: torch.nn.Module) -> list:
         if not getattr(module, "_fp8_all_gather_hook", False):
             module._register_state_dict_hook(_plain_weights_in_state_dict)
             module._fp8_all_gather_hook = True
+    if tied:
+        warnings.warn("fp8_all_gather: weights tied to a module that is not an FP8 module are "
+                      f"all-gathered in high precision: {tied}", stacklevel=2)
     return changed
