@@ -51,15 +51,16 @@ HIGH_PRECISION = "high precision"
 
 def _weak(region, records: "ReplayRecords") -> object:
     """A weak reference to the region where one can be made (a record must not keep a
-    reentrant region's saved inputs alive), else the region. When the region is freed its
-    records are dropped at once: ``records.kept`` is then False again, so a compiled forward
-    of the layer (which guards on it) takes no graph break for a region long gone."""
+    reentrant region's saved inputs alive), else the region. When the region is freed,
+    ``records.kept`` says at once whether any record's region is still alive (the records go
+    at the next drop_freed), so a compiled forward of the layer (which guards on it) takes no
+    graph break for a region long gone."""
     owner = weakref.ref(records)
 
-    def freed(_):
+    def freed(_):  # (reads the entries only: it may run inside any code that walks them)
         alive = owner()
         if alive is not None:
-            alive.drop_freed()
+            alive.kept = any(_alive(entry[0]) for entry in alive.entries)
 
     try:
         return weakref.ref(region, freed)
@@ -100,9 +101,8 @@ class ReplayRecords:
         return any(key is _NOT_REPLAYED and _alive(kept) for kept, _, key in self.entries)
 
     def drop_freed(self) -> None:
-        """Forget the records of regions that have been freed (in place: a region freed by a
-        garbage collection while a record is being appended runs this in between)."""
-        self.entries[:] = [entry for entry in self.entries if _alive(entry[0])]
+        """Forget the records of regions that have been freed."""
+        self.entries = [entry for entry in self.entries if _alive(entry[0])]
         self.kept = bool(self.entries)
 
     def keep(self, regions, record) -> None:
