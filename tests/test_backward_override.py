@@ -64,6 +64,22 @@ def _run(module, x, grad, recipe):
     return [out.detach(), x.grad] + [p.grad for p in module.parameters()]
 
 
+def _compared(module, x, grad, kind, override, reference):
+    """The module's step without and with the override (their forwards bit for bit the same)
+    and the reference composition's (``reference(module copy, input)``) gradients: (got, plain,
+    expected), each [output, input gradient, parameter gradients...] (expected without the
+    output)."""
+    recipe = RECIPES[kind]
+    plain = _run(module, x, grad, recipe())
+    got = _run(module, x, grad, recipe(backward_override=override))
+    torch.testing.assert_close(got[0], plain[0], rtol=0, atol=0)
+    ref = copy.deepcopy(module)
+    ref.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_()
+    reference(ref, xr).backward(grad)
+    return got, plain, [xr.grad] + [p.grad for p in ref.parameters()]
+
+
 def _random_parameters(module, gen):
     with torch.no_grad():
         for p in module.parameters():
@@ -114,16 +130,9 @@ def test_linear_backward_gemms_read_the_overrides_operands(gen, kind, override, 
     _random_parameters(layer, gen)
     x = torch.randn(3, 7, 256, generator=gen)
     grad = torch.randn(3, 7, 128, generator=gen)
-    recipe = RECIPES[kind]
-    plain = _run(layer, x, grad, recipe())
-    got = _run(layer, x, grad, recipe(backward_override=override))
-    torch.testing.assert_close(got[0], plain[0], rtol=0, atol=0)
-
-    ref = copy.deepcopy(layer)
-    ref.zero_grad(set_to_none=True)
-    xr = x.clone().requires_grad_()
-    _linear(xr, ref.weight, ref.bias, kind, override).backward(grad)
-    expected = [xr.grad] + [p.grad for p in ref.parameters()]
+    got, plain, expected = _compared(
+        layer, x, grad, kind, override,
+        lambda ref, xr: _linear(xr, ref.weight, ref.bias, kind, override))
     for name, a, e, p in zip(["input", "weight", "bias"], got[1:], expected, plain[1:]):
         assert sqnr(a, e) >= 100, (name, sqnr(a, e))
         if name != "bias":  # (grad_output's column sums in every case)
@@ -202,15 +211,9 @@ def test_layernorm_linear(gen, kind, override, normalization):
     _random_parameters(layer, gen)
     x = torch.randn(2, 9, 256, generator=gen)
     grad = torch.randn(2, 9, 128, generator=gen)
-    recipe = RECIPES[kind]
-    plain = _run(layer, x, grad, recipe())
-    got = _run(layer, x, grad, recipe(backward_override=override))
-    torch.testing.assert_close(got[0], plain[0], rtol=0, atol=0)
-    ref = copy.deepcopy(layer)
-    ref.zero_grad(set_to_none=True)
-    xr = x.clone().requires_grad_()
-    _linear(_norm(ref, xr), ref.weight, ref.bias, kind, override).backward(grad)
-    expected = [xr.grad] + [p.grad for p in ref.parameters()]
+    got, _, expected = _compared(
+        layer, x, grad, kind, override,
+        lambda ref, xr: _linear(_norm(ref, xr), ref.weight, ref.bias, kind, override))
     for (name, _), a, e in zip([("input", 0), *layer.named_parameters()], got[1:], expected):
         assert sqnr(a, e) >= 100, (name, sqnr(a, e))
 
@@ -227,17 +230,13 @@ def test_layernorm_mlp(gen, kind, override, activation):
     _random_parameters(mlp, gen)
     x = torch.randn(2, 9, 256, generator=gen)
     grad = torch.randn(2, 9, 256, generator=gen)
-    recipe = RECIPES[kind]
-    plain = _run(mlp, x, grad, recipe())
-    got = _run(mlp, x, grad, recipe(backward_override=override))
-    torch.testing.assert_close(got[0], plain[0], rtol=0, atol=0)
-    ref = copy.deepcopy(mlp)
-    ref.zero_grad(set_to_none=True)
-    xr = x.clone().requires_grad_()
-    fc1 = _linear(_norm(ref, xr), ref.fc1_weight, ref.fc1_bias, kind, override)
-    out = _linear(_activation(activation, fc1), ref.fc2_weight, ref.fc2_bias, kind, override)
-    out.backward(grad)
-    expected = [xr.grad] + [p.grad for p in ref.parameters()]
+
+    def reference(ref, xr):
+        fc1 = _linear(_norm(ref, xr), ref.fc1_weight, ref.fc1_bias, kind, override)
+        return _linear(_activation(activation, fc1), ref.fc2_weight, ref.fc2_bias, kind,
+                       override)
+
+    got, plain, expected = _compared(mlp, x, grad, kind, override, reference)
     for (name, _), a, e, p in zip([("input", 0), *mlp.named_parameters()], got[1:], expected,
                                   plain[1:]):
         assert sqnr(a, e) >= 40, (name, sqnr(a, e))
