@@ -69,8 +69,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                         bias=None if bias is None else bias.to(plan.out_dtype), fast_accum=True)
         # Backward keeps the input (for the norm's backward) and the FP8 copies only (under a
         # backward_override the GEMM operands before their casts, or their FP8 data).
-        ln_kept = kept_operand(override, ln_q, ln_out) if needs_weight_grad else (None, None)
-        w_kept = kept_operand(override, w_q, weight) if needs_norm_grad else (None, None)
+        ln_kept = kept_operand(override, ln_q, ln_out, needs_weight_grad)
+        w_kept = kept_operand(override, w_q, weight, needs_norm_grad)
         save_for_backward(ctx, x, ln_weight, *ln_kept, *w_kept, *stats,
                           weights=(weight,) if needs_weight_grad and hold_weight else ())
         ctx.plan, ctx.norm = plan, norm

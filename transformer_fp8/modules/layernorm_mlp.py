@@ -121,7 +121,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             fast_accum=True)[:rows]
         # The FP8 transposes the backward GEMMs read (under a backward_override the operands
         # before their casts, or their FP8 data: quantization/backward_override.py).
-        kept = [kept_operand(override, q, hp) if needed else (None, None)
+        kept = [kept_operand(override, q, hp, needed)
                 for q, hp, needed in ((ln_q, ln_out, grads[3]), (w1_q, fc1_weight, needs_norm_grad),
                                       (act_q, act_out, grads[5]),
                                       (w2_q, fc2_weight, needs_fc2_dgrad))]

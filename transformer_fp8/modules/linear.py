@@ -66,8 +66,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # torch.compile a reference to the weight too: once_differentiable.py). Under a
         # backward_override, the operands before their casts or their FP8 data instead.
         override = plan.backward_override
-        x_kept = kept_operand(override, x_q, inp_2d) if needs_weight_grad else (None, None)
-        w_kept = kept_operand(override, w_q, weight) if needs_input_grad else (None, None)
+        x_kept = kept_operand(override, x_q, inp_2d, needs_weight_grad)
+        w_kept = kept_operand(override, w_q, weight, needs_input_grad)
         save_for_backward(ctx, *x_kept, *w_kept,
                           weights=(weight,) if needs_weight_grad and hold_weight else ())
         ctx.plan = plan

@@ -23,10 +23,12 @@ import torch
 from .. import ops
 from ..ops.blockwise import BLOCK
 
-def kept_operand(override: Optional[str], q, high_precision: Optional[torch.Tensor]) -> tuple:
+def kept_operand(override: Optional[str], q, high_precision: Optional[torch.Tensor],
+                 needed: bool = True) -> tuple:
     """(tensor, scale_inv) a forward keeps of one GEMM operand for the backward: its FP8
-    transpose (no override), its FP8 data ("dequantized") or the tensor before the cast
-    ("high_precision"; scale_inv None).
+    transpose (no override: as the cast made it, None where not ``needed``), its FP8 data
+    ("dequantized") or the tensor before the cast ("high_precision"; scale_inv None); under an
+    override (None, None) where no backward GEMM reads it (not ``needed``).
 
     A weight held in FP8 (an FP8 primary weight, or one FSDP2 all-gathered in FP8: it has
     ``fp8_operand``) gives its own tensors as the operand, which an optimizer step writes in
@@ -37,6 +39,8 @@ def kept_operand(override: Optional[str], q, high_precision: Optional[torch.Tens
     in-place check does for any weight) and dequantised there."""
     if override is None:
         return q.data_t, q.scale_inv_t
+    if not needed:
+        return None, None
     held_in_fp8 = getattr(high_precision, "fp8_operand", None) is not None
     if override == "dequantized":
         if held_in_fp8:
