@@ -157,8 +157,9 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     (converted before, Transformer Engine's modules) are sized for it too. fp8_all_gather:
     under FSDP2's fully_shard the converted Linear layers' weights are all-gathered in FP8
     (modules/fsdp/all_gather.py; their weight Parameters become ShardedWeight, the same
-    objects); call it before fully_shard. Conv1D weights, stored transposed, are gathered in
-    high precision.
+    objects); call it before fully_shard. Conv1D weights, stored transposed, and weights a
+    module that is not an FP8 layer holds too (an lm_head tied to the embedding) stay plain
+    Parameters, gathered in high precision (with a warning).
 
     Returns ``module``, or with return_summary=True a ConversionSummary. Layers left in high
     precision are reported in one warning, with the reason for each.

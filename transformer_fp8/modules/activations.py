@@ -54,7 +54,8 @@ class ClampedSwiGLU:
     glu_linear_offset: float = 1.0
 
     def forward(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The result in ``dtype`` (default x's; float32: unrounded, for a cast from it)."""
+        """The result in ``dtype`` (default x's; float32: unrounded, as a fused kernel casts
+        to FP8 from it)."""
         a, g = x.float().chunk(2, dim=-1)
         a = a.clamp(max=self.limit)
         gate = g.clamp(-self.limit, self.limit) + self.glu_linear_offset

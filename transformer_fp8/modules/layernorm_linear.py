@@ -5,8 +5,9 @@ gradient needs, and its amax into the input's history slot) in one pass: the hig
 norm output is never written, unless return_layernorm_output asks for it (DelayedScaling;
 a recipe whose scale needs the output's amax first, current or block scaling, quantises the
 norm's high-precision output). Backward: grad_output cast (fused with the bias gradient),
-dgrad and wgrad in FP8 (in high precision under the recipe's backward_override), then the
-norm's backward. Outside fp8_autocast it computes exactly norm -> torch.nn.functional.linear.
+dgrad and wgrad in FP8 (under the recipe's backward_override nothing is cast: both in high
+precision), then the norm's backward. Outside fp8_autocast it computes exactly norm ->
+torch.nn.functional.linear.
 """
 from __future__ import annotations
 

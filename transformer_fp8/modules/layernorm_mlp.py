@@ -11,6 +11,8 @@ the tensor's amax first and quantise the high-precision output):
             activation backward + cast of the result (fc1's grad_output) + fc1's bias gradient;
             then the norm's backward. (Under the recipe's backward_override the backward GEMMs
             run in high precision, nothing cast: quantization/backward_override.py.)
+clamped_swiglu has no fused kernel: it runs as torch ops (activations.py) and its float32
+result is cast after it (its derivative likewise, in the input's dtype, then cast).
 Saved for backward: the input, fc1's high-precision output (the activation's backward needs
 it) and FP8 copies. Outside fp8_autocast it computes exactly the torch composition.
 """
@@ -237,9 +239,12 @@ class LayerNormMLP(TensorParallelMixin, NormFirstModule):
 
     Parameters: layer_norm_weight, layer_norm_bias (LayerNorm only), fc1_weight [F', hidden]
     (F' = 2 * ffn_hidden_size for the gated activations swiglu, geglu, reglu, qgeglu, sreglu,
-    glu, else ffn_hidden_size), fc1_bias, fc2_weight [hidden, ffn_hidden_size], fc2_bias.
+    glu, clamped_swiglu, else ffn_hidden_size), fc1_bias, fc2_weight [hidden, ffn_hidden_size],
+    fc2_bias.
     activation: gelu (tanh approximation), relu, silu, qgelu (x sigmoid(1.702 x)), srelu
-    (relu(x)^2), swiglu, geglu, reglu, qgeglu, sreglu, glu (sigmoid(a) * b).
+    (relu(x)^2), swiglu, geglu, reglu, qgeglu, sreglu, glu (sigmoid(a) * b), clamped_swiglu
+    (gated too; activation_params: its limit, alpha and glu_linear_offset, activations.py's
+    ClampedSwiGLU).
     Returns out; with return_bias, (out, fc2_bias) and fc2's bias is not added; with
     return_layernorm_output, the norm's output comes last.
     Weights as Transformer Engine initialises them (init_method for fc1, output_layer_init_method

@@ -26,9 +26,10 @@ from ..ops.blockwise import BLOCK
 def kept_operand(override: Optional[str], q, high_precision: Optional[torch.Tensor],
                  needed: bool = True) -> tuple:
     """(tensor, scale_inv) a forward keeps of one GEMM operand for the backward: its FP8
-    transpose (no override: as the cast made it, None where not ``needed``), its FP8 data
-    ("dequantized") or the tensor before the cast ("high_precision"; scale_inv None); under an
-    override (None, None) where no backward GEMM reads it (not ``needed``).
+    transpose (no override: the cast's data_t and scale_inv_t as made, whatever ``needed``:
+    what a checkpoint's recomputation saves must not change), its FP8 data ("dequantized") or
+    the tensor before the cast ("high_precision"; scale_inv None); under an override (None,
+    None) where no backward GEMM reads it (not ``needed``).
 
     A weight held in FP8 (an FP8 primary weight, or one FSDP2 all-gathered in FP8: it has
     ``fp8_operand``) gives its own tensors as the operand, which an optimizer step writes in

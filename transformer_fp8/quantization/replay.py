@@ -22,7 +22,8 @@ A region is the object torch keeps for it in both phases: a reentrant region's a
 (``ctx`` of CheckpointFunction.forward / backward), a non-reentrant region's _CheckpointFrame
 (``new_frame`` of the generator that checkpoint() runs it with, ``frame`` of the unpack hook
 that recomputes it). Both are found by a walk up the stack through the frames of
-torch/utils/checkpoint.py (checkpoint_stack.py). Records die with their region.
+torch/utils/checkpoint.py (checkpoint_stack.py). Records go with their region (at the next
+drop_freed; ``kept`` says at once when none is alive).
 
 Under torch.compile the walk cannot be traced: a compiled FP8 forward that may be a reentrant
 region's first forward (no gradients, in training mode or on an input that requires them) runs

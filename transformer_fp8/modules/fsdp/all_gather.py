@@ -13,8 +13,9 @@ modules into ShardedWeight (fsdp/weight.py). When FSDP2 all-gathers such a weigh
 * in the forward, inside an enabled fp8_autocast with Float8CurrentScaling: each rank casts its
   shard with the scale of the full weight's amax. The first FP8 all-gather of a step takes the
   amax of every weight shard of the FSDP group and all-reduces them (MAX) in ONE collective
-  (fsdp/current_scale.py); the scale follows TensorQuantizer.current's rule, so the gathered
-  data is bit for bit TensorQuantizer.current's cast of the full weight.
+  (fsdp/current_scale.py); the scale follows TensorQuantizer.current's rule (rounded down to
+  a power of two under use_power_2_scales), so the gathered data is bit for bit
+  TensorQuantizer.current's cast of the full weight.
 * in the forward, inside an enabled fp8_autocast with Float8BlockScaling and 128x128 weight
   blocks (w_block_scaling_dim=2), where FSDP2's row shards hold whole 128-row blocks: each rank
   quantises its shard's blocks, and the FP8 data travels with the blocks' scale_invs
@@ -32,7 +33,8 @@ modules into ShardedWeight (fsdp/weight.py). When FSDP2 all-gathers such a weigh
   FSDP group, at the same point on every rank).
 * anywhere else (outside fp8_autocast, calibration, a module that runs in high precision, a
   recipe other than these, 1x128 weight blocks, shards that cut a 128x128 block, DelayedScaling
-  amaxes not reduced over the FSDP group): the high-precision shard, so that the module
+  amaxes not reduced over the FSDP group, backward_override="high_precision", a weight whose
+  owner for FSDP2 is not an FP8 layer): the high-precision shard, so that the module
   computes exactly what it computes without FSDP. A recipe, block dimension or shard size that
   keeps FP8 off is said once in a warning. (The delayed-scaling check of the amax reduction's group
   does not apply to current scaling, which reduces over the FSDP group itself.)

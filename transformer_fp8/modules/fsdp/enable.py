@@ -78,7 +78,9 @@ def enable_fp8_all_gather(model: torch.nn.Module) -> list:
     optimizer: each weight Parameter becomes a ShardedWeight (the same object where
     torch.utils.swap_tensors can change it in place). Returns the qualified names of the
     weights changed; the FP8 modules whose weights cannot be (parameters_split, a weight stored
-    transposed, fuse_wgrad_accumulation or delay_wgrad_compute) are named in an error."""
+    transposed, fuse_wgrad_accumulation or delay_wgrad_compute) are named in an error. A weight
+    that a module of ``model`` that is not an FP8 one holds too (an lm_head tied to the
+    embedding) is left a plain Parameter, gathered in high precision, with a warning."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"enable_fp8_all_gather: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
