@@ -49,6 +49,16 @@ def cast_norm_output(plan, norm, x, ln_weight, ln_bias, with_transpose, return_h
     return ln_q, (ln_out if return_hp else None), stats
 
 
+def norm_backward(ctx, grad_ln, grad_ln_out, x, stats, ln_weight, features: int) -> tuple:
+    """The norm's backward from the gradient its output got from the GEMM (``grad_ln``) plus
+    the one a returned norm output got (``grad_ln_out``, or None): (input gradient in the
+    input's shape, norm weight gradient, norm bias gradient)."""
+    if grad_ln_out is not None:
+        grad_ln = grad_ln + grad_ln_out.reshape(grad_ln.shape).to(grad_ln.dtype)
+    grad_x, grad_ln_weight, grad_ln_bias = ctx.norm.backward(grad_ln, x, stats, ln_weight)
+    return grad_x.reshape(*ctx.lead_shape, features), grad_ln_weight, grad_ln_bias
+
+
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, weight, bias, plan, norm, return_ln_out,
@@ -112,11 +122,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                 weight = backward_override.operand((w_t_fp8, w_t_scale_inv), ctx.out_features,
                                                    compute)
                 grad_ln = backward_override.dgrad(g, weight, compute, x.dtype)
-            if grad_ln_out is not None:
-                grad_ln = grad_ln + grad_ln_out.reshape(grad_ln.shape).to(grad_ln.dtype)
-            grad_x, grad_ln_weight, grad_ln_bias = ctx.norm.backward(grad_ln, x, stats,
-                                                                     ln_weight)
-            grad_inp = grad_x.reshape(*ctx.lead_shape, ctx.in_features)
+            grad_inp, grad_ln_weight, grad_ln_bias = norm_backward(
+                ctx, grad_ln, grad_ln_out, x, stats, ln_weight, ctx.in_features)
         if needs_weight_grad and override is None:
             # wgrad [N, K] = grad_out^T [N, M] @ ln_out [M, K]; the b operand is ln_out^T.
             grad_weight = plan.gemm(g_q.data_t, g_q.scale_inv_t, ln_t_fp8, ln_t_scale_inv,

@@ -31,7 +31,7 @@ from .linear_fused_step import fused_norm_mlp_step
 from ..quantization import backward_override
 from ..quantization.backward_override import kept_operand
 from ..quantization.quantizer import ALIGN, pad_rows
-from .layernorm_linear import cast_norm_output
+from .layernorm_linear import cast_norm_output, norm_backward
 from .norm_first import NormFirstModule, check_positive, te_default_init
 from ..quantization.recipe import Recipe
 from .te_args import te_only_arguments
@@ -179,11 +179,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             if needs_norm_grad:
                 grad_ln = fc1_plan.gemm(d1_q.data, d1_q.scale_inv, w1_t_fp8, w1_t_scale_inv,
                                         x.dtype)[:x.shape[0]]
-                if grad_ln_out is not None:
-                    grad_ln = grad_ln + grad_ln_out.reshape(grad_ln.shape).to(grad_ln.dtype)
-                grad_x, grad_ln_weight, grad_ln_bias = ctx.norm.backward(grad_ln, x, stats,
-                                                                         ln_weight)
-                grad_inp = grad_x.reshape(*ctx.lead_shape, ctx.hidden)
+                grad_inp, grad_ln_weight, grad_ln_bias = norm_backward(
+                    ctx, grad_ln, grad_ln_out, x, stats, ln_weight, ctx.hidden)
         if grad_fc1_bias is not None:
             grad_fc1_bias = grad_fc1_bias.to(b1_dtype)
         if grad_fc2_bias is not None:
@@ -223,11 +220,8 @@ def _high_precision_backward(ctx, g, grad_ln_out, x, ln_weight, fc1_out, stats, 
         if needs_norm_grad:
             w1 = backward_override.operand(w1_kept, w1_kept[0].shape[0], compute)
             grad_ln = backward_override.dgrad(d1, w1, compute, x.dtype)
-            if grad_ln_out is not None:
-                grad_ln = grad_ln + grad_ln_out.reshape(grad_ln.shape).to(grad_ln.dtype)
-            grad_x, grad_ln_weight, grad_ln_bias = ctx.norm.backward(grad_ln, x, stats,
-                                                                     ln_weight)
-            grad_inp = grad_x.reshape(*ctx.lead_shape, ctx.hidden)
+            grad_inp, grad_ln_weight, grad_ln_bias = norm_backward(
+                ctx, grad_ln, grad_ln_out, x, stats, ln_weight, ctx.hidden)
     if not grads[2]:
         grad_ln_bias = None  # (a LayerNorm without bias, or a frozen one)
     return (grad_inp, grad_ln_weight, grad_ln_bias, grad_fc1_weight, grad_fc1_bias,
