@@ -351,20 +351,21 @@ def test_graphing_keeps_the_modes_of_submodules():
     assert wrapper.training and block.training and not block[1].training
 
 
-def _graphed_on_cpu(block, recipe):
+def _graphed_on_cpu(block, recipe, sample=(torch.empty(8, 64),)):
     """make_graphed_callables' forward around torch's replay, the replay recorded and run as
     the eager wrapper (the checks before a replay, tested on the CPU)."""
     from transformer_fp8.integrations.cuda_graphs import _Fp8Callable, _graphed_forward
 
     wrapper = _Fp8Callable(block, True, recipe, None)
-    replays = []
+    replays, captured_mode = [], block.training
 
-    def replay(*args):
-        replays.append(args)
+    def replay(*args):  # (torch's: a replay in the captured mode, else the eager forward)
+        if wrapper.training == captured_mode:
+            replays.append(args)
         return _Fp8Callable.forward(wrapper, *args)
 
     wrapper.forward = replay  # (torch's graphed forward in its place)
-    block.forward = _graphed_forward(block, wrapper)
+    block.forward = _graphed_forward(block, wrapper, sample)
     return replays
 
 
@@ -390,6 +391,53 @@ def test_a_graphed_module_refuses_replaced_tensors(gen, replace):
         block[0].fp8_fwd_scale = block[0].fp8_fwd_scale.clone()
     with pytest.raises(RuntimeError, match="were replaced after make_graphed_callables"):
         block(torch.randn(8, 64, generator=gen).to(block[0].weight.dtype))
+    assert len(replays) == 1
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_a_graphed_module_refuses_fp8_weights_replaced(gen, recipe):
+    """An FP8 weight (quantized_model_init) is a wrapper whose own data_ptr() is 0: its FP8
+    data and scales replaced by load_state_dict(assign=True) left every address the check read
+    unchanged, and the graphs would have read freed memory."""
+    with tfp8.quantized_model_init(recipe=recipe):
+        block = torch.nn.Sequential(tfp8.Linear(64, 64, bias=False, recipe=recipe))
+    replays = _graphed_on_cpu(block, recipe)
+    block(torch.randn(8, 64, generator=gen))
+    block.load_state_dict(block.state_dict(), assign=True)
+    with pytest.raises(RuntimeError, match="were replaced after make_graphed_callables"):
+        block(torch.randn(8, 64, generator=gen))
+    assert len(replays) == 1
+
+
+def test_a_graphed_module_refuses_arguments_unlike_its_samples(gen):
+    """A replay copies each argument into its captured input with copy_, which broadcasts a
+    smaller shape and converts another dtype silently; an argument that requires grad where its
+    sample did not got None as its gradient. Each is refused by name; in the mode not captured
+    (eval here) the module runs eagerly and takes any input."""
+    recipe = DelayedScaling(amax_history_len=4)
+    block = make_model("cpu", recipe)
+    replays = _graphed_on_cpu(block, recipe, (torch.empty(8, 64),))
+    wrong = {
+        "a smaller shape": ((torch.randn(1, 64, generator=gen),), "must have the shape"),
+        "another dtype": ((torch.randn(8, 64, generator=gen).double(),), "must have the shape"),
+        "two arguments": ((torch.randn(8, 64), torch.randn(8, 64)), "captured with 1"),
+        "no argument": ((), "captured with 1"),
+        "a gradient": ((torch.randn(8, 64, requires_grad=True),), "requires a gradient"),
+        "not a tensor": (([0.0] * 64,), "must be a tensor"),
+    }
+    for what, (args, message) in wrong.items():
+        with pytest.raises((ValueError, TypeError), match=message):
+            block(*args)
+        assert not replays, what
+    block(torch.randn(8, 64, generator=gen))
+    assert len(replays) == 1
+    block.eval()
+    assert block(torch.randn(3, 64, generator=gen)).shape == (3, 64)
+    assert len(replays) == 1, "eval mode: eagerly"
+    block.train()
+    graded = make_model("cpu", recipe)
+    replays = _graphed_on_cpu(graded, recipe, (torch.empty(8, 64, requires_grad=True),))
+    graded(torch.randn(8, 64, generator=gen))  # (a gradient computed and dropped: allowed)
     assert len(replays) == 1
 
 
@@ -661,7 +709,7 @@ def test_graphing_again_wraps_the_modules_own_forward():
     def graph(module):  # make_graphed_callables, its capture left out
         wrapper = cuda_graphs._Fp8Callable(module, True, recipe, None)
         wrapper(x)
-        module.forward = cuda_graphs._graphed_forward(module, wrapper)
+        module.forward = cuda_graphs._graphed_forward(module, wrapper, (x,))
         return wrapper
 
     graph(block)

@@ -100,7 +100,10 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     The graphs hold the addresses of the parameters, buffers and FP8 state: after graphing, a
     module whose tensors were replaced (moved or cast with .to() / .half(), loaded with
     load_state_dict(assign=True) or with another amax history length) raises at its next call
-    (graph it again). pre_warmup_hook is called once before the warm-up. Not supported
+    (graph it again). Each replay's arguments must have the shapes, dtypes and devices of
+    sample_args and may require a gradient only where their sample did (a replay copies them
+    into the captured inputs, which would broadcast or convert silently; refused by name).
+    pre_warmup_hook is called once before the warm-up. Not supported
     (refused): fp8_calibrating / calibrating, fp8_weight_caching / cache_quantized_params,
     sample_kwargs, retain_graph_in_backward, post_warmup_hook, capture_time_hooks, Megatron-LM's
     pipeline schedule (_order, _num_layers_per_chunk, _reuse_graph_input_output_buffers),
@@ -191,8 +194,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
             for layer, tensors in zip(layers, saved):
                 for current, before in zip(layer.fp8_state_tensors(), tensors):
                     current.copy_(before)
-    for module, wrapper in zip(module_list, graphed):
-        module.forward = _graphed_forward(module, wrapper)
+    for module, wrapper, args in zip(module_list, graphed, per_module_args):
+        module.forward = _graphed_forward(module, wrapper, args)
     if clone_param_grads_on_return:
         clone_returned_param_grads(module_list)
     return module_list[0] if single else module_list
@@ -257,9 +260,40 @@ def _check_graphable(module: torch.nn.Module, index: int) -> None:
 def _captured_tensors(submodules: list) -> list[tuple]:
     """The address and dtype of every tensor the graphs hold: the parameters and buffers (the
     FP8 state among them) of the graphed module's submodules, read from their dicts directly
-    (every replay checks them: a few tens of microseconds for hundreds of tensors)."""
-    return [(t.data_ptr(), t.dtype) for m in submodules for tensors in (m._parameters, m._buffers)
+    (every replay checks them: a few tens of microseconds for hundreds of tensors), and the
+    tensors an FP8 weight holds (the wrapper's own data_ptr() is 0: a weight whose FP8 data
+    was replaced, by load_state_dict(assign=True), kept the same address)."""
+    return [(t.data_ptr(), t.dtype) if not hasattr(t, "held_tensors") else
+            (t.dtype, *(held.data_ptr() for held in t.held_tensors()))
+            for m in submodules for tensors in (m._parameters, m._buffers)
             for t in tensors.values() if t is not None]
+
+
+def _signature(args) -> list[tuple]:
+    return [(tuple(a.shape), a.dtype, a.device, a.requires_grad) for a in args]
+
+
+def _check_replay_args(module: torch.nn.Module, args: tuple, captured: list[tuple]) -> None:
+    """A replay copies each argument into the tensor it was captured with: copy_ would broadcast
+    a smaller shape and convert another dtype without a word, and an argument that requires
+    a gradient its sample did not gets None (the graph computed none): refused, by name."""
+    if len(args) != len(captured):
+        raise ValueError(f"{type(module).__name__} (graphed): called with {len(args)} "
+                         f"argument(s), captured with {len(captured)} (sample_args)")
+    for i, (arg, (shape, dtype, device, requires_grad)) in enumerate(zip(args, captured)):
+        if not isinstance(arg, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} (graphed): argument {i} must be a tensor "
+                            f"as its sample was, got {type(arg).__name__}")
+        if (tuple(arg.shape), arg.dtype, arg.device) != (shape, dtype, device):
+            raise ValueError(
+                f"{type(module).__name__} (graphed): argument {i} must have the shape, dtype "
+                f"and device of its sample ({list(shape)}, {dtype}, {device}), got "
+                f"({list(arg.shape)}, {arg.dtype}, {arg.device}); graph it again for new shapes")
+        if arg.requires_grad and not requires_grad:
+            raise ValueError(
+                f"{type(module).__name__} (graphed): argument {i} requires a gradient but its "
+                "sample did not, so the graphs compute none for it (it would get None); pass "
+                "a sample that requires grad")
 
 
 def _overrides(layers: list) -> list:
@@ -268,8 +302,9 @@ def _overrides(layers: list) -> list:
     return [layer.__dict__.get("_fp8_override") for layer in layers]
 
 
-def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable):
+def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable, sample_args: tuple):
     replay_or_eager = wrapper.forward  # torch's: replays in the captured training mode
+    captured_mode, captured_args = wrapper.training, _signature(sample_args)
     submodules = list(module.modules())
     captured = _captured_tensors(submodules)
     layers = _fp8_layers(module)
@@ -300,6 +335,8 @@ def _graphed_forward(module: torch.nn.Module, wrapper: _Fp8Callable):
             # (a replay runs no Python, so no statistics).
             return _Fp8Callable.forward(wrapper, *args)
         wrapper.training = module.training  # the mode the caller set on the module
+        if module.training == captured_mode:  # (a replay; the other mode runs eagerly)
+            _check_replay_args(module, args, captured_args)
         return replay_or_eager(*args)
 
     forward._tfp8_ungraphed_forward = wrapper._module_forward

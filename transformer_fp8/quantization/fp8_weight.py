@@ -242,10 +242,15 @@ class Fp8Weight(torch.Tensor):
     def fp8_scale_inv(self) -> torch.Tensor:
         return self._fp8.scale_inv
 
+    def held_tensors(self) -> tuple:
+        """The tensors it holds: the FP8 data, its scale and scale_inv (this wrapper has no
+        storage of its own: ``data_ptr()`` is 0)."""
+        fp8 = self._fp8
+        return fp8.data, fp8.scale, fp8.scale_inv
+
     def stored_bytes(self) -> int:
         """Bytes it holds: the FP8 data, its scale and scale_inv."""
-        fp8 = self._fp8
-        return sum(t.numel() * t.element_size() for t in (fp8.data, fp8.scale, fp8.scale_inv))
+        return sum(t.numel() * t.element_size() for t in self.held_tensors())
 
     def get_high_precision_init_val(self) -> Optional[torch.Tensor]:
         """The initial high-precision value (on the CPU) where the module was built inside
