@@ -27,7 +27,10 @@ def kept_operand(override: Optional[str], q, high_precision: Optional[torch.Tens
                  needed: bool = True) -> tuple:
     """(tensor, scale_inv) a forward keeps of one GEMM operand for the backward: its FP8
     transpose (no override: the cast's data_t and scale_inv_t as made, whatever ``needed``:
-    what a checkpoint's recomputation saves must not change), its FP8 data ("dequantized") or
+    a checkpointed forward that a C++ step ran, which saves both always, is recomputed on this
+    Python path, and torch.utils.checkpoint refuses another number of saved tensors; with
+    (None, None) where not ``needed`` a 3-rank FSDP2 test raised CheckpointError), its FP8
+    data ("dequantized") or
     the tensor before the cast ("high_precision"; scale_inv None); under an override (None,
     None) where no backward GEMM reads it (not ``needed``).
 
