@@ -2,7 +2,8 @@
 
 Measures amax, cast_to_fp8 (with the amax fused, as Linear calls it), cast_transpose_to_fp8
 (amax fused) and cast_from_fp8 on a bf16 tensor of 16384 x 8192 (and a smaller one). For each:
-the time per call (CUDA events around 10 back-to-back calls, median), the bandwidth (bytes read + bytes written, divided by
+the time per call (CUDA events around 10 back-to-back calls, median), the bandwidth (bytes read +
+bytes written, divided by
 the time), that bandwidth as a percentage of ``dst.copy_(src)`` on a 1 GiB buffer measured in
 the same run (the practical ceiling of a kernel that streams memory), and the speedup over the
 eager pure-torch expression of the same operation (transformer_fp8.reference).

@@ -16,7 +16,8 @@ CPU with --null-kernels, where transformer_fp8's CPU kernels are replaced by one
 allocate their outputs (benchmarks/null_kernels.cpp, compiled on first use) and the torch
 kernels left on both sides (torch's layers; attention, residual and bias adds) run at 16
 features, where their arithmetic is negligible (a 16x16x16 GEMM is 4096 multiply-adds) and
-what is left of them is their own host work. On the CPU without --null-kernels the FP8 rows also emulate their
+what is left of them is their own host work. On the CPU without --null-kernels the FP8 rows also
+emulate their
 casts and GEMMs: an upper bound of the host overhead.
 
     python benchmarks/bench_host.py [--smoke] [--null-kernels] [--device cpu|cuda] [--out DIR]

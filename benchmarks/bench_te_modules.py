@@ -5,7 +5,8 @@ Measures y = module(x); y.backward(g) with bf16 parameters and input x [tokens, 
 groups, RMSNorm + SwiGLU as in Llama-style models) for transformer_fp8.LayerNormMLP and
 transformer_fp8.TransformerLayer inside fp8_autocast with DelayedScaling (the scale update at
 the context's exit included), Float8CurrentScaling and Float8BlockScaling, against bf16
-baselines. FP8 changes more than the GEMMs: inside fp8_autocast the norm and the activation run as fused kernels that emit
+baselines. FP8 changes more than the GEMMs: inside fp8_autocast the norm and the activation run as
+fused kernels that emit
 FP8 (transformer_fp8.fused_ops), while the same module outside fp8_autocast runs them as
 unfused float32 torch ops (the whole fc1 output upcast to float32 for SwiGLU, autograd through
 each op). So the speedup is reported against bf16 baselines that fuse the norm and activation

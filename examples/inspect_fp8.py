@@ -12,7 +12,8 @@ delayed scaling) with statistics every 10 steps, printing the worst operands (th
 blocks.2.fc1 and its input: about half of its non-zero values flush to zero); FP8 with that
 layer overridden to high precision; FP8 with that layer overridden to 1x128 block scaling. It
 prints the final losses (150 steps on the CPU, as bf16 = 1.000, commit ef35e82: FP8 1.306, high
-precision there 1.052, 1x128 blocks there 1.072) and, with --out, writes the statistics (JSON lines) and a heat
+precision there 1.052, 1x128 blocks there 1.072) and, with --out, writes the statistics (JSON lines)
+and a heat
 map of the fraction flushed to zero.
 
     python examples/inspect_fp8.py [--steps 150] [--out DIR]

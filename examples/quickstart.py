@@ -5,7 +5,8 @@
 
 Part 1 quantises a random tensor to FP8 (E4M3) with a scale computed from its amax and measures
 the round-trip error; part 1b compares the round-trip SQNR of per-tensor, per-block (1x128,
-128x128) and row-wise scaling on a tensor with outlier channels. Part 2 trains a small MLP twice from the same initial weights on the same
+128x128) and row-wise scaling on a tensor with outlier channels. Part 2 trains a small MLP twice
+from the same initial weights on the same
 synthetic regression data: once with BF16 autocast, once with its nn.Linear layers converted to
 transformer_fp8.Linear and the forward pass under fp8_autocast (delayed scaling). The two final
 losses should agree to within a few percent.

@@ -2,7 +2,8 @@
 every gradient and every FP8 state tensor against eager over steps whose scales change, with
 the C++ Linear step and with the Python path, for the recipes with and without a backward
 update. Under compiled autograd no end-of-pass callback runs, so delayed scaling's grad_output
-update is held for the next outermost fp8_autocast (backward_step.BackwardStep.hold_for_compiled_autograd): before
+update is held for the next outermost fp8_autocast
+(backward_step.BackwardStep.hold_for_compiled_autograd): before
 that, every backward update was silently skipped (the grad_output scales never moved)."""
 from __future__ import annotations
 

@@ -84,6 +84,27 @@ def _module(config, mask_type="no_mask"):
     return mha
 
 
+def test_cross_attention_refuses_one_padding_mask_for_both_sides():
+    """Cross-attention's padding mask is the pair (query mask, key/value mask), as in Transformer
+    Engine: one tensor, where s_q == s_kv, was applied to both sides, so an encoder's key mask
+    also zeroed the decoder's query rows (its outputs 0 where the pair gives attention)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 1, 1, 2, generator=gen) for _ in range(3))
+    kv_pad = torch.tensor([False, False, True, True]).view(1, 1, 1, 4)
+    cross = tfp8.DotProductAttention(1, 2, attn_mask_type="padding", attention_type="cross")
+    with pytest.raises(ValueError, match="cross-attention with a padding mask type takes "
+                                         "attention_mask as a tuple"):
+        cross(q, k, v, attention_mask=kv_pad)
+    out = cross(q, k, v, attention_mask=(torch.zeros_like(kv_pad), kv_pad))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+        attn_mask=~kv_pad).permute(2, 0, 1, 3).reshape(4, 1, 2)
+    torch.testing.assert_close(out, expected)
+    # self-attention keeps taking one tensor for both sides
+    selfattn = tfp8.DotProductAttention(1, 2, attn_mask_type="padding")
+    assert torch.equal(selfattn(q, k, v, attention_mask=kv_pad)[2:], torch.zeros(2, 1, 2))
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("masked", [False, True], ids=["", "padding"])
 def test_cross_attention_matches_the_float64_reference(config, masked):

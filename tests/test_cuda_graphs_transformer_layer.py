@@ -1,5 +1,6 @@
 """CUDA graphs of a whole TransformerLayer (grouped-key attention, fused LayerNormLinear /
-LayerNormMLP with RMSNorm and SwiGLU): a training step reads no tensor value on the host (what capture forbids;
+LayerNormMLP with RMSNorm and SwiGLU): a training step reads no tensor value on the host (what
+capture forbids;
 checked on the CPU too), and tfp8.make_graphed_callables replays like eager steps."""
 from __future__ import annotations
 

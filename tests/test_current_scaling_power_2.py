@@ -114,8 +114,9 @@ def test_compiled_forward_and_gradients_are_eagers(backend):
 
 def test_fsdp2_weights_gathered_in_another_form_are_cast_again(tmp_path):
     """FSDP2 left the weight gathered in FP8 under another recipe (an evaluation forward with
-    reshard_after_forward=False): the power-of-two layer multiplied those FP8 data with their scale (0.22 off); it
-    now casts the gathered high-precision weight, bit for bit the unsharded layer."""
+    reshard_after_forward=False): the power-of-two layer multiplied those FP8 data with their
+    scale (0.22 off); it now casts the gathered high-precision weight, bit for bit the unsharded
+    layer."""
     from current_scaling_power_2_cases import worker
     from multiprocess import rank_results
     result = rank_results(worker, tmp_path, world=1, timeout_s=300)[0]

@@ -205,7 +205,8 @@ def test_plain_sgd_on_fp8_weights_quantises_every_update(gen):
     """torch.optim.SGD updates the FP8 weight in place: the new value is quantised with the
     layer's delayed weight scale, so every update smaller than half an FP8 step is lost.
     Measured (lr 0.3, 30 steps, seeds 0-2, benchmarks/measure_fp8_primary_weights.py, commit
-    7f5f94a, as at e98e941): 96% of the first layer's FP8 codes unchanged by each step and the loss rises
+    7f5f94a, as at e98e941): 96% of the first layer's FP8 codes unchanged by each step and the loss
+    rises
     (0.43-0.45 -> 0.46-0.47) where high-precision weights reach 0.34-0.35."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     with tfp8.quantized_model_init(recipe=DELAYED):

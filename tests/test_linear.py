@@ -397,7 +397,7 @@ def test_gradient_penalty_through_an_fp8_layer_is_refused(gen, name, recipe):
         y = layer(x, *extra)
     (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
     assert gx.requires_grad
-    with pytest.raises(RuntimeError, match=f"differentiate twice the FP8 .*once_differentiable"):
+    with pytest.raises(RuntimeError, match="differentiate twice the FP8 .*once_differentiable"):
         (y.square().mean() + 0.1 * gx.square().sum()).backward()
 
     # create_graph=True where no FP8 gradient is differentiated again: the plain gradients

@@ -25,7 +25,8 @@ def _linear_checkpoint(extra):
 
 
 def _is_fresh(module) -> bool:
-    return bool(torch.all(module.fp8_fwd_scale == 1) and torch.all(module.fp8_fwd_amax_history == 0))
+    return bool(torch.all(module.fp8_fwd_scale == 1)
+                and torch.all(module.fp8_fwd_amax_history == 0))
 
 
 def test_a_pickled_none_is_an_empty_state_without_a_warning():

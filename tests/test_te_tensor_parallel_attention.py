@@ -8,7 +8,8 @@ return_layernorm_output, a post-norm residual, gated activations, parallel atten
 branches and an output norm:
 
 * outside fp8_autocast (in float64): output, input gradient and every Parameter's gradient
-  within rounding of the unsharded module's (HIGH_MIN_SQNR_DB) (with sequence_parallel, the Parameters marked sequence_parallel, the
+  within rounding of the unsharded module's (HIGH_MIN_SQNR_DB) (with sequence_parallel, the
+  Parameters marked sequence_parallel, the
   norm weights and the row-parallel biases, have gradients of the rank's part of the sequence:
   summed over the ranks, as Megatron-LM sums them; the query/key norm weights, which see the
   rank's heads, are summed by the module itself);

@@ -244,7 +244,7 @@ def test_padding_for_cross_attention_takes_two_masks(gen, device):
     out = attn(q, k, v, attention_mask=(q_pad, kv_pad))
     ref = attention_ref(q, k, v, masked=kv_pad.cpu())
     torch.testing.assert_close(out.double(), ref.to(device), atol=2e-6, rtol=2e-5)
-    with pytest.raises(ValueError, match="must be a tuple"):
+    with pytest.raises(ValueError, match="as a tuple"):
         attn(q, k, v, attention_mask=kv_pad)
 
 
@@ -495,6 +495,9 @@ def test_layer_errors_name_the_argument():
                                          "apply_residual_connection_post_layernorm=True"):
         TransformerLayer(32, 32, 2, parallel_attention_mlp=True,
                          apply_residual_connection_post_layernorm=True)
+    with pytest.raises(ValueError, match="parallel_attention_mlp=True cannot be combined with "
+                                         "output_layernorm=True"):
+        TransformerLayer(32, 32, 2, parallel_attention_mlp=True, output_layernorm=True)
     with pytest.raises(ValueError, match="'qkv_format'.*'attn_input_format'.*must agree"):
         TransformerLayer(32, 32, 2, qkv_format="sbhd", attn_input_format="bshd")
     with pytest.raises(ValueError, match="attn_input_format must be one of"):
@@ -618,8 +621,7 @@ VARIANTS = {
     "output_layernorm": dict(output_layernorm=True),
     "output_rmsnorm-post_ln": dict(output_layernorm=True, normalization="RMSNorm",
                                    apply_residual_connection_post_layernorm=True),
-    "parallel-output_layernorm-bshd": dict(parallel_attention_mlp=True, output_layernorm=True,
-                                           attn_input_format="bshd"),
+    "parallel-bshd": dict(parallel_attention_mlp=True, attn_input_format="bshd"),
     "drop_path": dict(drop_path_rate=0.4),
     "drop_path-parallel": dict(drop_path_rate=0.4, parallel_attention_mlp=True),
 }

@@ -38,18 +38,16 @@ from . import debug  # noqa: E402 (after the modules it inspects)
 __version__ = "0.1.0"
 
 
-__all__ = ["Conv1D", "ConversionSummary", "CudaRNGStatesTracker", "DelayedScaling", "DotProductAttention",
-           "Float8BlockScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Format",
-           "Fp8Padding", "Fp8Unpadding", "GroupedLinear", "InferenceParams",
-           "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention",
-           "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "autocast", "blockwise_ops",
-           "build_info", "checkpoint", "convert_to_fp8", "debug", "distributed", "enable_fp8_all_gather",
-           "fp8_autocast",
-           "fp8_model_init", "fused_ops", "get_cpu_offload_context", "get_default_recipe",
-           "get_device_compute_capability",
+__all__ = ["Conv1D", "ConversionSummary", "CudaRNGStatesTracker", "DelayedScaling",
+           "DotProductAttention", "Float8BlockScaling", "Float8CurrentScaling",
+           "Float8RowwiseScaling", "Format", "Fp8Padding", "Fp8Unpadding", "GroupedLinear",
+           "InferenceParams", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear",
+           "MultiheadAttention", "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer",
+           "autocast", "blockwise_ops", "build_info", "checkpoint", "convert_to_fp8", "debug",
+           "distributed", "enable_fp8_all_gather", "fp8_autocast", "fp8_model_init", "fused_ops",
+           "get_cpu_offload_context", "get_default_recipe", "get_device_compute_capability",
            "is_bf16_available", "is_fp8_available", "is_fp8_block_scaling_available",
-           "is_mxfp8_available", "is_nvfp4_available", "load_fp8_state",
-           "make_graphed_callables", "moe_permute", "moe_permute_with_probs",
-           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs", "moe_unpermute",
-           "ops", "optimizers", "parallel_cross_entropy",
-           "quantized_model_init", "recipe", "strip_fp8_state"]
+           "is_mxfp8_available", "is_nvfp4_available", "load_fp8_state", "make_graphed_callables",
+           "moe_permute", "moe_permute_with_probs", "moe_sort_chunks_by_index",
+           "moe_sort_chunks_by_index_with_probs", "moe_unpermute", "ops", "optimizers",
+           "parallel_cross_entropy", "quantized_model_init", "recipe", "strip_fp8_state"]

@@ -24,7 +24,8 @@ On CUDA each copy runs on a side stream, after the work that made the tensor, in
 memory; the tensor's memory goes back to the allocator (record_stream) once the copy is done, so
 the forward never waits. The synchronizer puts a pre-hook on the node that made its output (its
 grad_fn); the hook starts copying layers back, on the side stream, ahead of their
-backward: layer i when backward reaches layer _reload_points(...)[i] (Transformer Engine 2.8's schedule). The compute stream waits for a
+backward: layer i when backward reaches layer _reload_points(...)[i] (Transformer Engine 2.8's
+schedule). The compute stream waits for a
 tensor only where backward reads it. A CPU tensor is copied into new CPU memory (on a CPU model
 this frees nothing; it runs the same save and restore as on CUDA).
 

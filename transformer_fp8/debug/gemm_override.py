@@ -57,7 +57,8 @@ class HighPrecisionOrientations(Quantizer):
                                    "per-GEMM override covers both operands of a GEMM")
             a, b = a.to(out_dtype), b.to(out_dtype)
             if torch.compiler.is_compiling():
-                # The scale_invs of the operands' FP8 orientations (opaque copies, ops.scale_inverse) go
+                # The scale_invs of the operands' FP8 orientations (opaque copies,
+                # ops.scale_inverse) go
                 # through this GEMM, making them forward values: a copy no forward value used
                 # was moved into the traced backward, which read the scale rewritten since.
                 kept = [s for s in (a_scale_inv, b_scale_inv) if s is not None]

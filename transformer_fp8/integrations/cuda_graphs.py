@@ -88,7 +88,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
 
     fp8_enabled / fp8_recipe / fp8_group (Transformer Engine's names; also enabled / recipe /
     amax_reduction_group): how the FP8 layers run in the graphs, whatever fp8_autocast
-    surrounds the call later; fp8_enabled may be a tuple, one bool per module. Each replay does what an eager step with ``fp8_autocast`` around
+    surrounds the call later; fp8_enabled may be a tuple, one bool per module. Each replay does what
+    an eager step with ``fp8_autocast`` around
     the module does, the scale updates included: bit for bit the same numbers. With
     DelayedScaling the amax reduction across the group covers the graphed module's own layers,
     in its graph; every rank must replay the same graphs (as collectives in graphs require).

@@ -273,7 +273,8 @@ class Fp8StateMixin(Fp8State):
         records grad_output as usual. A high-precision one (``plans`` is HIGH_PRECISION): the
         high-precision form, whatever fp8_autocast it runs in, no amax recorded (calibration
         included); a calibrating one's (GradOutputRecording) records its grad_output amaxes in
-        backward, as the first forward's would have. ``regions``: the checkpointed regions whose first forward this
+        backward, as the first forward's would have. ``regions``: the checkpointed regions whose
+        first forward this
         recomputation runs (nested checkpoints), which keep the record for their own."""
         self._replay_records.keep(regions, plans)
         if plans is HIGH_PRECISION:

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from .._dtensor import is_dtensor
-from ..quantization import autocast as _autocast
 from ..quantization import model_init
 from ..ops import function_output
 from ..quantization import backward_override

@@ -10,7 +10,8 @@
 Pre-norm residuals, as Transformer Engine: x + drop(proj(attn(ln(x)))), then the same with the
 MLP; with apply_residual_connection_post_layernorm the residual is the norm's output instead.
 layer_type="decoder" adds cross-attention (inter_attention) between the two: x + drop(
-cross_attn(ln(x), encoder_output)). Transformer Engine's variants: parallel_attention_mlp (x + drop(attn(ln(x)) + mlp(ln(x))), as
+cross_attn(ln(x), encoder_output)). Transformer Engine's variants: parallel_attention_mlp (x +
+drop(attn(ln(x)) + mlp(ln(x))), as
 GPT-J / Falcon), output_layernorm (no norm before the attention; a norm over the output, as
 BERT's post-norm layers: layernorm), drop_path_rate (stochastic depth: DropPath on each
 branch after its dropout).
@@ -111,8 +112,8 @@ class TransformerLayer(torch.nn.Module):
     enc_dec_bottom_right_diagonal, and given rotary_pos_emb too, as Transformer Engine does
     (no DropPath on its branch, as there).
     Not supported (refused with a ValueError): parallel_attention_mlp with
-    apply_residual_connection_post_layernorm (which Transformer Engine cannot run either) or
-    with layer_type="decoder", inference_params with a decoder layer (no cache of the encoder's
+    apply_residual_connection_post_layernorm, with output_layernorm (which Transformer Engine
+    refuses too) or with layer_type="decoder", inference_params with a decoder layer (no cache of the encoder's
     keys), and context parallelism.
     """
 
@@ -171,6 +172,10 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError(f"{owner}: parallel_attention_mlp=True cannot be combined with "
                              "apply_residual_connection_post_layernorm=True (one residual, the "
                              "input, for both branches; Transformer Engine fails there too)")
+        if parallel_attention_mlp and output_layernorm:
+            raise ValueError(f"{owner}: parallel_attention_mlp=True cannot be combined with "
+                             "output_layernorm=True (the attention would project the "
+                             "un-normalised input; Transformer Engine refuses it too)")
         if parallel_attention_mlp and layer_type == "decoder":
             raise ValueError(f"{owner}: parallel_attention_mlp=True cannot be combined with "
                              "layer_type='decoder' (the cross-attention would run between two "

@@ -39,7 +39,6 @@ import threading
 import warnings
 import weakref
 
-import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import checkpoint_stack

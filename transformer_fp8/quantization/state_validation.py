@@ -115,7 +115,8 @@ def _recipe_record_error(fields, prefix: str) -> Optional[str]:
 
 def assigned_state_made_usable(module, keys, float_names) -> None:
     """After load_state_dict(assign=True), which takes the checkpoint's tensors as they are:
-    the float state (``float_names`` among the FP8 state ``keys``) contiguous float32, and, for a module
+    the float state (``float_names`` among the FP8 state ``keys``) contiguous float32, and, for a
+    module
     built on "meta" given no FP8 state, buffers on its parameters' device (reset to a fresh
     state by the caller). (Part of Fp8State's loading: quantization/state_loading.py.)"""
     param = next((p for p in module._parameters.values() if p is not None), None)

@@ -276,7 +276,8 @@ class DotProductAttention(torch.nn.Module):
         allowed, is_causal = allowed_mask(mask_type, attention_mask, q.shape[0],
                                           self.num_attention_heads_per_partition, q.shape[2],
                                           k.shape[2],
-                                          q.device, window, bottom_right)
+                                          q.device, window, bottom_right,
+                                          cross=self.attention_type == "cross")
         dropout = self.attention_dropout if self.training else 0.0
         if checkpoint_core_attention and torch.is_grad_enabled():
             # With a tracker, its states are restored for the recomputation too: same masks.

@@ -1,7 +1,8 @@
 """Transformer Engine's attention masks for DotProductAttention, as SDPA's boolean mask.
 
 attention_mask is boolean with True = masked out (the opposite of SDPA's attn_mask):
-"padding" types take [b, 1, 1, s] (a tuple (query mask, key/value mask) when s_q != s_kv),
+"padding" types take [b, 1, 1, s] (a tuple (query mask, key/value mask) when s_q != s_kv, and
+always for cross-attention),
 "arbitrary" anything broadcastable to [b, h, s_q, s_kv]; with "no_mask" or a causal type
 without "padding" a mask is ignored, as in Transformer Engine's fused backends.
 
@@ -42,10 +43,11 @@ def resolve_bottom_right(owner: str, mask_type: str, bottom_right_diagonal) -> b
 
 
 def allowed_mask(mask_type, mask, batch, heads, seq_q, seq_kv, device, window=None,
-                 bottom_right=False):
+                 bottom_right=False, cross=False):
     """(SDPA's boolean mask, True = may attend, broadcastable to [b, h, s_q, s_kv], or None;
     is_causal: SDPA's own top-left causal mask). window: resolve_window's (left, right) or
-    None; bottom_right: resolve_bottom_right's."""
+    None; bottom_right: resolve_bottom_right's; cross: cross-attention (a padding mask is then
+    a pair)."""
     owner = _OWNER
     causal = "causal" in mask_type
     if window is None and mask_type in ("no_mask", "causal", "causal_bottom_right"):
@@ -73,7 +75,7 @@ def allowed_mask(mask_type, mask, batch, heads, seq_q, seq_kv, device, window=No
         if mask is None:
             raise ValueError(f"{owner}: attn_mask_type {mask_type!r} needs an attention_mask "
                              "(boolean, True = masked out), got None")
-        pads = padding_masks(mask, batch, seq_q, seq_kv, device)
+        pads = padding_masks(mask, batch, seq_q, seq_kv, device, cross)
         allowed = ~pads[0].reshape(batch, 1, seq_q, 1) & ~pads[1]
     if causal or window is not None:
         left, right = window if window is not None else (-1, 0)
@@ -83,15 +85,21 @@ def allowed_mask(mask_type, mask, batch, heads, seq_q, seq_kv, device, window=No
     return allowed, False
 
 
-def padding_masks(mask, batch, seq_q, seq_kv, device):
+def padding_masks(mask, batch, seq_q, seq_kv, device, cross=False):
     """A padding attention_mask, checked, as (query [b, 1, 1, s_q], key/value [b, 1, 1, s_kv])
-    on device (True = a padding token)."""
+    on device (True = a padding token). Self-attention may give one tensor for both sides
+    where s_q == s_kv; cross-attention gives the pair, as Transformer Engine's does (one
+    tensor there is ambiguous: an encoder's key mask would also mask the decoder's queries)."""
     owner = _OWNER
     if isinstance(mask, (tuple, list)):
         if len(mask) != 2:
             raise ValueError(f"{owner}: a padding attention_mask tuple must be (query mask, "
                              f"key/value mask), got {len(mask)} tensors")
         q_pad, kv_pad = mask
+    elif cross:
+        raise ValueError(f"{owner}: cross-attention with a padding mask type takes "
+                         "attention_mask as a tuple (query mask [b, 1, 1, s_q], key/value mask "
+                         "[b, 1, 1, s_kv]), got one tensor")
     elif seq_q == seq_kv:
         q_pad = kv_pad = mask
     else:

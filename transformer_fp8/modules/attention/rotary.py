@@ -30,7 +30,8 @@ class RotaryPositionEmbedding(torch.nn.Module):
     """Transformer Engine's RotaryPositionEmbedding: forward(max_seq_len, offset=0) returns the
     float32 angles [max_seq_len, 1, 1, dim'], r = int(dim * rotary_percent) and dim' = 2 *
     ceil(r / 2) (r itself when even; as Transformer Engine), position p and feature j holding
-    p * base^(-2 (j mod dim'/2) / r): the frequencies repeated, not interleaved. seq_len_interpolation_factor with pretrained_max_position_embeddings divides
+    p * base^(-2 (j mod dim'/2) / r): the frequencies repeated, not interleaved.
+    seq_len_interpolation_factor with pretrained_max_position_embeddings divides
     the positions (position interpolation): by the factor, or by max_seq_len / pretrained when
     max_seq_len exceeds pretrained * factor.
     The inverse frequencies are a buffer, inv_freq (in the state_dict, as Transformer Engine
@@ -100,7 +101,8 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     position start_positions[b] + j (s2 >= max(start_positions) + s; a tensor is read on the
     host for that check). tensor_format "thd" (packed sequences, t [tokens, h, d]) needs
     cu_seqlens ([b + 1] cumulative lengths): each sequence's positions start at 0 (at
-    start_positions[b] with them); rows past cu_seqlens[-1] pass through unchanged. Transformer Engine's other arguments: fused (its kernel
+    start_positions[b] with them); rows past cu_seqlens[-1] pass through unchanged. Transformer
+    Engine's other arguments: fused (its kernel
     or not: the same numbers) is accepted and changes nothing; interleaved, cp_size and cp_rank
     (context parallelism) only at their defaults, cu_seqlens with "thd" only."""
     owner = "apply_rotary_pos_emb"

@@ -30,7 +30,8 @@ def with_sink(q, k, v, allowed, is_causal, alpha, scale):
     allowed', is_causal, rows): keep SDPA's output [:, :, rows:, :d].
 
     The head dimension grows by 8 (a multiple of 8 still, as the fused kernels want it; the
-    values' 8 are zeros; v's head size may differ from q's and k's): the queries carry alpha_h / scale in
+    values' 8 are zeros; v's head size may differ from q's and k's): the queries carry alpha_h /
+    scale in
     three components of q's dtype, each the remainder of the ones before (the sink's score,
     accumulated in float32, keeps float32 accuracy with bfloat16 inputs), the sink key ones
     there, every other key zeros. Causal (top-left): the sink goes first and one zero query in

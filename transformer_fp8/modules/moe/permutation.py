@@ -28,7 +28,8 @@ one under ``torch.use_deterministic_algorithms``) in float32 for 16-bit inputs (
 otherwise), rounding once at the end, as Transformer Engine's mask-map kernels do (read in its
 source: the same bits there). Its index-map kernels compute in a 16-bit input's own dtype
 instead (each merging_prob and each product rounded to it, the copies added in slot order,
-rounding after each addition): for bfloat16 this library's index-map results are the more accurate and differ
+rounding after each addition): for bfloat16 this library's index-map results are the more accurate
+and differ
 from Transformer Engine's by up to a few bfloat16 ulps (float32: in the order of addition only;
 measured against an emulation of its kernels, not against Transformer Engine itself).
 merging_probs multiply in that precision; their gradient is the float32 dot product of the
