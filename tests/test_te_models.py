@@ -255,6 +255,26 @@ def test_grouped_linear_in_fp8_is_one_fp8_linear_per_expert():
         assert torch.equal(grouped.fp8_bwd_scale[i:i + 1], e.fp8_bwd_scale)
 
 
+def test_an_expert_given_no_rows_keeps_its_history():
+    """DelayedScaling: an expert with no rows records amax 0, which is also what a layer that
+    did not run gives the reduction, so its columns neither roll nor rescale (documented in
+    Good to know; Transformer Engine rolls a 0 in, so with 'max' its window ages)."""
+    recipe = DelayedScaling(amax_history_len=2)
+    g = te.GroupedLinear(2, 32, 16, recipe=recipe)
+    x = torch.randn(8, 32)
+    x[4:] *= 100  # expert 1's rows
+    with te.fp8_autocast(fp8_recipe=recipe):
+        g(x, [4, 4]).sum().backward()
+    history, scale = g.fp8_fwd_amax_history.clone(), g.fp8_fwd_scale.clone()
+    for _ in range(3):  # more steps than the history is long, expert 1 idle
+        with te.fp8_autocast(fp8_recipe=recipe):
+            g(torch.randn(8, 32), [8, 0]).sum().backward()
+    assert torch.equal(g.fp8_fwd_amax_history[:, 2], history[:, 2]), "expert 1's input column"
+    assert torch.equal(g.fp8_fwd_scale[2], scale[2])
+    assert g.fp8_fwd_amax_history[1, 2] == x[4:].abs().max(), "its old amax still in the window"
+    assert not torch.equal(g.fp8_fwd_amax_history[:, 0], history[:, 0]), "expert 0 rolled"
+
+
 def test_grouped_linear_errors_name_the_argument():
     g = te.GroupedLinear(2, 32, 16)
     with pytest.raises(ValueError, match="m_splits must hold 2 non-negative integers"):
@@ -265,6 +285,14 @@ def test_grouped_linear_errors_name_the_argument():
         g(torch.randn(8, 32), [True, 7])
     with pytest.raises(ValueError, match="m_splits must hold 2 non-negative integers"):
         g(torch.randn(8, 32), [4.0, 4.0])
+    for splits in ([torch.tensor(True), 7], [torch.tensor([1]), 7]):  # (operator.index took them)
+        with pytest.raises(ValueError, match="m_splits must hold 2 non-negative integers"):
+            g(torch.randn(8, 32), splits)
+    with pytest.raises(TypeError, match="inp must be a tensor, got list"):
+        g([[0.0] * 32] * 8, [4, 4])
+    # 0-dim integer tensors are integers
+    x8 = torch.randn(8, 32)
+    assert torch.equal(g(x8, [torch.tensor(1), torch.tensor(7)]), g(x8, [1, 7]))
     # numpy integers are integers (as Transformer Engine takes them): the same output
     np = pytest.importorskip("numpy")
     x = torch.randn(8, 32)

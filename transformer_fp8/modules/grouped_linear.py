@@ -35,6 +35,8 @@ def _as_int(value) -> Optional[int]:
         return value
     if isinstance(value, bool):
         return None
+    if isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool):
+        return None  # (operator.index takes a one-element tensor and a bool tensor)
     try:
         return operator.index(value)
     except TypeError:
@@ -144,6 +146,9 @@ class GroupedLinear(TeModuleMixin, Fp8StateMixin, torch.nn.Module):
             if value is not None:
                 raise ValueError(f"GroupedLinear.forward: {name} (a preallocated buffer) is not "
                                  "supported; leave it at None")
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"GroupedLinear.forward: inp must be a tensor, got "
+                            f"{type(inp).__name__}")
         rows = inp.numel() // inp.shape[-1] if inp.dim() and inp.shape[-1] else 0
         self._m_splits = self._check_splits(m_splits, rows)
         if self._wgrad is not None:  # (no attribute write otherwise: torch.compile)
