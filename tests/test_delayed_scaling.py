@@ -255,14 +255,46 @@ def test_callable_scaling_factor(device, gen, amax_algo):
     run_op(states, [448.0] * 3, margin=1, amax_compute_algo=amax_algo,
            scaling_factor_compute_algo=two, recipe=recipe)
     assert len(calls) == 3
+    kept = []
     for (h, s, si), (hc, _, _), (h0, s0, si0), call in zip(states, cxx_path, before, calls):
-        recorded = h0[0] != 0
-        assert_bitwise_equal(h, hc, "roll")
-        assert_bitwise_equal(s, torch.where(recorded, 2.0, s0), "scale")
-        assert_bitwise_equal(si, torch.where(recorded, 0.5, si0), "scale_inv")
         amax, old_scale, fp8_max, recipe_arg = call
+        # taken where this step recorded and the amax is finite and positive
+        taken = (h0[0] != 0) & torch.isfinite(amax) & (amax > 0)
+        kept.append(not taken.all())
+        assert_bitwise_equal(h, hc, "roll")
+        assert_bitwise_equal(s, torch.where(taken, 2.0, s0), "scale")
+        assert_bitwise_equal(si, torch.where(taken, 0.5, si0), "scale_inv")
         assert amax.shape == s.shape and fp8_max == 448.0 and recipe_arg is recipe
         assert_bitwise_equal(old_scale, s0, "scale passed to the callable")
+    assert any(kept), "some amaxes not finite and positive (kept scales) among the states"
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_callable_scaling_factor_keeps_the_contracts_guards(algo):
+    """Transformer Engine's formula as a callable, (fp8_max / amax) / 2**margin: a grad_output
+    with an inf (a step GradScaler skips) gave it an amax of 0 ('max': an empty window) or -inf
+    ('most_recent'), and the scale written was inf or -0.0 (the next steps' gradients all 0 or
+    NaN, the checkpoint refused at load). The old scale is kept where the amax is not finite
+    and positive or the result not positive; an inf result is clamped to FLT_MAX."""
+    history = torch.zeros(4, 6)
+    history[0] = torch.tensor([float("inf"), 0.0, 3.0, 1e-38, 5.0, 7.0])
+    history[1, 1] = 0.0
+    scale, scale_inv = torch.full((6,), 3.0), torch.full((6,), 1 / 3.0)
+
+    def formula(amax, old, fp8_max, recipe):
+        out = (fp8_max / amax) / (2 ** recipe.margin)
+        out[4], out[5] = float("nan"), -2.0  # (a callable's own NaN and negative results)
+        return out
+
+    recipe = DelayedScaling(amax_compute_algo=algo, scaling_factor_compute_algo=formula)
+    run_op([(history, scale, scale_inv)], [448.0], amax_compute_algo=algo,
+           scaling_factor_compute_algo=formula, recipe=recipe)
+    flt_max = torch.finfo(torch.float32).max
+    expected = torch.tensor([3.0, 3.0, 0.0, flt_max, 3.0, 3.0])
+    expected[2] = 448.0 / torch.tensor(3.0)  # (the callable's float32 division)
+    assert_bitwise_equal(scale, expected, "scale")
+    assert_bitwise_equal(scale_inv, torch.where(expected == 3.0, 1 / 3.0, 1.0 / expected))
+    assert torch.isfinite(scale).all() and (scale > 0).all()
 
 
 def test_callable_amax_algo_sees_the_history_as_transformer_engine_passes_it(gen):

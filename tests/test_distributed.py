@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from integration_compare import (STEP_SCALES, StepRecord, assert_close,
                                  data_parallel_in_one_process, record_step)
+from conftest import assert_bitwise_equal
 from multiprocess import WORLD, run_ranks
 
 import transformer_fp8 as tfp8
@@ -354,3 +355,47 @@ def test_a_hanging_rank_fails_the_test_with_a_message(tmp_path):
     with pytest.raises(pytest.fail.Exception, match=r"ranks \[0, 1\] of 2 had not finished"):
         run_ranks(_hanging_worker, (str(tmp_path),), tmp_path, timeout_s=8)
     assert time.monotonic() - start < 30
+
+
+def _nan_worker(rank, out_dir):
+    from transformer_fp8.quantization.update_plan import all_reduce_max
+    recipe = tfp8.DelayedScaling(amax_history_len=4)
+    result = {}
+    for nan_rank in range(WORLD):
+        torch.manual_seed(0)
+        layer = tfp8.Linear(32, 16, recipe=recipe)
+        for step in range(3):
+            x = _batch(rank, step)
+            if step == 2 and rank == nan_rank:
+                x[0, 0] = float("nan")
+            with tfp8.fp8_autocast(fp8_recipe=recipe):
+                layer(x)
+        amaxes = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        amaxes[nan_rank] = float("nan")
+        amaxes[2 + rank] = 5.0 + rank  # (finite values reduced as floats are)
+        all_reduce_max(amaxes, None)
+        result[nan_rank] = (layer.fp8_fwd_amax_history.clone(), layer.fp8_fwd_scale.clone(),
+                            amaxes)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_a_nan_amax_survives_the_reduction_whichever_rank_holds_it(tmp_path):
+    """A NaN amax on one rank: every rank's history holds NaN as one process running both
+    batches does. gloo's float MAX kept a NaN on rank 0 and dropped one on rank 1 (the other
+    rank's finite amax took its place: under 'most_recent' the scale then depended on the rank
+    the NaN came from)."""
+    run_ranks(_nan_worker, (str(tmp_path),), tmp_path)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for nan_rank in range(WORLD):
+        (h0, s0, a0), (h1, s1, a1) = results[0][nan_rank], results[1][nan_rank]
+        assert_bitwise_equal(h0, h1)
+        assert_bitwise_equal(s0, s1)
+        assert torch.isnan(h0[-1, 0]), (nan_rank, h0[:, 0])  # (the NaN step, rolled last)
+        assert torch.isnan(a0[nan_rank]) and torch.isnan(a1[nan_rank])
+        expected = torch.tensor([1.0, 2.0, 5.0, 6.0])
+        expected[nan_rank] = float("nan")
+        assert_bitwise_equal(a0, expected)
+        assert_bitwise_equal(a1, expected)
+    # the same state whichever rank held the NaN (one process's result)
+    assert_bitwise_equal(results[0][0][0], results[0][1][0])
+    assert_bitwise_equal(results[0][0][1], results[0][1][1])

@@ -161,7 +161,9 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
     ``amax_compute_algo(history)`` gets a copy of the history [L, n] before the roll, as
     Transformer Engine passes it (row 0 cur, rows 1..L-1 the earlier amaxes, oldest first:
     ``h[0]`` is "most_recent", ``h.amax(0)`` "max" on finite values) and returns the amax [n];
-    ``scaling_factor_compute_algo(amax, scale, fp8_max, recipe)`` returns the new scale [n].
+    ``scaling_factor_compute_algo(amax, scale, fp8_max, recipe)`` returns the new scale [n],
+    taken where the amax is finite and positive and the result positive (clamped to
+    [FLT_MIN, FLT_MAX]), the old scale kept elsewhere, as the built-in formula's guards do.
     Columns with cur == 0 are left untouched either way.
     """
     histories, scales, scale_invs = list(amax_histories), list(scales), list(scale_invs)

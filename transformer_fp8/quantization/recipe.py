@@ -163,8 +163,13 @@ class DelayedScaling(Recipe):
         of a GEMM's two scale_invs, which the GEMM applies, overflows to inf.
     amax_history_len: steps of amax kept per tensor (>= 1).
     amax_compute_algo: "max" (largest finite amax of the window), "most_recent", or a callable
-        taking the window [L, n] (oldest first, this step's amax last) and returning amax [n].
-    scaling_factor_compute_algo: None, or a callable (amax, scale, fp8_max, recipe) -> scale.
+        taking the history before its roll, [L, n] (as Transformer Engine: row 0 this step's
+        amax, rows 1..L-1 the earlier ones, oldest first), and returning amax [n].
+    scaling_factor_compute_algo: None, or a callable (amax, scale, fp8_max, recipe) -> scale
+        [n]. Its result is taken where the amax is finite and positive and the result is
+        positive (clamped to float32's normal range, as the built-in formula's); elsewhere the
+        old scale is kept (a step with an inf amax, or an empty window, does not write an inf,
+        zero or NaN scale).
     reduce_amax: all-reduce (MAX) the amaxes across fp8_group before each update.
     fp8_dpa, fp8_mha: Transformer Engine's, accepted at their defaults (False) only.
     backward_override: Transformer Engine's (default from NVTE_BACKWARD_OVERRIDE); delayed

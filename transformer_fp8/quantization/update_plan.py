@@ -34,9 +34,21 @@ def world_size(group) -> int:
 
 
 def all_reduce_max(buffer: torch.Tensor, group) -> None:
-    """In-place MAX across the group (a no-op for a single process)."""
+    """In-place MAX of amaxes (float32, never negative) across the group (a no-op for a single
+    process), a NaN on any rank kept, as one process's amax of the whole batch keeps it.
+
+    A float MAX drops a NaN on some backends depending on which rank holds it (gloo compares
+    with ``<``: a NaN on rank 0 survived, one on rank 1 did not). The amaxes are reduced as
+    their int32 bit patterns instead: for non-negative floats their order is the floats',
+    +inf above every finite value and a positive NaN above +inf."""
     if world_size(group) > 1:
-        torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
+        if buffer.dtype != torch.float32:
+            torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
+            return
+        # (NaN's sign bit cleared: a NaN with it set would be a negative int32)
+        bits = torch.where(buffer.isnan(), float("nan"), buffer).abs().view(torch.int32)
+        torch.distributed.all_reduce(bits, op=torch.distributed.ReduceOp.MAX, group=group)
+        buffer.copy_(bits.view(torch.float32))
 
 
 def layout_of(states: list) -> tuple:
