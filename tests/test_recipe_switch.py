@@ -97,6 +97,32 @@ def test_checkpoint_saved_under_hybrid_resumed_under_e4m3():
     assert max(errors) < 0.1, errors
 
 
+@pytest.mark.parametrize("saved_under,runs_under", [(E4M3, HYBRID), (HYBRID, E4M3)])
+@pytest.mark.parametrize("left_out", ["fwd", "bwd"])
+def test_a_partial_load_rescales_only_the_direction_it_loaded(saved_under, runs_under, left_out):
+    """strict=False with one direction's FP8 state left out of the checkpoint: the module keeps
+    its own scales there, made for the recipe it trained under. They were taken as made for
+    the checkpoint's format and rescaled at the next forward (an E5M2 grad_output scale
+    multiplied by 2**7: the backward saturated, dgrad 98% off)."""
+    checkpoint = _trained(saved_under).state_dict()
+    partial = {k: v for k, v in checkpoint.items() if not k.startswith(f"fp8_{left_out}_")}
+    layer = _trained(runs_under, steps=2, module=tfp8.Linear(32, 48))
+    own = _scales(layer)
+    result = layer.load_state_dict(partial, strict=False)
+    assert sorted(result.missing_keys) == sorted(
+        f"fp8_{left_out}_{n}" for n in ("amax_history", "scale", "scale_inv"))
+    loaded = "bwd" if left_out == "fwd" else "fwd"
+    x, _ = _data()
+    with tfp8.fp8_autocast(fp8_recipe=runs_under):
+        layer(x)  # (adopts runs_under: rescales what was made for another format)
+        used = _scales(layer)
+    factor = 1.0 if loaded == "fwd" else (2.0 ** 7 if runs_under is HYBRID else 2.0 ** -7)
+    assert torch.equal(used[f"fp8_{left_out}_scale"], own[f"fp8_{left_out}_scale"]), "its own"
+    assert torch.equal(used[f"fp8_{loaded}_scale"], checkpoint[f"fp8_{loaded}_scale"] * factor)
+    errors = _step_error(layer, runs_under)
+    assert max(errors) < 0.1, errors
+
+
 def test_a_column_without_amax_keeps_its_scale():
     """Training forwards under HYBRID and no backward: the backward history is empty and its
     scale (1, as built) is not rescaled; the forward's (E4M3 in both formats) are unchanged."""

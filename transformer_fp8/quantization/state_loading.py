@@ -37,12 +37,23 @@ class Fp8StateLoading:
         self._saved_histories = None
         self._te_pending_update = ()  # (te_checkpoint.apply_extra_state sets it after)
 
-    def took_loaded_state(self) -> None:
+    def took_loaded_state(self, loaded=("fwd", "bwd"), record_loaded: bool = True) -> None:
         """After a whole FP8 state was loaded into the buffers (load_state_dict, or each buffer
         assigned its loaded value: transformers' from_pretrained, state_materialisation.py):
         its saved recipe noted, and the recipe adopted again at the next FP8 forward (its
-        scales rescaled there if made for another format: recipe_switch.py)."""
+        scales rescaled there if made for another format: recipe_switch.py). ``loaded``: the
+        directions whose scales the load gave (strict=False may give one only); the other
+        keeps the format its own scales were made for, not the checkpoint's record.
+        ``record_loaded``: whether the load gave the recipe record (fp8_recipe_fields); without
+        it the loaded scales' format is unknown (nothing rescaled), not the module's own."""
+        own_codes = dict(self.__dict__.get("_scale_codes") or {})
         self.note_saved_recipe()
+        if not record_loaded:
+            recipe_switch.note_made_for(self, None, loaded)
+        for direction in ("fwd", "bwd"):
+            if direction not in loaded:
+                recipe_switch.note_made_for(self, None, (direction,))
+                self.__dict__["_scale_codes"][direction] = own_codes.get(direction)
         adoption_undo.forget(self)  # (a failed step leaves the loaded state, not the one before)
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
         self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
@@ -151,4 +162,5 @@ class Fp8StateLoading:
             # directly built module's: reset_fp8_state).
             self.reset_fp8_state()
             return
-        self.took_loaded_state()
+        self.took_loaded_state(tuple(d for d in ("fwd", "bwd") if f"fp8_{d}_scale" in present),
+                               record_loaded="fp8_recipe_fields" in present)
