@@ -4,6 +4,8 @@ Format``). They live in quantization/recipe.py."""
 from .quantization.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling,
                                   Float8CurrentScaling, Float8RowwiseScaling, Format,
                                   MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
+from .quantization.gemm_params import MMParams
 
 __all__ = ["CustomRecipe", "DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling",
-           "Float8RowwiseScaling", "Format", "MXFP8BlockScaling", "NVFP4BlockScaling", "Recipe"]
+           "Float8RowwiseScaling", "Format", "MMParams", "MXFP8BlockScaling",
+           "NVFP4BlockScaling", "Recipe"]

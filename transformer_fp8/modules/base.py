@@ -15,6 +15,7 @@ from .._dtensor import is_dtensor, local_tensor
 from ..quantization import autocast as _autocast
 from ..quantization import checkpoint_stack
 from ..quantization.calibration import GradOutputRecording, recording_linear
+from ..quantization.gemm_params import fast_accum_of
 from ..quantization.fp8_weight import Fp8Weight
 from ..quantization.quantizer import ALIGN, Fp8Plan
 from ..quantization.replay import HIGH_PRECISION
@@ -220,7 +221,8 @@ class Fp8StateMixin(Fp8State):
             Fp8Plan(input_q, weight_q, grad_q,
                     self._weight_for_step(gemm, weights and weights[gemm], weight_q,
                                           is_first_microbatch, override is None),
-                    backward_step, out_dtype, backward_override=override)
+                    backward_step, out_dtype, backward_override=override,
+                    fast_accum=fast_accum_of(state.recipe))
             for gemm, (input_q, weight_q, grad_q) in enumerate(quantizers))
         if any(type(w) is GatheredFp8Weight for w in self._parameters.values()):
             mismatched = mismatched_forms(self, plans)  # (FSDP2: gathered in another form)

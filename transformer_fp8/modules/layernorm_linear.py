@@ -77,7 +77,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         w_q = plan.quantize_weight(weight, with_transpose=plan.transposes(needs_norm_grad))
         plan.keep_used(ln_q, w_q)
         out = plan.gemm(ln_q.data, ln_q.scale_inv, w_q.data, w_q.scale_inv, plan.out_dtype,
-                        bias=None if bias is None else bias.to(plan.out_dtype), fast_accum=True)
+                        bias=None if bias is None else bias.to(plan.out_dtype),
+                        fast_accum=plan.fast_accum[0])
         # Backward keeps the input (for the norm's backward) and the FP8 copies only (under a
         # backward_override the GEMM operands before their casts, or their FP8 data).
         ln_kept = kept_operand(override, ln_q, ln_out, needs_weight_grad)
@@ -117,7 +118,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             # dgrad of the GEMM [M, K] = grad_out [M, N] @ weight [N, K], then the norm's.
             if override is None:
                 grad_ln = plan.gemm(g_q.data, g_q.scale_inv, w_t_fp8, w_t_scale_inv,
-                                    x.dtype)[:ctx.rows]
+                                    x.dtype, fast_accum=plan.fast_accum[1])[:ctx.rows]
             else:
                 weight = backward_override.operand((w_t_fp8, w_t_scale_inv), ctx.out_features,
                                                    compute)
@@ -127,7 +128,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         if needs_weight_grad and override is None:
             # wgrad [N, K] = grad_out^T [N, M] @ ln_out [M, K]; the b operand is ln_out^T.
             grad_weight = plan.gemm(g_q.data_t, g_q.scale_inv_t, ln_t_fp8, ln_t_scale_inv,
-                                    ctx.weight_dtype)
+                                    ctx.weight_dtype, fast_accum=plan.fast_accum[2])
         elif needs_weight_grad:
             ln_out = backward_override.operand((ln_t_fp8, ln_t_scale_inv), ctx.rows, compute)
             grad_weight = backward_override.wgrad(g, ln_out, compute, ctx.weight_dtype)

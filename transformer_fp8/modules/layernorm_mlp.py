@@ -110,7 +110,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         fc1_out = fc1_plan.gemm(
             ln_q.data, ln_q.scale_inv, w1_q.data, w1_q.scale_inv, fc1_plan.out_dtype,
             bias=None if fc1_bias is None else fc1_bias.to(fc1_plan.out_dtype),
-            fast_accum=True)[:rows]
+            fast_accum=fc1_plan.fast_accum[0])[:rows]
         act_q, act_out = _cast_activation(fc2_plan, activation, fc1_out,
                                           fc2_plan.transposes(grads[5]),
                                           high_precision and grads[5])
@@ -120,7 +120,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         out = fc2_plan.gemm(
             act_q.data, act_q.scale_inv, w2_q.data, w2_q.scale_inv, fc2_plan.out_dtype,
             bias=None if fc2_bias is None else fc2_bias.to(fc2_plan.out_dtype),
-            fast_accum=True)[:rows]
+            fast_accum=fc2_plan.fast_accum[0])[:rows]
         # The FP8 transposes the backward GEMMs read (under a backward_override the operands
         # before their casts, or their FP8 data: quantization/backward_override.py).
         kept = [kept_operand(override, q, hp, needed)
@@ -164,21 +164,23 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         if grads[5]:
             # fc2 wgrad [H, F] = grad_out^T [H, M] @ act [M, F]; the b operand is act^T.
             grad_fc2_weight = fc2_plan.gemm(g_q.data_t, g_q.scale_inv_t, act_t_fp8,
-                                            act_t_scale_inv, w2_dtype)
+                                            act_t_scale_inv, w2_dtype,
+                                            fast_accum=fc2_plan.fast_accum[2])
         if needs_fc2_dgrad:
             # fc2 dgrad [M, F] = grad_out [M, H] @ fc2_weight [H, F]
             grad_act = fc2_plan.gemm(g_q.data, g_q.scale_inv, w2_t_fp8, w2_t_scale_inv,
-                                     fc1_out.dtype)[:x.shape[0]]
+                                     fc1_out.dtype, fast_accum=fc2_plan.fast_accum[1])[:x.shape[0]]
             d1_q, grad_fc1_bias = _cast_activation_grad(
                 fc1_plan, ctx.activation, grad_act, fc1_out, with_transpose=grads[3],
                 with_dbias=grads[4])
             if grads[3]:
                 # fc1 wgrad [F', H] = d1^T [F', M] @ ln_out [M, H]; the b operand is ln_out^T.
                 grad_fc1_weight = fc1_plan.gemm(d1_q.data_t, d1_q.scale_inv_t, ln_t_fp8,
-                                                ln_t_scale_inv, w1_dtype)
+                                                ln_t_scale_inv, w1_dtype,
+                                                fast_accum=fc1_plan.fast_accum[2])
             if needs_norm_grad:
                 grad_ln = fc1_plan.gemm(d1_q.data, d1_q.scale_inv, w1_t_fp8, w1_t_scale_inv,
-                                        x.dtype)[:x.shape[0]]
+                                        x.dtype, fast_accum=fc1_plan.fast_accum[1])[:x.shape[0]]
                 grad_inp, grad_ln_weight, grad_ln_bias = norm_backward(
                     ctx, grad_ln, grad_ln_out, x, stats, ln_weight, ctx.hidden)
         if grad_fc1_bias is not None:

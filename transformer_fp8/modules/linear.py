@@ -60,7 +60,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if bias is not None and bias.dtype != plan.out_dtype:
             bias = bias.to(plan.out_dtype)
         out = plan.gemm(x_q.data, x_q.scale_inv, w_q.data, w_q.scale_inv, plan.out_dtype,
-                        bias=bias, fast_accum=True)
+                        bias=bias, fast_accum=plan.fast_accum[0])
         # Backward needs only the FP8 transposes: the high-precision input is not kept (under
         # torch.compile a reference to the weight too: once_differentiable.py). Under a
         # backward_override, the operands before their casts or their FP8 data instead.
@@ -92,12 +92,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_inp = grad_weight = None
         if needs_input_grad:
             # dgrad [M, K] = grad_out [M, N] @ weight [N, K]; the b operand is weight^T [K, N]
-            grad_inp = plan.gemm(g_q.data, g_q.scale_inv, w_t_fp8, w_t_scale_inv, ctx.inp_dtype)
+            grad_inp = plan.gemm(g_q.data, g_q.scale_inv, w_t_fp8, w_t_scale_inv, ctx.inp_dtype,
+                                 fast_accum=plan.fast_accum[1])
             grad_inp = _unpad(grad_inp, ctx.rows, ctx.lead_shape, ctx.in_features)
         if needs_weight_grad:
             # wgrad [N, K] = grad_out^T [N, M] @ input [M, K]; the b operand is input^T [K, M]
             grad_weight = plan.gemm(g_q.data_t, g_q.scale_inv_t, x_t_fp8, x_t_scale_inv,
-                                    ctx.weight_dtype)
+                                    ctx.weight_dtype, fast_accum=plan.fast_accum[2])
         if needs_bias_grad and grad_bias.dtype != ctx.bias_dtype:
             grad_bias = grad_bias.to(ctx.bias_dtype)
         return grad_inp, grad_weight, grad_bias, None, None, None

@@ -26,6 +26,7 @@ import torch
 from .. import _C, _fp8_hooks
 from ..quantization import autocast as _autocast
 from ..quantization import checkpoint_stack
+from ..quantization.gemm_params import DEFAULT_FAST_ACCUM, fast_accum_of
 from ..quantization.quantizer import Fp8Plan, Quantized
 from ..quantization.recipe import DelayedScaling, Float8CurrentScaling, Format
 from ..quantization.roles import (_REGISTERED, QUANTIZERS, delayed_quantizers,
@@ -213,7 +214,8 @@ def _runs_fused(layer, state, is_first_microbatch) -> Optional[bool]:
         return True
     if (quantizers is _current_quantizers and recipe.fp8_format is not Format.E5M2
             and not recipe.use_power_2_scales  # (power-of-two scales: the Python path; so
-            and recipe.backward_override is None):  # do high-precision backward GEMMs)
+            and recipe.backward_override is None  # do high-precision backward GEMMs, and
+            and fast_accum_of(recipe) == DEFAULT_FAST_ACCUM):  # other MMParams)
         return False  # (each rank's own amax; a tensor-parallel layer's DTensors take Python)
     return None  # (E5M2: the Python path raises the error that names it)
 

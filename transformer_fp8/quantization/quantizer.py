@@ -18,6 +18,7 @@ import torch
 from .. import ops
 from ..ops import fused as fused_ops
 from . import amax_step, backward_step
+from .gemm_params import DEFAULT_FAST_ACCUM
 
 ALIGN = ops.GEMM_ALIGN  # FP8 GEMM dimensions must be multiples of it
 pad_rows = ops.pad_rows
@@ -246,6 +247,8 @@ class Fp8Plan:
     # The recipe's backward_override: None (backward GEMMs in FP8), "high_precision" or
     # "dequantized" (in high precision: backward_override.py).
     backward_override: Optional[str] = None
+    # Fast accumulation of (fprop, dgrad, wgrad): the recipe's MMParams (gemm_params.py).
+    fast_accum: tuple = DEFAULT_FAST_ACCUM
 
     @property
     def gemm(self) -> Callable:
@@ -291,4 +294,4 @@ class Fp8Plan:
         return Fp8Plan(self.input_quantizer.for_replay(x_q),
                        self.weight_quantizer.for_replay(w_q), self.grad_quantizer,
                        self.weight_fp8, self.backward_step, self.out_dtype,
-                       backward_override=self.backward_override)
+                       backward_override=self.backward_override, fast_accum=self.fast_accum)

@@ -9,6 +9,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from .gemm_params import MMParams, check_gemm_params
+
 
 class _FormatValue(str):
     """A Format's value: its name, which also carries max_fwd and max_bwd, as Transformer
@@ -243,6 +245,10 @@ class Float8CurrentScaling(Recipe):
     backward_override: None (the backward GEMMs in FP8), "high_precision" or "dequantized"
         (in high precision, from the forward's operands before their casts or dequantised:
         quantization/backward_override.py); default from NVTE_BACKWARD_OVERRIDE.
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: Transformer Engine's MMParams, the
+        accumulation of each GEMM on Hopper (defaults: fast accumulation in the forward, the
+        split accumulator in the backward; quantization/gemm_params.py). Other values run the
+        Python path (not the C++ steps).
     """
 
     fp8_format: Format = Format.HYBRID
@@ -251,11 +257,15 @@ class Float8CurrentScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: Optional[str] = field(default_factory=_env_backward_override)
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
 
     def __post_init__(self):
         _check_format(self.fp8_format)
         _check_bool("use_power_2_scales", self.use_power_2_scales)
         _check_te_switches(self)
+        check_gemm_params(self)
 
 
 def _check_bool(name: str, value) -> None:
@@ -289,6 +299,8 @@ class Float8BlockScaling(Recipe):
         Transformer Engine's spelling, an argument only: given, it sets power_2_scale to its
         opposite.
     fp8_dpa, fp8_mha: see DelayedScaling. backward_override: see Float8CurrentScaling.
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: MMParams with the split accumulator only,
+        as Transformer Engine requires.
     """
 
     fp8_format: Format = Format.E4M3
@@ -299,6 +311,9 @@ class Float8BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: Optional[str] = field(default_factory=_env_backward_override)
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
     use_f32_scales: InitVar[Optional[bool]] = None
 
     def __post_init__(self, use_f32_scales):
@@ -311,6 +326,7 @@ class Float8BlockScaling(Recipe):
                                not _env_flag("NVTE_FP8_BLOCK_SCALING_FP32_SCALES"))
         _check_bool("power_2_scale", self.power_2_scale)
         _check_te_switches(self)
+        check_gemm_params(self, split_only=True)
         if self.fp8_format is Format.E5M2:
             raise ValueError("Float8BlockScaling: fp8_format=Format.E5M2 is not supported (FP8 "
                              "GEMMs take no E5M2 x E5M2 product); use Format.E4M3 or "
