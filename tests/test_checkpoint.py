@@ -526,3 +526,41 @@ def test_a_checkpoint_loads_alike_into_a_trained_and_a_fresh_layer():
     for key, value in fresh.state_dict().items():
         if "fp8_" in key:
             assert torch.equal(trained.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["after_the_context", "inside_it"])
+def test_a_load_between_a_forward_and_its_backward_keeps_the_loaded_state(inside):
+    """A forward, a load_state_dict, then that forward's backward: the backward recorded its
+    grad_output amax into the loaded history's row 0, which no update covered, and the next
+    step folded it in as its own (a grad_output scale 68000x too small). Row 0 is put back to
+    what was loaded when the state records again: the next step is that of a layer loaded
+    before it, bit for bit."""
+    recipe = DelayedScaling(amax_history_len=4)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    source = tfp8.Linear(32, 16, recipe=recipe)
+    for _ in range(2):
+        with fp8_autocast(fp8_recipe=recipe):
+            out = source(torch.randn(8, 32, generator=gen))
+        out.backward(torch.randn(8, 16, generator=gen) * 0.01)
+    saved = {k: v.clone() for k, v in source.state_dict().items()}
+    x_next, g_next = torch.randn(8, 32, generator=gen), torch.randn(8, 16, generator=gen) * 0.01
+
+    torch.manual_seed(1)
+    layer = tfp8.Linear(32, 16, recipe=recipe)
+    with fp8_autocast(fp8_recipe=recipe):
+        out = layer(torch.randn(8, 32, generator=gen))
+        if inside:
+            layer.load_state_dict(saved)
+    if not inside:
+        layer.load_state_dict(saved)
+    out.backward(torch.randn(8, 16, generator=gen) * 1000)  # the stale backward
+    reference = tfp8.Linear(32, 16, recipe=recipe)
+    reference.load_state_dict(saved)
+    for module in (layer, reference):
+        module.weight.grad = module.bias.grad = None
+        with fp8_autocast(fp8_recipe=recipe):
+            out = module(x_next)
+        out.backward(g_next)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(layer.state_dict()[key], value), key

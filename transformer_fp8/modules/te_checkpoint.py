@@ -243,6 +243,8 @@ def apply_extra_state(module, tensors: dict) -> None:
     module._bind_scaling_states()  # (histories of another length)
     for state in module._scaling_states:  # (as state_loading.took_loaded_state)
         amax_step.AmaxStep.leave(state)
+        if state.role == "bwd":
+            state.loaded_row = state.history[0].detach().clone()
     # The update the checkpoint owes runs at the next FP8 forward, under its recipe, before
     # anything is cast (quantization/owed_update.py), as Transformer Engine <= 1.5 did.
     module._te_pending_update = tensors.get(PENDING_UPDATE, ())

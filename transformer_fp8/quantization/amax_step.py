@@ -171,6 +171,12 @@ class AmaxStep:
             return  # (the common case: covered since an earlier step)
         if state.step is not None:
             state.step._remove(state)  # it moves here: no other step updates it
+        elif state.loaded_row is not None:
+            # Joining after a load: row 0 back to what was loaded (a backward of a forward
+            # made before the load recorded its grad_output amax there, which no update covered).
+            with torch.no_grad():
+                state.history[0].copy_(state.loaded_row)
+            state.loaded_row = None
         state.step = self
         self._refs[state.key] = weakref.ref(state, self._freed)
         self._plan = self._others = None  # (the mask's plan may be this one)

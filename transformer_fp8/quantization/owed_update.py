@@ -46,4 +46,7 @@ def run_owed_update(module, recipe: DelayedScaling) -> None:
             recipe.margin, recipe.amax_compute_algo, recipe.scaling_factor_compute_algo,
             recipe)
     recipe_switch.note_made_for(module, recipe_code(recipe), roles)
+    for state in module._scaling_states:
+        if state.role in roles:
+            state.loaded_row = None  # (its row 0 is now this update's)
     module._te_pending_update = ()

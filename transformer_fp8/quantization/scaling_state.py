@@ -36,7 +36,7 @@ class ScalingState:
     none (see amax_step.AmaxStep)."""
 
     __slots__ = ("key", "role", "owner_type", "history", "scale", "scale_inv", "device", "step",
-                 "weight_amaxes_from_writes", "_takes_recipe", "__weakref__")
+                 "weight_amaxes_from_writes", "loaded_row", "_takes_recipe", "__weakref__")
 
     def __init__(self, key: int, role: str, takes_recipe: Callable[[object], bool],
                  owner_type: Optional[type] = None):
@@ -50,6 +50,11 @@ class ScalingState:
         # written (FP8 primary weights: at the optimizer step, outside any fp8_autocast), so
         # that a discarded step leaves them (update_plan.UpdatePlan.discard).
         self.weight_amaxes_from_writes = False
+        # A grad_output state's row 0 as a load_state_dict left it, until the state joins a
+        # step again (amax_step's AmaxStep.add): the backward of a forward made before the load
+        # records into it meanwhile. Cleared by a reset and by the update a Transformer Engine
+        # <= 1.5 checkpoint owes.
+        self.loaded_row = None
 
     def bind(self, history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
              weight_amaxes_from_writes: bool = False) -> None:

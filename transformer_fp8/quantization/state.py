@@ -182,6 +182,8 @@ class Fp8State(Fp8StateLoading):
                     getattr(self, name).fill_(1.0)
             self.fp8_recipe_fields.fill_(-1)
         self._recipe_code = self._saved_recipe_code = self._saved_histories = None
+        for state in self._scaling_states:
+            state.loaded_row = None
         self.__dict__.pop("_adopted_recipe", None)
         self.__dict__.pop("_scale_codes", None)
         self.__dict__.pop("_fp8_fresh_off_meta", None)

@@ -62,6 +62,8 @@ class Fp8StateLoading:
         # into an update of a step the module did not run in).
         for state in self._scaling_states:
             amax_step.AmaxStep.leave(state)
+            if state.role == "bwd":  # (only a backward can record outside any step)
+                state.loaded_row = state.history[0].detach().clone()
         self._await_recipe()
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
