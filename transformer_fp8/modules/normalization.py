@@ -241,7 +241,9 @@ class _Norm(torch.nn.Module):
             # Transformer Engine's dtype: the autocast dtype under torch.autocast, else the
             # weight's; the input and the parameters are cast to it first (float32 math after).
             dtype = autocast_dtype(inp.device.type) or weight.dtype
-            inp, weight = inp.to(dtype), weight.to(dtype)
+            # (contiguous, as Transformer Engine's: torch's RMSNorm reduces a strided input
+            # in another order, and its result differed in the last bit)
+            inp, weight = inp.to(dtype).contiguous(), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         return norm_hp(inp, self.normalization, weight, bias, self.eps, self.zero_centered_gamma)
 
