@@ -258,15 +258,14 @@ def test_callable_scaling_factor(device, gen, amax_algo):
     kept = []
     for (h, s, si), (hc, _, _), (h0, s0, si0), call in zip(states, cxx_path, before, calls):
         amax, old_scale, fp8_max, recipe_arg = call
-        # taken where this step recorded and the amax is finite and positive
-        taken = (h0[0] != 0) & torch.isfinite(amax) & (amax > 0)
-        kept.append(not taken.all())
+        recorded = h0[0] != 0  # (the callable's 2.0 is taken whatever the amax)
+        kept.append(bool((~torch.isfinite(amax) | (amax <= 0))[recorded].any()))
         assert_bitwise_equal(h, hc, "roll")
-        assert_bitwise_equal(s, torch.where(taken, 2.0, s0), "scale")
-        assert_bitwise_equal(si, torch.where(taken, 0.5, si0), "scale_inv")
+        assert_bitwise_equal(s, torch.where(recorded, 2.0, s0), "scale")
+        assert_bitwise_equal(si, torch.where(recorded, 0.5, si0), "scale_inv")
         assert amax.shape == s.shape and fp8_max == 448.0 and recipe_arg is recipe
         assert_bitwise_equal(old_scale, s0, "scale passed to the callable")
-    assert any(kept), "some amaxes not finite and positive (kept scales) among the states"
+    assert any(kept), "amaxes that are not finite and positive among the recorded columns"
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
@@ -274,8 +273,8 @@ def test_callable_scaling_factor_keeps_the_contracts_guards(algo):
     """Transformer Engine's formula as a callable, (fp8_max / amax) / 2**margin: a grad_output
     with an inf (a step GradScaler skips) gave it an amax of 0 ('max': an empty window) or -inf
     ('most_recent'), and the scale written was inf or -0.0 (the next steps' gradients all 0 or
-    NaN, the checkpoint refused at load). The old scale is kept where the amax is not finite
-    and positive or the result not positive; an inf result is clamped to FLT_MAX."""
+    NaN, the checkpoint refused at load). A result that is no finite positive scale leaves the
+    old one; any other result is taken, whatever the amax (a static scale, a back-off)."""
     history = torch.zeros(4, 6)
     history[0] = torch.tensor([float("inf"), 0.0, 3.0, 1e-38, 5.0, 7.0])
     history[1, 1] = 0.0
@@ -289,12 +288,25 @@ def test_callable_scaling_factor_keeps_the_contracts_guards(algo):
     recipe = DelayedScaling(amax_compute_algo=algo, scaling_factor_compute_algo=formula)
     run_op([(history, scale, scale_inv)], [448.0], amax_compute_algo=algo,
            scaling_factor_compute_algo=formula, recipe=recipe)
-    flt_max = torch.finfo(torch.float32).max
-    expected = torch.tensor([3.0, 3.0, 0.0, flt_max, 3.0, 3.0])
+    expected = torch.tensor([3.0, 3.0, 0.0, 3.0, 3.0, 3.0])  # (448 / 1e-38: inf in float32)
     expected[2] = 448.0 / torch.tensor(3.0)  # (the callable's float32 division)
     assert_bitwise_equal(scale, expected, "scale")
     assert_bitwise_equal(scale_inv, torch.where(expected == 3.0, 1 / 3.0, 1.0 / expected))
-    assert torch.isfinite(scale).all() and (scale > 0).all()
+    # A static scale and a back-off on a non-finite amax are taken as returned.
+    history[0] = torch.tensor([float("inf"), 2.0, 3.0, 4.0, 5.0, 6.0])
+    static = DelayedScaling(amax_compute_algo=algo,
+                            scaling_factor_compute_algo=lambda a, s, m, r: torch.full_like(s, 8.0))
+    run_op([(history, scale, scale_inv)], [448.0], amax_compute_algo=algo,
+           scaling_factor_compute_algo=static.scaling_factor_compute_algo, recipe=static)
+    assert_bitwise_equal(scale, torch.full((6,), 8.0))
+    history[0] = torch.tensor([float("inf"), 2.0, 3.0, 4.0, 5.0, 6.0])
+
+    def back_off(amax, old, fp8_max, recipe):
+        return torch.where(torch.isfinite(amax), old, old / 2)
+
+    run_op([(history, scale, scale_inv)], [448.0], amax_compute_algo=lambda h: h.amax(0),
+           scaling_factor_compute_algo=back_off, recipe=recipe)
+    assert_bitwise_equal(scale, torch.tensor([4.0, 8.0, 8.0, 8.0, 8.0, 8.0]))
 
 
 def test_callable_amax_algo_sees_the_history_as_transformer_engine_passes_it(gen):

@@ -123,6 +123,28 @@ def test_a_partial_load_rescales_only_the_direction_it_loaded(saved_under, runs_
     assert max(errors) < 0.1, errors
 
 
+def test_a_partial_load_of_the_recipe_record_alone_rescales_nothing():
+    """strict=False with only fp8_recipe_fields (saved under E4M3) into a layer trained under
+    HYBRID: its own scales stay as made for HYBRID (they were taken as made for E4M3 and the
+    grad_output scale multiplied by 2**7); and a checkpoint without the record loads its scales
+    with their format unknown (not the module's own: nothing rescaled)."""
+    checkpoint = _trained(E4M3).state_dict()
+    layer = _trained(HYBRID, steps=2, module=tfp8.Linear(32, 48))
+    own = _scales(layer)
+    layer.load_state_dict({"fp8_recipe_fields": checkpoint["fp8_recipe_fields"]}, strict=False)
+    x, _ = _data()
+    with tfp8.fp8_autocast(fp8_recipe=HYBRID):
+        layer(x)
+        assert all(torch.equal(getattr(layer, k), v) for k, v in own.items())
+    without_record = {k: v for k, v in _trained(HYBRID).state_dict().items()
+                      if k != "fp8_recipe_fields"}
+    layer = _trained(E4M3, steps=2, module=tfp8.Linear(32, 48))
+    layer.load_state_dict(without_record, strict=False)
+    with tfp8.fp8_autocast(fp8_recipe=E4M3):
+        layer(x)
+        assert torch.equal(layer.fp8_bwd_scale, without_record["fp8_bwd_scale"]), "unknown"
+
+
 def test_a_column_without_amax_keeps_its_scale():
     """Training forwards under HYBRID and no backward: the backward history is empty and its
     scale (1, as built) is not rescaled; the forward's (E4M3 in both formats) are unchanged."""

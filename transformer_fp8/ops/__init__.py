@@ -162,8 +162,8 @@ def update_delayed_scaling(amax_histories: Sequence[torch.Tensor], scales: Seque
     Transformer Engine passes it (row 0 cur, rows 1..L-1 the earlier amaxes, oldest first:
     ``h[0]`` is "most_recent", ``h.amax(0)`` "max" on finite values) and returns the amax [n];
     ``scaling_factor_compute_algo(amax, scale, fp8_max, recipe)`` returns the new scale [n],
-    taken where the amax is finite and positive and the result positive (clamped to
-    [FLT_MIN, FLT_MAX]), the old scale kept elsewhere, as the built-in formula's guards do.
+    taken where it is finite and positive (a positive subnormal raised to FLT_MIN), the old
+    scale kept where it is not (inf, NaN, 0, negative: no usable scale).
     Columns with cur == 0 are left untouched either way.
     """
     histories, scales, scale_invs = list(amax_histories), list(scales), list(scale_invs)

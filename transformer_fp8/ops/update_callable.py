@@ -45,17 +45,18 @@ def delayed_scaling_result(
     else:
         raise ValueError(f"amax_compute_algo must be 'max', 'most_recent' or a callable, "
                          f"got {amax_compute_algo!r}")
-    usable = torch.isfinite(amax) & (amax > 0)
     if scaling_factor_compute_algo is not None:
         computed = _checked_result(
             scaling_factor_compute_algo(amax.clone(), scale.clone(), fp8_max, recipe),
             "scaling_factor_compute_algo", scale).to(scale.dtype)
-        # The contract's guards, as for the built-in formula: the old scale where the amax is
-        # not finite and positive (the callable saw an inf, or an empty window's 0) or the
-        # result is not positive (NaN, 0, negative); an inf result clamped to FLT_MAX.
-        new_scale = torch.where(usable & (computed > 0),
-                                computed.clamp(FLT_MIN, FLT_MAX), scale)
+        # The callable decides (as in Transformer Engine: a back-off on an inf amax, a static
+        # scale), but a result that is no usable scale (inf: fp8_max / 0 of an empty window,
+        # NaN, 0, negative) leaves the old scale, never a state whose casts give zeros or NaN.
+        # (Positive subnormals are raised to FLT_MIN, so that scale_inv stays finite.)
+        new_scale = torch.where(torch.isfinite(computed) & (computed > 0),
+                                computed.clamp(min=FLT_MIN), scale)
     else:
+        usable = torch.isfinite(amax) & (amax > 0)
         new_scale = torch.where(usable, scale_from_amax(amax, fp8_max, margin), scale)
     rolled = torch.cat([torch.zeros_like(cur)[None], window[1:]])
     new_scale = torch.where(recorded, new_scale, scale)

@@ -168,10 +168,9 @@ class DelayedScaling(Recipe):
         taking the history before its roll, [L, n] (as Transformer Engine: row 0 this step's
         amax, rows 1..L-1 the earlier ones, oldest first), and returning amax [n].
     scaling_factor_compute_algo: None, or a callable (amax, scale, fp8_max, recipe) -> scale
-        [n]. Its result is taken where the amax is finite and positive and the result is
-        positive (clamped to float32's normal range, as the built-in formula's); elsewhere the
-        old scale is kept (a step with an inf amax, or an empty window, does not write an inf,
-        zero or NaN scale).
+        [n]. Its result is taken where it is a finite positive scale; where it is not (inf, as
+        fp8_max / amax gives for an empty window's amax of 0; NaN, 0, negative) the old scale
+        is kept, so no update writes a scale whose casts give zeros or NaN.
     reduce_amax: all-reduce (MAX) the amaxes across fp8_group before each update.
     fp8_dpa, fp8_mha: Transformer Engine's, accepted at their defaults (False) only.
     backward_override: Transformer Engine's (default from NVTE_BACKWARD_OVERRIDE); delayed

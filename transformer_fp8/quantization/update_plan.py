@@ -40,7 +40,9 @@ def all_reduce_max(buffer: torch.Tensor, group) -> None:
     A float MAX drops a NaN on some backends depending on which rank holds it (gloo compares
     with ``<``: a NaN on rank 0 survived, one on rank 1 did not). The amaxes are reduced as
     their int32 bit patterns instead: for non-negative floats their order is the floats',
-    +inf above every finite value and a positive NaN above +inf."""
+    +inf above every finite value and a positive NaN above +inf. (Inductor cannot lower that
+    view of a buffer made by a pointwise op or torch.stack; the step's reduction and FSDP2's
+    run outside compiled graphs, and a current-scaling quantizer's ops.amax buffer compiles.)"""
     if world_size(group) > 1:
         if buffer.dtype != torch.float32:
             torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
