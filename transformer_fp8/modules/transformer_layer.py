@@ -113,8 +113,8 @@ class TransformerLayer(torch.nn.Module):
     (no DropPath on its branch, as there).
     Not supported (refused with a ValueError): parallel_attention_mlp with
     apply_residual_connection_post_layernorm, with output_layernorm (which Transformer Engine
-    refuses too) or with layer_type="decoder", inference_params with a decoder layer (no cache of the encoder's
-    keys), and context parallelism.
+    refuses too) or with layer_type="decoder", inference_params with a decoder layer (no cache
+    of the encoder's keys), and context parallelism.
     """
 
     __prepare_scriptable__ = refuse_torchscript  # (torch.jit.script: a clear error)
