@@ -528,14 +528,22 @@ def test_a_checkpoint_loads_alike_into_a_trained_and_a_fresh_layer():
             assert torch.equal(trained.state_dict()[key], value), key
 
 
-@pytest.mark.parametrize("inside", [False, True], ids=["after_the_context", "inside_it"])
-def test_a_load_between_a_forward_and_its_backward_keeps_the_loaded_state(inside):
+@pytest.mark.parametrize("inside,compiled_elsewhere", [(False, False), (True, False),
+                                                       (False, True)],
+                         ids=["after_the_context", "inside_it", "a_linear_compiled_elsewhere"])
+def test_a_load_between_a_forward_and_its_backward_keeps_the_loaded_state(inside,
+                                                                         compiled_elsewhere):
     """A forward, a load_state_dict, then that forward's backward: the backward recorded its
     grad_output amax into the loaded history's row 0, which no update covered, and the next
     step folded it in as its own (a grad_output scale 68000x too small). Row 0 is put back to
-    what was loaded when the state records again: the next step is that of a layer loaded
-    before it, bit for bit."""
+    what was loaded by that backward's update (which covers the loaded state where a class was
+    compiled, or ranks reduce): the next step is that of a layer loaded before it, bit for
+    bit."""
     recipe = DelayedScaling(amax_history_len=4)
+    if compiled_elsewhere:  # (compiled classes' states are covered by every step)
+        other = torch.compile(tfp8.Linear(32, 16, recipe=recipe), backend="aot_eager")
+        with fp8_autocast(fp8_recipe=recipe):
+            other(torch.randn(16, 32))
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     source = tfp8.Linear(32, 16, recipe=recipe)

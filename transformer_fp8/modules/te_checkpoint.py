@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from ..quantization import adoption_undo, amax_step
+from ..quantization.scaling_state import note_loaded_row
 from ..quantization.recipe import MAX_MARGIN
 from ..quantization.state_validation import fp8_state_error
 from ..quantization.transforms import outside_inference_mode
@@ -244,7 +245,7 @@ def apply_extra_state(module, tensors: dict) -> None:
     for state in module._scaling_states:  # (as state_loading.took_loaded_state)
         amax_step.AmaxStep.leave(state)
         if state.role == "bwd":
-            state.loaded_row = state.history[0].detach().clone()
+            note_loaded_row(state)  # (see scaling_state.LOADED_ROWS)
     # The update the checkpoint owes runs at the next FP8 forward, under its recipe, before
     # anything is cast (quantization/owed_update.py), as Transformer Engine <= 1.5 did.
     module._te_pending_update = tensors.get(PENDING_UPDATE, ())

@@ -171,12 +171,8 @@ class AmaxStep:
             return  # (the common case: covered since an earlier step)
         if state.step is not None:
             state.step._remove(state)  # it moves here: no other step updates it
-        elif state.loaded_row is not None:
-            # Joining after a load: row 0 back to what was loaded (a backward of a forward
-            # made before the load recorded its grad_output amax there, which no update covered).
-            with torch.no_grad():
-                state.history[0].copy_(state.loaded_row)
-            state.loaded_row = None
+        elif state.loaded_row is not None:  # (joining after a load: scaling_state.LOADED_ROWS)
+            scaling_state.restore_loaded_row(state)
         state.step = self
         self._refs[state.key] = weakref.ref(state, self._freed)
         self._plan = self._others = None  # (the mask's plan may be this one)
@@ -299,6 +295,9 @@ class AmaxStep:
         disagree on the layout, a collective or a recipe callable fails, an interrupt), the
         amaxes recorded since the last update are discarded, as after a failed step: left in
         history row 0, the next step's amaxes were folded into them."""
+        if scaling_state.LOADED_ROWS and self.role == "bwd":
+            for state in list(scaling_state.LOADED_ROWS):  # (see LOADED_ROWS)
+                scaling_state.restore_loaded_row(state)
         try:
             reduce = self.recipe.reduce_amax and world_size(self.group) > 1  # (_reduces())
             plan = self._plan

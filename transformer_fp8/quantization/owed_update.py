@@ -10,6 +10,7 @@ import torch
 
 from .. import ops
 from . import recipe_switch
+from .scaling_state import forget_loaded_row
 from .history import recipe_code, resized_history
 from .recipe import DelayedScaling
 
@@ -48,5 +49,5 @@ def run_owed_update(module, recipe: DelayedScaling) -> None:
     recipe_switch.note_made_for(module, recipe_code(recipe), roles)
     for state in module._scaling_states:
         if state.role in roles:
-            state.loaded_row = None  # (its row 0 is now this update's)
+            forget_loaded_row(state)  # (its row 0 is now this update's)
     module._te_pending_update = ()

@@ -50,10 +50,8 @@ class ScalingState:
         # written (FP8 primary weights: at the optimizer step, outside any fp8_autocast), so
         # that a discarded step leaves them (update_plan.UpdatePlan.discard).
         self.weight_amaxes_from_writes = False
-        # A grad_output state's row 0 as a load_state_dict left it, until the state joins a
-        # step again (amax_step's AmaxStep.add): the backward of a forward made before the load
-        # records into it meanwhile. Cleared by a reset and by the update a Transformer Engine
-        # <= 1.5 checkpoint owes.
+        # A grad_output state's row 0 as a load_state_dict left it (note_loaded_row), put back
+        # at the next grad_output update or when it joins a step (restore_loaded_row).
         self.loaded_row = None
 
     def bind(self, history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
@@ -129,3 +127,31 @@ def devices(role: str) -> frozenset:
 def find(key: int, role: str) -> Optional[ScalingState]:
     ref = _STATES.get((key, role))
     return None if ref is None else ref()
+
+
+# The grad_output states whose row 0 a load left (ScalingState.loaded_row). The backward of a
+# forward made before the load records its amax there, where the update at the end of that
+# backward does not cover the loaded state in one process (or covers it and folds the stale
+# amax in, where ranks reduce or a class was compiled): so that update, and the state's next
+# joining a step, put row 0 back first. Read at every update: empty but for such loads.
+LOADED_ROWS: "weakref.WeakSet[ScalingState]" = weakref.WeakSet()
+
+
+def note_loaded_row(state: ScalingState) -> None:
+    state.loaded_row = state.history[0].detach().clone()
+    LOADED_ROWS.add(state)
+
+
+def restore_loaded_row(state: ScalingState) -> None:
+    """Row 0 back to what the load left, and forgotten (None: nothing to put back)."""
+    row, state.loaded_row = state.loaded_row, None
+    LOADED_ROWS.discard(state)
+    if row is not None and row.shape == state.history[0].shape:
+        with torch.no_grad():
+            state.history[0].copy_(row)
+
+
+def forget_loaded_row(state: ScalingState) -> None:
+    """Its row 0 is now another update's (a reset, an owed update)."""
+    state.loaded_row = None
+    LOADED_ROWS.discard(state)

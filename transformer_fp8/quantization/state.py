@@ -28,7 +28,7 @@ from .._dtensor import is_dtensor
 from . import adoption_undo, amax_step, recipe_switch
 from . import replay
 from . import scaling_state
-from .scaling_state import ScalingState
+from .scaling_state import ScalingState, forget_loaded_row
 from .transforms import outside_inference_mode, refuse_functorch_transform
 from .history import DEFAULT_HISTORY_LEN, recipe_code, resized_history
 from .owed_update import run_owed_update
@@ -183,7 +183,7 @@ class Fp8State(Fp8StateLoading):
             self.fp8_recipe_fields.fill_(-1)
         self._recipe_code = self._saved_recipe_code = self._saved_histories = None
         for state in self._scaling_states:
-            state.loaded_row = None
+            forget_loaded_row(state)
         self.__dict__.pop("_adopted_recipe", None)
         self.__dict__.pop("_scale_codes", None)
         self.__dict__.pop("_fp8_fresh_off_meta", None)

@@ -16,6 +16,7 @@ import torch
 from .._dtensor import is_dtensor
 from . import adoption_undo, amax_step, backward_step, recipe_switch
 from .state_layout import FP8_FLOAT_STATE, FP8_STATE_KEYS, HISTORIES
+from .scaling_state import note_loaded_row
 from .state_materialisation import fresh_state_off_meta
 from .state_validation import assigned_state_made_usable, fp8_state_error
 from .transforms import outside_inference_mode
@@ -62,8 +63,8 @@ class Fp8StateLoading:
         # into an update of a step the module did not run in).
         for state in self._scaling_states:
             amax_step.AmaxStep.leave(state)
-            if state.role == "bwd":  # (only a backward can record outside any step)
-                state.loaded_row = state.history[0].detach().clone()
+            if state.role == "bwd" and "bwd" in loaded:  # (see scaling_state.LOADED_ROWS)
+                note_loaded_row(state)
         self._await_recipe()
         self._weight_cache = [None] * self._num_gemms
         self._delayed_cast_cache = None
