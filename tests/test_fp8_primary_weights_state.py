@@ -481,3 +481,24 @@ def test_another_models_steps_leave_an_fp8_weight_models_state(schedule, b_weigh
         assert got.keys() == expected.keys()
         for key in expected:
             assert_bitwise_equal(got[key], expected[key], f"model {name}: {key}")
+
+
+def _single_rank_broadcast(rank, out_dir):
+    import torch.distributed as dist
+    with tfp8.quantized_model_init(recipe=tfp8.DelayedScaling()):
+        layer = tfp8.Linear(64, 96)
+    before = layer.weight.dequantize().clone()
+    with pytest.raises(RuntimeError, match="cannot take part in a collective"):
+        dist.broadcast(layer.weight, 0)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cannot take part in a collective"):
+        dist.all_reduce(layer.weight[:8])  # (a view of it, made under no_grad, too)
+    assert torch.equal(layer.weight.dequantize(), before)
+
+
+def test_a_collective_on_an_fp8_weight_is_refused(tmp_path):
+    """A collective on an FP8 weight (or a view of it), which holds no storage of its own: gloo
+    read and wrote through a null pointer. Refused by name, the weight unchanged. (torch's
+    parallelize_module scatters the weight's chunks outside the operator dispatcher and still
+    crashes: README, FP8 weights.)"""
+    from multiprocess import run_ranks
+    run_ranks(_single_rank_broadcast, (str(tmp_path),), tmp_path, world=1)

@@ -162,6 +162,22 @@ class Fp8Data:
                        self.scale_inv.to(device, copy=copy), self.cast, self.hp_init)
 
 
+# The operator namespaces of torch.distributed's collectives.
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
+                          "_c10d_functional_autograd"})
+
+
+def refuse_collective(func) -> None:
+    """An FP8 weight, or a view of one, in a collective: refused by name. (A wrapper has no
+    storage of its own: gloo read and wrote through a null pointer, and parallelize_module's
+    scatter of such a weight crashed the process.)"""
+    if func.namespace in _COLLECTIVES:
+        raise RuntimeError(
+            f"an FP8 weight (quantized_model_init) cannot take part in a collective ({func}): "
+            "tensor parallelism (parallelize_module, distribute_tensor) and collectives on FP8 "
+            "weights are not supported; build the model without quantized_model_init for them")
+
+
 class Fp8Weight(torch.Tensor):
     """A GEMM weight held in FP8 (see the module docstring). ``dtype`` is its nominal
     high-precision dtype."""
@@ -314,6 +330,7 @@ class Fp8Weight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        refuse_collective(func)
         this = args[0] if args and isinstance(args[0], cls) else None
         if this is not None:
             if func in (aten.detach.default, aten.alias.default):

@@ -98,6 +98,8 @@ class Fp8WeightView(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .fp8_weight import refuse_collective
+        refuse_collective(func)
         return dispatch(func, args, kwargs or {})
 
 
