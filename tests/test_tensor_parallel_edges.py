@@ -137,7 +137,9 @@ def _config_worker(rank, out_dir):
         warnings.simplefilter("always")
         with tfp8.fp8_autocast(fp8_recipe=recipe):
             out = narrow(x)
-    assert any("runs in high precision" in str(w.message) for w in caught)
+    # (the local shard's sizes named: the whole layer's, (48, 64), are multiples of 16)
+    assert any("runs in high precision" in str(w.message)
+               and "local shards [(24, " in str(w.message) for w in caught)
     assert torch.equal(out, plain(x))
     # Uneven shards (33 output features: 17 and 16 rows) under Float8CurrentScaling, whose
     # casts all-reduce their amaxes: every rank runs in high precision (a rank choosing FP8
@@ -151,7 +153,8 @@ def _config_worker(rank, out_dir):
         warnings.simplefilter("always")
         with tfp8.fp8_autocast(fp8_recipe=current):
             out = uneven(x)
-    assert any("runs in high precision" in str(w.message) for w in caught)
+    assert any("runs in high precision" in str(w.message)
+               and "local shards [(1, " in str(w.message) for w in caught)
     assert torch.equal(out, plain(x))  # (each rank's local columns: 17 and 16)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 

@@ -144,7 +144,7 @@ class Fp8StateMixin(Fp8State):
         if fit is _EMPTY:
             return self._run_high_precision(inp)  # no features: nothing to multiply in FP8
         if fit is _UNALIGNED or inp_dtype not in FP8_INPUT_DTYPES:
-            self._warn_high_precision(inp_dtype)
+            self._warn_high_precision(inp_dtype, gemm_dims if sharded else None)
             return self._run_high_precision(inp)
         fused_step = self._fused_step
         if fused_step is not None:  # the module's C++ step, where it applies
@@ -176,12 +176,16 @@ class Fp8StateMixin(Fp8State):
         finally:
             release_high_precision(weights)
 
-    def _warn_high_precision(self, dtype) -> None:
+    def _warn_high_precision(self, dtype, local_dims=None) -> None:
+        """``local_dims``: a sharded layer's local GEMM sizes (tensor_parallel.local_gemm_dims:
+        an uneven shard counts as size 1, so that every rank decides alike)."""
         if not self._warned_high_precision:
-            warnings.warn(f"transformer_fp8.{type(self).__name__} with GEMMs (out, in) "
-                          f"{self._gemm_dims()} and {dtype} input runs in high precision: FP8 "
-                          "GEMMs need sizes that are multiples of 16 and a float32, bfloat16 "
-                          "or float16 input.", stacklevel=4)
+            dims = (f"{self._gemm_dims()}" if local_dims is None else
+                    f"{self._gemm_dims()}, local shards {list(local_dims)} (1: uneven shards)")
+            warnings.warn(f"transformer_fp8.{type(self).__name__} with GEMMs (out, in) {dims} "
+                          f"and {dtype} input runs in high precision: FP8 GEMMs need sizes "
+                          "that are multiples of 16 and a float32, bfloat16 or float16 input.",
+                          stacklevel=4)
             self._warned_high_precision = True
 
     # ---- one FP8 forward -------------------------------------------------------------------
