@@ -58,7 +58,8 @@ _LAYER = [
     dict(module="layer", sp=False, recipe="high", fmt="bshd", act="geglu"),
     # Transformer Engine's variants: parallel branches, an output norm (sequence-parallel: its
     # weights marked, their gradients the rank's part of the sequence)
-    dict(module="layer", sp=True, recipe="current", output_ln=True, parallel=True),
+    dict(module="layer", sp=True, recipe="current", parallel=True),
+    dict(module="layer", sp=True, recipe="delayed", output_ln=True),
     dict(module="layer", sp=False, recipe="delayed", output_ln=True, norm="RMSNorm"),
     # decoder layers: the cross-attention's query and key/value projections (split, and fused
     # in the plain layout) column-parallel, the encoder output the rank's part of dim 0 too
