@@ -53,8 +53,8 @@ MUTANTS = [
            "    gc.collect()\n", "    pass\n",
            ("tests/test_reduction_layout.py",), "dead_model or dead_layer"),
     Mutant("compiled block wgrad x100", "modules/linear.py",
-           "                                    ctx.weight_dtype)\n",
-           "                                    ctx.weight_dtype)\n"
+           "                                    ctx.weight_dtype, fast_accum=plan.fast_accum[2])\n",
+           "                                    ctx.weight_dtype, fast_accum=plan.fast_accum[2])\n"
            "            if torch.compiler.is_compiling():\n"
            "                grad_weight = grad_weight * 100\n",
            ("tests/test_blockwise_linear.py",), "test_compile_matches_eager"),
@@ -67,18 +67,19 @@ MUTANTS = [
            "            out = out * 1.25\n",
            ("tests/test_linear.py",), "(low_precision or dtype_casts) and python_path"),
     Mutant("bf16 LayerNormMLP fc1 wgrad x4", "modules/layernorm_mlp.py",
-           "                                                ln_t_scale_inv, w1_dtype)\n",
-           "                                                ln_t_scale_inv, w1_dtype)\n"
+           "                                                fast_accum=fc1_plan.fast_accum[2])\n",
+           "                                                fast_accum=fc1_plan.fast_accum[2])\n"
            "                if w1_dtype == torch.bfloat16:\n"
            "                    grad_fc1_weight = grad_fc1_weight * 4\n",
            ("tests/test_te_modules.py",), "low_precision"),
     Mutant("amax all-reduce SUM for MAX", "quantization/update_plan.py",
-           "all_reduce(buffer, op=torch.distributed.ReduceOp.MAX",
-           "all_reduce(buffer, op=torch.distributed.ReduceOp.SUM",
+           "all_reduce(bits, op=torch.distributed.ReduceOp.MAX",
+           "all_reduce(bits, op=torch.distributed.ReduceOp.SUM",
            ("tests/test_distributed.py",), "reduced_amax or ddp_training"),
     Mutant("Linear wgrad x8 (training curves)", "modules/linear.py",
-           "                                    ctx.weight_dtype)\n",
-           "                                    ctx.weight_dtype) * 8\n",
+           "                                    ctx.weight_dtype, fast_accum=plan.fast_accum[2])\n",
+           "                                    ctx.weight_dtype, fast_accum=plan.fast_accum[2])"
+           " * 8\n",
            ("tests/test_linear.py",), "mlp_trains_like_bfloat16 and python_path"),
     Mutant("grad_output scale from 448", "quantization/update_plan.py",
            "fp8_max = recipe.fp8_format.max_fwd if role == \"fwd\" else recipe.fp8_format.max_bwd",
@@ -176,6 +177,18 @@ MUTANTS = [
            "            for name, floor in small.items() if name in zero}\n",
            "            for name, floor in small.items()}\n",
            ("tests/test_testing_helpers.py",), "small_real or random_draws"),
+    Mutant("scaling_factor_compute_algo result unguarded", "ops/update_callable.py",
+           "        new_scale = torch.where(torch.isfinite(computed) & (computed > 0),\n",
+           "        new_scale = torch.where(torch.ones_like(computed, dtype=torch.bool),\n",
+           ("tests/test_delayed_scaling.py",), "keeps_the_contracts_guards"),
+    Mutant("amax reduction as floats (a NaN dropped by rank)", "quantization/update_plan.py",
+           "        if buffer.dtype != torch.float32:\n",
+           "        if True:\n",
+           ("tests/test_distributed.py",), "nan_amax"),
+    Mutant("a stale backward's amax kept after a load", "quantization/amax_step.py",
+           '        if scaling_state.LOADED_ROWS and self.role == "bwd":\n',
+           "        if False:\n",
+           ("tests/test_checkpoint.py",), "between_a_forward"),
 ]
 
 
