@@ -215,7 +215,7 @@ def _runs_fused(layer, state, is_first_microbatch) -> Optional[bool]:
     if (quantizers is _current_quantizers and recipe.fp8_format is not Format.E5M2
             and not recipe.use_power_2_scales  # (power-of-two scales: the Python path; so
             and recipe.backward_override is None  # do high-precision backward GEMMs, and
-            and fast_accum_of(recipe) == DEFAULT_FAST_ACCUM):  # other MMParams)
+            and fast_accum_of(recipe) is DEFAULT_FAST_ACCUM):  # other MMParams)
         return False  # (each rank's own amax; a tensor-parallel layer's DTensors take Python)
     return None  # (E5M2: the Python path raises the error that names it)
 

@@ -34,7 +34,9 @@ GEMM_FIELDS = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
 
 def check_gemm_params(recipe, split_only: bool = False) -> None:
     """Each of the recipe's GEMM fields is an MMParams (with the split accumulator where
-    ``split_only``: Transformer Engine's Float8BlockScaling requires it)."""
+    ``split_only``: Transformer Engine's Float8BlockScaling requires it). Called by the recipe's
+    __post_init__, which also keeps the flags fast_accum_of reads (a frozen recipe: computed
+    once, not at every forward)."""
     name = type(recipe).__name__
     for field_name in GEMM_FIELDS:
         value = getattr(recipe, field_name)
@@ -45,11 +47,13 @@ def check_gemm_params(recipe, split_only: bool = False) -> None:
             raise ValueError(f"{name}: {field_name}=MMParams(use_split_accumulator=False) is not "
                              "supported: block-scaled GEMMs accumulate with the split "
                              "accumulator (as in Transformer Engine)")
+    fast = tuple(not getattr(recipe, f).use_split_accumulator for f in GEMM_FIELDS)
+    object.__setattr__(recipe, "_fast_accum", DEFAULT_FAST_ACCUM if fast == DEFAULT_FAST_ACCUM
+                       else fast)
 
 
 def fast_accum_of(recipe) -> tuple:
-    """(fprop, dgrad, wgrad): whether each GEMM uses fast accumulation under ``recipe``."""
-    fprop = getattr(recipe, "fp8_gemm_fprop", None)
-    if fprop is None:
-        return DEFAULT_FAST_ACCUM
-    return tuple(not getattr(recipe, f).use_split_accumulator for f in GEMM_FIELDS)
+    """(fprop, dgrad, wgrad): whether each GEMM uses fast accumulation under ``recipe`` (the
+    default, Transformer Engine's, for recipes without MMParams; ``is DEFAULT_FAST_ACCUM``
+    where a recipe asks for the default)."""
+    return getattr(recipe, "_fast_accum", DEFAULT_FAST_ACCUM)
