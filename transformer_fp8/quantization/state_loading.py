@@ -51,10 +51,10 @@ class Fp8StateLoading:
         self.note_saved_recipe()
         if not record_loaded:
             recipe_switch.note_made_for(self, None, loaded)
+        codes = self.__dict__["_scale_codes"]  # (note_saved_recipe set both)
         for direction in ("fwd", "bwd"):
             if direction not in loaded:
-                recipe_switch.note_made_for(self, None, (direction,))
-                self.__dict__["_scale_codes"][direction] = own_codes.get(direction)
+                codes[direction] = own_codes.get(direction)
         adoption_undo.forget(self)  # (a failed step leaves the loaded state, not the one before)
         self._recipe_code = None  # re-adopted from the active recipe on the next FP8 forward
         self._bind_scaling_states()  # (buffers replaced or re-sized: assign=True, a new length)
