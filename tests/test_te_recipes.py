@@ -83,6 +83,36 @@ def test_nvte_backward_override_is_not_ignored(monkeypatch, cls):
     assert cls().backward_override is None
 
 
+def test_the_package_imports_and_trains_with_nvte_backward_override_set():
+    """NVTE_BACKWARD_OVERRIDE set for the whole process (as training configs do): the import
+    made a DelayedScaling, which refuses it, so `import transformer_fp8` raised. A fresh
+    interpreter with the variable set imports the package and trains under
+    Float8CurrentScaling with the override; the default recipe (delayed) names the variable."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import torch, transformer_fp8 as tfp8\n"
+        "layer = tfp8.Linear(32, 16)\n"
+        "x = torch.randn(8, 32, requires_grad=True)\n"
+        "with tfp8.fp8_autocast(fp8_recipe=tfp8.Float8CurrentScaling()):\n"
+        "    layer(x).sum().backward()\n"
+        "assert tfp8.Float8CurrentScaling().backward_override == 'high_precision'\n"
+        "try:\n"
+        "    tfp8.fp8_autocast().__enter__()\n"
+        "except ValueError as e:\n"
+        "    assert 'NVTE_BACKWARD_OVERRIDE' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('the default delayed recipe took the override')\n"
+        "print('ok')\n")
+    package_root = os.path.dirname(os.path.dirname(tfp8.__file__))
+    env = dict(os.environ, NVTE_BACKWARD_OVERRIDE="high_precision",
+               PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
 def test_current_scaling_power_2_scales(monkeypatch):
     """Accepted (test_current_scaling_power_2.py), from the argument or the variable."""
     assert tfp8.Float8CurrentScaling(use_power_2_scales=False) == tfp8.Float8CurrentScaling()

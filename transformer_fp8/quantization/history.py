@@ -8,7 +8,9 @@ from .recipe import BLOCK_RECIPES, DelayedScaling, Float8CurrentScaling, Format
 
 _FORMAT_CODES = {Format.E4M3: 0, Format.E5M2: 1, Format.HYBRID: 2}
 _ALGO_CODES = {"max": 0, "most_recent": 1}
-DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
+# (read from the field: a DelayedScaling made at import would refuse NVTE_BACKWARD_OVERRIDE, which
+# a process training with Float8CurrentScaling may set)
+DEFAULT_HISTORY_LEN = DelayedScaling.__dataclass_fields__["amax_history_len"].default
 
 
 def recipe_code(recipe: DelayedScaling) -> list[int]:
