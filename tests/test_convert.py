@@ -356,6 +356,12 @@ def test_lora_adapters_stay_in_high_precision():
     everything = tfp8.convert_to_fp8(torch.nn.Sequential(LoraLinear()), return_summary=True,
                                      filter_fn=lambda layer, name: True)
     assert len(everything.converted) == 3  # (a filter of one's own decides)
+    # The README's filter: its own rule composed with the default rules (adapters stay).
+    from transformer_fp8.integrations.convert import default_filter
+    composed = tfp8.convert_to_fp8(
+        torch.nn.Sequential(LoraLinear()), return_summary=True,
+        filter_fn=lambda layer, name: name != "lm_head" and default_filter(layer, name))
+    assert composed.converted == ["0.base_layer"]
 
 
 @pytest.mark.parametrize("how", ["built", "converted", "layernorm_linear"])

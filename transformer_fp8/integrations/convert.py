@@ -114,7 +114,9 @@ def _is_adapter(name: str) -> bool:
     return not _ADAPTER_CONTAINERS.isdisjoint(name.split("."))
 
 
-def _default_filter(module: torch.nn.Linear, name: str) -> bool:
+def default_filter(module: torch.nn.Linear, name: str) -> bool:
+    """convert_to_fp8's choice without a filter_fn: sizes that are multiples of 16, not a
+    LoRA adapter. A filter_fn of one's own replaces it; compose with it to keep its rules."""
     return (module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
             and not _is_adapter(name))
 
@@ -150,9 +152,10 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     Parameters, hooks, attributes and shared uses are all kept, and optimizers and DDP see no
     change. Subclasses of nn.Linear and of Conv1D are left alone (they may use their weight
     their own way, as nn.MultiheadAttention's out_proj does). filter_fn(layer, name) ->
-    bool chooses which layers; by default those whose in_features and out_features are
-    multiples of 16, except peft's LoRA adapters (lora_A / lora_B: high precision over their
-    converted base layer). recipe: the recipe the layers will train with, so that their FP8 state
+    bool chooses which layers; by default (default_filter) those whose in_features and
+    out_features are multiples of 16, except peft's LoRA adapters (lora_A / lora_B: high
+    precision over their converted base layer). A filter_fn replaces those rules: `lambda
+    layer, name: name != "lm_head" and default_filter(layer, name)` keeps them. recipe: the recipe the layers will train with, so that their FP8 state
     has
     its final shapes from the start (see Linear); the module's FP8 layers that were FP8 already
     (converted before, Transformer Engine's modules) are sized for it too. fp8_all_gather:
@@ -174,7 +177,7 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     for flag, value in (("fp8_all_gather", fp8_all_gather), ("return_summary", return_summary)):
         if not isinstance(value, bool):
             raise TypeError(f"convert_to_fp8: {flag} must be True or False, got {value!r}")
-    filter_fn = filter_fn or _default_filter
+    filter_fn = filter_fn or default_filter
     if recipe is None:
         recipe = model_init.init_recipe()  # from quantized_model_init, if any
     history_len = history_len_for(recipe)
@@ -278,9 +281,9 @@ def _is_fully_sharded(layer) -> bool:
 
 
 def _skip_reason(layer, filter_fn, name: str) -> str:
-    if filter_fn is _default_filter and _is_adapter(name):
+    if filter_fn is default_filter and _is_adapter(name):
         return "a LoRA adapter (peft's lora_A / lora_B): trained in high precision"
-    if filter_fn is _default_filter:
+    if filter_fn is default_filter:
         return (f"in_features {layer.in_features} and out_features {layer.out_features} must be "
                 f"multiples of {ALIGN} for FP8 GEMMs")
     return "filter_fn returned False"
