@@ -8,7 +8,8 @@ PIP := $(PYTHON) -m pip
 TORCH_PIN := torch==2.11.0
 # Test and example tools (the `test` extra of pyproject.toml, plus transformers, pinned, for the
 # HuggingFace model tests; tensorboard for the debug statistics' TensorBoard test).
-TOOLS := setuptools wheel ninja pytest numpy matplotlib tqdm tensorboard transformers==5.23.0
+TRANSFORMERS_VERSION := 5.23.0
+TOOLS := setuptools wheel ninja pytest numpy matplotlib tqdm tensorboard transformers==$(TRANSFORMERS_VERSION)
 # Debian/Ubuntu mark their system Python as externally managed; let pip install there.
 export PIP_BREAK_SYSTEM_PACKAGES ?= 1
 SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh')
@@ -24,7 +25,7 @@ test: install
 deps:
 	@command -v c++ >/dev/null || { echo "A C++ compiler is needed: apt-get install g++ (or build-essential)"; exit 1; }
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_PIN)"
-	@$(PYTHON) -c "import setuptools, wheel, ninja, pytest, numpy, matplotlib, tqdm, tensorboard, transformers" 2>/dev/null || $(PIP) install $(TOOLS)
+	@$(PYTHON) -c "import setuptools, wheel, ninja, pytest, numpy, matplotlib, tqdm, tensorboard, transformers; assert transformers.__version__ == '$(TRANSFORMERS_VERSION)'" 2>/dev/null || $(PIP) install $(TOOLS)
 
 # The build flags (README) in effect: a change of them rebuilds too.
 BUILD_FLAGS := archs=$(TRANSFORMER_FP8_CUDA_ARCHS) force_cuda=$(TRANSFORMER_FP8_FORCE_CUDA)$(if \
