@@ -147,3 +147,11 @@ def test_get_default_recipe_is_fp8_autocasts_default():
             layer(x).sum().backward()
     for key, value in a.state_dict().items():
         assert torch.equal(value, b.state_dict()[key]), key
+
+
+def test_get_device_compute_capability_says_when_there_is_no_device():
+    if torch.cuda.is_available():
+        assert tfp8.get_device_compute_capability() == torch.cuda.get_device_capability()
+    else:
+        with pytest.raises(RuntimeError, match="no CUDA device is available"):
+            tfp8.get_device_compute_capability()

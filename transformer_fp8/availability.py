@@ -27,7 +27,11 @@ def build_info() -> dict:
 
 
 def get_device_compute_capability() -> tuple[int, int]:
-    """The compute capability (major, minor) of the current CUDA device."""
+    """The compute capability (major, minor) of the current CUDA device (a RuntimeError that
+    says so where there is none, as in Transformer Engine)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("get_device_compute_capability: no CUDA device is available (the "
+                           "CPU kernels need none; is_fp8_available() answers without one)")
     return torch.cuda.get_device_capability(torch.cuda.current_device())
 
 
