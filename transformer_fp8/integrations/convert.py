@@ -155,9 +155,9 @@ def convert_to_fp8(module: torch.nn.Module, filter_fn=None,
     bool chooses which layers; by default (default_filter) those whose in_features and
     out_features are multiples of 16, except peft's LoRA adapters (lora_A / lora_B: high
     precision over their converted base layer). A filter_fn replaces those rules: `lambda
-    layer, name: name != "lm_head" and default_filter(layer, name)` keeps them. recipe: the recipe the layers will train with, so that their FP8 state
-    has
-    its final shapes from the start (see Linear); the module's FP8 layers that were FP8 already
+    layer, name: name != "lm_head" and default_filter(layer, name)` keeps them. recipe: the
+    recipe the layers will train with, so that their FP8 state has its final shapes from the
+    start (see Linear); the module's FP8 layers that were FP8 already
     (converted before, Transformer Engine's modules) are sized for it too. fp8_all_gather:
     under FSDP2's fully_shard the converted Linear layers' weights are all-gathered in FP8
     (modules/fsdp/all_gather.py; their weight Parameters become ShardedWeight, the same

@@ -22,6 +22,7 @@ from .. import ops
 from .fp8_weight_view import (Fp8WeightView, is_view_op, makes_views, views_of,
                               written_arguments)
 from .fp8_weight_view import dispatch as view_dispatch
+from .fp8_weight_view import refuse_collective
 from .quantizer import Quantized, TensorQuantizer, power_2_floor
 from .recipe import DelayedScaling, Float8CurrentScaling
 
@@ -160,22 +161,6 @@ class Fp8Data:
         ``copy``)."""
         return Fp8Data(self.data.to(device, copy=copy), self.scale.to(device, copy=copy),
                        self.scale_inv.to(device, copy=copy), self.cast, self.hp_init)
-
-
-# The operator namespaces of torch.distributed's collectives.
-_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
-                          "_c10d_functional_autograd"})
-
-
-def refuse_collective(func) -> None:
-    """An FP8 weight, or a view of one, in a collective: refused by name. (A wrapper has no
-    storage of its own: gloo read and wrote through a null pointer, and parallelize_module's
-    scatter of such a weight crashed the process.)"""
-    if func.namespace in _COLLECTIVES:
-        raise RuntimeError(
-            f"an FP8 weight (quantized_model_init) cannot take part in a collective ({func}): "
-            "tensor parallelism (parallelize_module, distribute_tensor) and collectives on FP8 "
-            "weights are not supported; build the model without quantized_model_init for them")
 
 
 class Fp8Weight(torch.Tensor):

@@ -98,9 +98,24 @@ class Fp8WeightView(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .fp8_weight import refuse_collective
         refuse_collective(func)
         return dispatch(func, args, kwargs or {})
+
+
+# The operator namespaces of torch.distributed's collectives.
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
+                          "_c10d_functional_autograd"})
+
+
+def refuse_collective(func) -> None:
+    """An FP8 weight, or a view of one, in a collective: refused by name. (A wrapper has no
+    storage of its own: gloo read and wrote through a null pointer, and parallelize_module's
+    scatter of such a weight crashed the process.)"""
+    if func.namespace in _COLLECTIVES:
+        raise RuntimeError(
+            f"an FP8 weight (quantized_model_init) cannot take part in a collective ({func}): "
+            "tensor parallelism (parallelize_module, distribute_tensor) and collectives on FP8 "
+            "weights are not supported; build the model without quantized_model_init for them")
 
 
 def shared_dequantized(weight) -> torch.Tensor:
