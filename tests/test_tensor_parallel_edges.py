@@ -90,7 +90,7 @@ def _config_worker(rank, out_dir):
     # Refused: parameters_split, gradient routing; a module other than Linear; a replicated
     # weight.
     for option, value in (("parameters_split", ("a", "b")), ("fuse_wgrad_accumulation", True),
-                          ("delay_wgrad_compute", True)):
+                          ("delay_wgrad_compute", True), ("return_bias", True)):
         layer = parallelize_module(tfp8.Linear(IN, 64, recipe=recipe, **{option: value}),
                                    mesh, ColwiseParallel())
         with pytest.raises(NotImplementedError, match=option), \

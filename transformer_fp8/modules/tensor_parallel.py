@@ -57,7 +57,9 @@ def check_module(module, inp) -> None:
     refused = [option for option, on in (
         ("parameters_split", len(module._parts.get("weight", ())) != 1),
         ("fuse_wgrad_accumulation", module.fuse_wgrad_accumulation),
-        ("delay_wgrad_compute", module.delay_wgrad_compute)) if on]
+        ("delay_wgrad_compute", module.delay_wgrad_compute),
+        # (torch's styles take one output tensor: an AttributeError on the tuple before)
+        ("return_bias", getattr(module, "return_bias", False))) if on]
     if refused:
         raise NotImplementedError(f"{name}: tensor parallelism (DTensor weights) cannot be "
                                   f"combined with {refused}")
